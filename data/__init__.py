@@ -1,0 +1,1 @@
+"""Data: the embedded default corpus, a byte tokenizer, ArrayRecord preparation, grain pipelines."""

@@ -1,0 +1,102 @@
+"""grain input pipelines: prepared ArrayRecord documents -> packed, shifted token batches.
+
+Layout of the stream. The global micro-batch has `rows` rows. Row r is its own packing stream:
+it reads the shuffled documents r, r + rows, r + 2*rows, ... and packs them back to back into
+sequences of `seq_len + 1` tokens (grain's ConcatThenSplit, which also emits segment ids and
+positions). A process owns a contiguous block of rows and reads only their documents, so
+
+  * each process reads only its shard of the data, and
+  * the global batch at every step is the same whatever the number of processes or devices,
+
+which is what makes a multi-host run equal a single-host one, and a restore onto a different
+mesh continue the same data order. A step with gradient accumulation draws several consecutive
+micro-batches. The iterator state (position of every row stream) is checkpointable.
+
+Batches are dicts of [rows_on_this_process, seq_len] numpy arrays:
+  inputs, targets (next token), positions (within the document), segment_ids (1, 2, ... per
+  document, 0 = padding), loss_mask (target belongs to the same document as the input).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import grain
+import numpy as np
+
+from data.prepare import DataError, read_meta
+
+_NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSpec:
+  data_dir: str
+  split: str  # "train" or "validation"
+  seq_len: int
+  rows: int  # global rows of one micro-batch
+  seed: int = 0
+  shuffle: bool = True
+  process_index: int = 0
+  process_count: int = 1
+  prefetch: int = 0  # batches prepared ahead in a background thread (0 = none)
+
+  @property
+  def local_rows(self) -> range:
+    per = self.rows // self.process_count
+    return range(self.process_index * per, (self.process_index + 1) * per)
+
+
+def _decode(record: bytes) -> dict[str, np.ndarray]:
+  return {"tokens": np.frombuffer(record, dtype="<u2").astype(np.int32)}
+
+
+def documents(data_dir: str, split: str) -> grain.MapDataset:
+  meta = read_meta(data_dir)
+  files = [os.path.join(data_dir, f) for f in meta["splits"][split]["files"]]
+  missing = [f for f in files if not os.path.exists(f)]
+  if missing:
+    raise DataError(f"data.dir={data_dir!r} is incomplete: {missing[0]} is missing; "
+                    "prepare it again")
+  return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files))
+
+
+def _shift(elements: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
+  tokens = np.stack([e["tokens"] for e in elements])
+  segments = np.stack([e["tokens_segment_ids"] for e in elements])
+  positions = np.stack([e["tokens_positions"] for e in elements])
+  return {
+      "inputs": tokens[:, :-1],
+      "targets": tokens[:, 1:],
+      "positions": positions[:, :-1],
+      "segment_ids": segments[:, :-1],
+      "loss_mask": (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] > 0),
+  }
+
+
+def dataset(spec: StreamSpec) -> grain.IterDataset:
+  """The per-process stream of micro-batches described in the module docstring."""
+  if spec.rows % spec.process_count:
+    raise DataError(f"{spec.rows} rows per micro-batch do not split over "
+                    f"{spec.process_count} processes")
+  docs = documents(spec.data_dir, spec.split)
+  if spec.shuffle:
+    docs = docs.shuffle(seed=spec.seed)
+  docs = docs.repeat(None).map(_decode)  # a new shuffle every epoch
+  streams = [
+      grain.experimental.ConcatThenSplitIterDataset(
+          docs[r::spec.rows].to_iter_dataset(_NO_THREADS),
+          length_struct={"tokens": spec.seq_len + 1})
+      for r in spec.local_rows
+  ]
+  ds = grain.experimental.ZipIterDataset(streams).map(_shift)
+  if spec.prefetch:
+    ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=spec.prefetch)
+  return ds
+
+
+def take(spec: StreamSpec, n: int) -> list[dict[str, np.ndarray]]:
+  """The first n micro-batches of a stream (used for the fixed validation set)."""
+  it = iter(dataset(dataclasses.replace(spec, prefetch=0)))
+  return [next(it) for _ in range(n)]

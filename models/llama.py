@@ -1,0 +1,234 @@
+"""A Llama-style decoder-only transformer in Flax NNX.
+
+RMSNorm -> grouped-query attention with RoPE -> RMSNorm -> SwiGLU MLP, pre-norm residuals; the
+layers are created stacked (`nnx.vmap`) and run with `nnx.scan`, so compile time does not grow
+with depth. Every parameter carries logical axis names (`sharding/rules.py` maps them to the
+mesh); activations are constrained at block boundaries.
+
+Shape suffixes: B batch, S sequence, E embed (d_model), H query heads, K kv heads, D head dim,
+F mlp width, V vocab, L layers.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.attention import attention
+from sharding.rules import constrain
+
+REMAT_POLICIES = {
+    "none": None,  # no rematerialisation: keep every activation
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
+    "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+ATTENTION_IMPLS = ("xla",)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 512
+  d_model: int = 128
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 0  # 0: d_model // num_heads
+  mlp_dim: int = 384
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  param_dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay fp32
+  remat: str = "none"
+  attention: str = "xla"
+  init_std: float = 0.02
+
+  @classmethod
+  def from_config(cls, cfg: Any) -> "ModelConfig":
+    """From the `model` block of a run config (a ConfigDict or mapping)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in dict(cfg).items() if k in fields})
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+
+def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
+  """A parameter annotated with logical axis names (sharding is applied by the trainer)."""
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("norm",), DTYPES[cfg.param_dtype])
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x_BSHD, positions_BS, theta: float):
+  """Rotary position embedding (Su et al. 2021), rotate-half form, computed in fp32."""
+  d = x_BSHD.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  angles_BSd = positions_BS[..., None].astype(jnp.float32) * inv_freq
+  sin = jnp.sin(angles_BSd)[:, :, None, :]
+  cos = jnp.cos(angles_BSd)[:, :, None, :]
+  x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BSHD.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    E, H, K, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
+    pdt = DTYPES[cfg.param_dtype]
+    init = nnx.initializers.normal(cfg.init_std)
+    out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+    self.wq_EHD = _param(rngs, init, (E, H, D), ("embed", "heads", "head_dim"), pdt)
+    self.wk_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
+    self.wv_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
+    self.wo_HDE = _param(rngs, out_init, (H, D, E), ("heads", "head_dim", "embed"), pdt)
+
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+    cfg = self.cfg
+    dt = DTYPES[cfg.dtype]
+    x_BSE = x_BSE.astype(dt)
+    q_BSHD = jnp.einsum("bse,ehd->bshd", x_BSE, self.wq_EHD[...].astype(dt))
+    k_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wk_EKD[...].astype(dt))
+    v_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wv_EKD[...].astype(dt))
+    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta),
+                       ("act_batch", "act_seq", "act_heads", "act_head_dim"))
+    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta),
+                       ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+    v_BSKD = constrain(v_BSKD, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+    out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=True,
+                         impl=cfg.attention)
+    return jnp.einsum("bshd,hde->bse", out_BSHD, self.wo_HDE[...].astype(dt))
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward (Shazeer 2020)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    E, F = cfg.d_model, cfg.mlp_dim
+    pdt = DTYPES[cfg.param_dtype]
+    init = nnx.initializers.normal(cfg.init_std)
+    out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+    self.w_gate_EF = _param(rngs, init, (E, F), ("embed", "mlp"), pdt)
+    self.w_up_EF = _param(rngs, init, (E, F), ("embed", "mlp"), pdt)
+    self.w_down_FE = _param(rngs, out_init, (F, E), ("mlp", "embed"), pdt)
+
+  def __call__(self, x_BSE):
+    dt = DTYPES[self.cfg.dtype]
+    x_BSE = x_BSE.astype(dt)
+    gate_BSF = jnp.einsum("bse,ef->bsf", x_BSE, self.w_gate_EF[...].astype(dt))
+    up_BSF = jnp.einsum("bse,ef->bsf", x_BSE, self.w_up_EF[...].astype(dt))
+    h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, ("act_batch", "act_seq", "act_mlp"))
+    return jnp.einsum("bsf,fe->bse", h_BSF, self.w_down_FE[...].astype(dt))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+    x_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS)
+    x_BSE = x_BSE + self.mlp(self.mlp_norm(x_BSE))
+    return constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
+
+
+class Transformer(nnx.Module):
+  """tokens [B, S] (+ positions, segment ids for packed documents) -> fp32 logits [B, S, V]."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pdt = DTYPES[cfg.param_dtype]
+    self.embed_VE = _param(rngs, nnx.initializers.normal(cfg.init_std),
+                           (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make_blocks(rngs):
+      return Block(cfg, rngs=rngs)
+
+    self.blocks = make_blocks(rngs)
+    self.final_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.lm_head_EV = _param(rngs, nnx.initializers.normal(cfg.init_std),
+                               (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
+
+  def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
+    cfg = self.cfg
+    if positions_BS is None:
+      positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+    x_BSE = jnp.take(self.embed_VE[...], tokens_BS, axis=0).astype(DTYPES[cfg.dtype])
+    x_BSE = constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
+
+    policy = REMAT_POLICIES[cfg.remat]
+
+    def layer(x_BSE, block):
+      return block(x_BSE, positions_BS, segment_ids_BS)
+
+    if cfg.remat != "none":
+      layer = nnx.remat(layer, policy=policy, prevent_cse=False)
+    run_layers = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                          transform_metadata={nnx.PARTITION_NAME: "layers"})
+    x_BSE = run_layers(x_BSE, self.blocks)
+
+    x_BSE = self.final_norm(x_BSE)
+    head_EV = self.embed_VE[...].T if cfg.tie_embeddings else self.lm_head_EV[...]
+    logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE.astype(DTYPES[cfg.dtype]),
+                            head_EV.astype(DTYPES[cfg.dtype]),
+                            preferred_element_type=jnp.float32)
+    return constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Sizes and FLOPs: the model owns its own count.
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+  """Parameter counts: total, embedding (input table), and non-embedding."""
+  E, H, K, D, F, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
+                         cfg.mlp_dim, cfg.vocab_size, cfg.num_layers)
+  per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
+  head = 0 if cfg.tie_embeddings else E * V
+  embedding = V * E
+  total = embedding + L * per_layer + E + head
+  return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> dict[str, float]:
+  """Training FLOPs per token (forward + backward = 3x forward), by part.
+
+  - matmuls: 6 x (parameters that take part in a matmul): q, k, v, o, the three MLP matrices and
+    the logits projection (the input embedding is a gather, not counted);
+  - attention: QK^T and AV, each 2 x S x H x D per token forward; times 3 for training. With
+    `causal=True` we count only the unmasked half (the work a causal kernel needs), so
+    6 x L x S x H x D; `causal=False` gives the full 12 x L x S x H x D (PaLM's convention).
+  Rematerialisation is *not* counted: this is model FLOPs, so MFU stays comparable across remat
+  policies.
+  """
+  E, H, K, D, F, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
+                         cfg.mlp_dim, cfg.vocab_size, cfg.num_layers)
+  matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F) + E * V
+  matmuls = 6.0 * matmul_params
+  attn = 12.0 * L * seq_len * H * D * (0.5 if causal else 1.0)
+  return {"matmuls": matmuls, "attention": attn, "total": matmuls + attn}

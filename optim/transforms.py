@@ -1,0 +1,39 @@
+"""Gradient transformations optax does not have in the form we need.
+
+Layer-wise trust ratio. LARS (You et al. 2017) and LAMB (You et al. 2019) scale each *layer's*
+update by ||w|| / ||u||. Our layers are stacked along a leading `layers` axis (the model scans
+over them), so a plain `optax.scale_by_trust_ratio` would take one norm over all layers at once.
+This version takes the norms per layer slice: for a stacked leaf it reduces over every axis but
+the first.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def scale_by_layerwise_trust_ratio(stacked, *, trust_coefficient: float = 1.0,
+                                   eps: float = 0.0) -> optax.GradientTransformation:
+  """Like `optax.scale_by_trust_ratio`, with norms per layer slice where `stacked` is True.
+
+  `stacked` is a tree of bools with the structure of the params (True: leading layer axis).
+  A zero parameter or update norm gives ratio 1 (as in optax), so zero-initialised or frozen
+  tensors still move.
+  """
+
+  def update_fn(updates, state, params):
+    if params is None:
+      raise ValueError("the layer-wise trust ratio needs params: call update(g, s, params)")
+
+    def scale(u, p, is_stacked):
+      axes = tuple(range(1, p.ndim)) if is_stacked and p.ndim > 1 else None
+      p_norm = jnp.sqrt(jnp.sum(jnp.square(p.astype(jnp.float32)), axis=axes, keepdims=True))
+      u_norm = jnp.sqrt(jnp.sum(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
+      ratio = trust_coefficient * p_norm / (u_norm + eps)
+      ratio = jnp.where((p_norm == 0.0) | (u_norm == 0.0), 1.0, ratio)
+      return (u * ratio).astype(u.dtype)
+
+    return jax.tree.map(scale, updates, params, stacked), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -1,0 +1,87 @@
+"""The one table of logical axis names -> mesh axes.
+
+Every parameter and every constrained activation in `models/` names its dimensions with the
+logical names below; this table is the only place that says how they map onto the device mesh
+(`data, fsdp, tensor, sequence, expert`). Change a strategy by editing one row.
+
+Parameters
+  vocab     token vocabulary                      -> tensor (vocab-parallel embedding / logits)
+  embed     model width d_model                   -> fsdp   (ZeRO-3: params + optimizer state)
+  heads     query heads                           -> tensor (Megatron attention split)
+  kv_heads  key/value heads (GQA)                 -> tensor
+  head_dim  per-head width                        -> replicated
+  mlp       feed-forward width                    -> tensor (Megatron MLP split)
+  norm      RMSNorm scales                        -> replicated
+  layers    the stacked (scanned) layer axis      -> replicated
+Activations (prefixed `act_`): batch over every data-parallel axis, sequence over `sequence`,
+heads / mlp / vocab over `tensor` so that they line up with the weights above.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+# Axes the batch is split over. `expert` joins data parallelism for dense models (as in MaxText),
+# so no device idles when a dense model runs on a mesh that has an expert axis.
+BATCH_AXES = ("data", "fsdp", "expert")
+
+LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("layers", None),
+    # activations
+    ("act_batch", BATCH_AXES),
+    ("act_seq", "sequence"),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_head_dim", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+_RULES = dict(LOGICAL_RULES)
+
+
+def logical_to_spec(names: Sequence[str | None]) -> P:
+  """PartitionSpec for an array whose dimensions carry these logical names."""
+  out = []
+  for name in names:
+    if name is not None and name not in _RULES:
+      raise KeyError(f"logical axis {name!r} is not in sharding.rules.LOGICAL_RULES")
+    out.append(None if name is None else _RULES[name])
+  return P(*out)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """`with_sharding_constraint` by logical names; a no-op outside a mesh context.
+
+  Models call this at block boundaries. Under `jax.set_mesh(mesh)` (what the trainer does) the
+  constraint pins the activation layout; in a plain single-device call it does nothing, so the
+  same model code runs in unit tests without a mesh.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  spec = logical_to_spec(names)
+  # Drop mesh axes of size 1 so the constraint never forces a pointless relayout.
+  spec = P(*(_live_axes(entry, mesh) for entry in spec))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _live_axes(entry, mesh):
+  if entry is None:
+    return None
+  axes = (entry,) if isinstance(entry, str) else tuple(entry)
+  axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else axes

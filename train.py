@@ -1,0 +1,67 @@
+"""Train a model from a config file.
+
+    python train.py --config configs/lm_tiny.py --workdir runs/tiny [--config.a.b=value ...]
+
+Rerunning with the same --workdir resumes from its newest checkpoint. Config errors (unknown
+keys, wrong types, a mesh that does not fit the devices, sizes that do not divide) are reported
+in one line with exit code 2, before anything is compiled.
+"""
+from __future__ import annotations
+
+import sys
+
+USAGE = "usage: python train.py --config FILE.py --workdir DIR [--config.KEY=VALUE ...]"
+EXIT_CONFIG_ERROR = 2
+
+
+def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+  """--config FILE, --workdir DIR, and --config.a.b=v (or --config.a.b v) overrides."""
+  config = workdir = None
+  overrides = []
+  i = 0
+  while i < len(argv):
+    arg = argv[i]
+    name, eq, value = arg.partition("=")
+    if not eq:
+      if i + 1 >= len(argv) or not name.startswith("--"):
+        raise SystemExit(f"error: cannot parse argument {arg!r}\n{USAGE}")
+      value = argv[i + 1]
+      i += 1
+    i += 1
+    if name == "--config":
+      config = value
+    elif name == "--workdir":
+      workdir = value
+    elif name.startswith("--config."):
+      overrides.append((name[len("--config."):], value))
+    else:
+      raise SystemExit(f"error: unknown argument {name!r}\n{USAGE}")
+  if not config or not workdir:
+    raise SystemExit(f"error: --config and --workdir are required\n{USAGE}")
+  return config, workdir, overrides
+
+
+def main(argv: list[str]) -> int:
+  from trainer.config import ConfigError, load, validate  # noqa: PLC0415
+  from data.prepare import DataError  # noqa: PLC0415
+
+  try:
+    config_path, workdir, overrides = parse_args(argv)
+  except SystemExit as e:
+    print(e, file=sys.stderr)
+    return EXIT_CONFIG_ERROR
+  try:
+    cfg = load(config_path, overrides)
+    import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
+    validate(cfg, jax.device_count(), jax.process_count())
+    from trainer.loop import Run  # noqa: PLC0415
+    run = Run(cfg, workdir)
+  except (ConfigError, DataError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_CONFIG_ERROR
+  run.train()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Train state, jitted steps, the loop, checkpoints and metrics."""

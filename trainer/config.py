@@ -1,0 +1,267 @@
+"""The run config: defaults, loading a config file, `--config.a.b=value` overrides, validation.
+
+Every key a run understands is in `default_config()` with its type; a config file states only
+what differs (`configs/*.py`, each with `get_config()`). Everything a user can get wrong is
+checked here, before any device work: unknown keys, wrong types, impossible meshes, batch and
+sequence sizes that do not divide. Each problem is one `ConfigError` line naming the key, the
+value and what would work.
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import math
+import os
+
+import ml_collections
+
+from sharding.mesh import MeshError, data_parallel_size, resolve_mesh_shape
+
+
+class ConfigError(ValueError):
+  """A user error in the config; train.py prints it as one line and exits with code 2."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.steps = 300  # optimizer steps to run to (a resumed run continues up to this)
+  c.seed = 0  # model init and data order
+  c.log_every = 10
+  c.eval_every = 100  # 0: never
+  c.eval_steps = 4  # validation batches per evaluation (a fixed set, the same every time)
+
+  c.mesh = ml_collections.ConfigDict(
+      dict(data=-1, fsdp=1, tensor=1, sequence=1, expert=1))  # one axis may be -1 = fill
+
+  c.model = ml_collections.ConfigDict(dict(
+      vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,
+      mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=False,
+      param_dtype="float32", dtype="float32", remat="none", attention="xla", init_std=0.02))
+
+  c.data = ml_collections.ConfigDict(dict(
+      dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
+      global_batch_size=16,  # sequences per optimizer step
+      micro_batch_size=0,  # sequences per accumulation micro-batch; 0 = no accumulation
+      seq_len=128,
+      prefetch=2,  # micro-batches prepared ahead in a background thread
+  ))
+
+  c.optim = ml_collections.ConfigDict(dict(
+      name="adamw", learning_rate=3e-3, schedule="cosine", warmup_steps=20,
+      decay_steps=0,  # schedule horizon; 0 = `steps`
+      min_lr_ratio=0.1, wsd_decay_fraction=0.2, wsd_decay_shape="sqrt",
+      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, decay_embeddings=False, clip_norm=1.0,
+      momentum=0.9, nesterov=False, trust_coefficient=0.001))
+
+  c.checkpoint = ml_collections.ConfigDict(dict(
+      every_steps=100,  # 0: only at the end
+      keep=3,  # newest checkpoints kept on disk
+      async_save=True,
+  ))
+
+  c.trainer = ml_collections.ConfigDict(dict(
+      peak_flops_per_device=0.0,  # for MFU; 0 = known accelerator table, or a CPU matmul probe
+      progress_bar=True,
+      # JAX persistent compilation cache: a restart skips recompiling. "" = the default
+      # (~/.cache/scaletrain/jax, or $SCALETRAIN_CACHE/jax), "off" = no cache.
+      compile_cache_dir="",
+  ))
+  return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and overrides
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+  if not os.path.isfile(path):
+    raise ConfigError(f"--config {path}: no such file (configs live in configs/*.py)")
+  spec = importlib.util.spec_from_file_location("_run_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"--config {path}: the file must define get_config()")
+  cfg = module.get_config()
+  _check_keys(cfg, default_config(), path)
+  return cfg
+
+
+def _check_keys(cfg, ref, where, prefix=""):
+  for key in cfg.keys():
+    full = prefix + key
+    if key not in ref:
+      raise ConfigError(f"{where}: unknown key {full!r}{_suggest(full, ref, prefix)}")
+    if isinstance(ref[key], ml_collections.ConfigDict):
+      _check_keys(cfg[key], ref[key], where, full + ".")
+
+
+def _suggest(full: str, ref, prefix: str) -> str:
+  known = [prefix + k for k in ref.keys()]
+  close = difflib.get_close_matches(full, known, n=1)
+  return f"; did you mean {close[0]!r}?" if close else f"; known keys here: {', '.join(known)}"
+
+
+def _parse_value(text: str, current, key: str):
+  """Parse `text` into the type of the current value of `key`."""
+  kind = type(current)
+  try:
+    if kind is bool:
+      low = text.lower()
+      if low in ("true", "1", "yes"):
+        return True
+      if low in ("false", "0", "no"):
+        return False
+      raise ValueError
+    if kind is int:
+      value = ast.literal_eval(text)
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError
+      return value
+    if kind is float:
+      value = float(text)
+      if not math.isfinite(value):
+        raise ValueError
+      return value
+    if kind is str:
+      return text
+  except (ValueError, SyntaxError):
+    pass
+  else:
+    raise ConfigError(f"--config.{key}: cannot override a {kind.__name__} value")
+  raise ConfigError(f"--config.{key}={text!r}: expected {kind.__name__} "
+                    f"(like the default {current!r})")
+
+
+def apply_override(cfg: ml_collections.ConfigDict, dotted: str, text: str) -> None:
+  node, parts = cfg, dotted.split(".")
+  for i, part in enumerate(parts):
+    prefix = ".".join(parts[:i]) + ("." if i else "")
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      ref = node if isinstance(node, ml_collections.ConfigDict) else ml_collections.ConfigDict()
+      raise ConfigError(f"--config.{dotted}: unknown key {dotted!r}"
+                        f"{_suggest(dotted, ref, prefix)}")
+    if i < len(parts) - 1:
+      node = node[part]
+  if isinstance(node[parts[-1]], ml_collections.ConfigDict):
+    raise ConfigError(f"--config.{dotted}: is a group; set one of its keys "
+                      f"({', '.join(node[parts[-1]].keys())})")
+  node[parts[-1]] = _parse_value(text, node[parts[-1]], dotted)
+
+
+def load(path: str, overrides: list[tuple[str, str]]) -> ml_collections.ConfigDict:
+  """The config file, merged over the defaults, with the command-line overrides applied."""
+  cfg = default_config()
+  _merge(cfg, load_config_file(path), path)
+  for dotted, text in overrides:
+    apply_override(cfg, dotted, text)
+  return cfg
+
+
+def _merge(dst, src, where, prefix=""):
+  for key in src.keys():
+    value = src[key]
+    if isinstance(value, ml_collections.ConfigDict):
+      _merge(dst[key], value, where, prefix + key + ".")
+      continue
+    want = type(dst[key])
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if type(value) is not want:
+      raise ConfigError(f"{where}: {prefix}{key}={value!r} should be a {want.__name__}")
+    dst[key] = value
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+def _need(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def _choice(cfg, key: str, choices) -> None:
+  node = cfg
+  for part in key.split("."):
+    node = node[part]
+  _need(node in choices, f"{key}={node!r}: choose one of {', '.join(map(str, choices))}")
+
+
+def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> dict:
+  """Check the whole config against itself and the devices. Returns the resolved mesh sizes."""
+  from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
+  from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
+
+  _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
+  for key in ("log_every", "eval_every", "eval_steps", "checkpoint.every_steps"):
+    value = cfg[key] if "." not in key else cfg.checkpoint.every_steps
+    _need(value >= 0, f"{key}={value}: must be >= 0")
+  _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
+  _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
+
+  try:
+    sizes = resolve_mesh_shape(cfg.mesh, num_devices)
+  except MeshError as e:
+    raise ConfigError(str(e)) from None
+
+  m = cfg.model
+  _choice(cfg, "model.param_dtype", DTYPES)
+  _choice(cfg, "model.dtype", DTYPES)
+  _choice(cfg, "model.remat", REMAT_POLICIES)
+  _choice(cfg, "model.attention", ATTENTION_IMPLS)
+  for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+    _need(m[key] >= 1, f"model.{key}={m[key]}: must be positive")
+  _need(m.num_heads % m.num_kv_heads == 0,
+        f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  _need(m.head_dim or m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+        "set model.head_dim")
+  _need(head_dim % 2 == 0, f"model head dim {head_dim} must be even for RoPE")
+  from data.tokenizer import VOCAB_SIZE  # noqa: PLC0415
+  _need(m.vocab_size >= VOCAB_SIZE,
+        f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {VOCAB_SIZE} ids")
+
+  tensor, fsdp = sizes["tensor"], sizes["fsdp"]
+  for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+    _need(m[key] % tensor == 0,
+          f"model.{key}={m[key]} does not split over mesh.tensor={tensor}; "
+          f"use a mesh.tensor that divides {m[key]}")
+  _need(m.d_model % fsdp == 0,
+        f"model.d_model={m.d_model} does not split over mesh.fsdp={fsdp}; "
+        f"use a mesh.fsdp that divides {m.d_model}")
+
+  d = cfg.data
+  dp = data_parallel_size(sizes)
+  gbs = d.global_batch_size
+  _need(gbs >= 1, f"data.global_batch_size={gbs}: must be positive")
+  micro = d.micro_batch_size or gbs
+  _need(gbs % micro == 0,
+        f"data.micro_batch_size={micro} must divide data.global_batch_size={gbs}")
+  _need(micro % dp == 0,
+        f"data.{'micro_batch_size' if d.micro_batch_size else 'global_batch_size'}={micro} is "
+        f"not divisible by the data-parallel size {dp} (mesh.data x mesh.fsdp x mesh.expert); "
+        f"use a multiple of {dp}")
+  _need(micro % process_count == 0,
+        f"data micro-batch of {micro} rows does not split over {process_count} processes")
+  _need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be positive")
+  _need(d.seq_len % sizes["sequence"] == 0,
+        f"data.seq_len={d.seq_len} is not divisible by mesh.sequence={sizes['sequence']}; "
+        f"use a multiple of {sizes['sequence']}")
+  _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
+
+  o = cfg.optim
+  _choice(cfg, "optim.name", OPTIMIZERS)
+  _choice(cfg, "optim.schedule", SCHEDULES)
+  _choice(cfg, "optim.wsd_decay_shape", WSD_SHAPES)
+  _need(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate}: must be positive")
+  _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+  _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+  _need(0 < o.wsd_decay_fraction <= 1,
+        f"optim.wsd_decay_fraction={o.wsd_decay_fraction}: must be in (0, 1]")
+  for key in ("b1", "b2", "momentum"):
+    _need(0 <= o[key] < 1, f"optim.{key}={o[key]}: must be in [0, 1)")
+  _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
+  _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
+  return sizes

@@ -1,0 +1,92 @@
+"""The train state and how it is created directly sharded on the mesh.
+
+The state is a plain pytree: the step, the parameters as a nested dict of arrays (NNX's pure
+dict, so paths read like `blocks/attn/wq_EHD`), and the optax state. The model's structure
+(`graphdef`) stays outside; `nnx.merge(graphdef, params)` rebuilds the module inside the step.
+Random numbers are derived as `fold_in(key(seed), step)`, so there is no RNG state to lose.
+
+Creation never materialises the model on one device: the abstract model gives every
+parameter's logical names, `sharding/rules.py` turns them into NamedShardings, and the
+initialiser is jitted with those as `out_shardings`, so each device computes only its shard.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.llama import ModelConfig, Transformer
+from sharding.rules import LOGICAL_RULES
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array  # int32 scalar: optimizer updates applied so far
+  params: Any  # nested dict of arrays
+  opt_state: Any
+
+
+def _logical_names(abstract_state) -> Any:
+  """Pure-dict tree of each parameter's logical axis names."""
+  return nnx.to_pure_dict(jax.tree.map(
+      lambda v: tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim),
+      abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+class ModelSpec:
+  """Everything about the model the trainer needs, computed once without allocating it."""
+
+  def __init__(self, model_cfg: ModelConfig, mesh: Mesh, seed: int):
+    self.cfg = model_cfg
+    self.mesh = mesh
+    self.seed = seed
+    make = lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=seed))
+    with nnx.logical_axis_rules(LOGICAL_RULES):
+      abstract_model = nnx.eval_shape(make)
+      self.graphdef, abstract_state = nnx.split(abstract_model)
+      specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
+    self.logical_names = _logical_names(abstract_state)
+    self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    self.abstract_params = jax.tree.map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+        nnx.to_pure_dict(abstract_state), self.param_shardings)
+    self.make_model = make  # builds a fresh (concrete) Transformer; call under jit
+
+  def model(self, params) -> Transformer:
+    return nnx.merge(self.graphdef, params)
+
+
+def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
+  """NamedShardings of the whole TrainState: optimizer moments follow their parameters."""
+  replicated = NamedSharding(spec.mesh, P())
+  abstract_opt = jax.eval_shape(tx.init, spec.abstract_params)
+  opt_shardings = optax.tree_utils.tree_map_params(
+      tx, lambda _, sharding: sharding, abstract_opt, spec.param_shardings,
+      transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+  return TrainState(step=replicated, params=spec.param_shardings, opt_state=opt_shardings)
+
+
+def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
+  """ShapeDtypeStructs (with target shardings) of the TrainState, for restoring checkpoints."""
+  shardings = state_shardings(spec, tx)
+  shapes = jax.eval_shape(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
+                          spec.abstract_params)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      shapes, shardings)
+
+
+def init_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
+  shardings = state_shardings(spec, tx)
+
+  def init():
+    params = nnx.to_pure_dict(nnx.state(spec.make_model(), nnx.Param))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+  return jax.jit(init, out_shardings=shardings)()
