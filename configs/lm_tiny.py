@@ -2,7 +2,7 @@
 
     python train.py --config configs/lm_tiny.py --workdir runs/tiny
 
-0.6M parameters, fp32, byte-level tokens; runs on 1 device and on every 8-device mesh with
+0.5M parameters, fp32, byte-level tokens; runs on 1 device and on every 8-device mesh with
 data x fsdp x tensor (tensor <= 2, fsdp <= 4). The schedule's horizon is fixed at 300 steps, so
 a run can be stopped and resumed with any `--config.steps`.
 """

@@ -61,15 +61,14 @@ def build_optimizer(cfg, param_names: Any, total_steps: int):
     tx = optax.chain(
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
         optax.add_decayed_weights(wd, mask=m["decay"]),
-        optax.masked(scale_by_layerwise_trust_ratio(m["stacked"]), m["trust_ratio"]),
+        scale_by_layerwise_trust_ratio(m["trust_ratio"], m["stacked"]),
         optax.scale_by_learning_rate(schedule),
     )
   elif name == "lars":
     tx = optax.chain(
         optax.add_decayed_weights(wd, mask=m["decay"]),
-        optax.masked(scale_by_layerwise_trust_ratio(
-            m["stacked"], trust_coefficient=cfg.trust_coefficient, eps=cfg.eps),
-            m["trust_ratio"]),
+        scale_by_layerwise_trust_ratio(m["trust_ratio"], m["stacked"],
+                                       trust_coefficient=cfg.trust_coefficient, eps=cfg.eps),
         optax.scale_by_learning_rate(schedule),
         optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov),
     )

@@ -13,20 +13,23 @@ import jax.numpy as jnp
 import optax
 
 
-def scale_by_layerwise_trust_ratio(stacked, *, trust_coefficient: float = 1.0,
+def scale_by_layerwise_trust_ratio(mask, stacked, *, trust_coefficient: float = 1.0,
                                    eps: float = 0.0) -> optax.GradientTransformation:
   """Like `optax.scale_by_trust_ratio`, with norms per layer slice where `stacked` is True.
 
-  `stacked` is a tree of bools with the structure of the params (True: leading layer axis).
-  A zero parameter or update norm gives ratio 1 (as in optax), so zero-initialised or frozen
-  tensors still move.
+  `mask` and `stacked` are trees of bools with the structure of the params: the ratio applies
+  where `mask` is True (elsewhere the update passes unchanged), per layer slice where `stacked`
+  is True (leading layer axis). A zero parameter or update norm gives ratio 1 (as in optax), so
+  zero-initialised tensors still move.
   """
 
   def update_fn(updates, state, params):
     if params is None:
       raise ValueError("the layer-wise trust ratio needs params: call update(g, s, params)")
 
-    def scale(u, p, is_stacked):
+    def scale(u, p, apply, is_stacked):
+      if not apply:
+        return u
       axes = tuple(range(1, p.ndim)) if is_stacked and p.ndim > 1 else None
       p_norm = jnp.sqrt(jnp.sum(jnp.square(p.astype(jnp.float32)), axis=axes, keepdims=True))
       u_norm = jnp.sqrt(jnp.sum(jnp.square(u.astype(jnp.float32)), axis=axes, keepdims=True))
@@ -34,6 +37,6 @@ def scale_by_layerwise_trust_ratio(stacked, *, trust_coefficient: float = 1.0,
       ratio = jnp.where((p_norm == 0.0) | (u_norm == 0.0), 1.0, ratio)
       return (u * ratio).astype(u.dtype)
 
-    return jax.tree.map(scale, updates, params, stacked), state
+    return jax.tree.map(scale, updates, params, mask, stacked), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -71,7 +71,7 @@ class Run:
 
   # --------------------------------------------------------------------------------------------
 
-  def _global_batch(self, micro_batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
+  def global_batch(self, micro_batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
     """Stack this process's micro-batches and assemble the global [M, B, S] arrays."""
     out = {}
     for key in pipeline.BATCH_KEYS:
@@ -182,7 +182,7 @@ class Run:
 
     with jax.set_mesh(self.mesh):
       for step in range(start, cfg.steps):
-        batch = self._global_batch([next(train_iter) for _ in range(self.num_micro)])
+        batch = self.global_batch([next(train_iter) for _ in range(self.num_micro)])
         state, metrics = train_step(state, batch)
         done = step + 1
         window_steps += 1

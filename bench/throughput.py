@@ -1,0 +1,85 @@
+"""Steady-state training throughput and MFU of a config, against this machine's measured peak.
+
+    python bench/throughput.py --config configs/lm_tiny.py [--steps 20] [--config.a.b=v ...]
+
+Builds the real train step (same code path as train.py), feeds it real batches from the data
+pipeline, and times `--steps` steps after two warm-up steps. Prints the median step time,
+tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this same process and
+(b) the configured/known peak, so the ratio is honest on any machine.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--steps", type=int, default=20)
+  args, rest = parser.parse_known_args(argv)
+  overrides = []
+  for item in rest:
+    key, _, value = item.partition("=")
+    if not key.startswith("--config."):
+      parser.error(f"unknown argument {item}")
+    overrides.append((key[len("--config."):], value))
+
+  import jax  # noqa: PLC0415
+
+  from models.llama import flops_per_token, param_counts  # noqa: PLC0415
+  from trainer.config import load, validate  # noqa: PLC0415
+  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.metrics import machine_peak_flops, measure_matmul_peak  # noqa: PLC0415
+  from trainer.state import abstract_state, init_state  # noqa: PLC0415
+
+  cfg = load(args.config, overrides)
+  validate(cfg, jax.device_count(), jax.process_count())
+  with tempfile.TemporaryDirectory() as workdir:
+    run = Run(cfg, workdir)
+    t0 = time.perf_counter()
+    step = run.compile(abstract_state(run.spec, run.tx))
+    compile_s = time.perf_counter() - t0
+    state = init_state(run.spec, run.tx)
+    it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.train_spec))
+    batches = [run.global_batch([next(it) for _ in range(run.num_micro)])
+               for _ in range(min(args.steps, 8))]
+    times = []
+    with jax.set_mesh(run.mesh):
+      for i in range(args.steps + 2):
+        t = time.perf_counter()
+        state, metrics = step(state, batches[i % len(batches)])
+        jax.block_until_ready(metrics)
+        if i >= 2:
+          times.append(time.perf_counter() - t)
+  matmul_peak = measure_matmul_peak(n=1024, repeats=10)
+  table_peak, source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
+  step_s = statistics.median(times)
+  tokens = cfg.data.global_batch_size * cfg.data.seq_len
+  fpt = flops_per_token(run.model_cfg, cfg.data.seq_len)["total"]
+  tps = tokens / step_s
+  counts = param_counts(run.model_cfg)
+  print(f"config            {args.config} {' '.join(rest)}")
+  print(f"devices           {jax.device_count()} x {jax.devices()[0].device_kind}; mesh "
+        + " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1))
+  print(f"params            {counts['total'] / 1e6:.2f}M; {fpt / 1e6:.2f} MFLOPs/token "
+        f"(training, causal attention)")
+  print(f"compile           {compile_s:.1f} s")
+  print(f"step time         median {step_s * 1e3:.1f} ms over {len(times)} steps "
+        f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
+  print(f"tokens/s          {tps:,.0f}")
+  print(f"model FLOP/s      {tps * fpt / 1e9:.2f} GFLOP/s")
+  print(f"matmul peak       {matmul_peak / 1e9:.2f} GFLOP/s (fp32 1024^3, measured now)")
+  print(f"MFU vs matmul     {tps * fpt / matmul_peak:.1%}")
+  if source != "measured fp32 matmul":
+    print(f"MFU vs {source:<10} {tps * fpt / table_peak:.1%}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,26 @@
+"""A ~1B-parameter Llama (16 layers, d_model 2048, GQA 16/8 heads) for a GPU node or TPU slice.
+
+    python train.py --config configs/lm_1b.py --workdir gs://bucket/runs/1b \
+        --config.data.dir=/path/to/prepared
+
+bf16 compute, fp32 master weights and Adam moments sharded by FSDP (16 bytes/param -> 16 GB
+in total, divided over the devices), full rematerialisation of each block.
+"""
+from trainer.config import default_config
+
+
+def get_config():
+  c = default_config()
+  c.steps = 50_000
+  c.mesh.update(data=1, fsdp=-1)
+  c.model.update(vocab_size=512, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=8,
+                 mlp_dim=8192, dtype="bfloat16", param_dtype="float32", remat="full",
+                 rope_theta=500_000.0)
+  c.data.update(global_batch_size=512, seq_len=2048, prefetch=4)
+  c.optim.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, decay_steps=50_000,
+                 schedule="cosine", b2=0.95, weight_decay=0.1)
+  c.log_every = 50
+  c.eval_every = 2000
+  c.eval_steps = 20
+  c.checkpoint.update(every_steps=1000, keep=3)
+  return c

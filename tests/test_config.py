@@ -1,0 +1,70 @@
+"""Config errors: one line naming the key and what would work, exit code 2, nothing compiled."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from trainer.config import ConfigError, default_config, load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.no_such_key=1"], "unknown key 'no_such_key'"),
+    (["--config.optim.learnin_rate=1"], "did you mean 'optim.learning_rate'"),
+    (["--config.mesh.data=3", "--config.mesh.fsdp=1"], "has 3 devices but 8 are available"),
+    (["--config.steps=ten"], "--config.steps='ten': expected int"),
+    (["--config.optim.learning_rate=fast"], "expected float"),
+    (["--config.model.tie_embeddings=maybe"], "expected bool"),
+    (["--config.mesh=2"], "is a group"),
+    (["--config.data.global_batch_size=12", "--config.mesh.data=8"],
+     "not divisible by the data-parallel size 8"),
+    (["--config.mesh.data=2", "--config.mesh.sequence=4", "--config.data.seq_len=126"],
+     "data.seq_len=126 is not divisible by mesh.sequence=4"),
+    (["--config.mesh.data=1", "--config.mesh.tensor=8"], "does not split over mesh.tensor=8"),
+    (["--config.optim.name=adam"], "optim.name='adam': choose one of adamw, lamb, lars, sgd"),
+    (["--config.model.num_kv_heads=3"], "must divide model.num_heads=4"),
+    (["--config.data.micro_batch_size=5"], "must divide data.global_batch_size=16"),
+])
+def test_config_error_is_one_line_exit_2(args, needle, tmp_path, capsys):
+  code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w")] + args)
+  err = capsys.readouterr().err
+  assert code == 2, err
+  assert needle in err, err
+  assert len(err.strip().splitlines()) == 1, err
+  assert not os.path.exists(tmp_path / "w"), "nothing may be written for a bad config"
+
+
+def test_missing_config_file(tmp_path, capsys):
+  assert train.main(["--config", str(tmp_path / "nope.py"), "--workdir", str(tmp_path)]) == 2
+  assert "no such file" in capsys.readouterr().err
+
+
+def test_unknown_key_in_config_file(tmp_path):
+  path = tmp_path / "bad.py"
+  path.write_text("from trainer.config import default_config\n"
+                  "def get_config():\n  c = default_config()\n  c.optim.lr = 1.0\n  return c\n")
+  with pytest.raises(ConfigError, match="unknown key 'optim.lr'"):
+    load(str(path), [])
+
+
+def test_overrides_parse_types():
+  cfg = load(TINY, [("steps", "7"), ("optim.learning_rate", "1e-3"),
+                    ("model.tie_embeddings", "true"), ("optim.name", "lamb")])
+  assert (cfg.steps, cfg.optim.learning_rate, cfg.model.tie_embeddings, cfg.optim.name) == (
+      7, 1e-3, True, "lamb")
+  assert set(default_config().keys()) == set(cfg.keys())
+
+
+def test_real_process_exit_code(tmp_path):
+  """The same through a real process: exit status 2, one line on stderr, no traceback."""
+  proc = subprocess.run([sys.executable, "train.py", "--config", TINY, "--workdir",
+                         str(tmp_path / "w"), "--config.steps=ten"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2
+  assert "Traceback" not in proc.stderr
+  assert proc.stderr.strip().splitlines() == ["error: --config.steps='ten': expected int "
+                                              "(like the default 300)"]

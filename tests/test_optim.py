@@ -1,0 +1,105 @@
+"""Optimizer factory and schedules: values at known points, masks, layer-wise trust ratio."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from optim import build_optimizer, build_schedule, masks
+from trainer.config import default_config
+
+NAMES = {
+    "embed_VE": ("vocab", "embed"),
+    "lm_head_EV": ("embed", "vocab"),
+    "final_norm": {"scale": ("norm",)},
+    "blocks": {"norm": {"scale": ("layers", "norm")},
+               "w_EF": ("layers", "embed", "mlp")},
+}
+
+
+def _params(seed=0):
+  shapes = {"embed_VE": (16, 8), "lm_head_EV": (8, 16), "final_norm": {"scale": (8,)},
+            "blocks": {"norm": {"scale": (3, 8)}, "w_EF": (3, 8, 12)}}
+  leaves, tree = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, s) for k, s in zip(keys, leaves)])
+
+
+def _optim(**kw):
+  c = default_config().optim
+  c.update(kw)
+  return c
+
+
+def test_masks_follow_logical_names():
+  m = masks(NAMES)
+  assert m["decay"] == {"embed_VE": False, "lm_head_EV": True, "final_norm": {"scale": False},
+                        "blocks": {"norm": {"scale": False}, "w_EF": True}}
+  assert m["trust_ratio"]["blocks"] == {"norm": {"scale": False}, "w_EF": True}
+  assert m["trust_ratio"]["embed_VE"] is True
+  assert m["stacked"]["blocks"]["w_EF"] and not m["stacked"]["lm_head_EV"]
+  assert masks(NAMES, decay_embeddings=True)["decay"]["embed_VE"] is True
+
+
+@pytest.mark.parametrize("schedule,points", [
+    ("constant", {0: 0.0, 5: 0.5, 10: 1.0, 60: 1.0, 200: 1.0}),
+    ("linear", {0: 0.0, 10: 1.0, 60: 0.55, 110: 0.1, 300: 0.1}),
+    ("cosine", {0: 0.0, 10: 1.0, 60: 0.55, 110: 0.1}),
+    # wsd: horizon 110, decay over the last 20% (22 steps) from step 88, linear shape
+    ("wsd", {10: 1.0, 88: 1.0, 99: 0.55, 110: 0.1}),
+])
+def test_schedule_values(schedule, points):
+  cfg = _optim(learning_rate=1.0, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1,
+               schedule=schedule, wsd_decay_fraction=0.2, wsd_decay_shape="linear")
+  fn = build_schedule(cfg, total_steps=999)
+  for step, want in points.items():
+    assert float(fn(step)) == pytest.approx(want, abs=1e-6), (schedule, step)
+
+
+def test_decay_steps_zero_means_total_steps():
+  fn = build_schedule(_optim(learning_rate=1.0, warmup_steps=0, decay_steps=0,
+                             schedule="linear", min_lr_ratio=0.0), total_steps=40)
+  assert float(fn(20)) == pytest.approx(0.5)
+  assert float(fn(40)) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_trust_ratio_is_per_layer_and_spares_norms(name):
+  """Each stacked layer's update norm equals lr * trust * ||w_layer|| (LAMB: trust=1)."""
+  params = _params()
+  grads = _params(seed=1)
+  cfg = _optim(name=name, learning_rate=0.1, schedule="constant", warmup_steps=0,
+               weight_decay=0.0, clip_norm=0.0, momentum=0.0, trust_coefficient=1.0, eps=0.0)
+  tx, _ = build_optimizer(cfg, NAMES, 10)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  w, u = params["blocks"]["w_EF"], updates["blocks"]["w_EF"]
+  for layer in range(3):
+    assert float(jnp.linalg.norm(u[layer])) == pytest.approx(
+        0.1 * float(jnp.linalg.norm(w[layer])), rel=1e-5)
+  # norm scales get no trust ratio: their update is the plain (Adam / SGD) update
+  plain = optax.adam(0.1, b1=cfg.b1, b2=cfg.b2, eps=0.0) if name == "lamb" else optax.sgd(0.1)
+  ref, _ = plain.update(grads, plain.init(params), params)
+  np.testing.assert_allclose(updates["blocks"]["norm"]["scale"], ref["blocks"]["norm"]["scale"],
+                             rtol=1e-5)
+
+
+def test_adamw_decays_matrices_only():
+  params = _params()
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  tx, _ = build_optimizer(_optim(name="adamw", learning_rate=0.1, schedule="constant",
+                                 warmup_steps=0, weight_decay=0.5, clip_norm=0.0),
+                          NAMES, 10)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  np.testing.assert_allclose(updates["lm_head_EV"], -0.1 * 0.5 * params["lm_head_EV"], rtol=1e-6)
+  assert not np.any(updates["embed_VE"]) and not np.any(updates["final_norm"]["scale"])
+  assert not np.any(updates["blocks"]["norm"]["scale"])
+
+
+def test_clipping_bounds_the_global_norm():
+  params = _params()
+  big = jax.tree.map(lambda x: 100 * x, _params(seed=2))
+  tx, _ = build_optimizer(_optim(name="sgd", learning_rate=1.0, schedule="constant",
+                                 warmup_steps=0, weight_decay=0.0, clip_norm=1.0, momentum=0.0),
+                          NAMES, 10)
+  updates, _ = tx.update(big, tx.init(params), params)
+  assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-5)
