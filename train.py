@@ -5,6 +5,11 @@
 Rerunning with the same --workdir resumes from its newest checkpoint. Config errors (unknown
 keys, wrong types, a mesh that does not fit the devices, sizes that do not divide) are reported
 in one line with exit code 2, before anything is compiled.
+
+Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not match the
+config or cannot be read); 3 stopped on a non-finite loss or a loss spike (policy "stop"; the
+newest checkpoint is the last good state); 4 checkpoint storage failed (checkpoint.on_error =
+"stop"); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (restart to continue).
 """
 from __future__ import annotations
 
@@ -42,8 +47,9 @@ def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
 
 
 def main(argv: list[str]) -> int:
-  from trainer.config import ConfigError, load, validate  # noqa: PLC0415
   from data.prepare import DataError  # noqa: PLC0415
+  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer.config import ConfigError, load, validate  # noqa: PLC0415
 
   try:
     config_path, workdir, overrides = parse_args(argv)
@@ -56,11 +62,11 @@ def main(argv: list[str]) -> int:
     validate(cfg, jax.device_count(), jax.process_count())
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)
-  except (ConfigError, DataError) as e:
+    result = run.train()
+  except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
-  run.train()
-  return 0
+  return result.exit_code
 
 
 if __name__ == "__main__":

@@ -45,10 +45,12 @@ def test_restore_is_exact_on_any_mesh(saved, data_dir, mesh_cfg, ndev):
   cfg, directory, want, next_batch = saved
   spec, tx = _spec_tx(cfg, mesh_cfg, jax.devices()[:ndev])
   abstract = abstract_state(spec, tx)
-  it = iter(pipeline.dataset(pipeline.StreamSpec(data_dir, "train", 32, 8)))
   ckpt = Checkpointer(str(directory), keep=2)
   assert ckpt.latest_step() == 5
-  state = ckpt.restore(5, abstract, it)
+  state, it, step = ckpt.restore_latest(
+      abstract, lambda: iter(pipeline.dataset(pipeline.StreamSpec(data_dir, "train", 32, 8))),
+      cfg.to_dict())
+  assert step == 5
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), want)
   w = state.params["blocks"]["attn"]["wq_EHD"]
   assert w.sharding == abstract.params["blocks"]["attn"]["wq_EHD"].sharding

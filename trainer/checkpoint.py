@@ -3,49 +3,250 @@
 Layout: `<workdir>/checkpoints/<step>/{state,data,config}`. `state` is the TrainState (arrays
 written by tensorstore, restored straight into the shardings of the *current* mesh, so a run
 saved on 8 devices continues on 1 or on a different split); `data` is the grain iterator state
-(JSON, one file per process); `config` is the resolved config (JSON) for the record.
+(JSON, one file per process); `config` is the resolved config (JSON). Nothing is pickled.
+
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the
-files are written in the background while training continues.
+files are written in the background while training continues. Orbax writes each checkpoint
+under a temporary name and renames it when every file is complete, so a process killed
+mid-save leaves the previous checkpoints as they were and no half checkpoint under a step name.
+
+Reading is defensive. The newest checkpoint is checked against the config first (parameter
+names and shapes, optimizer kind, data layout): a mismatch is a user error and is refused with
+a message naming it. A checkpoint that cannot be read (truncated or missing files) is reported
+in one line and the previous one is tried; unreadable ones are moved aside to
+`<workdir>/checkpoints.unreadable/` (never deleted) once an older one has been restored. If
+none can be read the run stops rather than silently starting over.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint problem the user must act on (reported in one line, exit code 2)."""
+
+
+# Config keys that must agree between a checkpoint and the run restoring it. Everything else
+# (steps, mesh, learning rate, intervals, logging, ...) may change between restarts.
+MUST_MATCH = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
+              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.tie_embeddings",
+              "model.param_dtype", "optim.name", "data.seq_len")
+
+
+def _get(tree: dict, dotted: str):
+  for part in dotted.split("."):
+    if not isinstance(tree, dict) or part not in tree:
+      return None
+    tree = tree[part]
+  return tree
+
+
+def _micro_rows(config: dict) -> int:
+  d = config.get("data", {})
+  return d.get("micro_batch_size") or d.get("global_batch_size")
+
+
+def _paths_and_shapes(tree) -> dict[str, tuple]:
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    key = "/".join(_key_name(k) for k in path)
+    out[key] = tuple(getattr(leaf, "shape", ()))
+  return out
+
+
+def _key_name(k) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def describe_mismatch(saved_config: dict, config: dict, saved_tree, target_tree) -> str | None:
+  """Why a checkpoint cannot be restored into this run, or None if it can.
+
+  Compares the key config values first (for a message in the user's terms), then every array
+  path and shape of the saved tree (None: not readable, skipped) against the target.
+  """
+  for key in MUST_MATCH:
+    a, b = _get(saved_config, key), _get(config, key)
+    if a is not None and a != b:
+      return f"it was written with {key}={a!r}, the config has {b!r}"
+  if saved_config and _micro_rows(saved_config) != _micro_rows(config):
+    return (f"its data stream has {_micro_rows(saved_config)} rows per micro-batch, the config "
+            f"{_micro_rows(config)} (data.micro_batch_size or data.global_batch_size)")
+  if saved_tree is None:
+    return None
+  saved, target = _paths_and_shapes(saved_tree), _paths_and_shapes(target_tree)
+  missing = sorted(set(target) - set(saved))
+  extra = sorted(set(saved) - set(target))
+  if missing:
+    return f"it has no {missing[0]} (and {len(missing) - 1} more) that the config needs"
+  if extra:
+    return f"it has {extra[0]} (and {len(extra) - 1} more) that the config does not"
+  for key, shape in target.items():
+    if saved[key] != shape:
+      return f"{key} has shape {saved[key]} in it, {shape} in the config"
+  return None
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
 class Checkpointer:
 
-  def __init__(self, directory: str, *, keep: int, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int, async_save: bool = True,
+               log: Callable[[str], None] = print):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(
+    self.log = log
+    self._options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self.manager = ocp.CheckpointManager(self.directory, options=self._options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
   def all_steps(self) -> list[int]:
-    return list(self.manager.all_steps())
+    return sorted(self.manager.all_steps())
+
+  # ------------------------------------------------------------------------------------------
+  # Saving
 
   def save(self, step: int, state, data_iterator, config: dict) -> None:
+    """Start saving (async unless configured otherwise). Raises on storage errors, including
+    an earlier background save that failed."""
+    self.manager.check_for_errors()
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(data_iterator),
         config=ocp.args.JsonSave(config),
     ), force=True)
 
-  def restore(self, step: int, abstract_state, data_iterator):
-    """Restore state into the shardings carried by `abstract_state`; rewind the iterator."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
-    ))
-    return restored.state
-
   def wait(self) -> None:
+    """Block until background writes are done; raises if one failed."""
     self.manager.wait_until_finished()
+    self.manager.check_for_errors()
 
   def close(self) -> None:
-    self.manager.close()
+    try:
+      self.manager.close()
+    except Exception:  # noqa: BLE001  (errors were reported by wait(); closing must not mask them)
+      pass
+
+  # ------------------------------------------------------------------------------------------
+  # Reading
+
+  def saved_config(self, step: int) -> dict:
+    path = os.path.join(self.directory, str(step), "config", "metadata")
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return {}
+
+  def check_compatible(self, step: int, abstract_state, config: dict) -> None:
+    """Raise CheckpointError if checkpoint `step` was written by an incompatible config."""
+    saved_config = self.saved_config(step)
+    try:
+      saved_tree = self.manager.item_metadata(step)["state"].tree
+    except Exception:  # noqa: BLE001  unreadable metadata: the restore attempt will report it
+      saved_tree = None
+    reason = describe_mismatch(saved_config, config, saved_tree, abstract_state)
+    if reason:
+      raise CheckpointError(
+          f"checkpoint {self.directory}/{step} does not match this config: {reason}. Use a new "
+          "--workdir (optionally with --config.checkpoint.init_from=<old workdir> to start from "
+          "its parameters), or the config it was written with")
+
+  def restore_latest(self, abstract_state, make_iterator: Callable[[], Any], config: dict,
+                     *, allow_fresh_start: bool = False):
+    """(state, data iterator, step) from the newest readable checkpoint, or None if there is
+    none. Falls back past unreadable checkpoints; raises CheckpointError if none is readable."""
+    steps = self.all_steps()
+    if not steps:
+      return None
+    unreadable = []
+    for step in reversed(steps):
+      self.check_compatible(step, abstract_state, config)
+      iterator = make_iterator()
+      try:
+        restored = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(iterator),
+        ))
+      except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
+        self.log(f"checkpoint {self.directory}/{step} is unreadable ({_first_line(e)}); "
+                 "trying the previous one")
+        unreadable.append(step)
+        continue
+      self._set_aside(unreadable)
+      return restored.state, iterator, step
+    if not allow_fresh_start:
+      raise CheckpointError(
+          f"no readable checkpoint in {self.directory} (tried steps "
+          f"{', '.join(map(str, reversed(steps)))}); nothing was deleted. Inspect or move them, "
+          "or pass --config.checkpoint.allow_fresh_start=true to set them aside and start over")
+    self._set_aside(unreadable)
+    return None
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Move unreadable checkpoints out of the manager's way, keeping them for inspection."""
+    if not steps:
+      return
+    aside = self.directory.rstrip("/") + ".unreadable"
+    os.makedirs(aside, exist_ok=True)
+    for step in steps:
+      target = os.path.join(aside, f"{step}-{int(time.time())}")
+      shutil.move(os.path.join(self.directory, str(step)), target)
+      self.log(f"moved unreadable checkpoint {step} to {target}")
+    self.manager.reload()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameters only, from another run (warm starts, fine-tuning)
+
+
+def resolve_step_dir(path: str) -> str:
+  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    path = os.path.join(path, "checkpoints")
+  if os.path.isdir(os.path.join(path, "state")):
+    return path
+  steps = sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
+  if not steps:
+    raise CheckpointError(f"checkpoint.init_from={path!r}: no checkpoint found there "
+                          "(give a workdir, its checkpoints/ dir, or a step dir)")
+  return os.path.join(path, str(steps[-1]))
+
+
+def load_params(path: str, abstract_params) -> tuple[Any, str]:
+  """Parameters of another run's checkpoint, resharded to `abstract_params`' shardings."""
+  step_dir = resolve_step_dir(path)
+  state_dir = os.path.join(step_dir, "state")
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    try:
+      saved = checkpointer.metadata(state_dir).item_metadata.tree
+    except Exception as e:  # noqa: BLE001
+      raise CheckpointError(f"checkpoint.init_from: cannot read {state_dir} "
+                            f"({_first_line(e)})") from None
+    if "params" not in saved:
+      raise CheckpointError(f"checkpoint.init_from: {state_dir} holds no params")
+    reason = describe_mismatch({}, {}, saved["params"], abstract_params)
+    if reason:
+      raise CheckpointError(f"checkpoint.init_from={path!r} does not fit this model: {reason}")
+    target = {"params": abstract_params}
+    restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  return restored["params"], step_dir

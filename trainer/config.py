@@ -55,9 +55,13 @@ def default_config() -> ml_collections.ConfigDict:
       momentum=0.9, nesterov=False, trust_coefficient=0.001))
 
   c.checkpoint = ml_collections.ConfigDict(dict(
-      every_steps=100,  # 0: only at the end
+      every_steps=100,  # save every N steps (0: not by steps); always at the end
+      every_seconds=0.0,  # also save when this much wall time passed since the last save (0: off)
       keep=3,  # newest checkpoints kept on disk
       async_save=True,
+      on_error="stop",  # a failed save: "stop" (exit 4) or "continue" (retry at the next save)
+      allow_fresh_start=False,  # if no checkpoint in the workdir is readable: start over
+      init_from="",  # another run's workdir / checkpoint: load its parameters (fresh runs only)
   ))
 
   c.trainer = ml_collections.ConfigDict(dict(
@@ -66,6 +70,11 @@ def default_config() -> ml_collections.ConfigDict:
       # JAX persistent compilation cache: a restart skips recompiling. "" = the default
       # (~/.cache/scaletrain/jax, or $SCALETRAIN_CACHE/jax), "off" = no cache.
       compile_cache_dir="",
+      nonfinite_policy="skip",  # non-finite loss/grad norm: "skip" the update or "stop" (exit 3)
+      spike_policy="off",  # loss spikes: "off", "skip" or "stop"
+      spike_zscore=6.0,  # a spike: loss > EMA mean + zscore * EMA std
+      spike_window=200,  # EMA time constant in steps; detection starts after one window
+      debug_nan_at_step=0,  # testing aid: make this step's loss NaN (0: never)
   ))
   return c
 
@@ -194,8 +203,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
-  for key in ("log_every", "eval_every", "eval_steps", "checkpoint.every_steps"):
-    value = cfg[key] if "." not in key else cfg.checkpoint.every_steps
+  for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
+                     ("checkpoint.every_steps", cfg.checkpoint.every_steps)):
     _need(value >= 0, f"{key}={value}: must be >= 0")
   _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
   _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
@@ -249,6 +258,12 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
   _need(d.seq_len % sizes["sequence"] == 0,
         f"data.seq_len={d.seq_len} is not divisible by mesh.sequence={sizes['sequence']}; "
         f"use a multiple of {sizes['sequence']}")
+  if sizes["sequence"] > 1 and m.attention in ("ring", "auto"):
+    chunks = 2 * sizes["sequence"]
+    _need(d.seq_len % chunks == 0,
+          f"data.seq_len={d.seq_len} does not split into 2 x mesh.sequence = {chunks} chunks, "
+          f"which ring attention's load-balanced (zig-zag) layout needs; use a multiple of "
+          f"{chunks}")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
 
   o = cfg.optim
@@ -264,4 +279,15 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _need(0 <= o[key] < 1, f"optim.{key}={o[key]}: must be in [0, 1)")
   _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
+
+  ck, t = cfg.checkpoint, cfg.trainer
+  _need(ck.every_seconds >= 0, f"checkpoint.every_seconds={ck.every_seconds}: must be >= 0")
+  _choice(cfg, "checkpoint.on_error", ("stop", "continue"))
+  _choice(cfg, "trainer.nonfinite_policy", ("skip", "stop"))
+  _choice(cfg, "trainer.spike_policy", ("off", "skip", "stop"))
+  _need(t.spike_zscore > 0, f"trainer.spike_zscore={t.spike_zscore}: must be positive")
+  _need(t.spike_window >= 1, f"trainer.spike_window={t.spike_window}: must be at least 1")
+  if ck.init_from:
+    _need(os.path.exists(ck.init_from),
+          f"checkpoint.init_from={ck.init_from!r}: no such path")
   return sizes

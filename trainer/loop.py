@@ -1,14 +1,24 @@
 """The training loop: build everything from the config, resume if the workdir has a checkpoint,
-run the jitted step, log, evaluate, checkpoint.
+run the jitted step, log, evaluate, checkpoint, and stop cleanly when told to.
 
-The loop keeps the device busy: a step is dispatched before the metrics of the previous logged
-step are read back (`jax.device_get` on step N's metrics happens while step N+1 runs), and the
-data pipeline prepares micro-batches in a background thread.
+The loop keeps the device busy: step N+1 is dispatched before step N's results are read back
+(`jax.device_get` of step N's metrics happens while N+1 runs), and the data pipeline prepares
+micro-batches in a background thread.
+
+How a run ends (`RunResult.status`, and train.py's exit code):
+  done         reached `steps`                                                exit 0
+  preempted    SIGTERM / SIGINT: finished the step, saved a checkpoint        exit 75
+  nonfinite    a non-finite loss (or a spike) under policy "stop"             exit 3
+  storage      a checkpoint could not be written under on_error="stop"        exit 4
+Nothing in a step depends on wall-clock time or process state, so a run killed at any moment
+and restarted continues bit for bit from its newest complete checkpoint.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import signal
 import time
 
 import jax
@@ -20,10 +30,24 @@ from data.prepare import ensure_default_corpus, read_meta
 from models.llama import ModelConfig, flops_per_token, param_counts
 from optim import build_optimizer
 from sharding.mesh import batch_sharding, make_mesh, replicated
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, load_params
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.state import ModelSpec, abstract_state, init_state, state_shardings
-from trainer.step import make_eval_step, make_train_step
+from trainer.step import GuardConfig, make_eval_step, make_train_step
+
+EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
+
+
+@dataclasses.dataclass
+class RunResult:
+  status: str  # done | preempted | nonfinite | storage
+  step: int
+  metrics: dict
+  message: str = ""
+
+  @property
+  def exit_code(self) -> int:
+    return EXIT_CODES[self.status]
 
 
 def setup_compilation_cache(path: str) -> str | None:
@@ -38,6 +62,29 @@ def setup_compilation_cache(path: str) -> str | None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
   return path
+
+
+class StopSignals:
+  """SIGTERM / SIGINT set a flag that the loop reads between steps (a step is never cut)."""
+
+  def __init__(self):
+    self.received: str | None = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    if self.received is not None and signum == signal.SIGINT:
+      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+    self.received = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    return False
 
 
 class Run:
@@ -65,11 +112,16 @@ class Run:
         self.data_dir, "train", d.seq_len, self.micro_rows, seed=cfg.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
         prefetch=d.prefetch)
-    self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"),
-                                     keep=cfg.checkpoint.keep,
-                                     async_save=cfg.checkpoint.async_save)
+    self.writer = None
+    self.checkpointer = None
 
   # --------------------------------------------------------------------------------------------
+
+  def log(self, message: str) -> None:
+    if self.writer is not None:
+      self.writer.log(message)
+    elif self.is_lead:
+      print(message, flush=True)
 
   def global_batch(self, micro_batches: list[dict[str, np.ndarray]]) -> dict[str, jax.Array]:
     """Stack this process's micro-batches and assemble the global [M, B, S] arrays."""
@@ -88,7 +140,8 @@ class Run:
 
   def compile(self, abstract):
     """AOT-compile the train step for the state/batch shapes (no data needed)."""
-    step = jax.jit(make_train_step(self.spec, self.tx, self.schedule),
+    step = jax.jit(make_train_step(self.spec, self.tx, self.schedule,
+                                   GuardConfig.from_config(self.cfg.trainer)),
                    in_shardings=(self.shardings, self.batch_sharding),
                    out_shardings=(self.shardings, replicated(self.mesh)),
                    donate_argnums=0)
@@ -96,8 +149,8 @@ class Run:
       return step.lower(abstract, self._abstract_batch()).compile()
 
   def _eval_fn(self):
-    micro = self.batch_sharding
-    flat = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*micro.spec[1:]))
+    flat = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(
+        *self.batch_sharding.spec[1:]))
     fn = jax.jit(make_eval_step(self.spec), in_shardings=(self.shardings.params, flat),
                  out_shardings=replicated(self.mesh))
     host = pipeline.take(
@@ -118,36 +171,62 @@ class Run:
 
     return evaluate
 
+  def _start_state(self, checkpointer: Checkpointer):
+    """(state, data iterator) from the newest readable checkpoint, `init_from`, or fresh."""
+    abstract = abstract_state(self.spec, self.tx)
+    make_iterator = lambda: iter(pipeline.dataset(self.train_spec))
+    restored = checkpointer.restore_latest(
+        abstract, make_iterator, self.cfg.to_dict(),
+        allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
+    if restored is not None:
+      state, iterator, step = restored
+      self.log(f"resumed from {checkpointer.directory}/{step}")
+      return state, iterator, abstract, step
+    if self.cfg.checkpoint.init_from:
+      params, source = load_params(self.cfg.checkpoint.init_from, self.spec.abstract_params)
+      self.log(f"initialised parameters from {source} (optimizer state and data start fresh)")
+      return init_state(self.spec, self.tx, params), make_iterator(), abstract, None
+    return init_state(self.spec, self.tx), make_iterator(), abstract, None
+
   # --------------------------------------------------------------------------------------------
 
-  def train(self) -> dict:
+  def train(self) -> RunResult:
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
-    writer = MetricsWriter(self.workdir, enabled=self.is_lead, progress_total=cfg.steps,
-                           progress_bar=cfg.trainer.progress_bar)
+    _repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+    self.writer = writer = MetricsWriter(self.workdir, enabled=self.is_lead,
+                                         progress_total=cfg.steps,
+                                         progress_bar=cfg.trainer.progress_bar)
     if self.is_lead:
       with open(os.path.join(self.workdir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
     counts = param_counts(self.model_cfg)
     src = self.data_meta["source"]
-    writer.log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
-               f"({jax.process_count()} process(es)); mesh "
-               + " ".join(f"{k}={v}" for k, v in self.mesh.shape.items()))
-    writer.log(f"model: {counts['total'] / 1e6:.2f}M params "
-               f"({counts['non_embedding'] / 1e6:.2f}M non-embedding); "
-               f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
-               f"({self.data_meta['splits']['train']['tokens']:,} train tokens) from "
-               f"{self.data_dir}")
+    self.log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
+             f"({jax.process_count()} process(es)); mesh "
+             + " ".join(f"{k}={v}" for k, v in self.mesh.shape.items()))
+    self.log(f"model: {counts['total'] / 1e6:.2f}M params "
+             f"({counts['non_embedding'] / 1e6:.2f}M non-embedding); "
+             f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
+             f"({self.data_meta['splits']['train']['tokens']:,} train tokens) from "
+             f"{self.data_dir}")
 
-    train_iter = iter(pipeline.dataset(self.train_spec))
-    abstract = abstract_state(self.spec, self.tx)
-    latest = self.checkpointer.latest_step()
-    if latest is not None:
-      state = self.checkpointer.restore(latest, abstract, train_iter)
-      writer.log(f"resumed from {self.checkpointer.directory}/{latest}")
-    else:
-      state = init_state(self.spec, self.tx)
+    self.checkpointer = checkpointer = Checkpointer(
+        os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save, log=self.log)
+    try:
+      with StopSignals() as signals:
+        return self._train(checkpointer, signals)
+    finally:
+      checkpointer.close()
+      writer.close()
+
+  def _train(self, checkpointer: Checkpointer, signals: StopSignals) -> RunResult:
+    cfg, writer = self.cfg, self.writer
+    state, train_iter, abstract, resumed_at = self._start_state(checkpointer)
     start = int(jax.device_get(state.step))
+    if resumed_at is not None:
+      writer.write(start, {"event": "resumed"}, console=False)
 
     t0 = time.perf_counter()
     train_step = self.compile(abstract)
@@ -157,61 +236,171 @@ class Run:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops_token = flops_per_token(self.model_cfg, cfg.data.seq_len)["total"]
     peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
-    writer.log(f"compiled train step in {compile_seconds:.1f}s; {flops_token / 1e6:.2f} MFLOPs "
-               f"per token; peak {peak / 1e12:.3g} TFLOP/s ({peak_source})")
-
-    last = {}
+    self.log(f"compiled train step in {compile_seconds:.1f}s; {flops_token / 1e6:.2f} MFLOPs "
+             f"per token; peak {peak / 1e12:.3g} TFLOP/s ({peak_source})")
     if start >= cfg.steps:
-      writer.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
-    pending = None  # (step, device metrics) of the last logged step, read after the next dispatch
-    window_start, window_steps, excluded = time.perf_counter(), 0, 0.0
+      self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
+      return RunResult("done", start, {})
 
-    def flush(pending):
-      nonlocal window_start, window_steps, excluded
-      step, metrics = pending
-      host = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      now = time.perf_counter()
-      seconds = max(now - window_start - excluded, 1e-9) / max(window_steps, 1)
-      host["step_time"] = seconds
-      host["tokens_per_sec"] = tokens_per_step / seconds
-      host["mfu"] = host["tokens_per_sec"] * flops_token / peak
-      window_start, window_steps, excluded = now, 0, 0.0
-      writer.write(step, host)
-      writer.advance(0, loss=host["loss"])
-      return host
+    last_metrics: dict = {}
+    storage_failed = False
+    last_save_time = time.monotonic()
+    timer = _StepTimer()
 
+    def save(step: int, *, blocking: bool = False) -> bool:
+      """Start a checkpoint; False if the storage failed (reported once)."""
+      nonlocal storage_failed, last_save_time
+      with timer.paused():
+        try:
+          checkpointer.save(step, state, train_iter, cfg.to_dict())
+          if blocking:
+            checkpointer.wait()
+        except Exception as e:  # noqa: BLE001  storage errors of any kind
+          good = [s for s in checkpointer.all_steps() if s < step]
+          if not storage_failed:
+            self.log(f"checkpoint save at step {step} failed ({type(e).__name__}: "
+                     f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
+                     f"earlier checkpoints are untouched (newest: "
+                     f"{good[-1] if good else 'none'})")
+          storage_failed = True
+          return False
+      if storage_failed:
+        self.log(f"checkpoint save at step {step} succeeded again")
+      storage_failed = False
+      last_save_time = time.monotonic()
+      return True
+
+    def finish_metrics(step: int, metrics) -> dict:
+      host = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
+      return timer.annotate(host, tokens_per_step, flops_token, peak)
+
+    # Step N's metrics are read after step N+1 is dispatched. `pending` holds them.
+    pending = None
+    status, message = "done", ""
     with jax.set_mesh(self.mesh):
-      for step in range(start, cfg.steps):
+      step = start
+      while step < cfg.steps:
         batch = self.global_batch([next(train_iter) for _ in range(self.num_micro)])
         state, metrics = train_step(state, batch)
-        done = step + 1
-        window_steps += 1
+        step += 1
+        timer.step_dispatched()
         writer.advance(1)
+
         if pending is not None:
-          last = flush(pending)
+          status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
           pending = None
-        if done % cfg.log_every == 0 or done == cfg.steps:
-          pending = (done, metrics)
-        if (cfg.checkpoint.every_steps and done % cfg.checkpoint.every_steps == 0) or \
-            done == cfg.steps:
-          if pending is not None:  # read the metrics first, so the save is not timed as a step
-            last = flush(pending)
-            pending = None
-          t = time.perf_counter()
-          self.checkpointer.save(done, state, train_iter, cfg.to_dict())
-          excluded += time.perf_counter() - t
-        if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
-          if pending is not None:
-            last = flush(pending)
-            pending = None
-          t = time.perf_counter()
-          eval_loss = evaluate(state.params)
-          writer.write(done, {"eval_loss": eval_loss})
-          last["eval_loss"] = eval_loss
-          excluded += time.perf_counter() - t
-      if pending is not None:
-        last = flush(pending)
-    self.checkpointer.wait()
-    self.checkpointer.close()
-    writer.close()
-    return last
+          if status != "done":
+            break
+        pending = (step, metrics)
+
+        due_steps = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+        due_time = (cfg.checkpoint.every_seconds and
+                    time.monotonic() - last_save_time >= cfg.checkpoint.every_seconds)
+        due_eval = evaluate is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
+        if due_steps or due_time or due_eval or step == cfg.steps or signals.received:
+          # Read this step's metrics now: a bad step must not be checkpointed or evaluated.
+          status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
+          pending = None
+          if status != "done":
+            break
+        if signals.received:
+          ok = save(step, blocking=True)
+          status = "preempted"
+          message = (f"{signals.received} received: stopped after step {step}; "
+                     + (f"checkpoint saved to {checkpointer.directory}/{step}" if ok else
+                        "the checkpoint could not be written"))
+          break
+        if due_steps or due_time or step == cfg.steps:
+          if not save(step, blocking=step == cfg.steps) and cfg.checkpoint.on_error == "stop":
+            status, message = "storage", f"stopped at step {step}: checkpoint storage failed"
+            break
+        if due_eval:
+          with timer.paused():
+            eval_loss = evaluate(state.params)
+          writer.write(step, {"eval_loss": eval_loss})
+          last_metrics["eval_loss"] = eval_loss
+      if pending is not None and status == "done":
+        status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
+    try:
+      checkpointer.wait()
+    except Exception as e:  # noqa: BLE001
+      if status == "done":
+        status = "storage"
+        message = f"the last checkpoint could not be written ({type(e).__name__}: {e})"
+    if message:
+      self.log(message)
+    return RunResult(status, step, last_metrics, message)
+
+  def _check(self, step, metrics, finish_metrics, last_metrics):
+    """Log step `step` if due and apply the non-finite / spike policies."""
+    cfg = self.cfg
+    host = finish_metrics(step, metrics) if (step % cfg.log_every == 0 or step == cfg.steps or
+                                             _any_flag(metrics)) else None
+    if host is None:
+      return "done", "", last_metrics
+    self.writer.write(step, host)
+    self.writer.advance(0, loss=host["loss"])
+    if host.get("skipped"):
+      kind = "non-finite loss/gradient" if host.get("nonfinite") else "loss spike"
+      policy = cfg.trainer.nonfinite_policy if host.get("nonfinite") else cfg.trainer.spike_policy
+      if policy == "stop":
+        steps = self.checkpointer.all_steps()
+        newest = f"newest checkpoint: step {steps[-1]}" if steps else "no checkpoint yet"
+        return "nonfinite", (f"{kind} at step {step} (loss={host['loss']}); stopping without "
+                             f"applying it; {newest}"), host
+      self.log(f"{kind} at step {step} (loss={host['loss']}): update skipped")
+    return "done", "", host
+
+
+def _any_flag(metrics) -> bool:
+  """Whether a step was skipped (reads one scalar; called one step behind the device)."""
+  return bool(jax.device_get(metrics["skipped"]))
+
+
+def _scalar(v):
+  v = np.asarray(v)
+  return int(v) if np.issubdtype(v.dtype, np.integer) else float(v)
+
+
+class _StepTimer:
+  """Wall time per step over the window since the last log, excluding saves and evals."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.steps = 0
+    self.excluded = 0.0
+
+  def step_dispatched(self):
+    self.steps += 1
+
+  def paused(self):
+    timer = self
+
+    class _Pause:
+      def __enter__(self):
+        self.t = time.perf_counter()
+
+      def __exit__(self, *exc):
+        timer.excluded += time.perf_counter() - self.t
+        return False
+
+    return _Pause()
+
+  def annotate(self, host: dict, tokens_per_step: int, flops_token: float, peak: float) -> dict:
+    now = time.perf_counter()
+    seconds = max(now - self.start - self.excluded, 1e-9) / max(self.steps, 1)
+    self.start, self.steps, self.excluded = now, 0, 0.0
+    host["step_time"] = seconds
+    host["tokens_per_sec"] = tokens_per_step / seconds
+    host["mfu"] = host["tokens_per_sec"] * flops_token / peak
+    return host
+
+
+def _repair_jsonl(path: str) -> None:
+  """Drop a partial last line left by a process killed mid-write."""
+  if not os.path.exists(path):
+    return
+  with open(path, "rb+") as f:
+    data = f.read()
+    if data and not data.endswith(b"\n"):
+      f.truncate(data.rfind(b"\n") + 1)

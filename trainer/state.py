@@ -30,6 +30,7 @@ class TrainState:
   step: jax.Array  # int32 scalar: optimizer updates applied so far
   params: Any  # nested dict of arrays
   opt_state: Any
+  guard: Any  # counters of the non-finite / loss-spike guard (trainer/step.py)
 
 
 def _logical_names(abstract_state) -> Any:
@@ -37,6 +38,12 @@ def _logical_names(abstract_state) -> Any:
   return nnx.to_pure_dict(jax.tree.map(
       lambda v: tuple(v.get_metadata().get("out_sharding") or (None,) * v.ndim),
       abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def init_guard() -> dict[str, jax.Array]:
+  """Counters of the non-finite / loss-spike guard (see trainer/step.py)."""
+  return {"skipped": jnp.zeros((), jnp.int32), "good_steps": jnp.zeros((), jnp.int32),
+          "loss_mean": jnp.zeros((), jnp.float32), "loss_var": jnp.zeros((), jnp.float32)}
 
 
 class ModelSpec:
@@ -70,23 +77,32 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainS
       tx, lambda _, sharding: sharding, abstract_opt, spec.param_shardings,
       transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, NamedSharding))
-  return TrainState(step=replicated, params=spec.param_shardings, opt_state=opt_shardings)
+  guard = jax.tree.map(lambda _: replicated, init_guard())
+  return TrainState(step=replicated, params=spec.param_shardings, opt_state=opt_shardings,
+                    guard=guard)
 
 
 def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
   """ShapeDtypeStructs (with target shardings) of the TrainState, for restoring checkpoints."""
   shardings = state_shardings(spec, tx)
-  shapes = jax.eval_shape(lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p)),
-                          spec.abstract_params)
+  shapes = jax.eval_shape(
+      lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), init_guard()),
+      spec.abstract_params)
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       shapes, shardings)
 
 
-def init_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
+def init_state(spec: ModelSpec, tx: optax.GradientTransformation, params=None) -> TrainState:
+  """A fresh state; with `params` (e.g. from another run) only the optimizer state is new."""
   shardings = state_shardings(spec, tx)
+  if params is not None:
+    fresh = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                 opt_state=tx.init(p), guard=init_guard())
+    return jax.jit(fresh, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
   def init():
     params = nnx.to_pure_dict(nnx.state(spec.make_model(), nnx.Param))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      guard=init_guard())
 
   return jax.jit(init, out_shardings=shardings)()
