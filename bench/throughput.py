@@ -37,14 +37,14 @@ def main(argv=None):
   from trainer.config import load, validate  # noqa: PLC0415
   from trainer.loop import Run  # noqa: PLC0415
   from trainer.metrics import machine_peak_flops, measure_matmul_peak  # noqa: PLC0415
-  from trainer.state import abstract_state, init_state  # noqa: PLC0415
+  from trainer.state import init_state  # noqa: PLC0415
 
   cfg = load(args.config, overrides)
   validate(cfg, jax.device_count(), jax.process_count())
   with tempfile.TemporaryDirectory() as workdir:
     run = Run(cfg, workdir)
     t0 = time.perf_counter()
-    step = run.compile(abstract_state(run.spec, run.tx))
+    step = run.program.compile()
     compile_s = time.perf_counter() - t0
     state = init_state(run.spec, run.tx)
     it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.train_spec))

@@ -27,13 +27,13 @@ import numpy as np
 
 from data import pipeline
 from data.prepare import ensure_default_corpus, read_meta
-from models.llama import ModelConfig, flops_per_token, param_counts
-from optim import build_optimizer
-from sharding.mesh import batch_sharding, make_mesh, replicated
+from models.llama import flops_per_token, param_counts
+from sharding.mesh import make_mesh, replicated
 from trainer.checkpoint import Checkpointer, load_params
 from trainer.metrics import MetricsWriter, machine_peak_flops
-from trainer.state import ModelSpec, abstract_state, init_state, state_shardings
-from trainer.step import GuardConfig, make_eval_step, make_train_step
+from trainer.program import Program
+from trainer.state import init_state
+from trainer.step import make_eval_step
 
 EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
 
@@ -94,18 +94,14 @@ class Run:
     self.cfg = cfg
     self.workdir = os.path.abspath(workdir)
     self.is_lead = jax.process_index() == 0
-    d = cfg.data
-    self.micro_rows = d.micro_batch_size or d.global_batch_size
-    self.num_micro = d.global_batch_size // self.micro_rows
-
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
     self.mesh = make_mesh(cfg.mesh)
-    self.model_cfg = ModelConfig.from_config(cfg.model)
-    self.spec = ModelSpec(self.model_cfg, self.mesh, cfg.seed)
-    self.tx, self.schedule = build_optimizer(cfg.optim, self.spec.logical_names, cfg.steps)
-    self.shardings = state_shardings(self.spec, self.tx)
-    self.batch_sharding = batch_sharding(self.mesh, microbatched=True)
+    self.program = p = Program(cfg, self.mesh)
+    self.micro_rows, self.num_micro = p.micro_rows, p.num_micro
+    self.model_cfg, self.spec, self.tx = p.model_cfg, p.spec, p.tx
+    self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
 
+    d = cfg.data
     self.data_dir = d.dir or ensure_default_corpus()
     self.data_meta = read_meta(self.data_dir)
     self.train_spec = pipeline.StreamSpec(
@@ -132,22 +128,6 @@ class Run:
       out[key] = jax.make_array_from_process_local_data(self.batch_sharding, local, global_shape)
     return out
 
-  def _abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (self.num_micro, self.micro_rows, self.cfg.data.seq_len)
-    dtypes = {"loss_mask": np.bool_}
-    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, np.int32), sharding=self.batch_sharding)
-            for k in pipeline.BATCH_KEYS}
-
-  def compile(self, abstract):
-    """AOT-compile the train step for the state/batch shapes (no data needed)."""
-    step = jax.jit(make_train_step(self.spec, self.tx, self.schedule,
-                                   GuardConfig.from_config(self.cfg.trainer)),
-                   in_shardings=(self.shardings, self.batch_sharding),
-                   out_shardings=(self.shardings, replicated(self.mesh)),
-                   donate_argnums=0)
-    with jax.set_mesh(self.mesh):
-      return step.lower(abstract, self._abstract_batch()).compile()
-
   def _eval_fn(self):
     flat = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(
         *self.batch_sharding.spec[1:]))
@@ -173,7 +153,7 @@ class Run:
 
   def _start_state(self, checkpointer: Checkpointer):
     """(state, data iterator) from the newest readable checkpoint, `init_from`, or fresh."""
-    abstract = abstract_state(self.spec, self.tx)
+    abstract = self.program.abstract_state()
     make_iterator = lambda: iter(pipeline.dataset(self.train_spec))
     restored = checkpointer.restore_latest(
         abstract, make_iterator, self.cfg.to_dict(),
@@ -229,7 +209,7 @@ class Run:
       writer.write(start, {"event": "resumed"}, console=False)
 
     t0 = time.perf_counter()
-    train_step = self.compile(abstract)
+    train_step = self.program.compile()
     compile_seconds = time.perf_counter() - t0
     evaluate = self._eval_fn() if cfg.eval_every else None
 

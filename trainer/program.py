@@ -1,0 +1,59 @@
+"""The compiled program of a run: model, optimizer, shardings and the jitted train step.
+
+Everything here depends only on the config and a mesh, not on data or devices being real, so
+the same object serves training (`trainer/loop.py`), benchmarks, and ahead-of-time compilation
+for hardware this machine does not have (a mesh over a TPU topology's devices).
+"""
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh
+
+from data.pipeline import BATCH_KEYS
+from models.llama import ModelConfig
+from optim import build_optimizer
+from sharding.mesh import batch_sharding, replicated
+from trainer.state import ModelSpec, abstract_state, state_shardings
+from trainer.step import GuardConfig, make_train_step
+
+
+class Program:
+
+  def __init__(self, cfg: ml_collections.ConfigDict, mesh: Mesh):
+    self.cfg = cfg
+    self.mesh = mesh
+    d = cfg.data
+    self.micro_rows = d.micro_batch_size or d.global_batch_size
+    self.num_micro = d.global_batch_size // self.micro_rows
+    self.model_cfg = ModelConfig.from_config(cfg.model)
+    self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed)
+    self.tx, self.schedule = build_optimizer(cfg.optim, self.spec.logical_names, cfg.steps)
+    self.shardings = state_shardings(self.spec, self.tx)
+    self.batch_sharding = batch_sharding(mesh, microbatched=True)
+
+  def abstract_state(self):
+    return abstract_state(self.spec, self.tx)
+
+  def abstract_batch(self, num_micro: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+    shape = (num_micro or self.num_micro, self.micro_rows, self.cfg.data.seq_len)
+    dtypes = {"loss_mask": np.bool_}
+    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, np.int32), sharding=self.batch_sharding)
+            for k in BATCH_KEYS}
+
+  def jitted_step(self):
+    return jax.jit(make_train_step(self.spec, self.tx, self.schedule,
+                                   GuardConfig.from_config(self.cfg.trainer)),
+                   in_shardings=(self.shardings, self.batch_sharding),
+                   out_shardings=(self.shardings, replicated(self.mesh)),
+                   donate_argnums=0)
+
+  def lower(self, num_micro: int | None = None):
+    with jax.set_mesh(self.mesh):
+      return self.jitted_step().lower(self.abstract_state(), self.abstract_batch(num_micro))
+
+  def compile(self, num_micro: int | None = None):
+    """AOT-compile the train step for the state/batch shapes (no data needed)."""
+    with jax.set_mesh(self.mesh):
+      return self.lower(num_micro).compile()
