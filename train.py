@@ -59,6 +59,8 @@ def main(argv: list[str]) -> int:
   try:
     cfg = load(config_path, overrides)
     import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
+    from absl import logging as absl_logging  # noqa: PLC0415
+    absl_logging.set_verbosity(absl_logging.ERROR)  # library chatter; our own lines say it all
     validate(cfg, jax.device_count(), jax.process_count())
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)

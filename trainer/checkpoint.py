@@ -98,20 +98,39 @@ def describe_mismatch(saved_config: dict, config: dict, saved_tree, target_tree)
   return None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+  """`ExceptionType: first line of its message` (for one-line reports)."""
   text = str(e).strip().splitlines()
   return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _use_replica_parallel_only_across_hosts() -> None:
+  """Orbax's replica-parallel save splits each replicated array into per-replica slices with
+  one eager `lax.slice` per slice, compiled per shape: seconds of compile on the first save and
+  no gain when all replicas live in one process. Keep it only for multi-process runs, where
+  it spreads the writes of replicated arrays over the hosts."""
+  ocp.type_handlers.register_type_handler(
+      jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=jax.process_count() > 1),
+      override=True)
 
 
 class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int, async_save: bool = True,
                log: Callable[[str], None] = print):
+    _use_replica_parallel_only_across_hosts()
     self.directory = os.path.abspath(directory)
     self.log = log
     self._options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
-    self.manager = ocp.CheckpointManager(self.directory, options=self._options)
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
+        # Create the step directory in the calling thread: an unwritable directory then fails
+        # the save at once, instead of timing out a background signal minutes later.
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=self._options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "data": grain.checkpoint.CheckpointHandler(),
+                       "config": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -122,10 +141,12 @@ class Checkpointer:
   # ------------------------------------------------------------------------------------------
   # Saving
 
-  def save(self, step: int, state, data_iterator, config: dict) -> None:
-    """Start saving (async unless configured otherwise). Raises on storage errors, including
-    an earlier background save that failed."""
+  def check_for_errors(self) -> None:
+    """Raise the error of an earlier background save, if one failed."""
     self.manager.check_for_errors()
+
+  def save(self, step: int, state, data_iterator, config: dict) -> None:
+    """Start saving (async unless configured otherwise). Raises on storage errors."""
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=grain.checkpoint.CheckpointSave(data_iterator),
@@ -185,7 +206,7 @@ class Checkpointer:
             data=grain.checkpoint.CheckpointRestore(iterator),
         ))
       except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
-        self.log(f"checkpoint {self.directory}/{step} is unreadable ({_first_line(e)}); "
+        self.log(f"checkpoint {self.directory}/{step} is unreadable ({first_line(e)}); "
                  "trying the previous one")
         unreadable.append(step)
         continue
@@ -239,7 +260,7 @@ def load_params(path: str, abstract_params) -> tuple[Any, str]:
       saved = checkpointer.metadata(state_dir).item_metadata.tree
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(f"checkpoint.init_from: cannot read {state_dir} "
-                            f"({_first_line(e)})") from None
+                            f"({first_line(e)})") from None
     if "params" not in saved:
       raise CheckpointError(f"checkpoint.init_from: {state_dir} holds no params")
     reason = describe_mismatch({}, {}, saved["params"], abstract_params)

@@ -29,7 +29,7 @@ from data import pipeline
 from data.prepare import ensure_default_corpus, read_meta
 from models.llama import flops_per_token, param_counts
 from sharding.mesh import make_mesh, replicated
-from trainer.checkpoint import Checkpointer, load_params
+from trainer.checkpoint import Checkpointer, first_line, load_params
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.program import Program
 from trainer.state import init_state
@@ -160,7 +160,6 @@ class Run:
         allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
     if restored is not None:
       state, iterator, step = restored
-      self.log(f"resumed from {checkpointer.directory}/{step}")
       return state, iterator, abstract, step
     if self.cfg.checkpoint.init_from:
       params, source = load_params(self.cfg.checkpoint.init_from, self.spec.abstract_params)
@@ -173,13 +172,30 @@ class Run:
   def train(self) -> RunResult:
     cfg = self.cfg
     os.makedirs(self.workdir, exist_ok=True)
-    _repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
-    self.writer = writer = MetricsWriter(self.workdir, enabled=self.is_lead,
-                                         progress_total=cfg.steps,
-                                         progress_bar=cfg.trainer.progress_bar)
-    if self.is_lead:
-      with open(os.path.join(self.workdir, "config.json"), "w") as f:
-        json.dump(cfg.to_dict(), f, indent=1)
+    self.checkpointer = checkpointer = Checkpointer(
+        os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save, log=self.log)
+    try:
+      with StopSignals() as signals:
+        # Restore first: a run that cannot start (unreadable or mismatched checkpoints) leaves
+        # the workdir exactly as it found it.
+        start_state = self._start_state(checkpointer)
+        _repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+        self.writer = MetricsWriter(self.workdir, enabled=self.is_lead,
+                                    progress_total=cfg.steps,
+                                    progress_bar=cfg.trainer.progress_bar)
+        if self.is_lead:
+          with open(os.path.join(self.workdir, "config.json"), "w") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+        return self._train(checkpointer, signals, *start_state)
+    finally:
+      checkpointer.close()
+      if self.writer is not None:
+        self.writer.close()
+
+  def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
+             abstract, resumed_at) -> RunResult:
+    cfg, writer = self.cfg, self.writer
     counts = param_counts(self.model_cfg)
     src = self.data_meta["source"]
     self.log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
@@ -190,22 +206,9 @@ class Run:
              f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
              f"({self.data_meta['splits']['train']['tokens']:,} train tokens) from "
              f"{self.data_dir}")
-
-    self.checkpointer = checkpointer = Checkpointer(
-        os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
-        async_save=cfg.checkpoint.async_save, log=self.log)
-    try:
-      with StopSignals() as signals:
-        return self._train(checkpointer, signals)
-    finally:
-      checkpointer.close()
-      writer.close()
-
-  def _train(self, checkpointer: Checkpointer, signals: StopSignals) -> RunResult:
-    cfg, writer = self.cfg, self.writer
-    state, train_iter, abstract, resumed_at = self._start_state(checkpointer)
     start = int(jax.device_get(state.step))
     if resumed_at is not None:
+      self.log(f"resumed from {checkpointer.directory}/{resumed_at}")
       writer.write(start, {"event": "resumed"}, console=False)
 
     t0 = time.perf_counter()
@@ -227,19 +230,25 @@ class Run:
     last_save_time = time.monotonic()
     timer = _StepTimer()
 
+    last_save_step = None
+
     def save(step: int, *, blocking: bool = False) -> bool:
-      """Start a checkpoint; False if the storage failed (reported once)."""
-      nonlocal storage_failed, last_save_time
+      """Start a checkpoint; False if the storage failed (each failure streak reported once)."""
+      nonlocal storage_failed, last_save_time, last_save_step
       with timer.paused():
+        failed_step = step
         try:
+          failed_step = last_save_step  # a background write of the previous save may have failed
+          checkpointer.check_for_errors()
+          failed_step = step
           checkpointer.save(step, state, train_iter, cfg.to_dict())
+          last_save_step = step
           if blocking:
             checkpointer.wait()
         except Exception as e:  # noqa: BLE001  storage errors of any kind
-          good = [s for s in checkpointer.all_steps() if s < step]
           if not storage_failed:
-            self.log(f"checkpoint save at step {step} failed ({type(e).__name__}: "
-                     f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
+            good = [s for s in checkpointer.all_steps() if s < (failed_step or step)]
+            self.log(f"checkpoint save at step {failed_step} failed ({first_line(e)}); "
                      f"earlier checkpoints are untouched (newest: "
                      f"{good[-1] if good else 'none'})")
           storage_failed = True
@@ -291,8 +300,11 @@ class Run:
                         "the checkpoint could not be written"))
           break
         if due_steps or due_time or step == cfg.steps:
-          if not save(step, blocking=step == cfg.steps) and cfg.checkpoint.on_error == "stop":
-            status, message = "storage", f"stopped at step {step}: checkpoint storage failed"
+          final = step == cfg.steps
+          if not save(step, blocking=final) and (final or cfg.checkpoint.on_error == "stop"):
+            status = "storage"
+            message = (f"stopped at step {step}: checkpoint storage failed" if not final else
+                       f"finished step {step} but its checkpoint could not be written")
             break
         if due_eval:
           with timer.paused():
@@ -306,7 +318,7 @@ class Run:
     except Exception as e:  # noqa: BLE001
       if status == "done":
         status = "storage"
-        message = f"the last checkpoint could not be written ({type(e).__name__}: {e})"
+        message = f"the last checkpoint could not be written ({first_line(e)})"
     if message:
       self.log(message)
     return RunResult(status, step, last_metrics, message)

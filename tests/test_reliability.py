@@ -1,0 +1,237 @@
+"""Training you can trust through crashes: real processes, real signals, real broken files.
+
+Every test compares against an uninterrupted run of the same command: the losses of the steps
+after the interruption must be identical (bit for bit on CPU fp32, same mesh) or, on a
+different mesh, equal up to fp32 reduction order.
+"""
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import CACHE_DIR
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A very small model so that every process is quick; state is saved every 2 steps.
+TINY = ["--config.model.d_model=32", "--config.model.mlp_dim=64", "--config.data.seq_len=32",
+        "--config.data.global_batch_size=8", "--config.log_every=1", "--config.eval_every=0",
+        "--config.optim.decay_steps=40", "--config.checkpoint.every_steps=2",
+        f"--config.trainer.compile_cache_dir={CACHE_DIR}", "--config.trainer.progress_bar=false",
+        "--config.trainer.peak_flops_per_device=1e9"]
+
+
+def _cmd(workdir, steps, extra=()):
+  return [sys.executable, "train.py", "--config", "configs/lm_tiny.py", "--workdir",
+          str(workdir), f"--config.steps={steps}", *TINY, *extra]
+
+
+def _env(devices=8):
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+  return env
+
+
+def train(workdir, steps, *extra, devices=8, expect=0):
+  proc = subprocess.run(_cmd(workdir, steps, extra), cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, env=_env(devices))
+  assert proc.returncode == expect, (proc.returncode, proc.stdout[-3000:], proc.stderr[-3000:])
+  return proc
+
+
+def start(workdir, steps, *extra):
+  return subprocess.Popen(_cmd(workdir, steps, extra), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=_env())
+
+
+def wait_for_line(proc, needle, timeout=120):
+  """Read the child's output until a line contains `needle`; returns that line."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    line = proc.stdout.readline()
+    if not line:
+      break
+    if needle in line:
+      return line
+  raise AssertionError(f"never saw {needle!r}")
+
+
+def losses(workdir):
+  """{step: loss}, the last record of each step winning (a restarted run redoes steps)."""
+  out = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      row = json.loads(line)
+      if "loss" in row:
+        out[row["step"]] = row["loss"]
+  return out
+
+
+def checkpoint_steps(workdir):
+  d = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """The uninterrupted 12-step reference run."""
+  small = tmp_path_factory.mktemp("straight_small")
+  train(small, 12)
+  return {"small": losses(small)}
+
+
+def assert_same_tail(got, want, first, last=12):
+  assert [got[s] for s in range(first, last + 1)] == [want[s] for s in range(first, last + 1)]
+
+
+# --- SIGKILL -------------------------------------------------------------------------------
+
+
+def test_sigkill_before_first_checkpoint_then_right_after_one(straight, tmp_path):
+  """Two hard kills in one workdir: before anything was saved, then just after step 4 was."""
+  proc = start(tmp_path, 12)
+  wait_for_line(proc, "step 1:")
+  proc.kill()
+  proc.wait()
+  assert checkpoint_steps(tmp_path) == []
+  proc = start(tmp_path, 12)
+  deadline = time.time() + 120
+  while 4 not in checkpoint_steps(tmp_path) and time.time() < deadline:
+    time.sleep(0.002)
+  proc.kill()
+  proc.wait()
+  assert 4 in checkpoint_steps(tmp_path)
+  train(tmp_path, 12)
+  assert_same_tail(losses(tmp_path), straight["small"], 1)
+
+
+def test_sigkill_during_async_save(straight, tmp_path):
+  """Kill while a checkpoint is being written (its temporary directory exists)."""
+  proc = start(tmp_path, 12)
+  ckpt_dir = os.path.join(tmp_path, "checkpoints")
+  interrupted = None
+  deadline = time.time() + 120
+  while interrupted is None and time.time() < deadline and proc.poll() is None:
+    tmps = glob.glob(os.path.join(ckpt_dir, "*.orbax-checkpoint-tmp*"))
+    if tmps:
+      proc.kill()
+      interrupted = int(os.path.basename(tmps[0]).split(".")[0])
+    else:
+      time.sleep(0.002)
+  proc.wait()
+  assert interrupted is not None, "never caught a checkpoint in progress"
+  assert interrupted not in checkpoint_steps(tmp_path), "the interrupted save must not count"
+  train(tmp_path, 12)
+  assert_same_tail(losses(tmp_path), straight["small"], 1)
+
+
+# --- SIGTERM / SIGINT ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM,
+                                 pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_preemption_signal_saves_and_exits_75(straight, tmp_path, sig):
+  proc = start(tmp_path, 12, "--config.checkpoint.every_steps=100")
+  wait_for_line(proc, "step 5:")
+  proc.send_signal(sig)
+  rest = proc.communicate(timeout=60)[0]
+  assert proc.returncode == 75, rest
+  assert f"{signal.Signals(sig).name} received: stopped after step" in rest
+  stopped = checkpoint_steps(tmp_path)[-1]
+  assert stopped >= 5 and f"checkpoint saved to" in rest
+  train(tmp_path, 12)
+  assert_same_tail(losses(tmp_path), straight["small"], stopped + 1)
+
+
+# --- broken checkpoints ----------------------------------------------------------------------
+
+
+def _largest_file(directory):
+  files = [p for p in glob.glob(os.path.join(directory, "**"), recursive=True)
+           if os.path.isfile(p)]
+  return max(files, key=os.path.getsize)
+
+
+@pytest.mark.parametrize("damage", ["truncate", pytest.param("delete", marks=pytest.mark.slow)])
+def test_corrupt_newest_checkpoint_falls_back(straight, tmp_path, damage):
+  train(tmp_path, 8)
+  assert checkpoint_steps(tmp_path) == [4, 6, 8]
+  victim = _largest_file(os.path.join(tmp_path, "checkpoints", "8", "state"))
+  if damage == "truncate":
+    open(victim, "w").close()
+  else:
+    os.remove(victim)
+  proc = train(tmp_path, 12)
+  unreadable = [l for l in proc.stdout.splitlines() if "is unreadable" in l]
+  assert len(unreadable) == 1 and "checkpoints/8 is unreadable" in unreadable[0]
+  assert "resumed from" in proc.stdout and proc.stdout.split("resumed from")[1].split()[0] \
+      .endswith("/6")
+  kept = glob.glob(os.path.join(tmp_path, "checkpoints.unreadable", "8-*"))
+  assert len(kept) == 1, "the unreadable checkpoint is set aside, not deleted"
+  assert_same_tail(losses(tmp_path), straight["small"], 7)
+
+
+def test_no_readable_checkpoint_stops_with_exit_2(tmp_path):
+  train(tmp_path, 4)
+  for step in checkpoint_steps(tmp_path):
+    shutil.rmtree(os.path.join(tmp_path, "checkpoints", str(step), "data"))
+  before = sorted(glob.glob(os.path.join(tmp_path, "**"), recursive=True))
+  proc = train(tmp_path, 8, expect=2)
+  assert "no readable checkpoint" in proc.stderr and "allow_fresh_start" in proc.stderr
+  assert sorted(glob.glob(os.path.join(tmp_path, "**"), recursive=True)) == before
+  # With the explicit flag the run sets them aside and starts over.
+  train(tmp_path, 4, "--config.checkpoint.allow_fresh_start=true")
+  assert len(glob.glob(os.path.join(tmp_path, "checkpoints.unreadable", "*"))) == 2
+
+
+# --- storage errors --------------------------------------------------------------------------
+
+
+def _make_read_only(path):
+  """Make `path` unwritable even for root (chattr +i), or skip if that is impossible."""
+  if os.geteuid() != 0:
+    os.chmod(path, 0o555)
+    return lambda: os.chmod(path, 0o755)
+  if shutil.which("chattr") is None or subprocess.run(["chattr", "+i", path]).returncode:
+    pytest.skip("running as root without chattr +i: cannot make a directory read-only")
+  return lambda: subprocess.run(["chattr", "-i", path], check=True)
+
+
+@pytest.mark.parametrize("policy", ["stop", pytest.param("continue", marks=pytest.mark.slow)])
+def test_read_only_checkpoint_dir(straight, tmp_path, policy):
+  train(tmp_path, 4)
+  undo = _make_read_only(os.path.join(tmp_path, "checkpoints"))
+  try:
+    proc = train(tmp_path, 8, f"--config.checkpoint.on_error={policy}", expect=4)
+  finally:
+    undo()
+  failures = [l for l in proc.stdout.splitlines() if "failed" in l and "checkpoint save" in l]
+  assert len(failures) == 1, proc.stdout  # reported once
+  assert "earlier checkpoints are untouched (newest: 4)" in failures[0]
+  steps_run = max(losses(tmp_path))
+  assert steps_run == (6 if policy == "stop" else 8)
+  # Every earlier checkpoint is still readable: the restart resumes from 4 and matches.
+  proc = train(tmp_path, 12)
+  assert proc.stdout.split("resumed from")[1].split()[0].endswith("/4")
+  assert_same_tail(losses(tmp_path), straight["small"], 5)
+
+
+# --- restore elsewhere -------------------------------------------------------------------------
+
+
+def test_elastic_restore_8_to_4_to_1_devices(straight, tmp_path):
+  """Same global batch and data order on any device count; losses within fp32 noise."""
+  train(tmp_path, 4, devices=8)
+  train(tmp_path, 8, "--config.mesh.data=2", "--config.mesh.tensor=2", devices=4)
+  train(tmp_path, 12, devices=1)
+  got, want = losses(tmp_path), straight["small"]
+  np.testing.assert_allclose([got[s] for s in range(5, 13)], [want[s] for s in range(5, 13)],
+                             rtol=1e-5)

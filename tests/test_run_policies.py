@@ -1,0 +1,100 @@
+"""Run policies, in process: non-finite and spike guards, wall-time saves, config mismatches,
+warm starts from another run."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from trainer.checkpoint import CheckpointError, Checkpointer
+from trainer.loop import Run
+from trainer.step import GuardConfig, _judge
+from trainer.state import init_guard
+
+
+def _rows(workdir):
+  rows = {}
+  for line in open(workdir / "metrics.jsonl"):
+    row = json.loads(line)
+    if "loss" in row:
+      rows[row["step"]] = row
+  return rows
+
+
+def _run(workdir, **overrides):
+  return Run(tiny_config(**overrides), str(workdir)).train()
+
+
+def test_nan_skip_policy_drops_the_update(tmp_path):
+  result = _run(tmp_path, **{"steps": 6, "trainer.debug_nan_at_step": 3})
+  assert result.status == "done" and result.exit_code == 0
+  rows = _rows(tmp_path)
+  assert rows[3]["skipped"] == 1 and rows[3]["nonfinite"] == 1 and not np.isfinite(rows[3]["loss"])
+  assert rows[3]["param_norm"] == rows[2]["param_norm"], "the bad update must not be applied"
+  assert rows[4]["learning_rate"] == rows[3]["learning_rate"], "the optimizer count skips it"
+  assert all(np.isfinite(rows[s]["loss"]) and rows[s]["skipped"] == 0 for s in (4, 5, 6))
+
+
+def test_nan_stop_policy_keeps_the_last_good_checkpoint(tmp_path):
+  result = _run(tmp_path, **{"steps": 8, "checkpoint.every_steps": 2,
+                             "trainer.debug_nan_at_step": 5, "trainer.nonfinite_policy": "stop"})
+  assert result.status == "nonfinite" and result.exit_code == 3
+  assert "non-finite loss/gradient at step 5" in result.message
+  assert "newest checkpoint: step 4" in result.message
+  assert Checkpointer(str(tmp_path / "checkpoints"), keep=3).all_steps() == [2, 4]
+
+
+def test_spike_detector_flags_only_spikes():
+  cfg = GuardConfig(spike_zscore=4.0, spike_window=20)
+  judge = jax.jit(lambda g, loss: _judge(g, loss, jnp.float32(1.0), cfg))
+  guard = init_guard()
+  rng = np.random.default_rng(0)
+  flags = []
+  for loss in list(3.0 + 0.05 * rng.standard_normal(60)) + [4.0, 3.0, float("nan"), 3.01]:
+    bad, finite, spike, guard = judge(guard, jnp.float32(loss))
+    flags.append((bool(bad), bool(spike), bool(finite)))
+  assert not any(b for b, _, _ in flags[:60]), "no false alarms on noise"
+  assert flags[60] == (True, True, True)  # 4.0 is ~20 sigma above the mean
+  assert flags[61] == (False, False, True)
+  assert flags[62] == (True, False, False)  # NaN: bad, not a spike
+  assert not flags[63][0]
+  assert int(guard["skipped"]) == 2 and int(guard["good_steps"]) == 62
+
+
+def test_every_seconds_policy_saves_by_wall_time(tmp_path):
+  _run(tmp_path, **{"steps": 6, "checkpoint.every_steps": 0,
+                    "checkpoint.every_seconds": 1e-6})
+  assert Checkpointer(str(tmp_path / "checkpoints"), keep=3).all_steps() == [4, 5, 6]
+
+
+def test_mismatched_config_is_refused(tmp_path):
+  _run(tmp_path, **{"steps": 2, "checkpoint.every_steps": 2})
+  with pytest.raises(CheckpointError, match="written with optim.name='adamw', the config has"):
+    _run(tmp_path, **{"steps": 4, "optim.name": "lamb"})
+  with pytest.raises(CheckpointError, match="model.d_model=32, the config has 64"):
+    _run(tmp_path, **{"steps": 4, "model.d_model": 64})
+  with pytest.raises(CheckpointError, match="rows per micro-batch"):
+    _run(tmp_path, **{"steps": 4, "data.global_batch_size": 16})
+  # Run length, logging, checkpoint intervals and the learning rate may change.
+  result = _run(tmp_path, **{"steps": 4, "log_every": 2, "checkpoint.every_steps": 1,
+                             "optim.learning_rate": 5e-3})
+  assert result.status == "done" and result.step == 4
+
+
+def test_init_from_loads_parameters_only(tmp_path):
+  source = tmp_path / "source"
+  _run(source, **{"steps": 4, "checkpoint.every_steps": 4})
+  saved = Run(tiny_config(), str(source))
+  want, _, _, _ = saved._start_state(Checkpointer(str(source / "checkpoints"), keep=3))
+  warm = Run(tiny_config(**{"checkpoint.init_from": str(source)}), str(tmp_path / "warm"))
+  state, _, _, resumed = warm._start_state(
+      Checkpointer(str(tmp_path / "warm" / "checkpoints"), keep=3))
+  assert resumed is None and int(state.step) == 0
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
+               jax.device_get(want.params))
+  assert not np.any(jax.device_get(state.opt_state[1][0].mu["embed_VE"])), "fresh optimizer"
+  with pytest.raises(CheckpointError, match="does not fit this model"):
+    Run(tiny_config(**{"checkpoint.init_from": str(source), "model.d_model": 64}),
+        str(tmp_path / "bad")).train()
