@@ -6,10 +6,14 @@ Rerunning with the same --workdir resumes from its newest checkpoint. Config err
 keys, wrong types, a mesh that does not fit the devices, sizes that do not divide) are reported
 in one line with exit code 2, before anything is compiled.
 
+Several processes (hosts) are started by running this same command on each of them: see
+trainer/distributed.py and the README's "Multi-host" section.
+
 Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not match the
-config or cannot be read); 3 stopped on a non-finite loss or a loss spike (policy "stop"; the
-newest checkpoint is the last good state); 4 checkpoint storage failed (checkpoint.on_error =
-"stop"); 75 preempted by SIGTERM/SIGINT after saving a checkpoint (restart to continue).
+config or cannot be read, processes that cannot connect or do not agree); 3 stopped on a
+non-finite loss or a loss spike (policy "stop"; the newest checkpoint is the last good state);
+4 checkpoint storage failed (checkpoint.on_error = "stop"); 75 preempted by SIGTERM/SIGINT
+after saving a checkpoint (restart to continue).
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
 def main(argv: list[str]) -> int:
   from data.prepare import DataError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer import distributed  # noqa: PLC0415
   from trainer.config import ConfigError, load, validate  # noqa: PLC0415
 
   try:
@@ -58,14 +63,19 @@ def main(argv: list[str]) -> int:
     return EXIT_CONFIG_ERROR
   try:
     cfg = load(config_path, overrides)
+    # Several processes (hosts): join them before anything touches a jax backend, then make
+    # sure they all run the same thing (a disagreement is an error here, not a hang later).
+    distributed.initialize(cfg.distributed)
     import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
     from absl import logging as absl_logging  # noqa: PLC0415
     absl_logging.set_verbosity(absl_logging.ERROR)  # library chatter; our own lines say it all
+    distributed.check_agreement(cfg, workdir)
     validate(cfg, jax.device_count(), jax.process_count())
+    distributed.check_data_layout(cfg)
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)
     result = run.train()
-  except (ConfigError, DataError, CheckpointError) as e:
+  except (ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
   return result.exit_code

@@ -4,7 +4,10 @@
         --config.data.dir=/path/to/prepared   # python -m data.prepare --out ... your files
 
 bf16 compute with fp32 parameters and optimizer state, FSDP over every device, 0.5M tokens per
-step (256 x 2048). On CPU it runs too, but only for a smoke test (shrink the batch).
+step (256 x 2048) in micro-batches of 64 sequences (activations of 16 sequences per chip at a
+time on 4 chips). Documented fit: a v5e slice of 4 chips (`python -m tools.aot --config
+configs/lm_125m.py --topology v5e:2x2`, README "Ahead-of-time compile"). On CPU it runs too, but
+only for a smoke test (shrink the batch).
 """
 from trainer.config import default_config
 
@@ -15,8 +18,9 @@ def get_config():
   c.seed = 0
   c.mesh.update(data=1, fsdp=-1)
   c.model.update(vocab_size=512, d_model=768, num_layers=12, num_heads=12, num_kv_heads=4,
-                 mlp_dim=3072, dtype="bfloat16", param_dtype="float32", remat="dots")
-  c.data.update(global_batch_size=256, seq_len=2048, prefetch=4)
+                 mlp_dim=3072, dtype="bfloat16", param_dtype="float32", remat="dots",
+                 attention="auto")
+  c.data.update(global_batch_size=256, micro_batch_size=64, seq_len=2048, prefetch=4)
   c.optim.update(name="adamw", learning_rate=6e-4, warmup_steps=1000, decay_steps=20_000,
                  schedule="cosine", b2=0.95, weight_decay=0.1)
   c.log_every = 50

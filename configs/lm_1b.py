@@ -4,7 +4,10 @@
         --config.data.dir=/path/to/prepared
 
 bf16 compute, fp32 master weights and Adam moments sharded by FSDP (16 bytes/param -> 16 GB
-in total, divided over the devices), full rematerialisation of each block.
+in total, divided over the devices), full rematerialisation of each block, micro-batches of 256
+sequences (16 per chip at a time on 16 chips). Documented fit: a v5e slice of 16 chips
+(`python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4`, README "Ahead-of-time
+compile").
 """
 from trainer.config import default_config
 
@@ -15,8 +18,8 @@ def get_config():
   c.mesh.update(data=1, fsdp=-1)
   c.model.update(vocab_size=512, d_model=2048, num_layers=16, num_heads=16, num_kv_heads=8,
                  mlp_dim=8192, dtype="bfloat16", param_dtype="float32", remat="full",
-                 rope_theta=500_000.0)
-  c.data.update(global_batch_size=512, seq_len=2048, prefetch=4)
+                 rope_theta=500_000.0, attention="auto")
+  c.data.update(global_batch_size=512, micro_batch_size=256, seq_len=2048, prefetch=4)
   c.optim.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, decay_steps=50_000,
                  schedule="cosine", b2=0.95, weight_decay=0.1)
   c.log_every = 50

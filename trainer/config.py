@@ -64,6 +64,16 @@ def default_config() -> ml_collections.ConfigDict:
       init_from="",  # another run's workdir / checkpoint: load its parameters (fresh runs only)
   ))
 
+  # Several processes (hosts) in one run: see trainer/distributed.py for where the values come
+  # from when left unset (JAX_* variables, SLURM, Open MPI, Cloud TPU).
+  c.distributed = ml_collections.ConfigDict(dict(
+      mode="auto",  # "auto": start jax.distributed when several processes are named; "on", "off"
+      coordinator_address="",  # "host:port" of process 0; "" = from the environment
+      num_processes=0,  # 0 = from the environment (one process if nothing names more)
+      process_id=-1,  # -1 = from the environment
+      initialization_timeout=300,  # seconds to wait for every process (to join, and to agree)
+  ))
+
   c.trainer = ml_collections.ConfigDict(dict(
       peak_flops_per_device=0.0,  # for MFU; 0 = known accelerator table, or a CPU matmul probe
       progress_bar=True,
@@ -197,6 +207,25 @@ def _choice(cfg, key: str, choices) -> None:
   _need(node in choices, f"{key}={node!r}: choose one of {', '.join(map(str, choices))}")
 
 
+def check_distributed(dist: ml_collections.ConfigDict) -> None:
+  """The `distributed` block on its own (checked before jax.distributed starts)."""
+  _need(dist.mode in ("auto", "on", "off"),
+        f"distributed.mode={dist.mode!r}: choose one of auto, on, off")
+  _need(dist.num_processes >= 0,
+        f"distributed.num_processes={dist.num_processes}: must be >= 1 (0 = from the environment)")
+  _need(dist.process_id >= -1,
+        f"distributed.process_id={dist.process_id}: must be >= 0 (-1 = from the environment)")
+  _need(not dist.num_processes or dist.process_id < dist.num_processes,
+        f"distributed.process_id={dist.process_id} must be below "
+        f"distributed.num_processes={dist.num_processes}")
+  address = dist.coordinator_address
+  host, _, port = address.rpartition(":")
+  _need(not address or (host and port.isdigit() and 0 < int(port) < 65536),
+        f"distributed.coordinator_address={address!r}: expected host:port, e.g. 10.0.0.1:1234")
+  _need(dist.initialization_timeout >= 1,
+        f"distributed.initialization_timeout={dist.initialization_timeout}: must be >= 1 second")
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> dict:
   """Check the whole config against itself and the devices. Returns the resolved mesh sizes."""
   from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
@@ -279,6 +308,8 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _need(0 <= o[key] < 1, f"optim.{key}={o[key]}: must be in [0, 1)")
   _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
+
+  check_distributed(cfg.distributed)
 
   ck, t = cfg.checkpoint, cfg.trainer
   _need(ck.every_seconds >= 0, f"checkpoint.every_seconds={ck.every_seconds}: must be >= 0")

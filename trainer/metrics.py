@@ -39,11 +39,44 @@ PEAK_FLOPS = (
 )
 
 
-def known_peak_flops(device_kind: str) -> float | None:
-  for key, flops in PEAK_FLOPS:
+GiB = 1 << 30
+# High-bandwidth memory per device as JAX sees it (a chip; v4 and v5p run as one megacore
+# device per chip), from the same spec sheets. `tools/aot.py` compares compiled programs with it.
+HBM_BYTES = (
+    ("TPU v6", 32 * GiB),
+    ("TPU v5p", 95 * GiB),
+    ("TPU v5 lite", 16 * GiB),
+    ("TPU v5e", 16 * GiB),
+    ("TPU v5", 95 * GiB),
+    ("TPU v4", 32 * GiB),
+    ("TPU v3", 16 * GiB),  # per core (a v3 device is one core)
+    ("TPU v2", 8 * GiB),
+    ("H200", 141e9),
+    ("H100", 80 * GiB),
+    ("A100-SXM4-40GB", 40 * GiB),
+    ("A100-PCIE-40GB", 40 * GiB),
+    ("A100", 80 * GiB),
+    ("L40S", 48 * GiB),
+    ("L4", 24 * GiB),
+    ("A10G", 24 * GiB),
+    ("V100", 16 * GiB),
+    ("T4", 16 * GiB),
+)
+
+
+def _lookup(table, device_kind: str):
+  for key, value in table:
     if key.lower() in device_kind.lower():
-      return flops
+      return value
   return None
+
+
+def known_peak_flops(device_kind: str) -> float | None:
+  return _lookup(PEAK_FLOPS, device_kind)
+
+
+def known_hbm_bytes(device_kind: str) -> float | None:
+  return _lookup(HBM_BYTES, device_kind)
 
 
 def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:

@@ -1,0 +1,31 @@
+"""An ~8B Llama (Llama 3 8B's layers: 32 x d_model 4096, GQA 32/8 heads, SwiGLU 14336) for a
+TPU slice or a multi-node GPU cluster.
+
+    python train.py --config configs/lm_8b.py --workdir gs://bucket/runs/8b \
+        --config.data.dir=/path/to/prepared
+    python -m tools.aot --config configs/lm_8b.py --topology v5:2x2x4   # fits? before you pay
+
+With this stack's 512-id byte vocabulary it has 7.0B parameters (Llama 3's other 1.05B are its
+128k-token embedding and head). fp32 master weights and Adam moments (12 bytes/param, 84 GB)
+sharded by FSDP over every device, bf16 compute, full rematerialisation, 1M tokens per step
+(128 x 8192). Documented fit: a v5p slice of 16 chips (`v5:2x2x4`), see README "Ahead-of-time
+compile".
+"""
+from trainer.config import default_config
+
+
+def get_config():
+  c = default_config()
+  c.steps = 100_000
+  c.mesh.update(data=1, fsdp=-1)
+  c.model.update(vocab_size=512, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                 mlp_dim=14336, dtype="bfloat16", param_dtype="float32", remat="full",
+                 rope_theta=500_000.0, attention="auto")
+  c.data.update(global_batch_size=128, seq_len=8192, prefetch=4)
+  c.optim.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, decay_steps=100_000,
+                 schedule="cosine", b2=0.95, weight_decay=0.1)
+  c.log_every = 50
+  c.eval_every = 2000
+  c.eval_steps = 20
+  c.checkpoint.update(every_steps=1000, keep=3)
+  return c

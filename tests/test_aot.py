@@ -1,0 +1,133 @@
+"""Ahead-of-time compile for a TPU topology on this CPU machine (tools/aot.py).
+
+Needs libtpu (the TPU compiler; `pip install -e ".[test]"` brings it on Linux x86-64); without it
+the module is skipped with the reason. One compile of the tiny model, shared by the tests, goes
+through the TPU attention path (splash attention, a Mosaic kernel); a deliberately oversized
+config must fail with the one-line message that names the knob to turn.
+"""
+import json
+import os
+
+import pytest
+
+from models.llama import ATTENTION_IMPLS, ModelConfig, flops_per_token
+from tools import aot
+from trainer.config import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
+
+if not aot.libtpu_available():
+  pytest.skip("libtpu is not installed, so nothing can be compiled for TPU here "
+              "(pip install -e \".[tpu]\"; its wheels exist for Linux x86-64 only)",
+              allow_module_level=True)
+
+
+# The attention dispatcher (models/attention.py) sends `auto` to splash attention on TPU.
+ATTENTION = "auto" if "auto" in ATTENTION_IMPLS else "xla"
+
+
+def tiny(**overrides):
+  cfg = load(TINY, [])
+  cfg.model.attention = ATTENTION
+  cfg.mesh.update(data=2, fsdp=2)
+  for key, value in overrides.items():
+    node = cfg
+    *path, last = key.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return cfg
+
+
+@pytest.fixture(scope="module")
+def target():
+  return aot.tpu_target("v5e:2x2")
+
+
+@pytest.fixture(scope="module")
+def report(target):
+  return aot.compile_report(tiny(), target, "lm_tiny")
+
+
+def test_topology_devices(target):
+  assert len(target.devices) == 4 and target.platform == "tpu" and target.hosts == 1
+  assert "v5 lite" in target.kind
+  assert target.hbm_bytes == 16 * 2**30 and target.peak_flops == 197e12
+
+
+def test_tpu_attention_kernel_is_in_the_program(report):
+  if ATTENTION != "auto":
+    pytest.skip("models/attention.py has no TPU kernel dispatch (model.attention='auto') yet")
+  assert report.attention == "splash"
+  assert report.kernel_calls >= 1, "the Mosaic attention kernel must be in the compiled program"
+
+
+def test_tiny_model_compiles_and_fits(report):
+  assert report.mesh["data"] == 2 and report.mesh["fsdp"] == 2
+  assert 0 < report.state_bytes <= report.argument_bytes < report.total_bytes < report.hbm_bytes
+
+
+def test_flops_and_step_time_come_from_the_model(report):
+  cfg = tiny()
+  tokens = cfg.data.global_batch_size * cfg.data.seq_len
+  model_flops = flops_per_token(ModelConfig.from_config(cfg.model), cfg.data.seq_len)["total"]
+  assert report.tokens_per_step == tokens
+  assert report.model_flops == pytest.approx(model_flops * tokens)
+  assert report.step_seconds == pytest.approx(model_flops * tokens / (4 * 197e12))
+  assert report.remat_mfu_bound == 1.0  # lm_tiny recomputes nothing
+  row = report.markdown_row()
+  assert row.startswith("| lm_tiny | 0.5")
+  assert row.split(" | ", 2)[2].startswith("v5e:2x2 (4 x TPU v5 lite) | data=2 fsdp=2 |")
+  assert json.loads(json.dumps(report.to_json()))["total_bytes"] == report.total_bytes
+
+
+def test_remat_bound():
+  m = ModelConfig(d_model=256, num_layers=4, num_heads=4, num_kv_heads=4, mlp_dim=1024)
+  full = aot.remat_mfu_bound(ModelConfig(**{**m.__dict__, "remat": "full"}), 1024)
+  assert aot.remat_mfu_bound(m, 1024) == 1.0
+  assert 0.7 < full < 0.8  # recomputing the blocks' forward: ~3/4 of the FLOPs are the model's
+
+
+def test_oversized_config_fails_with_the_knob_to_turn(capsys):
+  """8192 sequences of 2048 tokens at once: the activations cannot fit 4 x 16 GiB."""
+  code = aot.main(["--config", TINY, "--topology", "v5e:2x2",
+                   f"--config.model.attention={ATTENTION}",
+                   "--config.data.global_batch_size=8192", "--config.data.seq_len=2048"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2, err
+  assert len(err.splitlines()) == 1, err
+  assert "lm_tiny does not fit v5e:2x2 (4 x TPU v5 lite, 16 GiB HBM per chip)" in err
+  assert "memory" in err.lower()  # the compiler's own words
+  assert "model.remat=full (now 'none')" in err
+  assert "data.micro_batch_size=4096 (now 8192" in err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--topology", "v5e-8"], "--topology 'v5e-8': expected CHIP:AxB[xC]"),
+    (["--topology", "v5e:2x2", "--config.mesh.data=3"], "has 3 devices but 4 are available"),
+    (["--topology", "v5e:2x2", "--slices", "2", "--config.mesh.data=1",
+      "--config.mesh.fsdp=-1"], "mesh.data=1 does not split over 2 slices"),
+])
+def test_user_errors_are_one_line_exit_2(args, needle, capsys):
+  code = aot.main(["--config", TINY, *args])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and needle in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_multi_slice_puts_data_across_slices():
+  target = aot.tpu_target("v5e:2x2", slices=2)
+  assert len(target.devices) == 8 and target.slices == 2
+  report = aot.compile_report(tiny(**{"mesh.data": 2, "mesh.fsdp": 4}), target, "lm_tiny")
+  assert report.mesh["data"] == 2 and report.kernel_calls >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config,topology", [
+    ("lm_125m", "v5e:2x2"), ("lm_1b", "v5e:4x4"), ("lm_1b_32k", "v5e:8x8"), ("lm_8b", "v5:2x2x4"),
+])
+def test_shipped_configs_fit_their_documented_topologies(config, topology):
+  cfg = load(os.path.join(ROOT, "configs", f"{config}.py"), [])
+  report = aot.compile_report(cfg, aot.tpu_target(topology), config)
+  assert report.total_bytes < report.hbm_bytes

@@ -1,0 +1,242 @@
+"""Several processes: start-up from config/environment, agreement checks, and a real two-process
+run on CPU (gloo collectives, 4 devices per process) that equals one process with 8 devices and
+resumes from its own checkpoint."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import types
+
+import ml_collections
+import numpy as np
+import pytest
+
+import train
+from conftest import CACHE_DIR
+from trainer import distributed
+from trainer.config import ConfigError, default_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
+# The tiny test model (conftest.tiny_config) as train.py overrides, on a mesh whose every axis
+# crosses devices: data=2 splits the two processes, fsdp and tensor live inside each.
+MODEL_ARGS = [
+    "--config.model.d_model=32", "--config.model.mlp_dim=64",
+    "--config.data.global_batch_size=8", "--config.data.seq_len=32", "--config.data.prefetch=0",
+    "--config.optim.learning_rate=1e-2", "--config.optim.warmup_steps=2",
+    "--config.optim.decay_steps=50", "--config.log_every=1", "--config.eval_every=0",
+    "--config.checkpoint.every_steps=2", "--config.trainer.progress_bar=false",
+    "--config.trainer.peak_flops_per_device=1e9", f"--config.trainer.compile_cache_dir={CACHE_DIR}",
+    "--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+]
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def child_env(devices: int, **extra) -> dict:
+  """The test process's environment for a child with `devices` CPU devices of its own.
+
+  conftest forces 8 host devices through XLA_FLAGS; a process of a multi-process run sets its
+  count with jax_num_cpu_devices instead (both at once conflict), so that flag is stripped."""
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env.update(XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices),
+             JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", **extra)
+  for key in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    if key not in extra:
+      env.pop(key, None)
+  return env
+
+
+def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300):
+  """Run train.py as `processes` processes of one run; [(returncode, stdout, stderr)]."""
+  port = free_port()
+  procs = []
+  for pid in range(processes):
+    env = child_env(8 // processes, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                    JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(pid))
+    extra = list(per_process_args[pid]) if per_process_args else []
+    procs.append(subprocess.Popen(
+        [sys.executable, "train.py", "--config", TINY, "--workdir", str(workdir), *args, *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  out = []
+  try:
+    for p in procs:
+      stdout, stderr = p.communicate(timeout=timeout)
+      out.append((p.returncode, stdout, stderr))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return out
+
+
+def losses(workdir) -> dict[int, float]:
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+# ----------------------------------------------------------------------------------------------
+# Where the processes come from
+
+
+def dist_cfg(**values) -> ml_collections.ConfigDict:
+  c = default_config().distributed
+  c.update(values)
+  return c
+
+
+SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_PROCID": "1",
+         "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize("values,environ,expected", [
+    ({}, {}, None),  # nothing says "several": one process, nothing to initialise
+    ({"coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}, {},
+     ("10.0.0.1:1234", 2, 1, "config")),
+    ({}, {"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"},
+     ("h:9", 4, 3, "environment")),
+    ({"process_id": 0}, {"JAX_COORDINATOR_ADDRESS": "h:9", "JAX_NUM_PROCESSES": "4",
+                         "JAX_PROCESS_ID": "3"},
+     ("h:9", 4, 0, "config and environment")),  # a config value beats its variable
+    ({}, {"JAX_NUM_PROCESSES": "1"}, None),
+    ({}, {**SLURM, "SLURM_NTASKS": "2"}, (None, 2, None, "SLURM")),  # jax reads the rest
+    ({}, {**SLURM, "SLURM_NTASKS": "1"}, None),  # srun -n1: one process
+    ({}, {"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:5", "OMPI_COMM_WORLD_SIZE": "8"},
+     (None, 8, None, "Open MPI")),
+    ({}, {"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, (None, 4, None, "Cloud TPU (GKE)")),
+    ({"mode": "off"}, {**SLURM, "SLURM_NTASKS": "2"}, None),
+])
+def test_resolve_detection_order(values, environ, expected):
+  launch_ = distributed.resolve(dist_cfg(**values), environ)
+  if expected is None:
+    assert launch_ is None
+  else:
+    assert (launch_.coordinator_address, launch_.num_processes, launch_.process_id,
+            launch_.source) == expected
+
+
+def test_resolve_partial_values_without_a_cluster_is_an_error():
+  with pytest.raises(distributed.DistributedError, match="but not coordinator_address"):
+    distributed.resolve(dist_cfg(num_processes=2, process_id=0), {})
+  with pytest.raises(distributed.DistributedError, match="JAX_PROCESS_ID='x': expected an int"):
+    distributed.resolve(dist_cfg(), {"JAX_PROCESS_ID": "x"})
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--config.distributed.coordinator_address=nohost"], "expected host:port"),
+    (["--config.distributed.num_processes=2", "--config.distributed.process_id=2"],
+     "distributed.process_id=2 must be below distributed.num_processes=2"),
+    (["--config.distributed.mode=maybe"], "choose one of auto, on, off"),
+])
+def test_bad_distributed_block_is_one_line_exit_2(args, needle, tmp_path, capsys):
+  code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w")] + args)
+  err = capsys.readouterr().err
+  assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# ----------------------------------------------------------------------------------------------
+# Agreement
+
+
+def test_disagreement_names_the_first_difference():
+  base = {"config": {"optim": {"learning_rate": 1e-3}, "steps": 6}, "workdir": "/w", "code": "a",
+          "devices": {"local_count": 4}}
+  same = json.loads(json.dumps(base))
+  other = json.loads(json.dumps(base))
+  other["devices"]["local_count"] = 2
+  assert distributed.describe_disagreement([base, same]) is None
+  message = distributed.describe_disagreement([base, same, other])
+  assert "process 0 has devices.local_count=4, process 2 has 2" in message
+  assert "same number and kind of devices" in message
+  other = json.loads(json.dumps(base))
+  other["config"]["optim"]["learning_rate"] = 2e-3
+  assert "process 0 has optim.learning_rate=0.001, process 1 has 0.002" in (
+      distributed.describe_disagreement([base, other]))
+
+
+def _sharding(rows_by_device):
+  """A stand-in batch sharding: {(process, rows slice)} per device."""
+  class Device:
+    def __init__(self, process_index):
+      self.process_index = process_index
+
+  index = {Device(p): (slice(None), slice(a, b), slice(None)) for p, a, b in rows_by_device}
+  return types.SimpleNamespace(devices_indices_map=lambda shape: index)
+
+
+def test_batch_layout_must_match_the_pipeline_rows():
+  mesh = types.SimpleNamespace(shape={"data": 2, "tensor": 2})
+  ok = _sharding([(0, 0, 2), (0, 2, 4), (1, 4, 6), (1, 6, 8)])
+  distributed.check_batch_layout(mesh, ok, rows=8, process_count=2)
+  replicated = _sharding([(0, 0, 8), (1, 0, 8)])  # the batch is not split across processes
+  with pytest.raises(ConfigError, match="must be a multiple of 2"):
+    distributed.check_batch_layout(mesh, replicated, rows=8, process_count=2)
+
+
+def test_processes_that_disagree_fail_fast_instead_of_hanging(tmp_path):
+  """Different overrides on two processes: both stop before compiling, same one line, exit 2."""
+  results = launch(tmp_path / "w", 2, MODEL_ARGS,
+                   per_process_args=[["--config.optim.learning_rate=1e-2"],
+                                     ["--config.optim.learning_rate=2e-2"]], timeout=120)
+  needle = "process 0 has optim.learning_rate=0.01, process 1 has 0.02"
+  for code, _, stderr in results:
+    assert code == 2 and needle in stderr, stderr[-2000:]
+  assert not os.path.exists(tmp_path / "w"), "nothing may be written"
+
+
+def test_missing_process_times_out_naming_the_coordinator(tmp_path):
+  port = free_port()
+  proc = subprocess.run(
+      [sys.executable, "train.py", "--config", TINY, "--workdir", str(tmp_path / "w"),
+       f"--config.distributed.coordinator_address=127.0.0.1:{port}",
+       "--config.distributed.num_processes=2", "--config.distributed.process_id=1",
+       "--config.distributed.initialization_timeout=2"],
+      cwd=ROOT, env=child_env(4), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  lines = proc.stderr.strip().splitlines()
+  assert f"coordinator at 127.0.0.1:{port}" in lines[-1], proc.stderr[-2000:]
+  assert "process 1 of 2" in lines[-1]
+
+
+# ----------------------------------------------------------------------------------------------
+# The real thing
+
+
+def test_two_processes_equal_one_and_resume(tmp_path):
+  """2 processes x 4 CPU devices == 1 process x 8 devices, step for step, through a resume."""
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  # The reference (1 process, the test's 8 devices) runs alongside the first 2-process launch.
+  reference = subprocess.Popen(
+      [sys.executable, "train.py", "--config", TINY, "--workdir", str(single), *MODEL_ARGS,
+       "--config.steps=6"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    first = launch(multi, 2, MODEL_ARGS + ["--config.steps=4"])
+    ref_out, ref_err = reference.communicate(timeout=300)
+  finally:
+    if reference.poll() is None:
+      reference.kill()
+  assert reference.returncode == 0, ref_out[-2000:] + ref_err[-2000:]
+  for code, stdout, stderr in first:
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
+  # Only process 0 writes metrics and talks; every process wrote its data-iterator state.
+  assert "step 4:" in first[0][1] and "step" not in first[1][1]
+  for step in (2, 4):
+    data = sorted(os.listdir(multi / "checkpoints" / str(step) / "data"))
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data), data
+
+  resumed = launch(multi, 2, MODEL_ARGS + ["--config.steps=6"])
+  for code, stdout, stderr in resumed:
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
+  assert "resumed from" in resumed[0][1] and "checkpoints/4" in resumed[0][1]
+
+  got, want = losses(multi), losses(single)
+  assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
+                             rtol=1e-5)

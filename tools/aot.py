@@ -1,0 +1,505 @@
+"""Ahead-of-time compile of the real train step for hardware this machine does not have.
+
+    python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4
+    python -m tools.aot --config configs/lm_8b.py --topology v5:4x4x4 --config.mesh.fsdp=-1
+    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 --slices 2   # multi-slice
+
+The program compiled is the one `train.py` runs: the same `trainer.program.Program` (model,
+logical->mesh rules, optimizer, micro-batching, donated state) on a mesh built from the config,
+but over the devices of a TPU topology description made by libtpu's compiler on this CPU machine
+(`jax.experimental.topologies`; install with `pip install -e ".[tpu]"`). On TPU the attention is
+jax's splash attention (a Mosaic kernel) when `model.attention` is `auto` or `flash`, so a kernel
+that does not lower for TPU fails here, before anyone pays for a slice.
+
+It prints, per device (= chip): argument memory (train state + batch), temporaries, outputs not
+aliased to the donated inputs, and their sum against the chip's HBM; the step's FLOPs (the
+model's own count, `models.llama.flops_per_token`: XLA's `cost_analysis()` counts a scanned layer
+once and Pallas kernels not at all, so its number is shown for information only); and the step
+time at 100% MFU on the chip's bf16 peak, a lower bound, with the bound that rematerialisation
+puts on MFU. A program that does not fit fails with one line naming the knob to turn (exit 2).
+
+Topologies: `v4:2x2x1`, `v5:2x2x1` (v5p), `v5e:2x2`, `v6e:4x4`, ... (libtpu's names: chip
+version, then chips along each axis; v4 and v5p run one megacore device per chip, as on real
+hardware). Quirks handled here: JAX_PLATFORMS=cpu (we compile, never run), and
+ALLOW_MULTIPLE_LIBTPU_LOAD=1 so that several compiles can run at once.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: this tool never runs a step
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several libtpu users at once
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+
+try:
+  from models.attention import resolve_impl  # noqa: E402
+except ImportError:  # a tree without the attention dispatcher: only plain XLA attention exists
+  def resolve_impl(impl: str, mesh=None) -> str:  # noqa: ARG001
+    return impl
+from models.llama import flops_per_token, param_counts  # noqa: E402
+from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
+from sharding.rules import MESH_AXES  # noqa: E402
+from trainer.config import ConfigError, apply_override, load, validate  # noqa: E402
+from trainer.distributed import check_batch_layout  # noqa: E402
+from trainer.metrics import GiB, known_hbm_bytes, known_peak_flops  # noqa: E402
+from trainer.program import Program  # noqa: E402
+
+EXIT_USER_ERROR = 2
+TOPOLOGY_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
+MEGACORE = ("v4", "v5", "v5p")  # chips whose two TensorCores JAX drives as one device
+# Custom calls that mark a compiled Pallas kernel: Mosaic on TPU, Triton on GPU.
+KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+
+
+class AotError(Exception):
+  """A user error (topology, config, a program that does not fit): one line, exit code 2."""
+
+
+class LibtpuMissing(AotError):
+  """libtpu is not installed: nothing can be compiled for TPU here."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Targets
+
+
+@dataclasses.dataclass
+class Target:
+  name: str  # as given, e.g. "v5e:2x2" (with " x2 slices" for multi-slice)
+  devices: list
+  slices: int = 1
+
+  @property
+  def kind(self) -> str:
+    return self.devices[0].device_kind
+
+  @property
+  def platform(self) -> str:
+    return self.devices[0].platform
+
+  @property
+  def hosts(self) -> int:
+    return len({d.process_index for d in self.devices})
+
+  @property
+  def hbm_bytes(self) -> float | None:
+    return known_hbm_bytes(self.kind)
+
+  @property
+  def peak_flops(self) -> float | None:
+    return known_peak_flops(self.kind)
+
+
+def libtpu_available() -> bool:
+  """Whether libtpu (the TPU compiler) is installed."""
+  from jax._src import xla_bridge  # noqa: PLC0415
+  return xla_bridge.get_tpu_library_path() is not None
+
+
+@contextlib.contextmanager
+def _quiet_libtpu():
+  """libtpu looks for a TPU VM's worker list and accelerator type when it loads and logs a
+  screenful when it finds none; tell it about a one-host VM for the duration of the load."""
+  keys = {"TPU_ACCELERATOR_TYPE": "v5litepod-1", "TPU_WORKER_HOSTNAMES": "localhost"}
+  saved = {k: os.environ.get(k) for k in keys}
+  for k, v in keys.items():
+    os.environ.setdefault(k, v)
+  try:
+    yield
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+
+
+def tpu_target(topology: str, slices: int = 1) -> Target:
+  """Compile-only devices of a TPU topology (`v5e:2x2`, `v4:2x2x1`, ...), `slices` of them."""
+  match = TOPOLOGY_RE.match(topology)
+  if not match:
+    raise AotError(f"--topology {topology!r}: expected CHIP:AxB[xC], e.g. v5e:2x2, v4:2x2x1, "
+                   "v5:2x2x1 (v5p), v6e:4x4; or h100:8, h100:2x8 (hosts x GPUs)")
+  if slices < 1:
+    raise AotError(f"--slices {slices}: must be at least 1")
+  if not libtpu_available():
+    raise LibtpuMissing("libtpu is not installed, so nothing can be compiled for TPU here: "
+                        "pip install -e \".[tpu]\" (jax pins the libtpu it accepts)")
+  from jax.experimental import topologies  # noqa: PLC0415
+  chip = match.group(1)
+  kwargs = {"chip_config_name": "megacore"} if chip in MEGACORE else {}
+  if slices > 1:
+    kwargs["num_slices"] = slices
+  try:
+    with _quiet_libtpu():
+      desc = topologies.get_topology_desc(topology, "tpu", **kwargs)
+  except Exception as e:  # noqa: BLE001  libtpu's own words are the best explanation
+    raise AotError(f"--topology {topology!r}: libtpu cannot describe it ({_first_line(e)})") \
+        from None
+  name = topology if slices == 1 else f"{slices}x {topology}"
+  return Target(name, list(desc.devices), slices)
+
+
+# GPU targets: XLA's GpuTargetConfigProto (what a GPU's StreamExecutor would report), written
+# from NVIDIA's public H100 SXM5 numbers (132 SMs, 80 GiB HBM3 at 3.35 TB/s, 50 MiB L2, sm_90).
+GPU_TARGETS = {
+    "h100": """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.755 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 3 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+""",
+}
+GPU_TOPOLOGY_RE = re.compile(r"^(h100):(?:(\d+)x)?(\d+)$")
+
+
+def gpu_target(topology: str) -> Target:
+  """Compile-only devices of `hosts` x `gpus` H100s: `h100:8` (one node), `h100:4x8`.
+
+  Needs jax's CUDA plugin (`pip install jax-cuda12-plugin==<jax version>`; no GPU or driver is
+  needed to compile) and `ptxas` on the PATH."""
+  match = GPU_TOPOLOGY_RE.match(topology)
+  hosts, per_host = int(match.group(2) or 1), int(match.group(3))
+  from jax.experimental import topologies  # noqa: PLC0415
+  try:
+    desc = topologies.get_topology_desc(
+        match.group(1), "cuda", target_config=GPU_TARGETS[match.group(1)],
+        topology=f"1x{hosts}x{per_host}")
+  except (NotImplementedError, RuntimeError) as e:
+    raise AotError(f"--topology {topology!r}: jax's CUDA plugin cannot describe it "
+                   f"({_first_line(e)}); pip install jax-cuda12-plugin=={jax.__version__}") \
+        from None
+  return Target(topology, list(desc.devices))
+
+
+def make_target(topology: str, slices: int = 1) -> Target:
+  """A TPU topology (`v5e:2x2`, ...) or a GPU one (`h100:8`, `h100:2x8`)."""
+  if GPU_TOPOLOGY_RE.match(topology):
+    if slices != 1:
+      raise AotError("--slices is for TPU topologies")
+    return gpu_target(topology)
+  return tpu_target(topology, slices)
+
+
+def target_mesh(mesh_cfg, target: Target) -> Mesh:
+  """The config's mesh over the target's devices. Across slices (the slow data-center network)
+  only the `data` axis is split: the other axes' collectives stay inside a slice."""
+  if target.slices == 1:
+    return make_mesh(mesh_cfg, devices=target.devices)
+  from jax.experimental import mesh_utils  # noqa: PLC0415
+  from sharding.mesh import resolve_mesh_shape  # noqa: PLC0415
+  sizes = resolve_mesh_shape(mesh_cfg, len(target.devices))
+  if sizes["data"] % target.slices:
+    raise AotError(f"mesh.data={sizes['data']} does not split over {target.slices} slices: the "
+                   "data axis is the one that crosses slices; make it a multiple of "
+                   f"{target.slices}")
+  ici = tuple(sizes[a] // (target.slices if a == "data" else 1) for a in MESH_AXES)
+  dcn = tuple(target.slices if a == "data" else 1 for a in MESH_AXES)
+  devices = mesh_utils.create_hybrid_device_mesh(ici, dcn, target.devices,
+                                                 allow_split_physical_axes=True)
+  return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+@dataclasses.dataclass
+class Report:
+  config: str
+  topology: str
+  chips: int
+  hosts: int
+  device_kind: str
+  mesh: dict
+  attention: str
+  kernel_calls: int  # compiled Pallas kernels (Mosaic / Triton custom calls) in the program
+  params: int
+  compile_seconds: float
+  argument_bytes: int  # per device: state + batch
+  state_bytes: int  # per device: the train state alone
+  temp_bytes: int
+  output_bytes: int  # outputs not aliased to (donated) inputs
+  code_bytes: int
+  hbm_bytes: float | None
+  model_flops: float  # per optimizer step, all chips (models.llama.flops_per_token)
+  xla_flops: float | None  # per chip, as cost_analysis() counts them (information only)
+  peak_flops: float | None  # per chip, bf16
+  tokens_per_step: int
+  remat_mfu_bound: float  # MFU ceiling from recomputation alone
+
+  @property
+  def total_bytes(self) -> int:
+    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
+
+  @property
+  def step_seconds(self) -> float | None:
+    """Step time at 100% MFU: a lower bound."""
+    if not self.peak_flops:
+      return None
+    return self.model_flops / (self.chips * self.peak_flops)
+
+  def lines(self) -> list[str]:
+    gib = lambda b: f"{b / GiB:.2f} GiB"
+    mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "1 device"
+    hbm = (f" of {gib(self.hbm_bytes)} HBM ({self.total_bytes / self.hbm_bytes:.0%})"
+           if self.hbm_bytes else " (HBM of this chip unknown)")
+    out = [
+        f"{self.config} on {self.topology}: {self.chips} x {self.device_kind}, {self.hosts} "
+        f"host(s); mesh {mesh}; {_count(self.params)} params; attention {self.attention}"
+        f" ({self.kernel_calls} compiled kernel calls); compiled in {self.compile_seconds:.1f}s",
+        f"  memory per chip: arguments {gib(self.argument_bytes)} (train state "
+        f"{gib(self.state_bytes)}) + temporaries {gib(self.temp_bytes)} + outputs "
+        f"{gib(self.output_bytes)} + code {gib(self.code_bytes)} = {gib(self.total_bytes)}{hbm}",
+        f"  FLOPs per step: model {self.model_flops:.3e} ({self.tokens_per_step:,} tokens)"
+        + (f"; XLA's cost analysis {self.xla_flops:.3e} per chip (scan bodies once, Pallas "
+           "kernels not at all: for information)" if self.xla_flops else ""),
+    ]
+    if self.attention in ("flash", "splash") and not self.kernel_calls:
+      out.append(f"  note: no compiled {self.attention} kernel in the program: it was lowered in "
+                 "interpret mode (the kernel chose that from this machine's backend, not the "
+                 "target's), so the kernel itself was not compiled for the target")
+    if self.step_seconds:
+      out.append(
+          f"  step time at 100% MFU ({self.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip): "
+          f"{self.step_seconds * 1e3:,.1f} ms, {self.tokens_per_step / self.step_seconds:,.0f} "
+          f"tokens/s; rematerialisation caps MFU at {self.remat_mfu_bound:.0%}, so expect "
+          f">= {self.step_seconds / self.remat_mfu_bound * 1e3:,.1f} ms")
+    return out
+
+  def markdown_row(self) -> str:
+    mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "-"
+    step = (f"{self.step_seconds * 1e3:,.0f} ms" if self.step_seconds else "?")
+    hbm = f" / {self.hbm_bytes / GiB:.0f}" if self.hbm_bytes else ""
+    return (f"| {self.config} | {_count(self.params)} | {self.topology} ({self.chips} x "
+            f"{self.device_kind}) | {mesh} | {self.total_bytes / GiB:.1f}{hbm} GiB | {step} | "
+            f"{self.remat_mfu_bound:.0%} |")
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d.update(total_bytes=self.total_bytes, step_seconds=self.step_seconds)
+    return d
+
+
+def _count(n: float) -> str:
+  if n >= 1e9:
+    return f"{n / 1e9:.1f}B"
+  return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
+def remat_mfu_bound(model_cfg, seq_len: int) -> float:
+  """Model FLOPs / FLOPs executed when the remat policy recomputes part of the forward pass.
+
+  `full` recomputes each block's forward (matmuls and attention) in the backward pass;
+  `dots_no_batch` recomputes the attention matmuls (they have a batch dimension); `dots` and
+  `none` recompute no matmul. Kernels recompute inside themselves too (flash attention's
+  backward), which this does not count: it is a ceiling, not a prediction."""
+  parts = flops_per_token(model_cfg, seq_len)
+  head = 6.0 * model_cfg.d_model * model_cfg.vocab_size
+  block_forward = (parts["matmuls"] - head) / 3 + parts["attention"] / 3
+  extra = {"full": block_forward, "dots_no_batch": parts["attention"] / 3}.get(
+      model_cfg.remat, 0.0)
+  return parts["total"] / (parts["total"] + extra)
+
+
+def _per_device_bytes(tree) -> int:
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape)
+    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _first_line(e: BaseException) -> str:
+  lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+  return lines[0][:300] if lines else type(e).__name__
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+  text = str(e)
+  return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text
+
+
+def oom_advice(cfg, sizes: dict, target: Target, state_bytes: int) -> str:
+  """Which knob to turn, judged from what takes the memory."""
+  hbm = target.hbm_bytes
+  n = len(target.devices)
+  if hbm and state_bytes > 0.6 * hbm:
+    fsdp_hint = ("" if sizes["fsdp"] == n else
+                 f"mesh.fsdp=-1 (now {sizes['fsdp']}) to shard it over all {n} chips, or ")
+    return (f"the train state alone is {state_bytes / GiB:.1f} GiB per chip: {fsdp_hint}"
+            "a topology with more chips")
+  knobs = []
+  if cfg.model.remat != "full":
+    knobs.append(f"model.remat=full (now {cfg.model.remat!r}) to recompute activations")
+  micro = cfg.data.micro_batch_size or cfg.data.global_batch_size
+  dp = data_parallel_size(sizes)
+  if micro // dp > 1:
+    half = micro // 2
+    while half % dp:
+      half -= 1
+    if half >= dp and cfg.data.global_batch_size % half == 0:
+      knobs.append(f"data.micro_batch_size={half} (now {micro}; {micro // dp} sequences per chip "
+                   "per micro-batch) for fewer activations at the same global batch")
+  local_seq = cfg.data.seq_len // sizes["sequence"]
+  if local_seq >= 4096 and n % (2 * sizes["sequence"]) == 0:
+    knobs.append(f"mesh.sequence={2 * sizes['sequence']} (now {sizes['sequence']}; "
+                 f"{local_seq} tokens of each sequence per chip) to split long sequences "
+                 "further (ring attention)")
+  if not knobs:
+    knobs.append("a topology with more chips (the activations of one sequence per chip do not "
+                 "fit)")
+  return "activations take the memory (train state is only " \
+         f"{state_bytes / GiB:.1f} GiB per chip): turn " + ", or ".join(knobs)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+  """Keep target executables out of JAX's persistent cache: this machine could not load them
+  (and reading one back fails noisily), and a later CPU run must not find them."""
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+
+
+def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
+  """Compile the train step of `cfg` for `target`; raise AotError with advice if it fails."""
+  try:
+    sizes = validate(cfg, len(target.devices), target.hosts)
+    mesh = target_mesh(cfg.mesh, target)
+  except ConfigError as e:
+    raise AotError(f"{config_name} on {target.name}: {e}") from None
+  program = Program(cfg, mesh)
+  try:  # every host must hold exactly the batch rows its data pipeline reads
+    check_batch_layout(mesh, program.batch_sharding, program.micro_rows, target.hosts)
+  except ConfigError as e:
+    raise AotError(f"{config_name} on {target.name} ({target.hosts} hosts): {e}") from None
+  # Abstract arguments are made outside the mesh context: under a mesh of compile-only devices
+  # even creating an abstract optimizer state would try to run on them.
+  state = program.abstract_state()
+  batch = program.abstract_batch()
+  state_bytes = _per_device_bytes(state)
+  t0 = time.perf_counter()
+  try:
+    with jax.set_mesh(mesh), _no_persistent_cache():
+      attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh)
+      compiled = program.jitted_step().lower(state, batch).compile()
+  except Exception as e:  # noqa: BLE001
+    if not is_out_of_memory(e):
+      raise
+    hbm = (f", {target.hbm_bytes / GiB:.0f} GiB HBM per chip" if target.hbm_bytes else "")
+    raise AotError(
+        f"{config_name} does not fit {target.name} ({len(target.devices)} x {target.kind}{hbm}): "
+        f"the compiler says \"{_first_line(e)}\"; "
+        f"{oom_advice(cfg, sizes, target, state_bytes)}") from None
+  seconds = time.perf_counter() - t0
+  report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
+                   state_bytes)
+  if report.hbm_bytes and report.total_bytes > report.hbm_bytes:
+    # The compiler accepted it, but its own numbers say it cannot be resident at once.
+    raise AotError(
+        f"{config_name} does not fit {target.name} ({report.chips} x {target.kind}, "
+        f"{report.hbm_bytes / GiB:.0f} GiB HBM per chip): the compiled step needs "
+        f"{report.total_bytes / GiB:.1f} GiB per chip (temporaries "
+        f"{report.temp_bytes / GiB:.1f} GiB); {oom_advice(cfg, sizes, target, state_bytes)}")
+  return report
+
+
+def _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
+            state_bytes) -> Report:
+  mem = compiled.memory_analysis()
+  get = lambda name: int(getattr(mem, name, 0) or 0) if mem is not None else 0
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
+  xla_flops = float(cost.get("flops", 0.0)) if isinstance(cost, dict) else None
+  text = compiled.as_text() or ""
+  kernel_calls = sum(text.count(f'custom_call_target="{name}"') for name in KERNEL_CALLS)
+  model_cfg = program.model_cfg
+  seq = cfg.data.seq_len
+  tokens = cfg.data.global_batch_size * seq
+  return Report(
+      config=config_name, topology=target.name, chips=len(target.devices), hosts=target.hosts,
+      device_kind=target.kind, mesh=dict(mesh.shape), attention=attention,
+      kernel_calls=kernel_calls, params=param_counts(model_cfg)["total"],
+      compile_seconds=seconds,
+      argument_bytes=get("argument_size_in_bytes"), state_bytes=state_bytes,
+      temp_bytes=get("temp_size_in_bytes"),
+      output_bytes=max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
+      code_bytes=get("generated_code_size_in_bytes"), hbm_bytes=target.hbm_bytes,
+      model_flops=flops_per_token(model_cfg, seq)["total"] * tokens, xla_flops=xla_flops,
+      peak_flops=target.peak_flops, tokens_per_step=tokens,
+      remat_mfu_bound=remat_mfu_bound(model_cfg, seq))
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv: list[str]):
+  parser = argparse.ArgumentParser(prog="python -m tools.aot", description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True, help="a config file, e.g. configs/lm_1b.py")
+  parser.add_argument("--topology", required=True, help="e.g. v5e:2x2, v4:2x2x1, v6e:4x4")
+  parser.add_argument("--slices", type=int, default=1, help="multi-slice: this many slices")
+  parser.add_argument("--json", default="", help="also write the report to this JSON file")
+  parser.add_argument("--markdown", action="store_true", help="print a README table row too")
+  args, rest = parser.parse_known_args(argv)
+  overrides = []
+  i = 0
+  while i < len(rest):
+    name, eq, value = rest[i].partition("=")
+    if not name.startswith("--config."):
+      parser.error(f"unknown argument {rest[i]!r}")
+    if not eq:
+      if i + 1 >= len(rest):
+        parser.error(f"{name} needs a value")
+      value, i = rest[i + 1], i + 1
+    overrides.append((name[len("--config."):], value))
+    i += 1
+  return args, overrides
+
+
+def main(argv: list[str]) -> int:
+  args, overrides = parse_args(argv)
+  name = os.path.splitext(os.path.basename(args.config))[0]
+  try:
+    cfg = load(args.config, [])
+    for dotted, text in overrides:
+      apply_override(cfg, dotted, text)
+    target = make_target(args.topology, args.slices)
+    report = compile_report(cfg, target, name)
+  except (ConfigError, AotError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_USER_ERROR
+  print("\n".join(report.lines()))
+  if args.markdown:
+    print(report.markdown_row())
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report.to_json(), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
