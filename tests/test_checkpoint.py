@@ -60,6 +60,18 @@ def test_restore_is_exact_on_any_mesh(saved, data_dir, mesh_cfg, ndev):
     np.testing.assert_array_equal(got[key], next_batch[key])
 
 
+def test_checkpoint_files_need_no_pickle(saved):
+  """Iterator state and config are plain JSON; no file carries a pickle stream."""
+  _, directory, _, _ = saved
+  step_dir = directory / "5"
+  json.load(open(step_dir / "data" / "process_0-of-1.json"))
+  assert json.load(open(step_dir / "config" / "metadata"))["steps"] == 6
+  for path in step_dir.rglob("*"):
+    if path.is_file():
+      head = path.read_bytes()[:2]
+      assert not (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5), path
+
+
 def _losses(workdir):
   out = {}
   with open(workdir / "metrics.jsonl") as f:
