@@ -1,4 +1,5 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and small shared fixtures."""
+import json
 import os
 import sys
 
@@ -44,6 +45,22 @@ def tiny_config(**overrides):
       node = node[p]
     node[last] = value
   return c
+
+
+def metric_rows(workdir) -> dict[int, dict]:
+  """{step: training row} of a workdir's metrics.jsonl; a restarted run redoes steps, and the
+  last record of each step wins."""
+  rows = {}
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      row = json.loads(line)
+      if "loss" in row:
+        rows[row["step"]] = row
+  return rows
+
+
+def losses(workdir) -> dict[int, float]:
+  return {step: row["loss"] for step, row in metric_rows(workdir).items()}
 
 
 @pytest.fixture(scope="session")

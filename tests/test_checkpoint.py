@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import losses, tiny_config
 from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer
@@ -72,23 +72,13 @@ def test_checkpoint_files_need_no_pickle(saved):
       assert not (len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5), path
 
 
-def _losses(workdir):
-  out = {}
-  with open(workdir / "metrics.jsonl") as f:
-    for line in f:
-      row = json.loads(line)
-      if "loss" in row:
-        out[row["step"]] = row["loss"]
-  return out
-
-
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
   straight = tmp_path / "straight"
   Run(tiny_config(**{"steps": 6, "checkpoint.every_steps": 3}), str(straight)).train()
   resumed = tmp_path / "resumed"
   Run(tiny_config(**{"steps": 3, "checkpoint.every_steps": 3}), str(resumed)).train()
   Run(tiny_config(**{"steps": 6, "checkpoint.every_steps": 3}), str(resumed)).train()
-  a, b = _losses(straight), _losses(resumed)
+  a, b = losses(straight), losses(resumed)
   assert sorted(b) == list(range(1, 7))
   assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # bit for bit
   # A different mesh after the restart continues the same curve (up to fp32 reduction order).
@@ -96,6 +86,6 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
   Run(tiny_config(**{"steps": 3, "checkpoint.every_steps": 3}), str(moved)).train()
   Run(tiny_config(**{"steps": 6, "checkpoint.every_steps": 3, "mesh.data": 2,
                      "mesh.fsdp": 2, "mesh.tensor": 2}), str(moved)).train()
-  c = _losses(moved)
+  c = losses(moved)
   np.testing.assert_allclose([c[s] for s in range(4, 7)], [a[s] for s in range(4, 7)],
                              rtol=1e-5)

@@ -5,7 +5,6 @@ after the interruption must be identical (bit for bit on CPU fp32, same mesh) or
 different mesh, equal up to fp32 reduction order.
 """
 import glob
-import json
 import os
 import shutil
 import signal
@@ -16,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import CACHE_DIR
+from conftest import CACHE_DIR, losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,17 +61,6 @@ def wait_for_line(proc, needle, timeout=120):
     if needle in line:
       return line
   raise AssertionError(f"never saw {needle!r}")
-
-
-def losses(workdir):
-  """{step: loss}, the last record of each step winning (a restarted run redoes steps)."""
-  out = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      row = json.loads(line)
-      if "loss" in row:
-        out[row["step"]] = row["loss"]
-  return out
 
 
 def checkpoint_steps(workdir):

@@ -1,26 +1,15 @@
 """Run policies, in process: non-finite and spike guards, wall-time saves, config mismatches,
 warm starts from another run."""
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import metric_rows, tiny_config
 from trainer.checkpoint import CheckpointError, Checkpointer
 from trainer.loop import Run
 from trainer.step import GuardConfig, _judge
 from trainer.state import init_guard
-
-
-def _rows(workdir):
-  rows = {}
-  for line in open(workdir / "metrics.jsonl"):
-    row = json.loads(line)
-    if "loss" in row:
-      rows[row["step"]] = row
-  return rows
 
 
 def _run(workdir, **overrides):
@@ -30,7 +19,7 @@ def _run(workdir, **overrides):
 def test_nan_skip_policy_drops_the_update(tmp_path):
   result = _run(tmp_path, **{"steps": 6, "trainer.debug_nan_at_step": 3})
   assert result.status == "done" and result.exit_code == 0
-  rows = _rows(tmp_path)
+  rows = metric_rows(tmp_path)
   assert rows[3]["skipped"] == 1 and rows[3]["nonfinite"] == 1 and not np.isfinite(rows[3]["loss"])
   assert rows[3]["param_norm"] == rows[2]["param_norm"], "the bad update must not be applied"
   assert rows[4]["learning_rate"] == rows[3]["learning_rate"], "the optimizer count skips it"
