@@ -376,12 +376,17 @@ def oom_advice(cfg, sizes: dict, target: Target, state_bytes: int) -> str:
 def _no_persistent_cache():
   """Keep target executables out of JAX's persistent cache: this machine could not load them
   (and reading one back fails noisily), and a later CPU run must not find them."""
-  before = jax.config.jax_enable_compilation_cache
+  # Whether the cache is used is decided once per process, so in a process that already uses
+  # it (tests) the entry is kept out by making no compile slow enough to be written.
+  before = (jax.config.jax_enable_compilation_cache,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
   jax.config.update("jax_enable_compilation_cache", False)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
   try:
     yield
   finally:
-    jax.config.update("jax_enable_compilation_cache", before)
+    jax.config.update("jax_enable_compilation_cache", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
 def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
