@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.attention import attention
+from models.attention import IMPLS, attention, sequence_layout
+from sharding.ring_attention import zigzag
 from sharding.rules import constrain
 
 REMAT_POLICIES = {
@@ -26,7 +27,7 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,  # keep matmul outputs
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = IMPLS  # xla, flash, splash, ring, auto: see models/attention.py
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -114,7 +115,7 @@ class Attention(nnx.Module):
                        ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     v_BSKD = constrain(v_BSKD, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=True,
-                         impl=cfg.attention)
+                         impl=cfg.attention, layout=sequence_layout(cfg.attention))
     return jnp.einsum("bshd,hde->bse", out_BSHD, self.wo_HDE[...].astype(dt))
 
 
@@ -178,6 +179,12 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+    # Ring attention balances causal work with the sequence in zig-zag order: reorder the
+    # inputs once here and the hidden states back once below, not q/k/v in every layer.
+    reorder = sequence_layout(cfg.attention) == "zigzag"
+    if reorder:
+      tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
+      segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
     x_BSE = jnp.take(self.embed_VE[...], tokens_BS, axis=0).astype(DTYPES[cfg.dtype])
     x_BSE = constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
 
@@ -193,6 +200,8 @@ class Transformer(nnx.Module):
     x_BSE = run_layers(x_BSE, self.blocks)
 
     x_BSE = self.final_norm(x_BSE)
+    if reorder:
+      x_BSE = zigzag(x_BSE, inverse=True)
     head_EV = self.embed_VE[...].T if cfg.tie_embeddings else self.lm_head_EV[...]
     logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE.astype(DTYPES[cfg.dtype]),
                             head_EV.astype(DTYPES[cfg.dtype]),

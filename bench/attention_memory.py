@@ -1,0 +1,179 @@
+"""Per-device attention memory of ring attention vs unsharded attention, and causal work balance.
+
+  python bench/attention_memory.py                      # 10-16 minutes on 2 busy CPU cores
+  python bench/attention_memory.py --seq 2048,4096 --devices 2,4 --budget-mib 0   # quicker
+
+Nothing is run: every number comes from XLA's buffer assignment of the compiled program
+(`compiled.memory_analysis()`), per device, on 8 fake CPU devices. `temp` is the memory the
+program allocates besides its arguments and outputs (scores, softmax, residuals, ring buffers);
+`total` = temp + arguments + outputs. Forward is out = attention(q, k, v); forward+backward is
+(dq, dk, dv) = vjp(attention)(q, k, v)(d_out), so it includes the residuals.
+
+Three comparisons of ring attention on N devices with one device:
+  * ring(jnp) vs xla: ring attention with jnp blocks (what runs on CPU and TPU; keys in
+    chunks of 512, so O(S/N) memory) vs `jax.nn.dot_product_attention`, whose [S, S] scores
+    make it O(S^2): what the model does unsharded on CPU.
+  * ring(jnp) vs jnp on 1 device: the same blockwise jnp attention without the ring (N = 1),
+    both O(S): the cost of the ring itself.
+  * ring(flash) vs flash: ring attention with the Pallas kernel as the block vs the kernel
+    unsharded (interpreted on CPU, i.e. compiled to XLA loops, so the buffers are O(S) like the
+    GPU kernel's, plus the interpreter's copies of its operands): what runs on GPU.
+Target: ring per device <= 1.5/N x unsharded, i.e. "xN" <= 1.5, for temp and for total.
+
+Then the longest causal sequence whose attention (forward+backward, `total`) fits a per-device
+budget, unsharded vs ring on 8 devices, for each comparison; and the causal work balance of the zig-zag layout
+(max/min attention FLOPs per device; target <= 1.1) vs the contiguous layout.
+
+Shapes: batch 1, 8 heads (8 kv heads), head dim 64, fp32, causal, zig-zag layout (the model's:
+inputs already reordered, see sharding/ring_attention.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from kernels import flash_attention  # noqa: E402
+from models.attention import xla_attention  # noqa: E402
+from sharding import ring_attention, ring_work  # noqa: E402
+
+HEADS, HEAD_DIM, DTYPE = 8, 64, jnp.float32
+MiB = 2 ** 20
+TARGET = 1.5
+
+
+def _attention(impl: str, n: int):
+  """Causal attention by `impl`: "xla" / "flash" unsharded (n = 0), or ring attention over n
+  devices with "jnp" / "flash" blocks (n = 1 is the same blocks on one device, no ring)."""
+  if n == 0:
+    if impl == "xla":
+      return lambda q, k, v: xla_attention(q, k, v, causal=True)
+    return lambda q, k, v: flash_attention(q, k, v, causal=True)
+  mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Auto,),
+                       devices=jax.devices()[:n])
+  return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag",
+                                        impl=impl)
+
+
+def memory(seq_len: int, impl: str, n: int, backward: bool) -> dict[str, int]:
+  """Per-device bytes of the compiled attention program (see `_attention` for impl, n)."""
+  sds = jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), DTYPE)
+  fn = _attention(impl, n)
+  kwargs = {}
+  if n > 1:
+    mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:n])
+    sharding = NamedSharding(mesh, P(None, "sequence"))
+    kwargs = {"in_shardings": (sharding,) * (4 if backward else 3),
+              "out_shardings": (sharding,) * 3 if backward else sharding}
+  if backward:
+    attend = fn
+
+    def fn(q, k, v, do):
+      _, vjp = jax.vjp(attend, q, k, v)
+      return vjp(do)
+
+  args = (sds,) * (4 if backward else 3)
+  stats = jax.jit(fn, **kwargs).lower(*args).compile().memory_analysis()
+  temp = stats.temp_size_in_bytes
+  total = (temp + stats.argument_size_in_bytes + stats.output_size_in_bytes -
+           stats.alias_size_in_bytes)
+  return {"temp": temp, "total": total}
+
+
+COMPARISONS = {  # name: (baseline (impl, n), ring block impl)
+    "ring(jnp) vs xla": (("xla", 0), "jnp"),
+    "ring(jnp) vs jnp on 1 device": (("jnp", 1), "jnp"),
+    "ring(flash) vs flash": (("flash", 0), "flash"),
+}
+
+
+def table(name, seqs, devices) -> dict[str, float]:
+  """Print one comparison; -> the worst ratio x N for temp and for total."""
+  (base_impl, base_n), ring_impl = COMPARISONS[name]
+  print(f"\n## {name}: per-device MiB, and ring / unsharded x N (target <= {TARGET})")
+  print(f"{'pass':>8} {'S':>6} {'unsharded temp/total':>22} " +
+        " ".join(f"{f'N={n} temp/total':>18} {'xN temp/total':>14}" for n in devices))
+  worst = {"temp": 0.0, "total": 0.0}
+  for backward in (False, True):
+    for S in seqs:
+      base = memory(S, base_impl, base_n, backward)
+      row = f"{'fwd+bwd' if backward else 'fwd':>8} {S:>6} "
+      row += f"{base['temp'] / MiB:>10.1f} /{base['total'] / MiB:>9.1f} "
+      for n in devices:
+        ring = memory(S, ring_impl, n, backward)
+        xn = {key: n * ring[key] / base[key] for key in worst}
+        worst = {key: max(worst[key], xn[key]) for key in worst}
+        row += (f"{ring['temp'] / MiB:>8.1f} /{ring['total'] / MiB:>8.1f} "
+                f"{xn['temp']:>6.2f} /{xn['total']:>6.2f} ")
+      print(row, flush=True)
+  for key, value in worst.items():
+    print(f"worst {key} ratio x N: {value:.2f} -> {'PASS' if value <= TARGET else 'FAIL'}")
+  return worst
+
+
+def longest_fitting(impl: str, n: int, budget: int, granule: int) -> int:
+  """Largest multiple of `granule` whose forward+backward `total` fits `budget` bytes."""
+  fits = lambda S: memory(S, impl, n, True)["total"] <= budget
+  lo, hi = 0, granule
+  while fits(hi):
+    lo, hi = hi, 2 * hi
+  while hi - lo > max(granule, lo // 16):  # bisect to ~6%
+    mid = (lo + hi) // 2 // granule * granule
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+  return lo
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq", default="2048,4096,8192,16384")
+  parser.add_argument("--devices", default="2,4,8")
+  parser.add_argument("--budget-mib", type=int, default=1024, help="0: skip the budget search")
+  args = parser.parse_args()
+  seqs = [int(s) for s in args.seq.split(",")]
+  devices = [int(n) for n in args.devices.split(",")]
+  start = time.time()
+  print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices; batch 1, "
+        f"{HEADS} heads, head dim {HEAD_DIM}, {jnp.dtype(DTYPE).name}, causal")
+
+  verdicts = {name: table(name, seqs, devices) for name in COMPARISONS}
+
+  if args.budget_mib:
+    budget = args.budget_mib * MiB
+    n = max(devices)
+    print(f"\n## longest causal sequence whose attention fwd+bwd fits {args.budget_mib} MiB "
+          "per device (total)")
+    for name, ((base_impl, base_n), ring_impl) in COMPARISONS.items():
+      alone = longest_fitting(base_impl, base_n, budget, granule=1024)
+      ring = longest_fitting(ring_impl, n, budget, granule=256 * n)
+      print(f"{name:>30}: unsharded {alone:>8}   ring on {n} devices {ring:>8}   "
+            f"x{ring / max(alone, 1):.1f}", flush=True)
+
+  print("\n## causal work per device (attention FLOPs ~ query-key pairs), max/min "
+        "(target <= 1.1)")
+  for n in devices:
+    for layout in ("zigzag", "contiguous"):
+      work = ring_work(max(seqs), n, layout=layout)
+      needed, computed = work["needed"], work["computed"]
+      print(f"N={n} {layout:>10}: needed {needed.max() / needed.min():6.3f}   "
+            f"computed {computed.max() / computed.min():6.3f}")
+  print(f"\n## summary: worst ring / unsharded x N (target <= {TARGET})")
+  for name, worst in verdicts.items():
+    print(f"{name}: " + ", ".join(
+        f"{key} {value:.2f} {'PASS' if value <= TARGET else 'FAIL'}" for key, value in worst.items()))
+  print(f"{time.time() - start:.0f} s")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,473 @@
+"""Ring attention over a mesh axis: exact attention with O(S/N) memory per device.
+
+Ring Self-Attention (Li et al. 2021, "Sequence Parallelism: Long Sequence Training from System
+Perspective", arXiv:2105.13120; Liu et al. 2023, "Ring Attention with Blockwise Transformers",
+arXiv:2310.01889). The sequence is split over the N devices of `axis`. Each device keeps its
+query block and passes its key/value block around the ring with `ppermute`; after N steps every
+query block has seen every key block. Partial results are merged exactly with their
+log-sum-exps (the online softmax of flash attention, across devices instead of tiles). A step
+sends the block it is computing on, so the transfer can overlap the compute.
+
+Backward is a ring too (custom_vjp): q, dq, the output and its lse stay put, while k and v go
+round again with their gradient accumulators dK/dV travelling alongside, each device adding its
+contribution (from the *global* lse, so the block probabilities are exact); one last hop brings
+dK/dV home. Nothing O(S) is ever held by one device, forward or backward.
+
+Causal load balance: zig-zag layout (as in Megatron's context parallelism and
+zhuzilin/ring-flash-attention). Cut the sequence into 2N chunks; device i holds chunks i and
+2N-1-i, in that order, so its local tokens are still in increasing global order. At ring step s
+device i holds the keys of device j = (i - s) mod N and:
+  s = 0   its own block: ordinary causal attention on the local order (local causal = global);
+  j < i   all its queries see the first key chunk (chunk j), none the second: q x kv[:half];
+  j > i   only its second query chunk (2N-1-i) sees keys, all of them: q[half:] x kv.
+Every step is the same amount of work on every device (half a block pair), so no device waits:
+max/min attention FLOPs per device is 1 (`ring_work` counts it; see bench/attention_memory.py).
+
+Where the token reordering happens. A permutation of the sequence axis is communication, so it
+should not be paid per layer: `layout="zigzag"` says the caller's arrays are already in zig-zag
+order (the model permutes tokens, positions and segment ids once at its input with `zigzag` and
+un-permutes the final hidden states once, models/llama.py), and everything in between (RoPE by
+positions, segment masks, MLPs) is order-agnostic. `layout="contiguous"` (the default) accepts
+natural order and reorders inside, with ppermutes, O(S/N) memory, on every call.
+
+The per-block computation is the Pallas flash kernel (kernels/flash_attention.py) on GPU, and
+plain jnp elsewhere (`impl="flash"` forces the kernel, interpreted off-GPU). The jnp block scans
+over chunks of keys with the same online softmax, so its scores are [S/N, chunk], not
+[S/N, S/N], and memory stays O(S/N) there too. Non-causal attention needs no balancing: every
+step is a full block pair.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from kernels.flash_attention import BlockSizes
+from kernels.flash_attention import backward as flash_backward
+from kernels.flash_attention import forward as flash_forward
+from sharding.rules import BATCH_AXES
+
+LAYOUTS = ("contiguous", "zigzag")
+BLOCK_IMPLS = ("auto", "flash", "jnp")
+
+
+# ----------------------------------------------------------------------------------------------
+# The zig-zag layout.
+
+
+def zigzag_order(seq_len: int, n: int) -> np.ndarray:
+  """Token indices in zig-zag order: position p of the reordered sequence holds token order[p]."""
+  if seq_len % (2 * n):
+    raise ValueError(f"zig-zag layout: sequence length {seq_len} is not a multiple of "
+                     f"2 x {n} devices")
+  chunks = np.arange(seq_len).reshape(2 * n, seq_len // (2 * n))
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def _zigzag_moves(n: int):
+  """For each (source slot a, destination slot b): the ppermute pairs moving chunk 2d + a of
+  device d (natural layout) to slot b of the device that holds it in the zig-zag layout."""
+  moves = {}
+  for a in (0, 1):
+    for b in (0, 1):
+      pairs = []
+      for d in range(n):
+        chunk = 2 * d + a
+        owner, slot = (chunk, 0) if chunk < n else (2 * n - 1 - chunk, 1)
+        if slot == b:
+          pairs.append((d, owner))
+      if pairs:
+        moves[a, b] = pairs
+  return moves
+
+
+def _zigzag_local(x, axis: str, n: int, inverse: bool = False):
+  """Inside shard_map: the local block [B, L, ...] of the natural layout -> of the zig-zag one
+  (or back). Each chunk moves once, by ppermute; a slot receives exactly one chunk."""
+  if n == 1:
+    return x
+  half = x.shape[1] // 2
+  slots = (x[:, :half], x[:, half:])
+  out = [None, None]
+  for (a, b), pairs in _zigzag_moves(n).items():
+    src, dst = (b, a) if inverse else (a, b)
+    perm = [(t, s) for s, t in pairs] if inverse else pairs
+    moved = lax.ppermute(slots[src], axis, perm)
+    out[dst] = moved if out[dst] is None else out[dst] + moved  # the other pairs send zeros
+  return jnp.concatenate(out, axis=1)
+
+
+def split_axes(mesh, names, size: int):
+  """The mesh axes among `names` (of size > 1) to split an array dimension of `size` over, as
+  a PartitionSpec entry; None when there are none or they do not divide `size`."""
+  axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  total = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+  if not axes or size % total:
+    return None
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _resolve_mesh(mesh):
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  if mesh.empty:
+    raise ValueError("ring attention needs a mesh: pass mesh= or call under jax.set_mesh(mesh)")
+  return mesh
+
+
+def zigzag(x, *, mesh=None, axis: str = "sequence", inverse: bool = False,
+           batch_axes=BATCH_AXES):
+  """Reorder the sequence axis (axis 1) of a global array [B, S, ...] sharded over `axis` into
+  the zig-zag layout (or back with `inverse=True`), by ppermutes inside shard_map."""
+  mesh = _resolve_mesh(mesh)
+  n = mesh.shape[axis]
+  zigzag_order(x.shape[1], n)  # validates the length
+  if n == 1:
+    return x
+  spec = P(split_axes(mesh, batch_axes, x.shape[0]), axis)
+  return jax.shard_map(functools.partial(_zigzag_local, axis=axis, n=n, inverse=inverse),
+                       mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# One block pair: flash kernel or jnp, same contract (fp32 out, natural-log lse [B, H, S]).
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingConfig:
+  axis: str
+  n: int
+  causal: bool
+  scale: float
+  impl: str  # "flash" or "jnp"
+  block_sizes: BlockSizes | None  # flash tiles
+  interpret: bool | None
+  kv_chunk: int  # jnp: keys per scan step (scores are [S/N, kv_chunk] at a time)
+
+
+def _kv_chunks(k, v, seg_k, chunk: int):
+  """Keys cut into chunks for `lax.scan`: (k, v, segment ids, first key index) per chunk."""
+  T = k.shape[1]
+  c = T if T <= chunk else math.gcd(T, chunk)
+  split = lambda x: None if x is None else jnp.moveaxis(
+      x.reshape(x.shape[0], T // c, c, *x.shape[2:]), 1, 0)
+  return c, (split(k), split(v), split(seg_k), jnp.arange(0, T, c))
+
+
+def _jnp_scores(q_BSKGD, k_BCKD, seg_q, seg_k, start, causal, scale):
+  """Scaled scores [B, K, G, S, C] of one key chunk (starting at key `start`), masked to -inf."""
+  s = jnp.einsum("bskgd,bckd->bkgsc", q_BSKGD, k_BCKD, preferred_element_type=jnp.float32)
+  s = s * scale
+  S, C = s.shape[-2:]
+  mask = None
+  if causal:
+    mask = jnp.arange(S)[:, None] >= start + jnp.arange(C)[None, :]
+  if seg_q is not None:
+    same = (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]  # [B, 1, 1, S, C]
+    mask = same if mask is None else mask & same
+  return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _jnp_fwd(q, k, v, seg_q, seg_k, causal, scale, chunk):
+  """One block in jnp, keys in chunks with the online softmax (Rabe & Staats 2021,
+  "Self-attention Does Not Need O(n^2) Memory"): scores are [S, chunk], never [S, T]."""
+  B, S, H, D = q.shape
+  K = k.shape[2]
+  q_BSKGD = q.reshape(B, S, K, H // K, D)
+  _, chunks = _kv_chunks(k, v, seg_k, chunk)
+
+  def body(carry, xs):
+    acc_BSKGD, m_BKGS, l_BKGS = carry
+    k_c, v_c, seg_c, start = xs
+    s = _jnp_scores(q_BSKGD, k_c, seg_q, seg_c, start, causal, scale)
+    m_new = jnp.maximum(m_BKGS, jnp.max(s, axis=-1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use[..., None])
+    alpha = jnp.exp(m_BKGS - m_use)
+    l_BKGS = alpha * l_BKGS + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgsc,bckd->bskgd", p.astype(v.dtype), v_c,
+                    preferred_element_type=jnp.float32)
+    acc_BSKGD = acc_BSKGD * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
+    return (acc_BSKGD, m_new, l_BKGS), None
+
+  lse_shape = jnp.zeros_like(q_BSKGD[..., 0], jnp.float32).transpose(0, 2, 3, 1)  # [B,K,G,S]
+  init = (jnp.zeros_like(q_BSKGD, jnp.float32), jnp.full_like(lse_shape, -jnp.inf), lse_shape)
+  (acc, m, l), _ = lax.scan(body, init, chunks)
+  l_safe = jnp.where(l == 0.0, 1.0, l)
+  o_BSKGD = acc / jnp.moveaxis(l_safe, 3, 1)[..., None]
+  lse_BKGS = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))
+  return o_BSKGD.reshape(B, S, H, D), lse_BKGS.reshape(B, H, S)
+
+
+def _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, scale, chunk):
+  """Gradients of one block in jnp, one key chunk at a time: dq accumulates, dk/dv per chunk."""
+  B, S, H, D = q.shape
+  T, K = k.shape[1], k.shape[2]
+  G = H // K
+  q_BSKGD = q.reshape(B, S, K, G, D)
+  do_BSKGD = do.astype(q.dtype).reshape(B, S, K, G, D)
+  lse_BKGS, delta_BKGS = lse.reshape(B, K, G, S), delta.reshape(B, K, G, S)
+  _, chunks = _kv_chunks(k, v, seg_k, chunk)
+
+  def body(dq_BSKGD, xs):
+    k_c, v_c, seg_c, start = xs
+    s = _jnp_scores(q_BSKGD, k_c, seg_q, seg_c, start, causal, scale)
+    p = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - lse_BKGS[..., None]))
+    dp = jnp.einsum("bskgd,bckd->bkgsc", do_BSKGD, v_c, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta_BKGS[..., None])
+    dq_BSKGD = dq_BSKGD + jnp.einsum("bkgsc,bckd->bskgd", ds.astype(k.dtype), k_c,
+                                     preferred_element_type=jnp.float32) * scale
+    dk = jnp.einsum("bkgsc,bskgd->bckd", ds.astype(q.dtype), q_BSKGD,
+                    preferred_element_type=jnp.float32) * scale
+    dv = jnp.einsum("bkgsc,bskgd->bckd", p.astype(do.dtype), do_BSKGD,
+                    preferred_element_type=jnp.float32)
+    return dq_BSKGD, (dk, dv)
+
+  dq, (dk, dv) = lax.scan(body, jnp.zeros_like(q_BSKGD, jnp.float32), chunks)
+  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, T, K, D)
+  return dq.reshape(B, S, H, D), unchunk(dk), unchunk(dv)
+
+
+def _block_fwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, causal):
+  if cfg.impl == "flash":
+    return flash_forward(q, k, v, seg_q, seg_k, causal=causal, scale=cfg.scale,
+                         block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  return _jnp_fwd(q, k, v, seg_q, seg_k, causal, cfg.scale, cfg.kv_chunk)
+
+
+def _block_bwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, do, lse, delta, causal):
+  if cfg.impl == "flash":
+    return flash_backward(q, k, v, seg_q, seg_k, do, lse, delta, causal=causal, scale=cfg.scale,
+                          block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+  return _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, cfg.scale, cfg.kv_chunk)
+
+
+def _merge(o_BSHD, lse_BHS, ob_BSHD, lseb_BHS):
+  """Exact merge of attention over two disjoint key sets from their log-sum-exps."""
+  top = jnp.maximum(lse_BHS, lseb_BHS)
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  w, wb = jnp.exp(lse_BHS - top), jnp.exp(lseb_BHS - top)
+  total = w + wb
+  safe = jnp.where(total == 0.0, 1.0, total)
+  to_BSH1 = lambda x: jnp.swapaxes(x / safe, 1, 2)[..., None]
+  o_BSHD = o_BSHD * to_BSH1(w) + ob_BSHD * to_BSH1(wb)
+  return o_BSHD, jnp.where(total == 0.0, -jnp.inf, top + jnp.log(safe))
+
+
+def _zeros_then(x_BS):
+  """[B, S, ...] -> [B, 2S, ...]: the block is the second half, the first is zeros."""
+  return jnp.concatenate([jnp.zeros_like(x_BS), x_BS], axis=1)
+
+
+def _then_zeros(x_BS):
+  return jnp.concatenate([x_BS, jnp.zeros_like(x_BS)], axis=1)
+
+
+def _slice(x, sl):
+  """Sequence slice of an optional [B, S, ...] array."""
+  return None if x is None else x[:, sl]
+
+
+# ----------------------------------------------------------------------------------------------
+# The ring (runs inside shard_map on local blocks).
+
+
+def _ring_fwd_pass(cfg: _RingConfig, q, k, v, seg):
+  n, axis = cfg.n, cfg.axis
+  i = lax.axis_index(axis)
+  half = q.shape[1] // 2
+  lo, hi = slice(0, half), slice(half, None)
+
+  def send(tree):  # to the next device on the ring
+    return lax.ppermute(tree, axis, [(j, (j + 1) % n) for j in range(n)])
+
+  def step(s, o, lse, kv):
+    k, v, seg_k = kv
+    if not cfg.causal:
+      return _merge(o, lse, *_block_fwd(cfg, q, k, v, seg, seg_k, False))
+
+    def kv_first_half():  # keys of an earlier device: only its first chunk is visible
+      return _block_fwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), False)
+
+    def q_second_half():  # keys of a later device: only our second chunk sees them
+      ob, lseb = _block_fwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, False)
+      return _zeros_then(ob), jnp.concatenate([jnp.full_like(lseb, -jnp.inf), lseb], axis=2)
+
+    # The merge stays outside the branches, so it updates the accumulator in place.
+    return _merge(o, lse, *lax.cond((i - s) % n < i, kv_first_half, q_second_half))
+
+  kv = (k, v, seg)
+  o, lse = _block_fwd(cfg, q, k, v, seg, seg, cfg.causal)  # step 0: our own keys
+  if n > 1:
+    kv = send(kv)
+
+    def body(s, carry):
+      o, lse, kv = carry
+      kv_next = send(kv)  # in flight while this step computes
+      return (*step(s, o, lse, kv), kv_next)
+
+    o, lse, kv = lax.fori_loop(1, n - 1, body, (o, lse, kv))
+    o, lse = step(n - 1, o, lse, kv)
+  return o, lse
+
+
+def _ring_bwd_pass(cfg: _RingConfig, q, k, v, seg, o, lse, do):
+  n, axis = cfg.n, cfg.axis
+  i = lax.axis_index(axis)
+  half = q.shape[1] // 2
+  lo, hi = slice(0, half), slice(half, None)
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+
+  def send(tree):
+    return lax.ppermute(tree, axis, [(j, (j + 1) % n) for j in range(n)])
+
+  def grads(s, kv):
+    """This step's block gradients: dq for our queries, (dk, dv) for the keys we hold."""
+    k, v, seg_k = kv
+    if not cfg.causal:
+      return _block_bwd(cfg, q, k, v, seg, seg_k, do, lse, delta, False)
+    def kv_first_half():
+      dq, dk, dv = _block_bwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), do, lse, delta,
+                              False)
+      return dq, _then_zeros(dk), _then_zeros(dv)
+
+    def q_second_half():
+      dq, dk, dv = _block_bwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, do[:, hi],
+                              lse[:, :, hi], delta[:, :, hi], False)
+      return _zeros_then(dq), dk, dv
+
+    return lax.cond((i - s) % n < i, kv_first_half, q_second_half)
+
+  kv = (k, v, seg)
+  dq, dk, dv = _block_bwd(cfg, q, k, v, seg, seg, do, lse, delta, cfg.causal)  # step 0
+  dkv = (dk, dv)  # the accumulator of the block we hold; it travels with the block
+  if n > 1:
+    kv = send(kv)
+
+    def body(s, carry):
+      dq, kv, dkv = carry
+      kv_next = send(kv)
+      dkv_in = send(dkv)  # the previous holder's sum for this block, arriving during compute
+      dq_b, dk_b, dv_b = grads(s, kv)
+      return dq + dq_b, kv_next, (dkv_in[0] + dk_b, dkv_in[1] + dv_b)
+
+    dq, kv, dkv = lax.fori_loop(1, n - 1, body, (dq, kv, dkv))
+    dkv_in = send(dkv)
+    dq_b, dk_b, dv_b = grads(n - 1, kv)
+    dq = dq + dq_b
+    dkv = send((dkv_in[0] + dk_b, dkv_in[1] + dv_b))  # the last hop brings dK/dV home
+  return dq, dkv[0], dkv[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ring(q, k, v, seg, cfg: _RingConfig):
+  return _ring_fwd_pass(cfg, q, k, v, seg)[0].astype(q.dtype)
+
+
+def _ring_vjp_fwd(q, k, v, seg, cfg):
+  o, lse = _ring_fwd_pass(cfg, q, k, v, seg)
+  o = o.astype(q.dtype)
+  return o, (q, k, v, seg, o, lse)
+
+
+def _ring_vjp_bwd(cfg, residuals, do):
+  q, k, v, seg, o, lse = residuals
+  dq, dk, dv = _ring_bwd_pass(cfg, q, k, v, seg, o, lse, do)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
+
+
+def _platform(mesh) -> str:
+  """The platform the program is for (the mesh's devices, also when compiling AOT)."""
+  device = getattr(mesh, "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()
+
+
+def _block_impl(impl: str, mesh) -> str:
+  if impl not in BLOCK_IMPLS:
+    raise ValueError(f"ring attention: impl={impl!r}; choose one of {', '.join(BLOCK_IMPLS)}")
+  if impl != "auto":
+    return impl
+  return "flash" if _platform(mesh) == "gpu" else "jnp"
+
+
+def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
+                   causal: bool = False, segment_ids=None, layout: str = "contiguous",
+                   impl: str = "auto", scale: float | None = None,
+                   block_sizes: BlockSizes | None = None, interpret: bool | None = None,
+                   kv_chunk: int = 512, batch_axes=BATCH_AXES, head_axis: str = "tensor"):
+  """Exact attention of global arrays whose sequence axis is sharded over `axis` of `mesh`.
+
+  q [B, S, H, D], k/v [B, S, K, D] (H a multiple of K), segment_ids [B, S] -> [B, S, H, D].
+  mesh: a Mesh or AbstractMesh; default the current one (`jax.set_mesh`). The batch is split
+  over `batch_axes` and the heads over `head_axis` where the mesh has them (and they divide),
+  like the model's activations. layout: "contiguous" = natural token order; "zigzag" = the
+  arrays are in `zigzag` order already (see the module docstring; only matters when causal).
+  impl: block computation, "flash" (Pallas kernel with `block_sizes` tiles), "jnp" (keys in
+  chunks of `kv_chunk`, or the largest common divisor with the block length), or "auto" (flash
+  on GPU, jnp elsewhere).
+  """
+  mesh = _resolve_mesh(mesh)
+  if layout not in LAYOUTS:
+    raise ValueError(f"ring attention: layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
+  B, S, H, D = q_BSHD.shape
+  n = mesh.shape[axis]
+  if causal:
+    zigzag_order(S, n)  # the balanced causal layout needs 2N equal chunks
+  elif S % n:
+    raise ValueError(f"ring attention: sequence length {S} is not a multiple of the {n} "
+                     f"devices of mesh axis {axis!r}")
+  cfg = _RingConfig(axis=axis, n=n, causal=bool(causal),
+                    scale=float(D ** -0.5 if scale is None else scale),
+                    impl=_block_impl(impl, mesh), block_sizes=block_sizes,
+                    interpret=_platform(mesh) != "gpu" if interpret is None else interpret,
+                    kv_chunk=int(kv_chunk))
+  reorder = causal and layout == "contiguous" and n > 1
+  batch = split_axes(mesh, batch_axes, B)
+  heads = split_axes(mesh, (head_axis,), k_BSKD.shape[2])
+  qkv_spec, seg_spec = P(batch, axis, heads), P(batch, axis)
+
+  def local(q, k, v, seg):
+    if reorder:
+      q, k, v, seg = (None if x is None else _zigzag_local(x, axis, n) for x in (q, k, v, seg))
+    out = _ring(q, k, v, seg, cfg)
+    return _zigzag_local(out, axis, n, inverse=True) if reorder else out
+
+  # Pallas calls do not track varying mesh axes yet (the interpreter's grid loop rejects them),
+  # so the type check is on for the jnp blocks only.
+  return jax.shard_map(local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, seg_spec),
+                       out_specs=qkv_spec, check_vma=cfg.impl != "flash")(
+                           q_BSHD, k_BSKD, v_BSKD, segment_ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# Work per device (for the load-balance benchmark).
+
+
+def ring_work(seq_len: int, n: int, *, layout: str = "zigzag") -> dict[str, np.ndarray]:
+  """Causal attention work per device over the whole ring, as (query, key) pairs.
+
+  `needed`: pairs the causal mask allows (key index <= query index), counted exactly from the
+  layout's token order. `computed`: pairs in the block pairs the ring schedule evaluates, with
+  the flash kernel's tile skipping on the diagonal block (zig-zag: the local causal triangle at
+  step 0, then half a block pair per step; the jnp block computes the whole square at step 0,
+  the same on every device; contiguous: a full block pair per earlier device, a triangle for
+  its own, nothing for later ones). FLOPs are 4 x D x H x pairs forward, 2.5x that backward."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
+  L = seq_len // n
+  order = zigzag_order(seq_len, n) if layout == "zigzag" else np.arange(seq_len)
+  needed = np.array([np.sum(order[d * L:(d + 1) * L] + 1) for d in range(n)], dtype=np.int64)
+  triangle = L * (L + 1) // 2
+  if layout == "zigzag":
+    computed = np.full(n, triangle + (n - 1) * L * (L // 2), dtype=np.int64)
+  else:
+    computed = np.array([triangle + d * L * L for d in range(n)], dtype=np.int64)
+  return {"needed": needed, "computed": computed}

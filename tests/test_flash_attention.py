@@ -1,0 +1,171 @@
+"""The Pallas flash-attention kernel (interpreted on CPU) equals jax.nn.dot_product_attention:
+forward, all three gradients and the log-sum-exp, for causal/non-causal, packed segments, GQA,
+ragged lengths, non-power-of-two head dims, fp32 (tight) and bf16 (loose); the kernels go
+through the GPU (Triton) lowering. The model's dispatcher runs the kernel, and the TPU splash
+adapter (interpreted), per device under a data x tensor mesh, and both equal the reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import BlockSizes, flash_attention
+from kernels.splash import splash_attention
+from models.attention import attention, segment_mask
+from sharding import make_mesh
+
+SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
+
+
+def _inputs(B, S, H, K, D, dtype, seed=0, segments=False):
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (B, S, H, D), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, S, K, D), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, S, K, D), jnp.float32).astype(dtype)
+  do = jax.random.normal(ks[3], (B, S, H, D), jnp.float32).astype(dtype)
+  seg = None
+  if segments:  # packed documents 1, 2, ... of random lengths, then padding (0)
+    rng = np.random.RandomState(seed)
+    seg = np.sort(rng.randint(1, 5, (B, S)), axis=1)
+    seg[:, -3:] = 0
+    seg = jnp.asarray(seg, jnp.int32)
+  return q, k, v, do, seg
+
+
+def _reference(q, k, v, seg, causal):
+  mask = None if seg is None else segment_mask(seg)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal)
+
+
+def _fwd_and_grads(fn, q, k, v, do):
+  out, vjp = jax.vjp(fn, q, k, v)
+  return (out, *vjp(do))
+
+
+CASES = {
+    # name: (B, S, H, K, D, causal, segments)
+    "causal_segments_gqa": (2, 64, 4, 1, 16, True, True),
+    "segments_ragged": (1, 50, 2, 2, 16, False, True),
+    "causal_ragged_dim24": (1, 40, 2, 2, 24, True, False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_matches_reference(name):
+  B, S, H, K, D, causal, segments = CASES[name]
+  q, k, v, do, seg = _inputs(B, S, H, K, D, jnp.float32, segments=segments)
+  got = _fwd_and_grads(jax.jit(lambda q, k, v: flash_attention(
+      q, k, v, causal=causal, segment_ids=seg, block_sizes=SMALL)), q, k, v, do)
+  want = _fwd_and_grads(lambda q, k, v: _reference(q, k, v, seg, causal), q, k, v, do)
+  for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert g.shape == w.shape and g.dtype == w.dtype, what
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
+
+
+def test_bf16_matches_reference_loosely():
+  q, k, v, do, seg = _inputs(2, 64, 4, 2, 32, jnp.bfloat16, seed=1, segments=True)
+  got = _fwd_and_grads(jax.jit(lambda q, k, v: flash_attention(
+      q, k, v, causal=True, segment_ids=seg, block_sizes=SMALL)), q, k, v, do)
+  # The reference in fp32 on the same bf16 inputs: what bf16 attention should approximate.
+  f32 = lambda x: x.astype(jnp.float32)
+  want = _fwd_and_grads(lambda q, k, v: _reference(q, k, v, seg, True),
+                        f32(q), f32(k), f32(v), f32(do))
+  for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    assert g.dtype == jnp.bfloat16, what
+    np.testing.assert_allclose(f32(g), w, atol=6e-2, rtol=6e-2, err_msg=what)
+
+
+def test_lse_and_its_gradient():
+  """lse = logsumexp of the masked, scaled scores; gradients flow through it as well."""
+  q, k, v, _, seg = _inputs(1, 48, 2, 1, 16, jnp.float32, seed=2, segments=True)
+  scale = 16 ** -0.5
+
+  def ref_lse(q, k):
+    s = jnp.einsum("bshd,btd->bhst", q, k[:, :, 0]) * scale
+    mask = segment_mask(seg) & jnp.tril(jnp.ones((48, 48), bool))
+    return jax.nn.logsumexp(jnp.where(mask, s, -jnp.inf), axis=-1)
+
+  def lse_and_grads(fn):
+    def loss(q, k, v):
+      out, lse = fn(q, k, v)
+      return jnp.sum(out ** 2) + jnp.sum(jnp.sin(lse)), lse
+    grads, lse = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (lse, *grads)
+
+  flash = lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                          return_lse=True, block_sizes=SMALL)
+  ref = lambda q, k, v: (_reference(q, k, v, seg, True), ref_lse(q, k))
+  got = jax.jit(lambda: lse_and_grads(flash))()
+  want = jax.jit(lambda: lse_and_grads(ref))()
+  for what, g, w in zip(("lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
+
+
+def test_cross_attention_lengths_and_kv_segments():
+  """Queries and keys of different lengths (what ring attention's half blocks are)."""
+  q, _, _, do, _ = _inputs(1, 32, 2, 2, 16, jnp.float32, seed=3)
+  _, k, v, _, _ = _inputs(1, 48, 2, 2, 16, jnp.float32, seed=4)
+  seg_q = jnp.asarray(np.repeat([[1, 2]], 16, axis=1), jnp.int32)
+  seg_k = jnp.asarray(np.repeat([[1, 2, 3]], 16, axis=1), jnp.int32)
+  got = _fwd_and_grads(lambda q, k, v: flash_attention(
+      q, k, v, segment_ids=seg_q, kv_segment_ids=seg_k, block_sizes=SMALL), q, k, v, do)
+  mask = segment_mask(seg_q, seg_k)
+  want = _fwd_and_grads(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
+                        q, k, v, do)
+  for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
+
+
+def test_lowers_for_gpu_triton():
+  """All three kernels (forward, dQ, dK/dV) go through Pallas' Triton lowering: tile shapes
+  and ops are ones Triton accepts (compiling to PTX needs a GPU, not available here)."""
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 200, 8, 64), jnp.bfloat16), sds((2, 200, 2, 64), jnp.bfloat16)
+  seg = sds((2, 200), jnp.int32)
+
+  def loss(q, k, v, seg):
+    out, lse = flash_attention(q, k, v, causal=True, segment_ids=seg, return_lse=True,
+                               interpret=False)
+    return out.astype(jnp.float32).sum() + lse.sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower(
+      lowering_platforms=("cuda",))
+  assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
+
+
+def test_rejects_bad_arguments():
+  q, k, v, _, _ = _inputs(1, 32, 3, 2, 16, jnp.float32)
+  with pytest.raises(ValueError, match="not a multiple"):
+    flash_attention(q, k, v)
+  q, k, v, _, _ = _inputs(1, 32, 2, 2, 16, jnp.float32)
+  with pytest.raises(ValueError, match="powers of two"):
+    flash_attention(q, k, v, block_sizes=BlockSizes(block_q=24))
+  with pytest.raises(ValueError, match="kv_segment_ids"):
+    flash_attention(q, k[:, :16], v[:, :16], segment_ids=jnp.ones((1, 32), jnp.int32))
+
+
+@pytest.mark.parametrize("impl", ["flash", "splash"])
+def test_dispatch_under_mesh_matches_reference(impl, devices):
+  """models.attention runs the kernel per device (shard_map over batch and heads) under the
+  trainer's mesh; "splash" is the TPU path (jax's splash attention, interpreted here)."""
+  causal, segments = (False, False) if impl == "flash" else (True, True)
+  q, k, v, do, seg = _inputs(2, 128, 4, 2, 32, jnp.float32, seed=5, segments=segments)
+  mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
+  fn = jax.jit(lambda q, k, v: attention(q, k, v, segment_ids=seg, causal=causal, impl=impl))
+  with jax.set_mesh(mesh):
+    got = _fwd_and_grads(fn, q, k, v, do)
+  want = _fwd_and_grads(lambda q, k, v: _reference(q, k, v, seg, causal), q, k, v, do)
+  for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
+
+
+def test_splash_lowers_for_tpu():
+  """The splash path lowers to Mosaic TPU custom calls (compiling needs a TPU)."""
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 1024, 8, 128), jnp.bfloat16), sds((2, 1024, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v, seg):
+    return splash_attention(q, k, v, causal=True, segment_ids=seg).astype(jnp.float32).sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      q, k, k, sds((2, 1024), jnp.int32)).lower(lowering_platforms=("tpu",))
+  assert lowered.as_text().count("tpu_custom_call") == 3
