@@ -96,6 +96,37 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
   return ds
 
 
+# ----------------------------------------------------------------------------------------------
+# Iterator state that survives a change in the number of processes.
+#
+# The iterator's state is a list with one entry per row stream this process owns. Each process
+# saves its block together with the row range it covers; a restore assembles the full list from
+# every process's block and hands each process the rows it owns now. So a run saved by 4 hosts
+# can continue on 2, or on 1, with the same data order.
+
+
+def shard_state(iterator_state: dict, spec: StreamSpec) -> dict:
+  """What one process saves: its rows' states and which global rows they are."""
+  rows = spec.local_rows
+  return {"rows": [rows.start, rows.stop], "total_rows": spec.rows,
+          "row_states": iterator_state["parents"]}
+
+
+def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
+  """This process's iterator state, assembled from the shards saved by any process count."""
+  by_row = {}
+  for shard in shards:
+    if shard["total_rows"] != spec.rows:
+      raise DataError(f"the saved data stream has {shard['total_rows']} rows per micro-batch, "
+                      f"this run {spec.rows}")
+    first, stop = shard["rows"]
+    by_row.update(zip(range(first, stop), shard["row_states"]))
+  missing = [r for r in spec.local_rows if r not in by_row]
+  if missing:
+    raise DataError(f"the saved data state lacks rows {missing[0]}..{missing[-1]}")
+  return {"parents": [by_row[r] for r in spec.local_rows]}
+
+
 def take(spec: StreamSpec, n: int) -> list[dict[str, np.ndarray]]:
   """The first n micro-batches of a stream (used for the fixed validation set)."""
   it = iter(dataset(dataclasses.replace(spec, prefetch=0)))

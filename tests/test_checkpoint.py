@@ -27,12 +27,13 @@ def saved(tmp_path_factory, data_dir):
   cfg = tiny_config()
   spec, tx = _spec_tx(cfg, {"data": 8})
   state = init_state(spec, tx)
-  it = iter(pipeline.dataset(pipeline.StreamSpec(data_dir, "train", 32, 8)))
+  data_spec = pipeline.StreamSpec(data_dir, "train", 32, 8)
+  it = iter(pipeline.dataset(data_spec))
   for _ in range(5):
     next(it)
   directory = tmp_path_factory.mktemp("ckpt")
   ckpt = Checkpointer(str(directory), keep=2)
-  ckpt.save(5, state, it, cfg.to_dict())
+  ckpt.save(5, state, it, data_spec, cfg.to_dict())
   ckpt.wait()
   next_batch = next(it)
   return cfg, directory, jax.device_get(state), next_batch
@@ -48,8 +49,7 @@ def test_restore_is_exact_on_any_mesh(saved, data_dir, mesh_cfg, ndev):
   ckpt = Checkpointer(str(directory), keep=2)
   assert ckpt.latest_step() == 5
   state, it, step = ckpt.restore_latest(
-      abstract, lambda: iter(pipeline.dataset(pipeline.StreamSpec(data_dir, "train", 32, 8))),
-      cfg.to_dict())
+      abstract, pipeline.StreamSpec(data_dir, "train", 32, 8), cfg.to_dict())
   assert step == 5
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), want)
   w = state.params["blocks"]["attn"]["wq_EHD"]

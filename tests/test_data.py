@@ -103,6 +103,29 @@ def test_process_shards_reassemble_the_global_batch(data_dir):
           np.concatenate([parts[0][step][key], parts[1][step][key]]), whole[step][key])
 
 
+@pytest.mark.parametrize("saved_by,restored_by", [(2, 1), (1, 4), (4, 2)])
+def test_iterator_state_moves_between_process_counts(data_dir, saved_by, restored_by):
+  """States saved by N processes restore on M processes at exactly the next global batch."""
+  def spec(p, n):
+    return _spec(data_dir, rows=4, process_index=p, process_count=n)
+
+  shards = []
+  for p in range(saved_by):
+    it = iter(pipeline.dataset(spec(p, saved_by)))
+    _take(it, 7)
+    shards.append(json.loads(json.dumps(pipeline.shard_state(it.get_state(), spec(p, saved_by)))))
+  whole = iter(pipeline.dataset(spec(0, 1)))
+  _take(whole, 7)
+  want = next(whole)
+  parts = []
+  for p in range(restored_by):
+    it = iter(pipeline.dataset(spec(p, restored_by)))
+    it.set_state(pipeline.state_from_shards(shards, spec(p, restored_by)))
+    parts.append(next(it))
+  for key in pipeline.BATCH_KEYS:
+    np.testing.assert_array_equal(np.concatenate([b[key] for b in parts]), want[key])
+
+
 def test_prepare_user_files(tmp_path):
   (tmp_path / "a.txt").write_text("alpha " * 50)
   with open(tmp_path / "b.jsonl", "w") as f:

@@ -26,9 +26,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import grain
+import dataclasses
+import re
+
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
+
+from data import pipeline
 
 
 class CheckpointError(RuntimeError):
@@ -104,6 +109,44 @@ def first_line(e: BaseException) -> str:
   return f"{type(e).__name__}: {text[0][:200] if text else ''}"
 
 
+# ----------------------------------------------------------------------------------------------
+# The data item: per-process JSON files keyed by global row, restorable by any process count.
+
+
+class DataStateHandler(ocp.CheckpointHandler):
+  """Saves this process's row-stream states (`data.pipeline.shard_state`) as JSON; restores by
+  reading every process's file, so the number of processes may differ between save and restore.
+  """
+
+  def save(self, directory: epath.Path, args: "DataStateSave"):
+    index, count = jax.process_index(), jax.process_count()
+    shard = pipeline.shard_state(args.iterator.get_state(), args.spec)
+    (directory / f"process_{index}-of-{count}.json").write_text(json.dumps(shard))
+
+  def restore(self, directory: epath.Path, args: "DataStateRestore"):
+    files = sorted(directory.glob("process_*-of-*.json"))
+    counts = {re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name).group(1) for f in files}
+    if len(counts) != 1 or len(files) != int(next(iter(counts))):
+      raise ValueError(f"incomplete data state in {directory}: {[f.name for f in files]}")
+    shards = [json.loads(f.read_text()) for f in files]
+    args.iterator.set_state(pipeline.state_from_shards(shards, args.spec))
+    return args.iterator
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataStateSave(ocp.args.CheckpointArgs):
+  iterator: object
+  spec: pipeline.StreamSpec
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStateRestore(ocp.args.CheckpointArgs):
+  iterator: object
+  spec: pipeline.StreamSpec
+
+
 def _use_replica_parallel_only_across_hosts() -> None:
   """Orbax's replica-parallel save splits each replicated array into per-replica slices with
   one eager `lax.slice` per slice, compiled per shape: seconds of compile on the first save and
@@ -129,7 +172,7 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(
         self.directory, options=self._options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": grain.checkpoint.CheckpointHandler(),
+                       "data": DataStateHandler(),
                        "config": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
@@ -145,11 +188,12 @@ class Checkpointer:
     """Raise the error of an earlier background save, if one failed."""
     self.manager.check_for_errors()
 
-  def save(self, step: int, state, data_iterator, config: dict) -> None:
+  def save(self, step: int, state, data_iterator, data_spec: pipeline.StreamSpec,
+           config: dict) -> None:
     """Start saving (async unless configured otherwise). Raises on storage errors."""
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        data=grain.checkpoint.CheckpointSave(data_iterator),
+        data=DataStateSave(data_iterator, data_spec),
         config=ocp.args.JsonSave(config),
     ), force=True)
 
@@ -189,7 +233,7 @@ class Checkpointer:
           "--workdir (optionally with --config.checkpoint.init_from=<old workdir> to start from "
           "its parameters), or the config it was written with")
 
-  def restore_latest(self, abstract_state, make_iterator: Callable[[], Any], config: dict,
+  def restore_latest(self, abstract_state, data_spec: pipeline.StreamSpec, config: dict,
                      *, allow_fresh_start: bool = False):
     """(state, data iterator, step) from the newest readable checkpoint, or None if there is
     none. Falls back past unreadable checkpoints; raises CheckpointError if none is readable."""
@@ -199,11 +243,11 @@ class Checkpointer:
     unreadable = []
     for step in reversed(steps):
       self.check_compatible(step, abstract_state, config)
-      iterator = make_iterator()
+      iterator = iter(pipeline.dataset(data_spec))
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(iterator),
+            data=DataStateRestore(iterator, data_spec),
         ))
       except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
         self.log(f"checkpoint {self.directory}/{step} is unreadable ({first_line(e)}); "

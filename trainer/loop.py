@@ -156,7 +156,7 @@ class Run:
     abstract = self.program.abstract_state()
     make_iterator = lambda: iter(pipeline.dataset(self.train_spec))
     restored = checkpointer.restore_latest(
-        abstract, make_iterator, self.cfg.to_dict(),
+        abstract, self.train_spec, self.cfg.to_dict(),
         allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
     if restored is not None:
       state, iterator, step = restored
@@ -241,7 +241,7 @@ class Run:
           failed_step = last_save_step  # a background write of the previous save may have failed
           checkpointer.check_for_errors()
           failed_step = step
-          checkpointer.save(step, state, train_iter, cfg.to_dict())
+          checkpointer.save(step, state, train_iter, self.train_spec, cfg.to_dict())
           last_save_step = step
           if blocking:
             checkpointer.wait()
