@@ -210,12 +210,13 @@ def test_missing_process_times_out_naming_the_coordinator(tmp_path):
 
 
 def test_two_processes_equal_one_and_resume(tmp_path):
-  """2 processes x 4 CPU devices == 1 process x 8 devices, step for step, through a resume."""
+  """2 processes x 4 CPU devices == 1 process x 8 devices, step for step, through a resume,
+  and on through a restore by a single process (the data state moves between process counts)."""
   multi, single = tmp_path / "multi", tmp_path / "single"
   # The reference (1 process, the test's 8 devices) runs alongside the first 2-process launch.
   reference = subprocess.Popen(
       [sys.executable, "train.py", "--config", TINY, "--workdir", str(single), *MODEL_ARGS,
-       "--config.steps=6"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+       "--config.steps=8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
     first = launch(multi, 2, MODEL_ARGS + ["--config.steps=4"])
     ref_out, ref_err = reference.communicate(timeout=300)
@@ -236,7 +237,14 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     assert code == 0, stdout[-2000:] + stderr[-3000:]
   assert "resumed from" in resumed[0][1] and "checkpoints/4" in resumed[0][1]
 
+  # One process (8 devices) continues the 2-process run from its step-6 checkpoint.
+  alone = subprocess.run(
+      [sys.executable, "train.py", "--config", TINY, "--workdir", str(multi), *MODEL_ARGS,
+       "--config.steps=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+  assert "checkpoints/6" in alone.stdout
+
   got, want = losses(multi), losses(single)
-  assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
-  np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
+  assert sorted(got) == sorted(want) == list(range(1, 9))
+  np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
                              rtol=1e-5)

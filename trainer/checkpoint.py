@@ -30,8 +30,10 @@ import dataclasses
 import re
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from data import pipeline
 
@@ -147,6 +149,13 @@ class DataStateRestore(ocp.args.CheckpointArgs):
   spec: pipeline.StreamSpec
 
 
+def _all_processes(ok: bool) -> bool:
+  """True if `ok` holds on every process (a collective when there are several)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.array([ok], dtype=np.int32))))
+
+
 def _use_replica_parallel_only_across_hosts() -> None:
   """Orbax's replica-parallel save splits each replicated array into per-replica slices with
   one eager `lax.slice` per slice, compiled per shape: seconds of compile on the first save and
@@ -244,14 +253,18 @@ class Checkpointer:
     for step in reversed(steps):
       self.check_compatible(step, abstract_state, config)
       iterator = iter(pipeline.dataset(data_spec))
+      error = None
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=DataStateRestore(iterator, data_spec),
         ))
       except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
-        self.log(f"checkpoint {self.directory}/{step} is unreadable ({first_line(e)}); "
-                 "trying the previous one")
+        error = first_line(e)
+      # Every process must settle on the same step: one unreadable shard anywhere rejects it.
+      if not _all_processes(error is None):
+        self.log(f"checkpoint {self.directory}/{step} is unreadable "
+                 f"({error or 'on another process'}); trying the previous one")
         unreadable.append(step)
         continue
       self._set_aside(unreadable)
@@ -265,15 +278,19 @@ class Checkpointer:
     return None
 
   def _set_aside(self, steps: list[int]) -> None:
-    """Move unreadable checkpoints out of the manager's way, keeping them for inspection."""
+    """Move unreadable checkpoints out of the manager's way, keeping them for inspection.
+    Process 0 moves them (the directory is shared); the others wait for it."""
     if not steps:
       return
-    aside = self.directory.rstrip("/") + ".unreadable"
-    os.makedirs(aside, exist_ok=True)
-    for step in steps:
-      target = os.path.join(aside, f"{step}-{int(time.time())}")
-      shutil.move(os.path.join(self.directory, str(step)), target)
-      self.log(f"moved unreadable checkpoint {step} to {target}")
+    if jax.process_index() == 0:
+      aside = self.directory.rstrip("/") + ".unreadable"
+      os.makedirs(aside, exist_ok=True)
+      for step in steps:
+        target = os.path.join(aside, f"{step}-{int(time.time())}")
+        shutil.move(os.path.join(self.directory, str(step)), target)
+        self.log(f"moved unreadable checkpoint {step} to {target}")
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("scaletrain: unreadable checkpoints set aside")
     self.manager.reload()
 
 
