@@ -4,24 +4,44 @@
   lamb   You et al. 2019: Adam direction + weight decay, scaled per layer by ||w|| / ||r||
   lars   You, Gitman & Ginsburg 2017: momentum SGD with a per-layer trust ratio
   sgd    SGD with (optionally Nesterov) momentum, optional L2 weight decay
+  adafactor  Shazeer & Stern 2018 (factored second moments), with the parameter-scale
+             multiplication off so that `learning_rate` is an absolute step as for Adam
+  lion   Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (sign of an
+         interpolated momentum; decay multiplied by the learning rate as in AdamW)
 
 Masks come from the parameters' logical axis names (what the model annotates anyway):
 a parameter is a *matrix* when it has at least two axes besides the stacked `layers` axis;
 norm scales and biases are not. Weight decay and the LAMB/LARS trust ratio apply to matrices
 only; input embedding tables (first non-layer axis `vocab`, by the convention in
 `sharding/rules.py`) are also spared weight decay unless `optim.decay_embeddings`.
+
+Batch size. Hyperparameters are stated at a reference batch and derived for the batch a step
+actually has (`optim/scaling.py`). The transformation returned here is one optax
+transformation for every batch size: `update(..., batch_size=B)` applies the optimizer built
+for B (built once per B and cached; all share one state structure), so a batch-size ramp, whose
+stages the trainer compiles as separate steps, gets each stage's learning rate, weight decay,
+beta2 and EMA decay as constants of that stage's program. Without `batch_size` it is the run's
+`data.global_batch_size`. The schedule returned beside it works the same way (`.at(B)`).
+
+Around the optimizer: the gradient-noise-scale meter goes first (it must see the raw gradient;
+`optim/noise_scale.py`), clipping next, the parameter EMA last (`optim/ema.py`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import optax
 
+from optim import noise_scale
+from optim.ema import ema_params
+from optim.ramp import BatchRamp
+from optim.scaling import Hyperparameters, derive
 from optim.schedules import build_schedule
 from optim.transforms import scale_by_layerwise_trust_ratio
 
-OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion")
 
 
 def _is_names(x) -> bool:
@@ -48,18 +68,55 @@ def masks(param_names: Any, *, decay_embeddings: bool = False) -> dict[str, Any]
   return {"decay": tree(decay), "trust_ratio": tree(matrix), "stacked": tree(stacked)}
 
 
-def build_optimizer(cfg, param_names: Any, total_steps: int):
-  """Returns (tx, schedule). `param_names` maps each param to its logical axis names."""
-  schedule = build_schedule(cfg, total_steps)
+class BatchSchedule:
+  """The learning rate as a function of the step count, at the run's batch or any other."""
+
+  def __init__(self, for_batch, default_batch):
+    self._for_batch = for_batch
+    self.default_batch = default_batch
+
+  def at(self, batch_size: int | None) -> optax.Schedule:
+    return self._for_batch(batch_size or self.default_batch)[1]
+
+  def __call__(self, count):
+    return self.at(None)(count)
+
+
+def build_optimizer(cfg, param_names: Any, total_steps: int, data=None):
+  """Returns (tx, schedule). `param_names` maps each param to its logical axis names; `data`
+  (the `data` config block) gives the global batch, sequence length and batch ramp: without it
+  the rules and every unit but steps are unavailable, and the hyperparameters are as stated."""
   m = masks(param_names, decay_embeddings=bool(cfg.decay_embeddings))
-  wd = float(cfg.weight_decay)
+  ramp = BatchRamp.from_config(data) if data is not None else None
+  default_batch = data.global_batch_size if data is not None else None
+
+  @functools.lru_cache(maxsize=None)
+  def for_batch(batch_size):
+    hp = derive(cfg, batch_size, default_batch)
+    schedule = build_schedule(cfg, total_steps, ramp, peak=hp.learning_rate,
+                              batch_size=batch_size)
+    return _optimizer(cfg, hp, schedule, m), schedule
+
+  reference_tx = for_batch(default_batch)[0]
+
+  def update(updates, state, params=None, *, batch_size: int | None = None, **extra_args):
+    tx = for_batch(batch_size or default_batch)[0]
+    return tx.update(updates, state, params, **extra_args)
+
+  tx = optax.GradientTransformationExtraArgs(reference_tx.init, update)
+  return tx, BatchSchedule(for_batch, default_batch)
+
+
+def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransformationExtraArgs:
+  """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA."""
+  wd = hp.weight_decay
   name = cfg.name
   if name == "adamw":
-    tx = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
+    tx = optax.adamw(schedule, b1=cfg.b1, b2=hp.b2, eps=cfg.eps, weight_decay=wd,
                      mask=m["decay"])
   elif name == "lamb":
     tx = optax.chain(
-        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+        optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps),
         optax.add_decayed_weights(wd, mask=m["decay"]),
         scale_by_layerwise_trust_ratio(m["trust_ratio"], m["stacked"]),
         optax.scale_by_learning_rate(schedule),
@@ -77,8 +134,18 @@ def build_optimizer(cfg, param_names: Any, total_steps: int):
         optax.add_decayed_weights(wd, mask=m["decay"]),
         optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
     )
+  elif name == "adafactor":
+    tx = optax.adafactor(schedule, multiply_by_parameter_scale=False,
+                         weight_decay_rate=wd or None, weight_decay_mask=m["decay"])
+  elif name == "lion":
+    tx = optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=m["decay"])
   else:
     raise ValueError(f"optim.name={name!r}: choose from {OPTIMIZERS}")
   if float(cfg.clip_norm) > 0:
     tx = optax.chain(optax.clip_by_global_norm(float(cfg.clip_norm)), tx)
-  return tx, schedule
+  if int(cfg.get("noise_scale_every", 0)) > 0:
+    # A fixed number of examples in the average at every batch (the half-life rule).
+    tx = optax.chain(noise_scale.meter(float(cfg.noise_scale_ema) ** hp.ratio), tx)
+  if hp.ema_decay > 0:
+    tx = optax.chain(tx, ema_params(hp.ema_decay))
+  return tx

@@ -1,28 +1,49 @@
-"""Learning-rate schedules, all functions of the optimizer step count.
+"""Learning-rate schedules, in steps, examples or tokens.
 
-`build_schedule(cfg, total_steps)` composes optax pieces: a linear warmup from 0, then one of
+`build_schedule(cfg, total_steps, ramp)` composes optax pieces: a linear warmup from 0, then one
+of
 
   constant   peak for ever
-  cosine     cosine decay to `min_lr_ratio * peak` at `decay_steps` (Loshchilov & Hutter 2017)
-  linear     linear decay to `min_lr_ratio * peak` at `decay_steps`
+  cosine     cosine decay to `min_lr_ratio * peak` at the horizon (Loshchilov & Hutter 2017)
+  linear     linear decay to `min_lr_ratio * peak` at the horizon
   wsd        warmup-stable-decay (MiniCPM, Hu et al. 2024): constant until the last
-             `wsd_decay_fraction` of `decay_steps`, then a decay of shape `wsd_decay_shape`
+             `wsd_decay_fraction` of the horizon, then a decay of shape `wsd_decay_shape`
              (linear, cosine or 1-sqrt) to `min_lr_ratio * peak`.
+  power      the Power scheduler (Shen et al. 2024, "Power Scheduler: A Batch Size and Token
+             Number Agnostic Learning Rate Scheduler"): lr(n) = min(peak, beta * a * n^b) of
+             the tokens seen n and the batch beta in sequences (`power_a`, `power_b`; the
+             paper's fit a ~ 4.6, b ~ -0.51 is for muP models, so tune `a` for yours); after
+             the warmup (which rises linearly to lr at its end) it follows the power law, and
+             the last `wsd_decay_fraction` of the horizon decays it with `wsd_decay_shape` to
+             `min_lr_ratio` of its value there. It scales with the batch itself, so it is used
+             with `lr_rule = none`.
+  rsqrt      inverse square root (Vaswani et al. 2017): peak * sqrt(W / t) after a warmup of
+             length W (required: it is the timescale). No horizon.
 
-`decay_steps` is the schedule's horizon. It is a setting of its own (not `steps`) so that a run
-can be stopped and continued with a different `steps` and still follow the same curve.
+The unit (`optim.schedule_unit`) is what the schedule is a function of: optimizer steps, or
+examples (sequences) or tokens consumed by the applied updates. Without a batch ramp the three
+are proportional and give the same curve; with one (`optim/ramp.py`) a schedule in tokens keeps
+its shape in tokens while the batch grows. Lengths may be given in any unit and are converted
+through the ramp: the warmup as one of `warmup_steps`, `warmup_examples`, `warmup_tokens`; the
+horizon as one of `decay_steps`, `decay_examples`, `decay_tokens` (all 0: `steps`). Goyal et
+al. 2017's warmup of 5 epochs is a warmup in examples, which scales with the batch as theirs did.
+
+The horizon is a setting of its own (not `steps`) so that a run can be stopped and continued
+with a different `steps` and still follow the same curve, in every unit.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import optax
 
-SCHEDULES = ("constant", "cosine", "linear", "wsd")
+from optim.ramp import UNITS, BatchRamp
+
+SCHEDULES = ("constant", "cosine", "linear", "wsd", "power", "rsqrt")
 WSD_SHAPES = ("linear", "cosine", "sqrt")
 
 
-def _decay_shape(shape: str, peak: float, end: float, steps: int) -> optax.Schedule:
-  steps = max(int(steps), 1)
+def _decay_shape(shape: str, peak: float, end: float, steps) -> optax.Schedule:
+  steps = max(steps, 1) if isinstance(steps, int) else max(float(steps), 1.0)
   if shape == "linear":
     return optax.linear_schedule(peak, end, steps)
   if shape == "cosine":
@@ -33,26 +54,109 @@ def _decay_shape(shape: str, peak: float, end: float, steps: int) -> optax.Sched
   raise ValueError(f"unknown decay shape {shape!r}; choose from {WSD_SHAPES}")
 
 
-def build_schedule(cfg, total_steps: int) -> optax.Schedule:
-  """Schedule from the `optim` config block. `total_steps` fills `decay_steps` <= 0."""
-  peak = float(cfg.learning_rate)
-  warmup = int(cfg.warmup_steps)
-  horizon = int(cfg.decay_steps) if int(cfg.decay_steps) > 0 else int(total_steps)
+def length(cfg, what: str, unit: str, ramp: BatchRamp | None, default_steps: int = 0):
+  """`warmup` or `decay` length in `unit`, from whichever of its three keys is set.
+
+  Steps stay integers (the schedule is then exactly today's optax composition); examples and
+  tokens are floats (tokens overflow int32)."""
+  given = [(u, cfg.get(f"{what}_{u}", 0)) for u in UNITS if cfg.get(f"{what}_{u}", 0) > 0]
+  if len(given) > 1:
+    names = " and ".join(f"optim.{what}_{u}={v}" for u, v in given)
+    raise ValueError(f"{names} both set the {what}; set one, the others to 0")
+  source, value = given[0] if given else ("steps", default_steps)
+  if source != unit:
+    if ramp is None:
+      raise ValueError(f"optim.{what}_{source} needs the batch and sequence length to convert "
+                       f"to {unit}")
+    value = ramp.convert(float(value), source, unit)
+  return int(round(value)) if unit == "steps" else float(value)
+
+
+def build_schedule(cfg, total_steps: int, ramp: BatchRamp | None = None, *,
+                   peak: float | None = None, batch_size: int | None = None) -> optax.Schedule:
+  """Schedule (a function of the optimizer's step count) from the `optim` config block.
+
+  `total_steps` is the horizon when no `decay_*` key is set; `ramp` converts between units
+  (needed for units other than steps and for the power schedule); `peak` replaces
+  `cfg.learning_rate` (the batch-size rules' value); `batch_size` is the power law's beta.
+  """
+  peak = float(cfg.learning_rate) if peak is None else float(peak)
+  unit = cfg.get("schedule_unit", "steps")
+  if unit != "steps" and ramp is None:
+    raise ValueError(f"optim.schedule_unit={unit!r} needs the data config (batch, seq_len)")
+  warmup = length(cfg, "warmup", unit, ramp)
+  horizon = length(cfg, "decay", unit, ramp, default_steps=int(total_steps))
   end = peak * float(cfg.min_lr_ratio)
-  after = max(horizon - warmup, 1)
+  one = 1 if unit == "steps" else 1.0
+  after = max(horizon - warmup, one)
   kind = cfg.schedule
+  warmup_end = peak
   if kind == "constant":
     main = optax.constant_schedule(peak)
   elif kind in ("cosine", "linear"):
     main = _decay_shape(kind, peak, end, after)
   elif kind == "wsd":
-    decay = max(int(round(horizon * float(cfg.wsd_decay_fraction))), 1)
+    decay = max(_round(horizon * float(cfg.wsd_decay_fraction), unit), one)
     stable = max(after - decay, 0)
     main = optax.join_schedules(
         [optax.constant_schedule(peak), _decay_shape(cfg.wsd_decay_shape, peak, end, decay)],
         [stable])
+  elif kind == "power":
+    main, warmup_end = _power(cfg, peak, batch_size, ramp, unit, warmup, horizon)
+  elif kind == "rsqrt":
+    if warmup <= 0:
+      raise ValueError("optim.schedule='rsqrt' needs a warmup: its length is the timescale")
+    main = lambda count: peak * jnp.sqrt(warmup / jnp.maximum(count + warmup, warmup))
   else:
     raise ValueError(f"unknown schedule {kind!r}; choose from {SCHEDULES}")
-  if warmup <= 0:
-    return main
-  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], [warmup])
+  schedule = main if warmup <= 0 else optax.join_schedules(
+      [optax.linear_schedule(0.0, warmup_end, warmup), main], [warmup])
+  if unit == "steps":
+    return schedule
+  clock = ramp.clock(unit)
+  return lambda count: schedule(clock(count))
+
+
+def _round(value, unit):
+  return int(round(value)) if unit == "steps" else float(value)
+
+
+def _power(cfg, peak, batch_size, ramp, unit, warmup, horizon):
+  """(schedule after the warmup, its value at the warmup's end) of the Power scheduler."""
+  if batch_size is None or ramp is None:
+    raise ValueError("optim.schedule='power' needs the batch size and sequence length")
+  a, b = float(cfg.power_a), float(cfg.power_b)
+  law_py = lambda n: min(peak, batch_size * a * max(n, 1.0) ** b)
+  tokens_py = lambda x: ramp.convert(float(x), unit, "tokens")
+  if unit == "tokens":
+    tokens = lambda x: x
+  elif unit == "examples":
+    tokens = lambda x: x * float(ramp.seq_len)
+  else:
+    tokens = lambda x: ramp.examples_before_traced(x) * float(ramp.seq_len)
+  one = 1 if unit == "steps" else 1.0
+  decay = max(_round(horizon * float(cfg.wsd_decay_fraction), unit), one)
+  decay_start = max(horizon - decay, warmup)
+  at_decay = law_py(tokens_py(decay_start))
+  tail = _decay_shape(cfg.wsd_decay_shape, at_decay, at_decay * float(cfg.min_lr_ratio), decay)
+
+  def after_warmup(count):  # count: position after the warmup, in `unit`
+    x = count + warmup
+    n = jnp.maximum(jnp.asarray(tokens(x), jnp.float32), 1.0)
+    law = jnp.minimum(peak, batch_size * a * jnp.power(n, b))
+    return jnp.where(x < decay_start, law, tail(x - decay_start))
+
+  return after_warmup, law_py(tokens_py(warmup)) if warmup > 0 else peak
+
+
+def describe(cfg, total_steps: int, ramp: BatchRamp | None) -> str:
+  """One line: the schedule, its unit and its lengths (what a run prints at start)."""
+  unit = cfg.get("schedule_unit", "steps")
+  warmup = length(cfg, "warmup", unit, ramp)
+  horizon = length(cfg, "decay", unit, ramp, default_steps=int(total_steps))
+  text = f"schedule {cfg.schedule} in {unit}: warmup {warmup:,.0f}, horizon {horizon:,.0f}"
+  if ramp is not None and unit != "steps":
+    text += (f" (= {ramp.convert(float(warmup), unit, 'steps'):,.1f} and "
+             f"{ramp.convert(float(horizon), unit, 'steps'):,.1f} steps)")
+  return text
+

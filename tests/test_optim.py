@@ -103,3 +103,92 @@ def test_clipping_bounds_the_global_norm():
                           NAMES, 10)
   updates, _ = tx.update(big, tx.init(params), params)
   assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Adafactor, Lion, biases, the parameter EMA, batch-size-aware updates
+
+BIAS_NAMES = {"w_EF": ("embed", "mlp"), "b_F": ("mlp",), "norm": {"scale": ("norm",)}}
+
+
+def _bias_params():
+  return {"w_EF": jnp.full((4, 6), 0.5), "b_F": jnp.full((6,), 0.5),
+          "norm": {"scale": jnp.ones((4,))}}
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "lars", "sgd", "adafactor", "lion"])
+def test_biases_and_norms_get_no_weight_decay(name):
+  """With zero gradients only weight decay moves anything: matrices, never biases or norms."""
+  params = _bias_params()
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  tx, _ = build_optimizer(_optim(name=name, learning_rate=0.1, schedule="constant",
+                                 warmup_steps=0, weight_decay=0.5, clip_norm=0.0,
+                                 momentum=0.0, trust_coefficient=1.0), BIAS_NAMES, 10)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+  assert np.any(updates["w_EF"]), name
+  assert not np.any(updates["b_F"]) and not np.any(updates["norm"]["scale"]), name
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_trust_ratio_leaves_biases_alone(name):
+  """A bias's update is the plain optimizer's (no ||w|| / ||u|| scaling)."""
+  params = _bias_params()
+  grads = {"w_EF": jnp.full((4, 6), 0.3), "b_F": jnp.linspace(0.1, 1.0, 6),
+           "norm": {"scale": jnp.full((4,), 0.2)}}
+  cfg = _optim(name=name, learning_rate=0.1, schedule="constant", warmup_steps=0,
+               weight_decay=0.0, clip_norm=0.0, momentum=0.0, trust_coefficient=1.0, eps=0.0)
+  tx, _ = build_optimizer(cfg, BIAS_NAMES, 10)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  plain = optax.adam(0.1, b1=cfg.b1, b2=cfg.b2, eps=0.0) if name == "lamb" else optax.sgd(0.1)
+  ref, _ = plain.update(grads, plain.init(params), params)
+  np.testing.assert_allclose(updates["b_F"], ref["b_F"], rtol=1e-5)
+  assert float(jnp.linalg.norm(updates["w_EF"])) == pytest.approx(
+      0.1 * float(jnp.linalg.norm(params["w_EF"])), rel=1e-5)
+
+
+def test_default_optimizer_state_is_unchanged():
+  """No rule, meter or EMA: the state has exactly the structure of clip + adamw (checkpoints
+  written before these features restore)."""
+  params = _params()
+  tx, _ = build_optimizer(_optim(), NAMES, 10, default_config().data)
+  adamw = optax.adamw(lambda count: 1e-3, mask=masks(NAMES)["decay"])
+  want = optax.chain(optax.clip_by_global_norm(1.0), adamw).init(params)
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(want)
+
+
+def test_parameter_ema_tracks_the_updated_parameters():
+  from optim.ema import find_ema  # noqa: PLC0415
+  params = _params()
+  tx, _ = build_optimizer(_optim(name="sgd", learning_rate=0.1, schedule="constant",
+                                 warmup_steps=0, weight_decay=0.0, clip_norm=0.0, momentum=0.0,
+                                 ema_decay=0.9), NAMES, 10)
+  state = tx.init(params)
+  ema = params
+  for seed in (1, 2):
+    grads = _params(seed)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), find_ema(state), ema)
+  assert find_ema(optax.sgd(0.1).init(params)) is None
+
+
+def test_update_at_another_batch_uses_its_hyperparameters():
+  """lr_rule linear with reference 8: the update at batch 32 is 4x the one at batch 8; the EMA
+  decay at batch 32 is rho ** 4 (half-life rule)."""
+  from optim.ema import find_ema  # noqa: PLC0415
+  data = default_config().data
+  data.global_batch_size = 8
+  params, grads = _params(), _params(seed=1)
+  tx, schedule = build_optimizer(_optim(name="sgd", learning_rate=0.1, schedule="constant",
+                                        warmup_steps=0, weight_decay=0.0, clip_norm=0.0,
+                                        momentum=0.0, reference_batch_size=8, lr_rule="linear",
+                                        ema_decay=0.5, ema_rule="half_life"), NAMES, 10, data)
+  state = tx.init(params)
+  small, s8 = tx.update(grads, state, params, batch_size=8)
+  big, s32 = tx.update(grads, state, params, batch_size=32)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, 4 * a, rtol=1e-6), small, big)
+  assert float(schedule.at(32)(0)) == pytest.approx(0.4) and float(schedule(0)) == 0.1
+  new = optax.apply_updates(params, big)
+  want = jax.tree.map(lambda p, n: 0.5 ** 4 * p + (1 - 0.5 ** 4) * n, params, new)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), find_ema(s32), want)

@@ -45,6 +45,9 @@ def default_config() -> ml_collections.ConfigDict:
       micro_batch_size=0,  # sequences per accumulation micro-batch; 0 = no accumulation
       seq_len=128,
       prefetch=2,  # micro-batches prepared ahead in a background thread
+      # Batch-size ramp: "BATCH:START_TOKENS,..." e.g. "64:0,256:2000000,1024:8000000"; the last
+      # stage is global_batch_size; needs micro_batch_size (optim/ramp.py). "" = no ramp.
+      batch_ramp="",
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
@@ -52,7 +55,24 @@ def default_config() -> ml_collections.ConfigDict:
       decay_steps=0,  # schedule horizon; 0 = `steps`
       min_lr_ratio=0.1, wsd_decay_fraction=0.2, wsd_decay_shape="sqrt",
       b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, decay_embeddings=False, clip_norm=1.0,
-      momentum=0.9, nesterov=False, trust_coefficient=0.001))
+      momentum=0.9, nesterov=False, trust_coefficient=0.001,
+      # Batch-size-aware hyperparameters (optim/scaling.py): the values above are stated at
+      # reference_batch_size sequences (0 = data.global_batch_size) and moved to the run's batch
+      # by these rules.
+      reference_batch_size=0,
+      lr_rule="none",  # none | linear (Goyal et al. 2017) | sqrt (Adam-type)
+      weight_decay_rule="constant",  # constant | timescale (Power Lines: B/(lr wd D) fixed)
+      b2_rule="constant",  # constant | half_life (b2 ** (B/B_ref), Marek et al. 2025)
+      ema_decay=0.0,  # parameter EMA, evaluated beside the raw model (eval_loss_ema); 0 = off
+      ema_rule="constant",  # constant | half_life (rho ** (B/B_ref), Busbridge et al. 2023)
+      # Schedules (optim/schedules.py): what the schedule is a function of, and lengths in any
+      # unit (one of each triple; warmup_steps / decay_steps above are the steps ones).
+      schedule_unit="steps",  # steps | examples | tokens
+      warmup_examples=0, warmup_tokens=0, decay_examples=0, decay_tokens=0,
+      power_a=4.6, power_b=-0.51,  # schedule="power": lr = min(lr, batch * a * tokens^b)
+      # Gradient noise scale (optim/noise_scale.py): measured every step, logged every N (0 = off);
+      # its EMA coefficient per step at reference_batch_size (** (B/B_ref) at batch B).
+      noise_scale_every=0, noise_scale_ema=0.95))
 
   c.checkpoint = ml_collections.ConfigDict(dict(
       every_steps=100,  # save every N steps (0: not by steps); always at the end
@@ -226,6 +246,69 @@ def check_distributed(dist: ml_collections.ConfigDict) -> None:
         f"distributed.initialization_timeout={dist.initialization_timeout}: must be >= 1 second")
 
 
+def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
+  """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys."""
+  from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES  # noqa: PLC0415
+  from optim.ramp import parse_ramp  # noqa: PLC0415
+  from optim.scaling import B2_OPTIMIZERS, TIMESCALE_OPTIMIZERS  # noqa: PLC0415
+  o, d = cfg.optim, cfg.data
+  for key, choices in (("lr_rule", LR_RULES), ("weight_decay_rule", WEIGHT_DECAY_RULES),
+                       ("b2_rule", B2_RULES), ("ema_rule", EMA_RULES),
+                       ("schedule_unit", UNITS)):
+    _choice(cfg, f"optim.{key}", choices)
+  _need(o.reference_batch_size >= 0,
+        f"optim.reference_batch_size={o.reference_batch_size}: must be >= 0 "
+        "(0 = data.global_batch_size)")
+  _need(o.weight_decay_rule == "constant" or o.name in TIMESCALE_OPTIMIZERS,
+        f"optim.weight_decay_rule='timescale' needs a decay multiplied by the learning rate "
+        f"({', '.join(TIMESCALE_OPTIMIZERS)}), not optim.name={o.name!r}; use 'constant'")
+  _need(o.b2_rule == "constant" or o.name in B2_OPTIMIZERS,
+        f"optim.b2_rule='half_life' scales Adam's second moment, which optim.name={o.name!r} "
+        f"does not have ({', '.join(B2_OPTIMIZERS)} do); use 'constant'")
+  _need(0 <= o.ema_decay < 1, f"optim.ema_decay={o.ema_decay}: must be in [0, 1) (0 = off)")
+  for what in ("warmup", "decay"):
+    keys = [f"{what}_{u}" for u in UNITS]
+    for key in keys:
+      _need(o[key] >= 0, f"optim.{key}={o[key]}: must be >= 0")
+    given = [f"optim.{k}={o[k]}" for k in keys if o[k] > 0]
+    _need(len(given) <= 1, f"{' and '.join(given)} both set the {what}; set one of them and "
+          "the other to 0")
+  if o.schedule == "power":
+    _need(o.lr_rule == "none", f"optim.schedule='power' scales the learning rate with the batch "
+          f"itself; set optim.lr_rule='none' (not {o.lr_rule!r})")
+    _need(o.power_a > 0 and o.power_b < 0,
+          f"optim.power_a={o.power_a}, optim.power_b={o.power_b}: need a > 0 and b < 0")
+  if o.schedule == "rsqrt":
+    _need(any(o[f"warmup_{u}"] > 0 for u in UNITS),
+          "optim.schedule='rsqrt' needs a warmup (its timescale): set optim.warmup_steps, "
+          "warmup_examples or warmup_tokens")
+  _need(o.noise_scale_every >= 0,
+        f"optim.noise_scale_every={o.noise_scale_every}: must be >= 0 (0 = off)")
+  _need(0 < o.noise_scale_ema < 1, f"optim.noise_scale_ema={o.noise_scale_ema}: must be in (0, 1)")
+  micro = d.micro_batch_size or d.global_batch_size
+  batches = [d.global_batch_size]
+  if d.batch_ramp:
+    try:
+      stages = parse_ramp(d.batch_ramp)
+    except ValueError as e:
+      raise ConfigError(f"data.batch_ramp={d.batch_ramp!r}: {e}") from None
+    _need(d.micro_batch_size > 0,
+          "data.batch_ramp needs data.micro_batch_size: every stage is a number of "
+          "micro-batches of that fixed shape")
+    bad = [b for b, _ in stages if b % micro]
+    _need(not bad, f"data.batch_ramp stage of {bad[0] if bad else 0} sequences is not a "
+          f"multiple of data.micro_batch_size={micro}")
+    _need(stages[-1][0] == d.global_batch_size,
+          f"data.batch_ramp ends at {stages[-1][0]} sequences but data.global_batch_size="
+          f"{d.global_batch_size}; the last stage is the global batch")
+    batches = [b for b, _ in stages]
+  if o.noise_scale_every and micro in batches:
+    _need(micro % (2 * dp) == 0,
+          f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
+          f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
+          f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
+
+
 def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> dict:
   """Check the whole config against itself and the devices. Returns the resolved mesh sizes."""
   from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
@@ -308,6 +391,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
     _need(0 <= o[key] < 1, f"optim.{key}={o[key]}: must be in [0, 1)")
   _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
+  _check_batch_science(cfg, dp)
 
   check_distributed(cfg.distributed)
 

@@ -12,6 +12,19 @@ How a run ends (`RunResult.status`, and train.py's exit code):
   storage      a checkpoint could not be written under on_error="stop"        exit 4
 Nothing in a step depends on wall-clock time or process state, so a run killed at any moment
 and restarted continues bit for bit from its newest complete checkpoint.
+
+Batch size. The global batch of step n is `data.global_batch_size`, or under a batch-size ramp
+(`data.batch_ramp`, `optim/ramp.py`) the batch of the stage step n falls in: a pure function of
+n, so a restart anywhere (also exactly on a stage boundary) continues the same sequence. A stage
+is a number of micro-batches of the one fixed micro-batch shape: the data iterator simply yields
+more or fewer micro-batches per step (its checkpointed position stays valid), and the loop
+compiles the train step once per distinct number of micro-batches and keeps it
+(`compile_count` counts compilations). At start the loop prints, once per batch size, the
+hyperparameters the batch-size rules derive (`optim/scaling.py`), and writes them to
+metrics.jsonl as `{"event": "hyperparameters", "hparams/learning_rate": ...}` rows.
+
+With `optim.noise_scale_every` the gradient noise scale is logged every that many steps; with
+`optim.ema_decay` every evaluation also scores the averaged parameters (`eval_loss_ema`).
 """
 from __future__ import annotations
 
@@ -20,6 +33,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -28,6 +42,10 @@ import numpy as np
 from data import pipeline
 from data.prepare import ensure_default_corpus, read_meta
 from models.llama import flops_per_token, param_counts
+from optim import BatchRamp, derive
+from optim import schedules as schedules_lib
+from optim.ema import find_ema
+from optim.scaling import describe as describe_hyperparameters
 from sharding.mesh import make_mesh, replicated
 from trainer.checkpoint import Checkpointer, first_line, load_params
 from trainer.metrics import MetricsWriter, machine_peak_flops
@@ -90,8 +108,13 @@ class StopSignals:
 class Run:
   """One training run in one workdir. `Run(cfg, workdir).train()`."""
 
-  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str):
+  def __init__(self, cfg: ml_collections.ConfigDict, workdir: str, *,
+               stop_when: Callable[[int, dict], str | None] | None = None):
+    """`stop_when(step, row)`, called with every logged training or evaluation row, may end the
+    run early by returning a reason (tools/batch_sweep.py stops at a target loss)."""
     self.cfg = cfg
+    self.stop_when = stop_when
+    self.stop_reason: str | None = None
     self.workdir = os.path.abspath(workdir)
     self.is_lead = jax.process_index() == 0
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
@@ -102,6 +125,9 @@ class Run:
     self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
 
     d = cfg.data
+    self.ramp = BatchRamp.from_config(d)
+    self.compiled_steps: dict = {}  # number of micro-batches -> compiled train step
+    self.compile_count = 0
     self.data_dir = d.dir or ensure_default_corpus()
     self.data_meta = read_meta(self.data_dir)
     self.train_spec = pipeline.StreamSpec(
@@ -150,6 +176,30 @@ class Run:
       return loss_sum / max(tokens, 1.0)
 
     return evaluate
+
+  def train_step_for(self, num_micro: int):
+    """The compiled train step for `num_micro` micro-batches (compiled on first use)."""
+    if num_micro not in self.compiled_steps:
+      self.compiled_steps[num_micro] = self.program.compile(num_micro)
+      self.compile_count += 1
+    return self.compiled_steps[num_micro]
+
+  def _log_batch_science(self, step: int) -> None:
+    """Print the derived hyperparameters once per batch size, and log them as event rows."""
+    cfg = self.cfg
+    if not self.ramp.is_constant:
+      self.log(self.ramp.describe())
+    for batch in dict.fromkeys(self.ramp.batches):
+      hp = derive(cfg.optim, batch, cfg.data.global_batch_size)
+      self.log(describe_hyperparameters(cfg.optim, hp))
+      row = {f"hparams/{k}": v for k, v in hp.as_dict().items()}  # apart from the metrics
+      self.writer.write(step, {"event": "hyperparameters", **row}, console=False)
+    if cfg.optim.schedule_unit != "steps" or not self.ramp.is_constant:
+      self.log(schedules_lib.describe(cfg.optim, cfg.steps, self.ramp))
+
+  def _stop_check(self, step: int, row: dict) -> None:
+    if self.stop_when is not None and self.stop_reason is None:
+      self.stop_reason = self.stop_when(step, row)
 
   def _start_state(self, checkpointer: Checkpointer):
     """(state, data iterator) from the newest readable checkpoint, `init_from`, or fresh."""
@@ -211,12 +261,12 @@ class Run:
       self.log(f"resumed from {checkpointer.directory}/{resumed_at}")
       writer.write(start, {"event": "resumed"}, console=False)
 
+    self._log_batch_science(start)
     t0 = time.perf_counter()
-    train_step = self.program.compile()
+    self.train_step_for(self.ramp.batch_at(start) // self.micro_rows)
     compile_seconds = time.perf_counter() - t0
     evaluate = self._eval_fn() if cfg.eval_every else None
 
-    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops_token = flops_per_token(self.model_cfg, cfg.data.seq_len)["total"]
     peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
     self.log(f"compiled train step in {compile_seconds:.1f}s; {flops_token / 1e6:.2f} MFLOPs "
@@ -261,15 +311,27 @@ class Run:
 
     def finish_metrics(step: int, metrics) -> dict:
       host = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
-      return timer.annotate(host, tokens_per_step, flops_token, peak)
+      batch = self.ramp.batch_at(step - 1)
+      if not self.ramp.is_constant:
+        host["batch_size"] = batch
+      return timer.annotate(host, batch * cfg.data.seq_len, flops_token, peak)
 
     # Step N's metrics are read after step N+1 is dispatched. `pending` holds them.
     pending = None
     status, message = "done", ""
     with jax.set_mesh(self.mesh):
       step = start
+      stage = None
       while step < cfg.steps:
-        batch = self.global_batch([next(train_iter) for _ in range(self.num_micro)])
+        if self.ramp.stage_at(step) != stage:
+          stage = self.ramp.stage_at(step)
+          if not self.ramp.is_constant:
+            self.log(f"step {step + 1}: batch {self.ramp.batch_at(step)} (stage {stage + 1} of "
+                     f"{len(self.ramp.batches)}, {self.ramp.tokens_before(step):,} tokens seen)")
+        num_micro = self.ramp.batch_at(step) // self.micro_rows
+        with timer.paused():  # compiling a new stage's step is not step time
+          train_step = self.train_step_for(num_micro)
+        batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
         state, metrics = train_step(state, batch)
         step += 1
         timer.step_dispatched()
@@ -308,11 +370,19 @@ class Run:
             break
         if due_eval:
           with timer.paused():
-            eval_loss = evaluate(state.params)
-          writer.write(step, {"eval_loss": eval_loss})
-          last_metrics["eval_loss"] = eval_loss
+            row = {"eval_loss": evaluate(state.params)}
+            ema = find_ema(state.opt_state, like=state.params)
+            if ema is not None:
+              row["eval_loss_ema"] = evaluate(ema)
+          writer.write(step, row)
+          last_metrics.update(row)
+          self._stop_check(step, row)
+        if self.stop_reason is not None:
+          break
       if pending is not None and status == "done":
         status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
+      if status == "done" and self.stop_reason is not None:
+        message = f"stopped after step {step}: {self.stop_reason}"
     try:
       checkpointer.wait()
     except Exception as e:  # noqa: BLE001
@@ -326,12 +396,14 @@ class Run:
   def _check(self, step, metrics, finish_metrics, last_metrics):
     """Log step `step` if due and apply the non-finite / spike policies."""
     cfg = self.cfg
+    noise_due = cfg.optim.noise_scale_every and step % cfg.optim.noise_scale_every == 0
     host = finish_metrics(step, metrics) if (step % cfg.log_every == 0 or step == cfg.steps or
-                                             _any_flag(metrics)) else None
+                                             noise_due or _any_flag(metrics)) else None
     if host is None:
       return "done", "", last_metrics
     self.writer.write(step, host)
     self.writer.advance(0, loss=host["loss"])
+    self._stop_check(step, host)
     if host.get("skipped"):
       kind = "non-finite loss/gradient" if host.get("nonfinite") else "loss spike"
       policy = cfg.trainer.nonfinite_policy if host.get("nonfinite") else cfg.trainer.spike_policy

@@ -29,7 +29,8 @@ class Program:
     self.num_micro = d.global_batch_size // self.micro_rows
     self.model_cfg = ModelConfig.from_config(cfg.model)
     self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed)
-    self.tx, self.schedule = build_optimizer(cfg.optim, self.spec.logical_names, cfg.steps)
+    self.tx, self.schedule = build_optimizer(cfg.optim, self.spec.logical_names, cfg.steps,
+                                             cfg.data)
     self.shardings = state_shardings(self.spec, self.tx)
     self.batch_sharding = batch_sharding(mesh, microbatched=True)
 

@@ -5,6 +5,20 @@ over the micro-batches, summing the token-weighted loss and its gradient, then d
 number of target tokens of the whole batch, so the update is the same whatever M is (exact
 gradient accumulation). M = 1 is the ordinary step.
 
+Gradient noise scale. When the optimizer carries the noise-scale meter (`optim.noise_scale_every`
+> 0; McCandlish et al. 2018, `optim/noise_scale.py`), the step also measures the squared norm of
+each micro-batch's mean gradient inside the scan (free: the scan computes those gradients
+anyway) and hands the meter their mean, their harmonic-mean token count, and the squared norm
+and token count of the whole batch. A step without accumulation (M = 1) then runs as two
+micro-batches of interleaved half rows (rows 0, 2, 4, ... and 1, 3, 5, ...: each device keeps its
+own rows), the same update up to float rounding. The metrics carry the smoothed estimates:
+`noise_scale` (B_simple in sequences), `noise_scale_tokens`, `noise_g_sq` (|G|^2) and
+`noise_trace` (tr Sigma per token).
+
+Batch size. The step tells the optimizer the batch it has (`update(..., batch_size=B)`, B known
+from the batch's static shape), so a batch-size ramp's stages each use their own derived
+hyperparameters (`optim/factory.py`); the logged `learning_rate` is that batch's.
+
 Guards. An update whose loss or gradient norm is not finite is never applied: parameters and
 optimizer state stay as they were, `skipped` counts it, and the loop decides (policy `skip` or
 `stop`) whether to go on. Optionally a loss spike is treated the same way: a loss more than
@@ -20,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optim import noise_scale
 from trainer.state import ModelSpec, TrainState
 
 
@@ -79,17 +94,28 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     return loss_sum, tokens, grads
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
-    num_micro = jax.tree.leaves(batch)[0].shape[0]
+    num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
+    batch_size = num_micro * rows
+    measure = noise_scale.find_state(state.opt_state) is not None
+    if measure and num_micro == 1:
+      batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
     if num_micro == 1:
       loss_sum, tokens, grad_sum = grads_of(state.params, jax.tree.map(lambda x: x[0], batch))
     else:
       def accumulate(carry, micro_batch):
         loss_sum, tokens, grads = grads_of(state.params, micro_batch)
-        return jax.tree.map(jnp.add, carry, (loss_sum, tokens, grads)), None
+        out = (loss_sum, tokens, grads)
+        if measure:  # |mean gradient of this micro-batch|^2 and 1 / its tokens
+          t = jnp.maximum(tokens, 1.0)
+          out += (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
+        return jax.tree.map(jnp.add, carry, out), None
 
       zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                jax.tree.map(jnp.zeros_like, state.params))
-      (loss_sum, tokens, grad_sum), _ = jax.lax.scan(accumulate, zeros, batch)
+      if measure:
+        zeros += (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+      carry, _ = jax.lax.scan(accumulate, zeros, batch)
+      loss_sum, tokens, grad_sum = carry[:3]
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
@@ -100,28 +126,49 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     grad_norm = optax.tree.norm(grads)
     bad, finite, spike, guard = _judge(state.guard, loss, grad_norm, guard_cfg)
 
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    extra = {}
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      extra["batch_size"] = batch_size
+      if measure:
+        sq_small_sum, inv_tokens_sum = carry[3:]
+        extra["noise_sample"] = noise_scale.Sample(
+            sq_norm_small=sq_small_sum / num_micro, sq_norm_big=grad_norm * grad_norm,
+            b_small=num_micro / inv_tokens_sum, b_big=denom)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     # A bad step changes nothing but the step counter (its batch is consumed) and the guard.
     keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(bad, o, n), new, old)
     params = keep_old(params, state.params)
     opt_state = keep_old(opt_state, state.opt_state)
+    lr_at = schedule.at(batch_size) if hasattr(schedule, "at") else schedule
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
         "update_norm": jnp.where(bad, 0.0, optax.tree.norm(updates)),
         "param_norm": optax.tree.norm(params),
         # the rate this update used: the optimizer's own count skips bad steps
-        "learning_rate": jnp.asarray(schedule(state.step - state.guard["skipped"]), jnp.float32),
+        "learning_rate": jnp.asarray(lr_at(state.step - state.guard["skipped"]), jnp.float32),
         "target_tokens": tokens,
         "skipped": bad.astype(jnp.int32),
         "nonfinite": (~finite).astype(jnp.int32),
         "spike": spike.astype(jnp.int32),
     }
+    if measure:
+      noise = noise_scale.readout(noise_scale.find_state(opt_state))
+      metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,
+                     noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
+                     noise_trace=noise["trace_sigma"])
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, guard=guard)
     return new_state, metrics
 
   return step
+
+
+def _split_rows_in_two(x):
+  """[1, B, ...] -> [2, B/2, ...]: rows 0, 2, 4, ... and 1, 3, 5, ... (a device's block of rows
+  stays on it when B / devices is even)."""
+  rows = x.shape[1]
+  return x[0].reshape(rows // 2, 2, *x.shape[2:]).swapaxes(0, 1)
 
 
 def make_eval_step(spec: ModelSpec):

@@ -1,0 +1,157 @@
+"""The global batch as a function of the step: a batch-size ramp, and the step <-> examples <->
+tokens clock that schedules and the data pipeline share.
+
+A ramp grows the batch in stages during training, e.g. 64 -> 256 -> 1024 sequences at given
+token counts (`data.batch_ramp = "64:0,256:2000000,1024:8000000"`, each stage `batch:start
+tokens`). Growing the batch once the gradient noise scale has grown with falling loss is the
+recipe of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", Sec. 5) and of
+Smith et al. 2018 ("Don't Decay the Learning Rate, Increase the Batch Size"); GPT-3 (Brown et
+al. 2020) ramped its batch over the first tokens the same way.
+
+A stage starts at the first step whose tokens seen so far reach its start, so a ramp is a pure
+function of the step: the stage of step n, and the examples and tokens before it, follow from n
+alone (`BatchRamp.batch_at`, `examples_before`). The trainer realises a stage's batch as more
+or fewer accumulated micro-batches of one fixed shape, so nothing in the data order or the
+compiled micro-batch changes; a run without a ramp is a one-stage ramp.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+import jax.numpy as jnp
+
+UNITS = ("steps", "examples", "tokens")
+
+
+def parse_ramp(text: str) -> list[tuple[int, int]]:
+  """"64:0, 256:2_000_000" -> [(64, 0), (256, 2000000)]. Raises ValueError with the reason."""
+  stages = []
+  for part in text.replace(" ", "").split(","):
+    if not part:
+      continue
+    batch, sep, start = part.partition(":")
+    try:
+      if not sep:
+        raise ValueError
+      b, t = int(batch.replace("_", "")), float(start.replace("_", ""))
+    except ValueError:
+      raise ValueError(f"stage {part!r} is not BATCH:START_TOKENS (e.g. 64:0,256:2000000)") \
+          from None
+    if t != int(t):
+      raise ValueError(f"stage {part!r}: the start must be a whole number of tokens")
+    stages.append((b, int(t)))
+  if not stages:
+    raise ValueError("no stages; e.g. 64:0,256:2000000")
+  if stages[0][1] != 0:
+    raise ValueError(f"the first stage must start at 0 tokens, not {stages[0][1]}")
+  for (_, t0), (b, t1) in zip(stages, stages[1:]):
+    if t1 <= t0:
+      raise ValueError(f"stage starts must increase: {t1} tokens after {t0}")
+  if any(b < 1 for b, _ in stages):
+    raise ValueError("every stage needs a batch of at least 1 sequence")
+  return stages
+
+
+class BatchRamp:
+  """Stages of (batch in sequences, start in tokens) at a fixed sequence length."""
+
+  def __init__(self, stages: list[tuple[int, int]], seq_len: int):
+    self.seq_len = int(seq_len)
+    self.batches = tuple(int(b) for b, _ in stages)
+    self.start_tokens = tuple(int(t) for _, t in stages)
+    # First step of each stage, and the examples seen before it.
+    steps, examples = [0], [0]
+    for k in range(1, len(stages)):
+      per_step = self.batches[k - 1] * self.seq_len
+      behind = self.start_tokens[k] - examples[-1] * self.seq_len
+      n = max(0, math.ceil(behind / per_step))
+      steps.append(steps[-1] + n)
+      examples.append(examples[-1] + n * self.batches[k - 1])
+    self.start_steps = tuple(steps)
+    self.start_examples = tuple(examples)
+
+  @classmethod
+  def constant(cls, batch: int, seq_len: int) -> "BatchRamp":
+    return cls([(batch, 0)], seq_len)
+
+  @classmethod
+  def from_config(cls, data_cfg) -> "BatchRamp":
+    """The ramp of a `data` config block (one stage of `global_batch_size` without a ramp)."""
+    text = data_cfg.get("batch_ramp", "") if hasattr(data_cfg, "get") else ""
+    if text:
+      return cls(parse_ramp(text), data_cfg.seq_len)
+    return cls.constant(data_cfg.global_batch_size, data_cfg.seq_len)
+
+  @property
+  def is_constant(self) -> bool:
+    return len(set(self.batches)) == 1
+
+  def stage_at(self, step: int) -> int:
+    """Index of the stage that step `step` (0-based: the step that starts there) belongs to."""
+    return bisect.bisect_right(self.start_steps, int(step)) - 1
+
+  def batch_at(self, step: int) -> int:
+    return self.batches[self.stage_at(step)]
+
+  def examples_before(self, step: int) -> int:
+    """Sequences consumed by steps 0 .. step-1 (exact, Python ints)."""
+    k = self.stage_at(step)
+    return self.start_examples[k] + (int(step) - self.start_steps[k]) * self.batches[k]
+
+  def tokens_before(self, step: int) -> int:
+    return self.examples_before(step) * self.seq_len
+
+  def step_at_examples(self, examples: float) -> float:
+    """The inverse of `examples_before`, as a fractional step (for lengths given in examples)."""
+    k = bisect.bisect_right(self.start_examples, examples) - 1  # zero-length stages skipped
+    return self.start_steps[k] + (examples - self.start_examples[k]) / self.batches[k]
+
+  def examples_before_traced(self, count):
+    """`examples_before` for a traced step count, in float32 (for schedules inside jit)."""
+    count = jnp.asarray(count, jnp.float32)
+    if len(self.batches) == 1:
+      return count * float(self.batches[0])
+    total = jnp.zeros((), jnp.float32)
+    bounds = list(self.start_steps[1:]) + [None]
+    for start, end, batch in zip(self.start_steps, bounds, self.batches):
+      span = count - start
+      span = jnp.clip(span, 0.0, None if end is None else float(end - start))
+      total = total + span * float(batch)
+    return total
+
+  # ----------------------------------------------------------------------------------------------
+  # Units: steps, examples (sequences), tokens.
+
+  def convert(self, value: float, unit: str, to: str) -> float:
+    """A length measured from the start of training, from `unit` to `to`."""
+    if unit == to:
+      return value
+    examples = {"steps": lambda v: self.examples_before_fractional(v),
+                "examples": lambda v: v,
+                "tokens": lambda v: v / self.seq_len}[unit](value)
+    if to == "examples":
+      return examples
+    if to == "tokens":
+      return examples * self.seq_len
+    return self.step_at_examples(examples)
+
+  def examples_before_fractional(self, step: float) -> float:
+    k = self.stage_at(math.floor(step))
+    return self.start_examples[k] + (step - self.start_steps[k]) * self.batches[k]
+
+  def clock(self, unit: str):
+    """count -> position in `unit` (traced). For "steps" the count itself, untouched."""
+    if unit == "steps":
+      return lambda count: count
+    if unit == "examples":
+      return self.examples_before_traced
+    if unit == "tokens":
+      return lambda count: self.examples_before_traced(count) * float(self.seq_len)
+    raise ValueError(f"unknown unit {unit!r}; choose from {UNITS}")
+
+  def describe(self) -> str:
+    parts = [f"{b} from step {s} ({t:,} tokens)"
+             for b, s, t in zip(self.batches, self.start_steps,
+                                (e * self.seq_len for e in self.start_examples))]
+    return "batch ramp: " + " -> ".join(parts)

@@ -1,0 +1,149 @@
+"""Batch-size-aware hyperparameters: stated at a reference batch, derived at the run's batch.
+
+A config gives the optimizer's hyperparameters as tuned at `optim.reference_batch_size`
+sequences (0: the run's own `data.global_batch_size`, so nothing changes) and a rule per
+hyperparameter for moving them to another batch. With k = B / B_ref:
+
+learning rate, `optim.lr_rule`
+  none    lr
+  linear  lr * k. Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1
+          Hour": the linear scaling rule for SGD (with gradual warmup; give the warmup in
+          examples or tokens, `optim.warmup_examples` / `warmup_tokens`, so that it scales too).
+  sqrt    lr * sqrt(k). The square-root rule for Adam-type optimizers: Malladi et al. 2022, "On
+          the SDEs and Scaling Rules for Adaptive Gradient Algorithms"; Granziol et al. 2022,
+          "Learning Rates as a Function of Batch Size" (max stable lr ~ sqrt(B) for Adam).
+
+weight decay, `optim.weight_decay_rule`
+  constant   lambda
+  timescale  keep AdamW's timescale tau = B / (lr * lambda * D) fixed (Bergsma et al. 2025,
+             "Power Lines: Scaling Laws for Weight Decay and Batch Size in LLM Pre-training"):
+             lambda' = lambda * k * lr / lr'. D (tokens of the run) is the same at both batches.
+             It needs a decay multiplied by the learning rate, as optax's adamw, lion and our
+             sgd apply it (LAMB/LARS rescale the step per layer; Adafactor does not multiply).
+
+Adam beta2, `optim.b2_rule`
+  constant   b2
+  half_life  b2 ** k: the second moment's half-life measured in tokens stays fixed (Marek et
+             al. 2025, "Small Batch Size Training for Language Models: When Vanilla SGD Works,
+             and Why Gradient Accumulation Is Wasteful").
+
+model EMA decay, `optim.ema_rule`
+  constant   rho
+  half_life  rho ** k (Busbridge et al. 2023, "How to Scale Your EMA"), to be used with the
+             optimizer's own rule for the learning rate.
+
+`derive` is the one place these formulas live: the optimizer factory builds each batch size's
+optimizer from it, and the trainer prints and logs what it returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LR_RULES = ("none", "linear", "sqrt")
+WEIGHT_DECAY_RULES = ("constant", "timescale")
+B2_RULES = ("constant", "half_life")
+EMA_RULES = ("constant", "half_life")
+
+# Which optimizers each non-trivial rule makes sense for (checked by trainer/config.py).
+TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd")  # decay multiplied by the learning rate
+B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment
+
+
+def lr_factor(rule: str, k: float) -> float:
+  if rule == "none":
+    return 1.0
+  if rule == "linear":
+    return k
+  if rule == "sqrt":
+    return math.sqrt(k)
+  raise ValueError(f"unknown lr rule {rule!r}; choose from {LR_RULES}")
+
+
+def scaled_weight_decay(rule: str, weight_decay: float, k: float, lr_ratio: float) -> float:
+  """lambda at k x the reference batch; `lr_ratio` = lr' / lr (Power Lines: tau fixed)."""
+  if rule == "constant":
+    return weight_decay
+  if rule == "timescale":
+    return weight_decay * k / lr_ratio
+  raise ValueError(f"unknown weight decay rule {rule!r}; choose from {WEIGHT_DECAY_RULES}")
+
+
+def scaled_decay_rate(rule: str, rate: float, k: float) -> float:
+  """An EMA coefficient (Adam's b2, the model EMA) at k x the reference batch."""
+  if rule == "constant":
+    return rate
+  if rule == "half_life":
+    return rate ** k
+  raise ValueError(f"unknown rule {rule!r}; choose from constant, half_life")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+  """The values a run uses at one global batch, and the reference they came from."""
+  batch_size: int
+  reference_batch_size: int
+  learning_rate: float
+  weight_decay: float
+  b2: float
+  ema_decay: float
+  reference: "Hyperparameters | None" = None  # the stated values (at the reference batch)
+
+  @property
+  def ratio(self) -> float:
+    return self.batch_size / self.reference_batch_size
+
+  def as_dict(self) -> dict:
+    return {"batch_size": self.batch_size, "reference_batch_size": self.reference_batch_size,
+            "learning_rate": self.learning_rate, "weight_decay": self.weight_decay,
+            "b2": self.b2, "ema_decay": self.ema_decay}
+
+
+def derive(cfg, batch_size: int | None, reference_batch_size: int | None = None
+           ) -> Hyperparameters:
+  """Hyperparameters of the `optim` block `cfg` at a global batch of `batch_size` sequences.
+
+  The reference batch is `cfg.reference_batch_size`, or `reference_batch_size` (the run's
+  `data.global_batch_size`) when that is 0; with neither known, or `batch_size` None, k = 1.
+  """
+  ref = int(cfg.get("reference_batch_size", 0)) or reference_batch_size or batch_size
+  batch = batch_size or ref
+  stated = Hyperparameters(
+      batch_size=ref or 1, reference_batch_size=ref or 1,
+      learning_rate=float(cfg.learning_rate), weight_decay=float(cfg.weight_decay),
+      b2=float(cfg.b2), ema_decay=float(cfg.get("ema_decay", 0.0)))
+  if not ref or batch == ref:
+    return dataclasses.replace(stated, reference=stated)
+  k = batch / ref
+  lr = stated.learning_rate * lr_factor(cfg.get("lr_rule", "none"), k)
+  return Hyperparameters(
+      batch_size=batch, reference_batch_size=ref, learning_rate=lr,
+      weight_decay=scaled_weight_decay(cfg.get("weight_decay_rule", "constant"),
+                                       stated.weight_decay, k, lr / stated.learning_rate),
+      b2=scaled_decay_rate(cfg.get("b2_rule", "constant"), stated.b2, k),
+      ema_decay=scaled_decay_rate(cfg.get("ema_rule", "constant"), stated.ema_decay, k),
+      reference=stated)
+
+
+def describe(cfg, hp: Hyperparameters) -> str:
+  """One line: what the rules made of the stated values at this batch."""
+  ref = hp.reference or hp
+  head = (f"hyperparameters at batch {hp.batch_size} (reference {hp.reference_batch_size}, "
+          f"x{hp.ratio:.4g}):")
+
+  def item(name, rule, a, b):
+    return f"{name} {a:.4g}" if a == b else f"{name} {a:.4g} -> {b:.4g} ({rule})"
+
+  parts = [item("lr", cfg.get("lr_rule", "none"), ref.learning_rate, hp.learning_rate),
+           item("weight_decay", cfg.get("weight_decay_rule", "constant"), ref.weight_decay,
+                hp.weight_decay)]
+  if cfg.name in B2_OPTIMIZERS:
+    parts.append(item("b2", cfg.get("b2_rule", "constant"), ref.b2, hp.b2))
+    if hp.b2 < float(cfg.b1) ** 2:
+      # |m / sqrt(v)| <= (1 - b1) / sqrt(1 - b2) * sum_k (b1 / sqrt(b2))^k: finite iff b1^2 < b2
+      parts.append(f"WARNING b2 < b1^2 = {float(cfg.b1) ** 2:.4g}: Adam's per-step update "
+                   "m / sqrt(v) is then unbounded; state a larger b2 at the reference batch")
+  if hp.ema_decay:
+    parts.append(item("ema_decay", cfg.get("ema_rule", "constant"), ref.ema_decay,
+                      hp.ema_decay))
+  return head + " " + ", ".join(parts)

@@ -1,0 +1,84 @@
+"""Critical-batch sweep: the McCandlish fit, target crossings, and the tool end to end."""
+import csv
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from tools import batch_sweep
+from tools.batch_sweep import Fit, crossing, fit_tradeoff, smooth
+
+
+def test_fit_recovers_the_tradeoff():
+  """Steps from (S/S_min - 1)(E/E_min - 1) = 1 with S_min = 300, E_min = 6000 (B_crit = 20)."""
+  batches = [4, 8, 16, 32, 64, 128]
+  steps = [300 + 6000 / b for b in batches]
+  fit = fit_tradeoff(batches, steps)
+  assert fit.s_min == pytest.approx(300) and fit.e_min == pytest.approx(6000)
+  assert fit.b_crit == pytest.approx(20) and not fit.note
+  for b, s in zip(batches, steps):
+    e = b * s
+    assert (s / fit.s_min - 1) * (e / fit.e_min - 1) == pytest.approx(1.0)
+
+
+def test_fit_with_noise_is_close():
+  rng = np.random.default_rng(0)
+  batches = np.array([8, 16, 32, 64, 128, 256])
+  steps = (500 + 20000 / batches) * np.exp(0.03 * rng.standard_normal(len(batches)))
+  fit = fit_tradeoff(batches, steps)
+  assert fit.b_crit == pytest.approx(40, rel=0.25)
+
+
+def test_fit_degenerate_ranges():
+  perfect = fit_tradeoff([8, 16, 32], [800, 400, 200])  # E constant: B_crit above the range
+  assert perfect.s_min == 0 and math.isinf(perfect.b_crit)
+  assert perfect.e_min == pytest.approx(6400) and "above the largest" in perfect.note
+  flat = fit_tradeoff([8, 16, 32], [100, 100, 100])  # no gain from batch
+  assert flat.s_min == pytest.approx(100) and flat.b_crit == pytest.approx(0, abs=1e-9)
+  with pytest.raises(ValueError, match="at least two"):
+    fit_tradeoff([8], [10])
+  assert list(Fit(10, 100).steps([10, 100])) == [20, 11]
+
+
+def test_crossing_and_smoothing():
+  points = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.0)]
+  assert crossing(points, 3.5) == 15 and crossing(points, 5.5) == 0
+  assert crossing(points, 1.0) is None
+  assert smooth(points, 10) == [(10, 4.0), (20, 3.0)]  # a linear trend passes unchanged
+  jagged = [(x, 3.0 - 0.01 * x + (0.2 if i % 2 else -0.2)) for i, x in enumerate(range(0, 90, 10))]
+  assert crossing(jagged, 2.6) == pytest.approx(20.0)  # the raw curve dips below early ...
+  assert crossing(smooth(jagged, 20), 2.6) == pytest.approx(40.0, abs=3)  # ... its trend at 40
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end(tmp_path, data_dir):
+  """Two batch sizes of a tiny model to an easy target: CSV, JSON, plot, and a fit."""
+  config = tmp_path / "tiny_sweep.py"
+  config.write_text(
+      "from trainer.config import default_config\n"
+      "def get_config():\n"
+      "  c = default_config()\n"
+      "  c.model.update(d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64)\n"
+      "  c.data.update(global_batch_size=16, seq_len=32, prefetch=0)\n"
+      "  c.optim.update(learning_rate=1e-2, schedule='constant', warmup_steps=0,\n"
+      "                 warmup_examples=32, reference_batch_size=16, lr_rule='sqrt')\n"
+      "  c.trainer.update(peak_flops_per_device=1e9)\n"
+      "  return c\n")
+  out = tmp_path / "out"
+  code = batch_sweep.main(["--config", str(config), "--batch_sizes", "16,32", "--target_loss",
+                           "4.5", "--out", str(out), "--eval_examples", "32",
+                           "--smooth_examples", "64", "--eval_sequences", "16",
+                           "--max_examples", "1600"])
+  assert code == 0
+  rows = list(csv.DictReader(open(out / "batch_sweep.csv")))
+  assert [int(r["batch_size"]) for r in rows] == [16, 32]
+  assert all(r["steps"] not in ("", "None") for r in rows), rows
+  summary = json.load(open(out / "batch_sweep.json"))
+  assert summary["reached"] == [16, 32] and "b_crit" in summary and "b_simple_median" in summary
+  try:
+    import matplotlib  # noqa: F401, PLC0415
+  except ImportError:
+    pytest.skip("matplotlib not installed (pip install -e '.[tools]'): no plot to check")
+  assert os.path.getsize(out / "batch_sweep.png") > 10_000

@@ -1,0 +1,119 @@
+"""Gradient noise scale (McCandlish et al. 2018): the two-batch estimator, its EMA on a problem
+whose answer is known, and the train step's wiring of the small and big batches."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tiny_config
+from data import pipeline
+from models.llama import ModelConfig
+from optim import build_optimizer, noise_scale
+from sharding import batch_sharding, make_mesh, replicated
+from trainer.state import ModelSpec, init_state, state_shardings
+from trainer.step import loss_sums, make_train_step
+
+
+def test_estimator_is_exact_in_expectation():
+  """E|G_b|^2 = |G|^2 + tr(Sigma) / b: plugging in the expectations returns both exactly, also
+  for several small batches of unequal sizes with b their harmonic mean."""
+  g_sq, trace = 2.5, 40.0
+  sq = lambda b: g_sq + trace / b
+  np.testing.assert_allclose(noise_scale.estimate(sq(8), sq(64), 8, 64), (g_sq, trace))
+  sizes = np.array([5.0, 8.0, 11.0])
+  harmonic = len(sizes) / np.sum(1 / sizes)
+  est = noise_scale.estimate(np.mean(sq(sizes)), sq(sizes.sum()), harmonic, sizes.sum())
+  np.testing.assert_allclose(est, (g_sq, trace))
+
+
+def test_meter_recovers_the_noise_scale_of_linear_regression():
+  """Least squares 0.5 (x.w - y)^2 with x ~ N(0, I_d), y = x.w* + N(0, s^2), at w = w* + delta:
+  per-example gradients x (x.delta - eps) have mean G = delta and covariance
+  Sigma = (|delta|^2 + s^2) I + delta delta^T (Gaussian fourth moments), so
+  B_simple = (d (|delta|^2 + s^2) + |delta|^2) / |delta|^2 = 21 for d = 16, |delta| = 1,
+  s = 0.5. Batches of 64 split into 8 micro-batches of 8, as the train step does."""
+  d, s, num_micro, micro = 16, 0.5, 8, 8
+  rng = np.random.default_rng(0)
+  delta = rng.standard_normal(d)
+  delta /= np.linalg.norm(delta)
+  want = (d * (1 + s * s) + 1) / 1.0
+
+  tx = noise_scale.meter(0.99)
+  state = tx.init(None)
+  update = jax.jit(lambda st, sample: tx.update({}, st, noise_sample=sample)[1])
+  for _ in range(1500):
+    x = rng.standard_normal((num_micro, micro, d))
+    eps = s * rng.standard_normal((num_micro, micro))
+    g = x * (x @ delta - eps)[..., None]  # per-example gradients [M, b, d]
+    small = g.mean(axis=1)  # each micro-batch's mean gradient
+    big = small.mean(axis=0)
+    sample = noise_scale.Sample(np.mean(np.sum(small ** 2, -1)), np.sum(big ** 2),
+                                float(micro), float(num_micro * micro))
+    state = update(state, sample)
+  out = noise_scale.readout(state)
+  assert float(out["b_simple"]) == pytest.approx(want, rel=0.10)
+  assert float(out["g_sq"]) == pytest.approx(1.0, rel=0.10)
+  assert float(out["trace_sigma"]) == pytest.approx(want, rel=0.10)
+
+
+def test_meter_is_an_identity_without_a_sample():
+  tx = noise_scale.meter(0.9)
+  state = tx.init({"w": jnp.ones(3)})
+  updates, new = tx.update({"w": jnp.ones(3)}, state)
+  assert new == state and np.all(updates["w"] == 1)
+  assert noise_scale.find_state(optax.chain(tx, optax.sgd(0.1)).init({"w": jnp.ones(3)})) \
+      is not None
+  assert noise_scale.find_state(optax.sgd(0.1).init({"w": jnp.ones(3)})) is None
+
+
+@pytest.fixture(scope="module")
+def step_setup(data_dir):
+  cfg = tiny_config(**{"mesh.data": 2})
+  it = iter(pipeline.dataset(pipeline.StreamSpec(data_dir, "train", cfg.data.seq_len, 8)))
+  batch = {k: v[None] for k, v in next(it).items()}  # [1, 8, S]: no accumulation
+  mesh = make_mesh({"data": 2}, jax.devices()[:2])
+  spec = ModelSpec(ModelConfig.from_config(cfg.model), mesh, cfg.seed)
+  return cfg, batch, mesh, spec
+
+
+def _one_step(cfg, batch, mesh, spec):
+  tx, schedule = build_optimizer(cfg.optim, spec.logical_names, cfg.steps, cfg.data)
+  shardings = state_shardings(spec, tx)
+  bsh = batch_sharding(mesh, microbatched=True)
+  step = jax.jit(make_train_step(spec, tx, schedule), in_shardings=(shardings, bsh),
+                 out_shardings=(shardings, replicated(mesh)))
+  state = init_state(spec, tx)
+  with jax.set_mesh(mesh):
+    _, metrics = step(state, {k: jax.device_put(v, bsh) for k, v in batch.items()})
+  return state, jax.device_get(metrics)
+
+
+def test_step_without_accumulation_measures_two_halves(step_setup):
+  """M = 1: the step splits the batch into rows 0, 2, 4, 6 and 1, 3, 5, 7; the meter's first
+  estimate equals the estimator applied to those halves' gradients, and the loss is the one
+  of the ordinary step."""
+  cfg, batch, mesh, spec = step_setup
+  noise_cfg = tiny_config(**{"mesh.data": 2, "optim.noise_scale_every": 1})
+  state, metrics = _one_step(noise_cfg, batch, mesh, spec)
+  _, plain = _one_step(cfg, batch, mesh, spec)
+  assert metrics["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+  assert "noise_scale" not in plain
+
+  sums, tokens = [], []
+  grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_sums(spec, p, b), has_aux=True))
+  with jax.set_mesh(mesh):
+    for half in (0, 1):
+      (_, n), g = grad_fn(state.params, {k: v[0, half::2] for k, v in batch.items()})
+      sums.append(jax.device_get(g))
+      tokens.append(float(n))
+  sq = lambda tree: float(optax.tree.norm(tree, squared=True))
+  small = np.mean([sq(g) / t ** 2 for g, t in zip(sums, tokens)])
+  total = sum(tokens)
+  big = sq(jax.tree.map(lambda a, b: (a + b) / total, *sums))
+  harmonic = 2 / (1 / tokens[0] + 1 / tokens[1])
+  g_sq, trace = noise_scale.estimate(small, big, harmonic, total)
+  assert metrics["noise_g_sq"] == pytest.approx(g_sq, rel=1e-3)
+  assert metrics["noise_trace"] == pytest.approx(trace, rel=1e-3)
+  assert metrics["noise_scale_tokens"] == pytest.approx(trace / g_sq, rel=1e-3)
+  assert metrics["noise_scale"] == pytest.approx(trace / g_sq * 8 / total, rel=1e-3)

@@ -1,0 +1,408 @@
+"""Critical-batch sweep: steps and examples to a target loss at several batch sizes, the fit of
+McCandlish et al. 2018, and the measured gradient noise scale beside it.
+
+    python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
+        --target_loss 2.6 [--lr_grid 0.5,1,2] [--out runs/batch_sweep] [--config.KEY=VALUE ...]
+
+One short training per batch size B (and per learning-rate multiplier of `--lr_grid`, keeping
+the fastest), each stopped once the validation loss reaches the target. Everything but the
+batch is the config's: the learning rate, weight decay, beta2 and EMA come from its reference
+batch and rules (`optim/scaling.py`), and its warmup should be in examples or tokens so that it
+is the same amount of data at every batch. Every run reads the same micro-batches in the same
+order (one fixed micro-batch of `--micro_batch_size` rows, accumulated B / micro times), and is
+evaluated on the same validation set every `--eval_examples` examples. At a constant learning
+rate the evaluated loss jitters from evaluation to evaluation (the parameters themselves are
+noisy), so the curve is first averaged over a centered window of `--smooth_examples` examples
+(the same window at every batch; no lag on a linear trend), and the number of examples at which
+the smoothed curve crosses the target is interpolated linearly between evaluations; a run stops
+once its smoothed curve is below the target.
+
+From the steps S and examples E = B S of each batch, the tool fits the trade-off of "An
+Empirical Model of Large-Batch Training" (McCandlish et al. 2018),
+
+    (S / S_min - 1) (E / E_min - 1) = 1,  i.e.  S(B) = S_min + E_min / B,
+
+by least squares on relative errors, and reports the critical batch B_crit = E_min / S_min
+(sequences) beside the gradient noise scale B_simple that the runs measured on the way
+(`optim/noise_scale.py`; the value when each run crossed the target). The summary takes the
+median over runs with at least 4 micro-batches per step, whose estimates are the precise ones:
+the estimator's relative noise per step is about B_simple / b for small batches of b. The
+paper predicts B_crit ~ B_noise, with B_simple equal to B_noise when the Hessian is a multiple
+of the identity and otherwise usually within an order of magnitude of it.
+
+Outputs in `--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the
+noise scale), `batch_sweep.png` (steps vs batch with the fit; the noise scale over training;
+needs matplotlib, the `tools` extra), and each run's workdir under `runs/`.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------------
+# Analysis (no jax: importable and testable on its own)
+
+
+def crossing(points: list[tuple[float, float]], target: float) -> float | None:
+  """First x at which y falls to `target`, interpolating linearly between points [(x, y)].
+  None if it never does; the first point's x if it already starts at or below the target."""
+  for i, (x, y) in enumerate(points):
+    if y <= target:
+      if i == 0:
+        return float(x)
+      x0, y0 = points[i - 1]
+      return float(x0 + (y0 - target) / (y0 - y) * (x - x0))
+  return None
+
+
+def smooth(points: list[tuple[float, float]], half_window: float) -> list[tuple[float, float]]:
+  """Centered moving average: each point whose window [x - h, x + h] lies inside the data gets
+  the mean of the y's in it (points without a full window are left out). Linear trends pass
+  unchanged; with x in examples the window is the same for every batch size."""
+  if half_window <= 0:
+    return list(points)
+  xs = np.array([x for x, _ in points], float)
+  ys = np.array([y for _, y in points], float)
+  out = []
+  for x in xs:
+    if x - half_window < xs[0] - 1e-9 or x + half_window > xs[-1] + 1e-9:
+      continue
+    inside = np.abs(xs - x) <= half_window + 1e-9
+    out.append((float(x), float(ys[inside].mean())))
+  return out
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+  """y at x, linear between the given points (clamped to the ends); None without points."""
+  finite = [(a, b) for a, b in points if b is not None and math.isfinite(b)]
+  if not finite:
+    return None
+  xs, ys = zip(*sorted(finite))
+  return float(np.interp(x, xs, ys))
+
+
+@dataclasses.dataclass
+class Fit:
+  s_min: float  # steps needed at an infinite batch
+  e_min: float  # examples needed at a batch of 1
+  note: str = ""
+
+  @property
+  def b_crit(self) -> float:
+    return self.e_min / self.s_min if self.s_min > 0 else math.inf
+
+  def steps(self, batch):
+    return self.s_min + self.e_min / np.asarray(batch, float)
+
+
+def fit_tradeoff(batch_sizes, steps) -> Fit:
+  """Least-squares fit of S(B) = S_min + E_min / B on relative residuals (each point's error
+  weighted by 1 / S, so small and large batches count alike). A negative S_min means perfect
+  scaling over the whole range (B_crit above the largest batch); a negative E_min means no
+  gain from batch at all: each is then fixed at 0 and the other refitted."""
+  b = np.asarray(batch_sizes, float)
+  s = np.asarray(steps, float)
+  if len(b) < 2:
+    raise ValueError("the fit needs at least two batch sizes that reached the target")
+  w = 1.0 / s
+  a = np.stack([w, w / b], axis=1)
+  (s_min, e_min), *_ = np.linalg.lstsq(a, np.ones_like(s), rcond=None)
+  if s_min <= 0:
+    e_min = float(np.sum(w * w * s / b) / np.sum((w / b) ** 2))
+    return Fit(0.0, e_min, "S_min <= 0: steps halve with every doubling of the batch over the "
+               "whole range (B_crit is above the largest batch)")
+  if e_min <= 0:
+    return Fit(float(np.sum(w * w * s) / np.sum(w * w)), 0.0,
+               "E_min <= 0: a bigger batch saves no steps (B_crit is below the smallest batch)")
+  return Fit(float(s_min), float(e_min))
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclasses.dataclass
+class Result:
+  batch_size: int
+  lr_multiplier: float
+  learning_rate: float
+  steps: float | None  # interpolated steps to the target (None: not reached)
+  examples: float | None
+  tokens: float | None
+  noise_scale: float | None  # B_simple (sequences) when the target was reached
+  micro_batches: int  # per step: the estimator's small batches
+  final_eval_loss: float | None
+  steps_run: int
+  seconds: float
+  workdir: str
+  best: bool = False
+
+
+def read_rows(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
+  return [(r["step"], r["noise_scale"]) for r in rows if "noise_scale" in r]
+
+
+def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
+  """One training at `batch_size`, stopped at the target; returns what it measured."""
+  from optim import derive  # noqa: PLC0415
+  from trainer.config import validate  # noqa: PLC0415
+  from trainer.loop import Run  # noqa: PLC0415
+  import jax  # noqa: PLC0415
+
+  cfg = base_cfg.copy_and_resolve_references()
+  micro = args.micro_batch_size
+  cfg.data.global_batch_size = batch_size
+  cfg.data.micro_batch_size = micro if micro < batch_size else 0
+  cfg.optim.learning_rate = base_cfg.optim.learning_rate * lr_multiplier
+  cfg.steps = max(1, math.ceil(args.max_examples / batch_size))
+  cfg.eval_every = max(1, round(args.eval_examples / batch_size))
+  cfg.eval_steps = max(1, math.ceil(args.eval_sequences / micro))
+  cfg.optim.noise_scale_every = max(1, cfg.eval_every // 2)
+  cfg.checkpoint.every_steps = 0
+  cfg.trainer.progress_bar = False
+  validate(cfg, jax.device_count(), jax.process_count())
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)  # the sweep owns its run directories: always a fresh start
+
+  target, half = args.target_loss, args.smooth_examples / 2
+  evals: list[tuple[float, float]] = []  # (examples seen, eval loss)
+
+  def stop_when(step, row):
+    if "eval_loss" not in row:
+      return None
+    evals.append((step * batch_size, row["eval_loss"]))
+    low = [x for x, y in smooth(evals, half) if y <= target]
+    return f"smoothed eval loss <= {target} at {low[0]:,.0f} examples" if low else None
+
+  t0 = time.perf_counter()
+  result = Run(cfg, workdir, stop_when=stop_when).train()
+  seconds = time.perf_counter() - t0
+  shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+  rows = read_rows(workdir)
+  curve = smooth([(r["step"] * batch_size, r["eval_loss"]) for r in rows if "eval_loss" in r],
+                 half)
+  examples = crossing(curve, target)
+  if examples is not None and examples == curve[0][0]:
+    print(f"[sweep] warning: batch {batch_size} was below the target at its first smoothed "
+          f"point ({examples:,.0f} examples): the target is too easy to resolve", flush=True)
+  steps = None if examples is None else examples / batch_size
+  hp = derive(cfg.optim, batch_size, batch_size)
+  noise = interpolate(noise_curve(rows), steps) if steps is not None else None
+  final = [r["eval_loss"] for r in rows if "eval_loss" in r]
+  return Result(batch_size, lr_multiplier, hp.learning_rate, steps,
+                None if steps is None else steps * batch_size,
+                None if steps is None else steps * batch_size * cfg.data.seq_len,
+                noise, max(1, batch_size // micro), final[-1] if final else None, result.step,
+                seconds, workdir)
+
+
+MIN_MICRO_BATCHES = 4  # runs whose noise scale the summary trusts (if there are any)
+
+
+def summarise(results: list[Result]) -> tuple[list[Result], Fit | None, dict]:
+  """Best run per batch (fewest steps), the fit over those that reached the target, and a
+  summary dict."""
+  best: dict[int, Result] = {}
+  for r in results:
+    if r.steps is None:
+      continue
+    if r.batch_size not in best or r.steps < best[r.batch_size].steps:
+      best[r.batch_size] = r
+  for r in results:
+    r.best = best.get(r.batch_size) is r
+  chosen = [best[b] for b in sorted(best)]
+  fit = None
+  summary: dict = {"reached": [r.batch_size for r in chosen],
+                   "not_reached": sorted({r.batch_size for r in results} - set(best))}
+  if len(chosen) >= 2:
+    fit = fit_tradeoff([r.batch_size for r in chosen], [r.steps for r in chosen])
+    summary.update(s_min=fit.s_min, e_min=fit.e_min, b_crit=fit.b_crit, fit_note=fit.note)
+  # The small-batch squared norm is averaged over a step's micro-batches: with few of them
+  # (a single batch split in two halves) the estimate is far noisier, so prefer runs with many.
+  measured = [r for r in chosen if r.noise_scale is not None]
+  many = [r for r in measured if r.micro_batches >= MIN_MICRO_BATCHES]
+  noise = [r.noise_scale for r in (many or measured)]
+  if noise:
+    summary["b_simple_from"] = [r.batch_size for r in (many or measured)]
+    summary.update(b_simple_median=float(np.median(noise)),
+                   b_simple_range=[float(min(noise)), float(max(noise))])
+  return chosen, fit, summary
+
+
+def write_csv(path: str, results: list[Result]) -> None:
+  fields = [f.name for f in dataclasses.fields(Result)]
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=fields)
+    w.writeheader()
+    for r in results:
+      w.writerow(dataclasses.asdict(r))
+
+
+def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None,
+         summary: dict, target: float, title: str) -> bool:
+  """Two panels: steps to target vs batch with the fit; B_simple over training. False if
+  matplotlib is missing."""
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  if not chosen:
+    return False
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+  other = [r for r in results if r.steps is not None and not r.best]
+  if other:
+    ax1.scatter([r.batch_size for r in other], [r.steps for r in other], c="0.7", s=18,
+                label="other learning rates")
+  ax1.scatter([r.batch_size for r in chosen], [r.steps for r in chosen], c="C0", zorder=3,
+              label=f"measured (eval loss {target})")
+  if fit is not None:
+    bs = np.geomspace(min(r.batch_size for r in chosen) / 2, max(r.batch_size for r in chosen) * 2)
+    ax1.plot(bs, fit.steps(bs), "C1-", label=(f"S_min(1 + B_crit/B): S_min={fit.s_min:.0f}, "
+                                              f"B_crit={fit.b_crit:.0f}"))
+    if fit.s_min > 0:
+      ax1.axhline(fit.s_min, color="C1", ls=":", lw=1)
+      ax1.axvline(fit.b_crit, color="C1", ls="--", lw=1)
+  if "b_simple_median" in summary:
+    ax1.axvline(summary["b_simple_median"], color="C2", ls="--", lw=1,
+                label=f"B_simple at target (median {summary['b_simple_median']:.0f})")
+  ax1.set(xscale="log", yscale="log", xlabel="batch size (sequences)",
+          ylabel="steps to target", title="steps to the target loss")
+  ax1.legend(fontsize=8)
+  for i, r in enumerate(chosen):
+    curve = noise_curve(read_rows(r.workdir))
+    if curve:
+      xs = [s * r.batch_size for s, _ in curve]
+      ax2.plot(xs, [v for _, v in curve], color=f"C{i % 10}", lw=1, label=f"B={r.batch_size}")
+      if r.examples is not None and r.noise_scale is not None:
+        ax2.plot([r.examples], [r.noise_scale], "o", color=f"C{i % 10}", ms=4)
+  if fit is not None and fit.s_min > 0:
+    ax2.axhline(fit.b_crit, color="C1", ls="--", lw=1, label="fitted B_crit")
+  ax2.set(xscale="log", yscale="log", xlabel="examples seen (sequences)",
+          ylabel="B_simple (sequences)", title="gradient noise scale during training (dots: "
+          "at target)")
+  ax2.legend(fontsize=7, ncol=2)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True)
+  p.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32,64")
+  p.add_argument("--target_loss", type=float, required=True, help="validation loss to reach")
+  p.add_argument("--lr_grid", default="1", help="multipliers of the reference learning rate")
+  p.add_argument("--out", default="", help="output dir (default runs/batch_sweep/<config>)")
+  p.add_argument("--micro_batch_size", type=int, default=0,
+                 help="rows per micro-batch for every run (default: the smallest batch)")
+  p.add_argument("--max_examples", type=int, default=200_000,
+                 help="give up on a run after this many sequences")
+  p.add_argument("--eval_examples", type=int, default=256,
+                 help="evaluate every this many training sequences (resolution of E)")
+  p.add_argument("--eval_sequences", type=int, default=64,
+                 help="validation sequences per evaluation (a fixed set)")
+  p.add_argument("--smooth_examples", type=int, default=1024,
+                 help="width in examples of the centered average of the eval curve (0: none)")
+  p.add_argument("--plot", default="", help="PNG path (default <out>/batch_sweep.png)")
+  args, rest = p.parse_known_args(argv)
+  overrides = []
+  for arg in rest:
+    name, eq, value = arg.partition("=")
+    if not name.startswith("--config.") or not eq:
+      p.error(f"unknown argument {arg!r} (overrides are --config.KEY=VALUE)")
+    overrides.append((name[len("--config."):], value))
+  args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})
+  args.lr_grid = [float(m) for m in args.lr_grid.split(",") if m]
+  args.micro_batch_size = args.micro_batch_size or args.batch_sizes[0]
+  name = os.path.splitext(os.path.basename(args.config))[0]
+  args.out = args.out or os.path.join("runs", "batch_sweep", name)
+  args.plot = args.plot or os.path.join(args.out, "batch_sweep.png")
+  return args, overrides, name
+
+
+def main(argv: list[str]) -> int:
+  args, overrides, name = parse_args(argv)
+  from trainer.config import ConfigError, load  # noqa: PLC0415
+  try:
+    cfg = load(args.config, overrides)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if cfg.data.batch_ramp:
+    print("error: the sweep sets the batch itself; remove data.batch_ramp", file=sys.stderr)
+    return 2
+  bad = [b for b in args.batch_sizes if b % args.micro_batch_size]
+  if bad:
+    print(f"error: batch {bad[0]} is not a multiple of --micro_batch_size="
+          f"{args.micro_batch_size}", file=sys.stderr)
+    return 2
+  os.makedirs(args.out, exist_ok=True)
+  results = []
+  t0 = time.perf_counter()
+  for batch in args.batch_sizes:
+    for mult in args.lr_grid:
+      workdir = os.path.join(args.out, "runs", f"b{batch}_lr{mult:g}")
+      try:
+        r = run_one(cfg, batch, mult, args, workdir)
+      except ConfigError as e:
+        print(f"error: batch {batch}: {e}", file=sys.stderr)
+        return 2
+      results.append(r)
+      reached = (f"target at step {r.steps:.1f} ({r.examples:,.0f} examples)" if r.steps
+                 else f"target not reached in {r.steps_run} steps")
+      print(f"[sweep] batch {batch} lr x{mult:g} (lr {r.learning_rate:.3g}): {reached}; "
+            f"B_simple {r.noise_scale if r.noise_scale is None else round(r.noise_scale, 1)}; "
+            f"{r.seconds:.0f}s", flush=True)
+  chosen, fit, summary = summarise(results)
+  summary.update(config=args.config, overrides=dict(overrides), target_loss=args.target_loss,
+                 batch_sizes=args.batch_sizes, lr_grid=args.lr_grid,
+                 micro_batch_size=args.micro_batch_size, seconds=time.perf_counter() - t0)
+  write_csv(os.path.join(args.out, "batch_sweep.csv"), results)
+  with open(os.path.join(args.out, "batch_sweep.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  title = f"{name}: eval loss {args.target_loss}"
+  plotted = plot(args.plot, results, chosen, fit, summary, args.target_loss, title)
+  print("[sweep] batch  steps   examples  B_simple")
+  for r in chosen:
+    print(f"[sweep] {r.batch_size:5d} {r.steps:7.1f} {r.examples:10,.0f} "
+          f"{r.noise_scale if r.noise_scale is None else f'{r.noise_scale:8.1f}'}")
+  if fit is not None:
+    print(f"[sweep] fit S = S_min + E_min/B: S_min={fit.s_min:.1f} steps, E_min={fit.e_min:,.0f} "
+          f"examples, B_crit = E_min/S_min = {fit.b_crit:.1f} sequences"
+          + (f" ({fit.note})" if fit.note else ""))
+  else:
+    print("[sweep] fewer than two batch sizes reached the target: no fit")
+  if "b_simple_median" in summary:
+    lo, hi = summary["b_simple_range"]
+    print(f"[sweep] measured B_simple at the target: median {summary['b_simple_median']:.1f} "
+          f"sequences (range {lo:.1f}-{hi:.1f})")
+  print(f"[sweep] wrote {args.out}/batch_sweep.csv, batch_sweep.json"
+        + (f", {args.plot}" if plotted else " (no plot: pip install -e '.[tools]')"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
