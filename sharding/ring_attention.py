@@ -31,10 +31,40 @@ positions, segment masks, MLPs) is order-agnostic. `layout="contiguous"` (the de
 natural order and reorders inside, with ppermutes, O(S/N) memory, on every call.
 
 The per-block computation is the Pallas flash kernel (kernels/flash_attention.py) on GPU, and
-plain jnp elsewhere (`impl="flash"` forces the kernel, interpreted off-GPU). The jnp block scans
-over chunks of keys with the same online softmax, so its scores are [S/N, chunk], not
-[S/N, S/N], and memory stays O(S/N) there too. Non-causal attention needs no balancing: every
-step is a full block pair.
+plain jnp elsewhere (`impl="flash"` forces the kernel, interpreted off-GPU). Non-causal
+attention needs no balancing: every step is a full block pair.
+
+With the flash kernel a step is one kernel call per pass that carries the ring's state: the
+forward folds the held keys into the running (o, lse) in place (`forward(state=...)`, the
+online softmax resumed from the state), the backward adds into dQ and into the dK/dV that
+travel with the block (`backward(grads=...)`); the step's half-block pair is given to the
+kernel as dynamic bounds (q_start, kv_stop) and the diagonal step as a dynamic causal flag, so
+nothing is sliced, zero-padded or merged outside the kernel. Per device that holds, beyond the
+local q, k, v (and o, lse, dO as backward residuals): forward, the fp32 state and the next k/v
+block in flight; backward, the fp32 dQ, the next k/v block in flight, and two dK/dV fp32 sets
+(the one just updated going out while the dQ kernel runs, the next one coming in).
+
+Why the next k/v block is a second buffer: its transfer overlaps the step's compute only if it
+has somewhere to land while the current block is read. Landing it half a block at a time (send
+each half on once it is consumed) would hold 1.5 blocks instead of 2, but a zig-zag step on an
+earlier device's keys computes on their first half only, so the other half's transfer has no
+compute to hide behind, and every step would take two kernel calls and two transfers. With
+grouped-query attention the block is K/H of the size of q, so we keep the double buffer.
+
+Every step, the diagonal one included, is the same call in one loop; the last step therefore
+also sends its k/v block on (back home, unused): one transfer per pass more than needed, hidden
+behind the last step's compute. Peeling the last step off would avoid it, and a compiled kernel
+makes no copies of its operands, so on a GPU that should cost no memory; but the CPU
+interpreter (what bench/attention_memory.py measures) holds private copies of every operand per
+call site: peeled, the benchmark's ratio measured 1.49 instead of 1.33 x N
+forward and 1.60-1.73 instead of 0.94 x N forward+backward (S = 4096, when this was built). In
+the backward, dK/dV are sent after their kernel, so their hops are exactly N, the last one
+bringing them home.
+
+The jnp block (everywhere but GPU) keeps static shapes: each causal step is one of two half
+block pairs chosen by `lax.cond`, merged into (o, lse) with their log-sum-exps. It scans over
+chunks of keys with the same online softmax, so its scores are [S/N, chunk], not [S/N, S/N],
+and memory stays O(S/N) there too.
 """
 from __future__ import annotations
 
@@ -233,20 +263,6 @@ def _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, scale, chunk):
   return dq.reshape(B, S, H, D), unchunk(dk), unchunk(dv)
 
 
-def _block_fwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, causal):
-  if cfg.impl == "flash":
-    return flash_forward(q, k, v, seg_q, seg_k, causal=causal, scale=cfg.scale,
-                         block_sizes=cfg.block_sizes, interpret=cfg.interpret)
-  return _jnp_fwd(q, k, v, seg_q, seg_k, causal, cfg.scale, cfg.kv_chunk)
-
-
-def _block_bwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, do, lse, delta, causal):
-  if cfg.impl == "flash":
-    return flash_backward(q, k, v, seg_q, seg_k, do, lse, delta, causal=causal, scale=cfg.scale,
-                          block_sizes=cfg.block_sizes, interpret=cfg.interpret)
-  return _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, cfg.scale, cfg.kv_chunk)
-
-
 def _merge(o_BSHD, lse_BHS, ob_BSHD, lseb_BHS):
   """Exact merge of attention over two disjoint key sets from their log-sum-exps."""
   top = jnp.maximum(lse_BHS, lseb_BHS)
@@ -277,38 +293,107 @@ def _slice(x, sl):
 # The ring (runs inside shard_map on local blocks).
 
 
-def _ring_fwd_pass(cfg: _RingConfig, q, k, v, seg):
-  n, axis = cfg.n, cfg.axis
-  i = lax.axis_index(axis)
+def _send(tree, cfg: _RingConfig):
+  """To the next device on the ring."""
+  n = cfg.n
+  return lax.ppermute(tree, cfg.axis, [(j, (j + 1) % n) for j in range(n)])
+
+
+def _visible(cfg: _RingConfig, i, s, length: int):
+  """The block pair of ring step s on device i as (q_start, kv_stop, causal): our queries from
+  q_start on see the held keys before kv_stop, causally at step 0 (the zig-zag cases of the
+  module docstring; non-causal: everything)."""
+  if not cfg.causal:
+    return 0, length, False
+  half, own = length // 2, s == 0
+  earlier = (i - s) % cfg.n < i  # an earlier device's keys: only their first chunk is visible
+  later = jnp.logical_not(jnp.logical_or(own, earlier))  # only our second chunk sees them
+  return jnp.where(later, half, 0), jnp.where(earlier, half, length), own
+
+
+def _flash_ring_fwd(cfg: _RingConfig, q, k, v, seg):
+  """Every step, the diagonal one included, is the same kernel call folding the held keys into
+  the running (o, lse) in place; see the module docstring for the buffers this holds."""
+  i = lax.axis_index(cfg.axis)
+  B, L, H, _ = q.shape
+
+  def body(s, carry):
+    o, lse, kv = carry
+    kv_next = _send(kv, cfg)  # in flight while this step computes
+    k, v, seg_k = kv
+    q_start, kv_stop, causal = _visible(cfg, i, s, L)
+    o, lse = flash_forward(q, k, v, seg, seg_k, state=(o, lse), bounds=(q_start, kv_stop),
+                           causal=causal, scale=cfg.scale, block_sizes=cfg.block_sizes,
+                           interpret=cfg.interpret)
+    return o, lse, kv_next
+
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((B, H, L), -jnp.inf, jnp.float32))
+  o, lse, _ = lax.fori_loop(0, cfg.n, body, (*init, (k, v, seg)))
+  return o, lse
+
+
+def _flash_ring_bwd(cfg: _RingConfig, q, k, v, seg, o, lse, do):
+  """dQ accumulates in place here; dK/dV accumulate in place in the buffer that travels with
+  their block: received, updated by the dK/dV kernel, sent on while the dQ kernel runs."""
+  i = lax.axis_index(cfg.axis)
+  L = q.shape[1]
+  delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+
+  def body(s, carry):
+    dq, kv, dkv = carry
+    kv_next = _send(kv, cfg)
+    k, v, seg_k = kv
+    q_start, kv_stop, causal = _visible(cfg, i, s, L)
+    dq, *dkv = flash_backward(q, k, v, seg, seg_k, do, lse, delta, grads=(dq, *dkv),
+                              bounds=(q_start, kv_stop), causal=causal, scale=cfg.scale,
+                              block_sizes=cfg.block_sizes, interpret=cfg.interpret)
+    return dq, kv_next, _send(tuple(dkv), cfg)  # after the last step: the hop home
+
+  zeros_kv = jnp.zeros(k.shape, jnp.float32)
+  init = (jnp.zeros(q.shape, jnp.float32), (k, v, seg), (zeros_kv, zeros_kv))
+  dq, _, dkv = lax.fori_loop(0, cfg.n, body, init)
+  return dq, dkv[0], dkv[1]
+
+
+def _jnp_block_fwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, causal):
+  return _jnp_fwd(q, k, v, seg_q, seg_k, causal, cfg.scale, cfg.kv_chunk)
+
+
+def _jnp_block_bwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, do, lse, delta, causal):
+  return _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, cfg.scale, cfg.kv_chunk)
+
+
+def _jnp_ring_fwd(cfg: _RingConfig, q, k, v, seg):
+  """Static shapes: each causal step is one of two half-block pairs, chosen by lax.cond, and
+  its (block output, lse) is merged into the running (o, lse)."""
+  n = cfg.n
+  i = lax.axis_index(cfg.axis)
   half = q.shape[1] // 2
   lo, hi = slice(0, half), slice(half, None)
-
-  def send(tree):  # to the next device on the ring
-    return lax.ppermute(tree, axis, [(j, (j + 1) % n) for j in range(n)])
 
   def step(s, o, lse, kv):
     k, v, seg_k = kv
     if not cfg.causal:
-      return _merge(o, lse, *_block_fwd(cfg, q, k, v, seg, seg_k, False))
+      return _merge(o, lse, *_jnp_block_fwd(cfg, q, k, v, seg, seg_k, False))
 
     def kv_first_half():  # keys of an earlier device: only its first chunk is visible
-      return _block_fwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), False)
+      return _jnp_block_fwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), False)
 
     def q_second_half():  # keys of a later device: only our second chunk sees them
-      ob, lseb = _block_fwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, False)
+      ob, lseb = _jnp_block_fwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, False)
       return _zeros_then(ob), jnp.concatenate([jnp.full_like(lseb, -jnp.inf), lseb], axis=2)
 
     # The merge stays outside the branches, so it updates the accumulator in place.
     return _merge(o, lse, *lax.cond((i - s) % n < i, kv_first_half, q_second_half))
 
   kv = (k, v, seg)
-  o, lse = _block_fwd(cfg, q, k, v, seg, seg, cfg.causal)  # step 0: our own keys
+  o, lse = _jnp_block_fwd(cfg, q, k, v, seg, seg, cfg.causal)  # step 0: our own keys
   if n > 1:
-    kv = send(kv)
+    kv = _send(kv, cfg)
 
     def body(s, carry):
       o, lse, kv = carry
-      kv_next = send(kv)  # in flight while this step computes
+      kv_next = _send(kv, cfg)  # in flight while this step computes
       return (*step(s, o, lse, kv), kv_next)
 
     o, lse, kv = lax.fori_loop(1, n - 1, body, (o, lse, kv))
@@ -316,52 +401,61 @@ def _ring_fwd_pass(cfg: _RingConfig, q, k, v, seg):
   return o, lse
 
 
-def _ring_bwd_pass(cfg: _RingConfig, q, k, v, seg, o, lse, do):
-  n, axis = cfg.n, cfg.axis
-  i = lax.axis_index(axis)
+def _jnp_ring_bwd(cfg: _RingConfig, q, k, v, seg, o, lse, do):
+  n = cfg.n
+  i = lax.axis_index(cfg.axis)
   half = q.shape[1] // 2
   lo, hi = slice(0, half), slice(half, None)
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
-
-  def send(tree):
-    return lax.ppermute(tree, axis, [(j, (j + 1) % n) for j in range(n)])
 
   def grads(s, kv):
     """This step's block gradients: dq for our queries, (dk, dv) for the keys we hold."""
     k, v, seg_k = kv
     if not cfg.causal:
-      return _block_bwd(cfg, q, k, v, seg, seg_k, do, lse, delta, False)
+      return _jnp_block_bwd(cfg, q, k, v, seg, seg_k, do, lse, delta, False)
+
     def kv_first_half():
-      dq, dk, dv = _block_bwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), do, lse, delta,
-                              False)
+      dq, dk, dv = _jnp_block_bwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), do, lse,
+                                  delta, False)
       return dq, _then_zeros(dk), _then_zeros(dv)
 
     def q_second_half():
-      dq, dk, dv = _block_bwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, do[:, hi],
-                              lse[:, :, hi], delta[:, :, hi], False)
+      dq, dk, dv = _jnp_block_bwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, do[:, hi],
+                                  lse[:, :, hi], delta[:, :, hi], False)
       return _zeros_then(dq), dk, dv
 
     return lax.cond((i - s) % n < i, kv_first_half, q_second_half)
 
   kv = (k, v, seg)
-  dq, dk, dv = _block_bwd(cfg, q, k, v, seg, seg, do, lse, delta, cfg.causal)  # step 0
+  dq, dk, dv = _jnp_block_bwd(cfg, q, k, v, seg, seg, do, lse, delta, cfg.causal)  # step 0
   dkv = (dk, dv)  # the accumulator of the block we hold; it travels with the block
   if n > 1:
-    kv = send(kv)
+    kv = _send(kv, cfg)
 
     def body(s, carry):
       dq, kv, dkv = carry
-      kv_next = send(kv)
-      dkv_in = send(dkv)  # the previous holder's sum for this block, arriving during compute
+      kv_next = _send(kv, cfg)
+      dkv_in = _send(dkv, cfg)  # the previous holder's sum for this block, arriving meanwhile
       dq_b, dk_b, dv_b = grads(s, kv)
       return dq + dq_b, kv_next, (dkv_in[0] + dk_b, dkv_in[1] + dv_b)
 
     dq, kv, dkv = lax.fori_loop(1, n - 1, body, (dq, kv, dkv))
-    dkv_in = send(dkv)
+    dkv_in = _send(dkv, cfg)
     dq_b, dk_b, dv_b = grads(n - 1, kv)
     dq = dq + dq_b
-    dkv = send((dkv_in[0] + dk_b, dkv_in[1] + dv_b))  # the last hop brings dK/dV home
+    dkv = _send((dkv_in[0] + dk_b, dkv_in[1] + dv_b), cfg)  # the last hop brings dK/dV home
   return dq, dkv[0], dkv[1]
+
+
+def _ring_fwd_pass(cfg: _RingConfig, q, k, v, seg):
+  """-> (o [B, L, H, D] fp32, lse [B, H, L]) of the local queries over the whole sequence."""
+  return (_flash_ring_fwd if cfg.impl == "flash" else _jnp_ring_fwd)(cfg, q, k, v, seg)
+
+
+def _ring_bwd_pass(cfg: _RingConfig, q, k, v, seg, o, lse, do):
+  """-> (dq, dk, dv) fp32 of the local blocks."""
+  return (_flash_ring_bwd if cfg.impl == "flash" else _jnp_ring_bwd)(cfg, q, k, v, seg, o, lse,
+                                                                     do)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -1,14 +1,19 @@
 """The Pallas flash-attention kernel (interpreted on CPU) equals jax.nn.dot_product_attention:
 forward, all three gradients and the log-sum-exp, for causal/non-causal, packed segments, GQA,
-ragged lengths, non-power-of-two head dims, fp32 (tight) and bf16 (loose); the kernels go
-through the GPU (Triton) lowering. The model's dispatcher runs the kernel, and the TPU splash
-adapter (interpreted), per device under a data x tensor mesh, and both equal the reference."""
+ragged lengths, non-power-of-two head dims, fp32 (tight) and bf16 (loose); the carried-state
+calls ring attention makes (fold a key block into a running (o, lse), accumulate gradients in
+place, within dynamic bounds) equal attention over the union of the blocks; the kernels go
+through the GPU (Triton) lowering, the carried-state ones too. The model's dispatcher runs the
+kernel, and the TPU splash adapter (interpreted), per device under a data x tensor mesh, and
+both equal the reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kernels import BlockSizes, flash_attention
+from kernels.flash_attention import backward as block_backward
+from kernels.flash_attention import forward as block_forward
 from kernels.splash import splash_attention
 from models.attention import attention, segment_mask
 from sharding import make_mesh
@@ -115,6 +120,67 @@ def test_cross_attention_lengths_and_kv_segments():
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
 
 
+# Carried state: keys in two blocks, the second folded into the first's (o, lse) within
+# (q_start, kv_stop), causal or not (the cases of one ring step), against one attention over both.
+BOUNDS = {  # name: (q_start, kv_stop, causal), for queries [0, 40) and second-block keys [0, 36)
+    "diagonal": (0, 36, True),
+    "first_half_of_keys": (0, 18, False),
+    "second_half_of_queries": (20, 36, False),
+    "unaligned": (17, 21, True),
+}
+
+
+@pytest.fixture(scope="module")
+def two_blocks():
+  """Queries [1, 40, 4 heads], keys in blocks of 24 and 36 (2 kv heads), packed segments, and
+  one jitted kernel pipeline whose bounds and causal flag are traced (one compile for all)."""
+  q, k1, v1, do, _ = _inputs(1, 40, 4, 2, 16, jnp.float32, seed=6)
+  _, k2, v2, _, _ = _inputs(1, 36, 4, 2, 16, jnp.float32, seed=7)
+  k1, v1 = k1[:, :24], v1[:, :24]
+  seg_q = jnp.asarray(np.repeat([[1, 2]], 20, axis=1), jnp.int32)
+  seg_1 = jnp.asarray(np.repeat([[1, 2]], 12, axis=1), jnp.int32)
+  seg_2 = jnp.asarray(np.repeat([[1, 2, 3]], 12, axis=1), jnp.int32)
+
+  @jax.jit
+  def kernels(bounds, causal):
+    o1, lse1 = block_forward(q, k1, v1, seg_q, seg_1, block_sizes=SMALL)
+    o, lse = block_forward(q, k2, v2, seg_q, seg_2, state=(o1, lse1), bounds=bounds,
+                           causal=causal, block_sizes=SMALL)
+    delta = jnp.einsum("bshd,bshd->bhs", o, do)
+    dq, dk1, dv1 = block_backward(q, k1, v1, seg_q, seg_1, do, lse, delta, block_sizes=SMALL)
+    zeros = jnp.zeros_like(k2)
+    dq, dk2, dv2 = block_backward(q, k2, v2, seg_q, seg_2, do, lse, delta,
+                                  grads=(dq, zeros, zeros), bounds=bounds, causal=causal,
+                                  block_sizes=SMALL)
+    return (o1, lse1), (o, lse, dq, dk1, dv1, dk2, dv2)
+
+  return (q, k1, v1, k2, v2, do, seg_q, seg_1, seg_2), kernels
+
+
+@pytest.mark.parametrize("name", list(BOUNDS))
+def test_carried_state_and_gradients_match_reference(two_blocks, name):
+  """The carried-state forward equals attention over both key blocks (second block within the
+  bounds), rows outside the bounds keep their state bit for bit, and the in-place gradient
+  accumulation gives the reference dq and every key block's dk, dv."""
+  (q, k1, v1, k2, v2, do, seg_q, seg_1, seg_2), kernels = two_blocks
+  q_start, kv_stop, causal = BOUNDS[name]
+  (o1, lse1), got = kernels(jnp.array([q_start, kv_stop]), jnp.array(causal))
+  rows, cols = np.arange(40)[:, None], np.arange(36)[None, :]
+  in_bounds = (rows >= q_start) & (cols < kv_stop) & ((rows >= cols) | (not causal))
+  mask = jnp.concatenate([segment_mask(seg_q, seg_1),
+                          segment_mask(seg_q, seg_2) & in_bounds], axis=-1)
+  k, v = jnp.concatenate([k1, k2], axis=1), jnp.concatenate([v1, v2], axis=1)
+  out, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask), q, k, v)
+  scores = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, 2, axis=2)) * 16 ** -0.5
+  want = (out, jax.nn.logsumexp(jnp.where(mask, scores, -jnp.inf), axis=-1), *vjp(do))
+  o, lse, dq, dk1, dv1, dk2, dv2 = got
+  have = (o, lse, dq, jnp.concatenate([dk1, dk2], axis=1), jnp.concatenate([dv1, dv2], axis=1))
+  for what, g, w in zip(("out", "lse", "dq", "dk", "dv"), have, want):
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
+  np.testing.assert_array_equal(o[:, :q_start], o1[:, :q_start])  # kept rows: bit for bit
+  np.testing.assert_array_equal(lse[:, :, :q_start], lse1[:, :, :q_start])
+
+
 def test_lowers_for_gpu_triton():
   """All three kernels (forward, dQ, dK/dV) go through Pallas' Triton lowering: tile shapes
   and ops are ones Triton accepts (compiling to PTX needs a GPU, not available here)."""
@@ -132,6 +198,30 @@ def test_lowers_for_gpu_triton():
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
 
 
+def test_carried_state_lowers_for_gpu_triton():
+  """The carried-state calls (traced bounds and causal flag, state and gradient accumulators
+  aliased to the outputs) go through the Triton lowering as well, on a length that is not a
+  power of two."""
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 320, 8, 64), jnp.bfloat16), sds((2, 320, 2, 64), jnp.bfloat16)
+  o, lse = sds((2, 320, 8, 64), jnp.float32), sds((2, 8, 320), jnp.float32)
+  dkv, seg, index = sds((2, 320, 2, 64), jnp.float32), sds((2, 320), jnp.int32), sds((), jnp.int32)
+
+  def step(q, k, v, seg, o, lse, dq, dk, dv, q_start, kv_stop, causal):
+    bounds = (q_start, kv_stop)
+    o, lse = block_forward(q, k, v, seg, seg, state=(o, lse), bounds=bounds, causal=causal,
+                           interpret=False)
+    delta = jnp.sum(o, axis=-1).swapaxes(1, 2)
+    return block_backward(q, k, v, seg, seg, o.astype(q.dtype), lse, delta, grads=(dq, dk, dv),
+                          bounds=bounds, causal=causal, interpret=False)
+
+  lowered = jax.jit(step).trace(q, k, k, seg, o, lse, o, dkv, dkv, index, index,
+                                sds((), jnp.bool_)).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert text.count("__gpu$xla.gpu.triton") == 3
+  assert text.count("output_operand_alias<") == 5  # (o, lse), dq, (dk, dv): updated in place
+
+
 def test_rejects_bad_arguments():
   q, k, v, _, _ = _inputs(1, 32, 3, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match="not a multiple"):
@@ -141,6 +231,8 @@ def test_rejects_bad_arguments():
     flash_attention(q, k, v, block_sizes=BlockSizes(block_q=24))
   with pytest.raises(ValueError, match="kv_segment_ids"):
     flash_attention(q, k[:, :16], v[:, :16], segment_ids=jnp.ones((1, 32), jnp.int32))
+  with pytest.raises(ValueError, match="needs state"):
+    block_forward(q, k, v, bounds=(0, 16))
 
 
 @pytest.mark.parametrize("impl", ["flash", "splash"])
