@@ -51,6 +51,8 @@ def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
 
 
 def main(argv: list[str]) -> int:
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # before anything imports jax: no TPU probing on machines without TPUs
   from data.prepare import DataError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer import distributed  # noqa: PLC0415

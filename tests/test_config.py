@@ -68,3 +68,13 @@ def test_real_process_exit_code(tmp_path):
   assert "Traceback" not in proc.stderr
   assert proc.stderr.strip().splitlines() == ["error: --config.steps='ten': expected int "
                                               "(like the default 300)"]
+
+
+def test_platform_choice_skips_absent_tpus():
+  from trainer import platforms  # noqa: PLC0415
+  cases = [({}, {"0x8086"}, "cpu"), ({}, {"0x8086", "0x10de"}, "cuda,cpu"),
+           ({}, {"0x1ae0"}, None), ({}, set(), None), ({}, {"0x1002"}, None),
+           ({"JAX_PLATFORMS": "tpu"}, {"0x8086"}, "tpu")]
+  for environ, vendors, want in cases:
+    platforms.choose(environ, vendors)
+    assert environ.get("JAX_PLATFORMS") == want, (environ, vendors)
