@@ -51,10 +51,13 @@ class Program:
                    donate_argnums=0)
 
   def lower(self, num_micro: int | None = None):
+    # The abstract arguments are built outside the mesh context: `abstract_state` traces the
+    # optimizer's init, which must not try to place anything on the (possibly compile-only,
+    # e.g. TPU topology) devices of the mesh.
+    args = self.abstract_state(), self.abstract_batch(num_micro)
     with jax.set_mesh(self.mesh):
-      return self.jitted_step().lower(self.abstract_state(), self.abstract_batch(num_micro))
+      return self.jitted_step().lower(*args)
 
   def compile(self, num_micro: int | None = None):
     """AOT-compile the train step for the state/batch shapes (no data needed)."""
-    with jax.set_mesh(self.mesh):
-      return self.lower(num_micro).compile()
+    return self.lower(num_micro).compile()
