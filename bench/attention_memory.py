@@ -2,6 +2,7 @@
 
   python bench/attention_memory.py                      # about 8 minutes on 2 busy CPU cores
   python bench/attention_memory.py --seq 2048,4096 --devices 2,4 --budget-mib 0   # quicker
+  python bench/attention_memory.py --target h100:8 [--kv-heads 2]   # compiled for GPUs, ~1.5 min
 
 Nothing is run: every number comes from XLA's buffer assignment of the compiled program
 (`compiled.memory_analysis()`), per device, on 8 fake CPU devices. `temp` is the memory the
@@ -25,12 +26,18 @@ Three comparisons of ring attention on N devices with one device:
     number to compare there.
 Target: ring per device <= 1.5/N x unsharded, i.e. "xN" <= 1.5, for temp and for total.
 
+`--target h100:8` compiles the flash comparison for GPUs instead: compile-only H100s described
+by tools/aot.py (needs `pip install jax-cuda12-plugin==<jax version>` and `ptxas`, no GPU), the
+kernels compiled through Triton, so no interpreter copies: the memory a GPU would hold. There
+only `total` is judged. `--kv-heads` < 8 measures grouped-query attention, where the k/v blocks
+the ring double-buffers are smaller than q.
+
 Then the longest causal sequence whose attention (forward+backward, `total`) fits a per-device
 budget, unsharded vs ring on 8 devices, for each comparison; and the causal work balance of the zig-zag layout
 (max/min attention FLOPs per device; target <= 1.1) vs the contiguous layout.
 
-Shapes: batch 1, 8 heads (8 kv heads), head dim 64, fp32, causal, zig-zag layout (the model's:
-inputs already reordered, see sharding/ring_attention.py).
+Shapes: batch 1, 8 heads (8 kv heads unless --kv-heads), head dim 64, fp32, causal, zig-zag
+layout (the model's: inputs already reordered, see sharding/ring_attention.py).
 """
 from __future__ import annotations
 
@@ -56,32 +63,42 @@ from sharding import ring_attention, ring_work  # noqa: E402
 HEADS, HEAD_DIM, DTYPE = 8, 64, jnp.float32
 MiB = 2 ** 20
 TARGET = 1.5
+# What the programs are compiled for: 8 fake CPU devices (the kernel interpreted), or with
+# --target the compile-only GPUs of tools/aot.py (the kernel compiled through Triton).
+_target = {"devices": None, "gpu": False, "kv_heads": HEADS}
+
+
+def _devices(n: int):
+  return (_target["devices"] or jax.devices())[:max(n, 1)]
 
 
 def _attention(impl: str, n: int):
   """Causal attention by `impl`: "xla" / "flash" unsharded (n = 0), or ring attention over n
   devices with "jnp" / "flash" blocks (n = 1 is the same blocks on one device, no ring)."""
+  interpret = not _target["gpu"]
   if n == 0:
     if impl == "xla":
       return lambda q, k, v: xla_attention(q, k, v, causal=True)
-    return lambda q, k, v: flash_attention(q, k, v, causal=True)
-  mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Auto,),
-                       devices=jax.devices()[:n])
+    return lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=interpret)
+  mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Auto,), devices=_devices(n))
   return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag",
-                                        impl=impl)
+                                        impl=impl, interpret=interpret)
 
 
 def memory(seq_len: int, impl: str, n: int, backward: bool) -> dict[str, int]:
   """Per-device bytes of the compiled attention program (see `_attention` for impl, n)."""
-  sds = jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), DTYPE)
+  q_sds = jax.ShapeDtypeStruct((1, seq_len, HEADS, HEAD_DIM), DTYPE)
+  kv_sds = jax.ShapeDtypeStruct((1, seq_len, _target["kv_heads"], HEAD_DIM), DTYPE)
   fn = _attention(impl, n)
-  kwargs = {}
-  if n > 1:
-    mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Auto,),
-                         devices=jax.devices()[:n])
-    sharding = NamedSharding(mesh, P(None, "sequence"))
+  kwargs, lower = {}, {}
+  if n > 1 or _target["gpu"]:  # on the GPU target, also place the unsharded program there
+    mesh = jax.make_mesh((max(n, 1),), ("sequence",), axis_types=(AxisType.Auto,),
+                         devices=_devices(n))
+    sharding = NamedSharding(mesh, P(None, "sequence" if n > 1 else None))
     kwargs = {"in_shardings": (sharding,) * (4 if backward else 3),
               "out_shardings": (sharding,) * 3 if backward else sharding}
+  if _target["gpu"]:
+    lower = {"lowering_platforms": ("cuda",)}
   if backward:
     attend = fn
 
@@ -89,8 +106,8 @@ def memory(seq_len: int, impl: str, n: int, backward: bool) -> dict[str, int]:
       _, vjp = jax.vjp(attend, q, k, v)
       return vjp(do)
 
-  args = (sds,) * (4 if backward else 3)
-  stats = jax.jit(fn, **kwargs).lower(*args).compile().memory_analysis()
+  args = (q_sds, kv_sds, kv_sds, q_sds)[:4 if backward else 3]
+  stats = jax.jit(fn, **kwargs).trace(*args).lower(**lower).compile().memory_analysis()
   temp = stats.temp_size_in_bytes
   total = (temp + stats.argument_size_in_bytes + stats.output_size_in_bytes -
            stats.alias_size_in_bytes)
@@ -123,12 +140,15 @@ def table(name, seqs, devices) -> dict[str, float]:
         row += (f"{ring['temp'] / MiB:>8.1f} /{ring['total'] / MiB:>8.1f} "
                 f"{xn['temp']:>6.2f} /{xn['total']:>6.2f} ")
       print(row, flush=True)
-  if base_impl == "flash":
+  if base_impl == "flash" and not _target["gpu"]:
     operand = max(seqs) * HEADS * HEAD_DIM * jnp.dtype(DTYPE).itemsize
     print(f"unsharded flash temp at S={max(seqs)}: fwd "
           f"{memory(max(seqs), 'flash', 0, False)['temp'] / operand:.2f}, fwd+bwd "
           f"{memory(max(seqs), 'flash', 0, True)['temp'] / operand:.2f} x one [S, H, D] operand "
           "(mostly the interpreter's copies of its operands)")
+  if _target["gpu"]:  # a compiled kernel's temp is its lse: no ring can be near it
+    print(f"worst temp ratio x N: {worst.pop('temp'):.0f} (not judged: unsharded flash temp is "
+          "only its lse)")
   for key, value in worst.items():
     print(f"worst {key} ratio x N: {value:.2f} -> {'PASS' if value <= TARGET else 'FAIL'}")
   return worst
@@ -151,21 +171,36 @@ def main():
   parser.add_argument("--seq", default="2048,4096,8192,16384")
   parser.add_argument("--devices", default="2,4,8")
   parser.add_argument("--budget-mib", type=int, default=1024, help="0: skip the budget search")
+  parser.add_argument("--kv-heads", type=int, default=HEADS,
+                      help=f"kv heads (grouped-query attention when < {HEADS})")
+  parser.add_argument("--target", default="cpu",
+                      help="cpu: 8 fake CPU devices; or a GPU topology of tools/aot.py, e.g. "
+                           "h100:8, compile-only (the flash comparison only)")
   args = parser.parse_args()
   seqs = [int(s) for s in args.seq.split(",")]
   devices = [int(n) for n in args.devices.split(",")]
+  _target["kv_heads"] = args.kv_heads
+  comparisons = list(COMPARISONS)
+  where = f"{jax.device_count()} {jax.default_backend()} devices"
+  if args.target != "cpu":
+    from tools.aot import gpu_target  # noqa: PLC0415 (needs jax's CUDA plugin)
+    target = gpu_target(args.target)
+    _target.update(devices=target.devices, gpu=True)
+    comparisons = ["ring(flash) vs flash"]
+    where = f"{args.target} (compile-only, {target.devices[0].device_kind})"
   start = time.time()
-  print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} devices; batch 1, "
-        f"{HEADS} heads, head dim {HEAD_DIM}, {jnp.dtype(DTYPE).name}, causal")
+  print(f"jax {jax.__version__}, {where}; batch 1, {HEADS} heads, {args.kv_heads} kv heads, "
+        f"head dim {HEAD_DIM}, {jnp.dtype(DTYPE).name}, causal")
 
-  verdicts = {name: table(name, seqs, devices) for name in COMPARISONS}
+  verdicts = {name: table(name, seqs, devices) for name in comparisons}
 
   if args.budget_mib:
     budget = args.budget_mib * MiB
     n = max(devices)
     print(f"\n## longest causal sequence whose attention fwd+bwd fits {args.budget_mib} MiB "
           "per device (total)")
-    for name, ((base_impl, base_n), ring_impl) in COMPARISONS.items():
+    for name in comparisons:
+      (base_impl, base_n), ring_impl = COMPARISONS[name]
       alone = longest_fitting(base_impl, base_n, budget, granule=1024)
       ring = longest_fitting(ring_impl, n, budget, granule=256 * n)
       print(f"{name:>30}: unsharded {alone:>8}   ring on {n} devices {ring:>8}   "

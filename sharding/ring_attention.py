@@ -48,8 +48,11 @@ Why the next k/v block is a second buffer: its transfer overlaps the step's comp
 has somewhere to land while the current block is read. Landing it half a block at a time (send
 each half on once it is consumed) would hold 1.5 blocks instead of 2, but a zig-zag step on an
 earlier device's keys computes on their first half only, so the other half's transfer has no
-compute to hide behind, and every step would take two kernel calls and two transfers. With
-grouped-query attention the block is K/H of the size of q, so we keep the double buffer.
+compute to hide behind, and every step would take two kernel calls and two transfers. So we
+keep the double buffer, and it sets the memory floor: compiled for GPUs
+(`bench/attention_memory.py --target h100:8`), a device holds exactly the caller's q, k, v, o
+plus two k/v blocks, 2.0x the unsharded kernel's total / N with as many kv heads as query heads
+and 1.4x with 4 query heads per kv head (the blocks are K/H the size of q).
 
 Every step, the diagonal one included, is the same call in one loop; the last step therefore
 also sends its k/v block on (back home, unused): one transfer per pass more than needed, hidden
