@@ -185,7 +185,12 @@ class Transformer(nnx.Module):
     if reorder:
       tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
-    x_BSE = jnp.take(self.embed_VE[...], tokens_BS, axis=0).astype(DTYPES[cfg.dtype])
+    # Gather from a table that FSDP has all-gathered (like every weight before use) and that is
+    # only vocab-parallel: a masked local lookup plus an all-reduce over `tensor` (Megatron's
+    # vocab-parallel embedding). Gathering straight from the fsdp-sharded table makes XLA's
+    # partitioner replicate it ("involuntary full rematerialization").
+    table_VE = constrain(self.embed_VE[...], ("vocab", None))
+    x_BSE = jnp.take(table_VE, tokens_BS, axis=0).astype(DTYPES[cfg.dtype])
     x_BSE = constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
 
     policy = REMAT_POLICIES[cfg.remat]
