@@ -38,13 +38,18 @@ def tiny_config(**overrides):
   c.optim.update(learning_rate=1e-2, warmup_steps=2, decay_steps=50)
   c.checkpoint.update(every_steps=0, keep=3)
   c.trainer.update(peak_flops_per_device=1e9, progress_bar=False, compile_cache_dir=CACHE_DIR)
+  return override(c, **overrides)
+
+
+def override(cfg, **overrides):
+  """Set dotted keys (`**{"model.d_model": 64}`) on a ConfigDict; returns it."""
   for key, value in overrides.items():
-    node = c
+    node = cfg
     *path, last = key.split(".")
     for p in path:
       node = node[p]
     node[last] = value
-  return c
+  return cfg
 
 
 def metric_rows(workdir) -> dict[int, dict]:

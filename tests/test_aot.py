@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from conftest import override
 from models.llama import ATTENTION_IMPLS, ModelConfig, flops_per_token
 from tools import aot
 from trainer.config import load
@@ -31,13 +32,7 @@ def tiny(**overrides):
   cfg = load(TINY, [])
   cfg.model.attention = ATTENTION
   cfg.mesh.update(data=2, fsdp=2)
-  for key, value in overrides.items():
-    node = cfg
-    *path, last = key.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return cfg
+  return override(cfg, **overrides)
 
 
 @pytest.fixture(scope="module")

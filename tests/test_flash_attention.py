@@ -181,6 +181,15 @@ def test_carried_state_and_gradients_match_reference(two_blocks, name):
   np.testing.assert_array_equal(lse[:, :, :q_start], lse1[:, :, :q_start])
 
 
+def _for_gpu():
+  """Lower for an abstract H100: newer jax reads the GPU's compute capability from the mesh's
+  abstract device when the machine has no GPU (this one)."""
+  h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                     platform="gpu")
+  return jax.sharding.use_abstract_mesh(
+      jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100))
+
+
 def test_lowers_for_gpu_triton():
   """All three kernels (forward, dQ, dK/dV) go through Pallas' Triton lowering: tile shapes
   and ops are ones Triton accepts (compiling to PTX needs a GPU, not available here)."""
@@ -193,8 +202,9 @@ def test_lowers_for_gpu_triton():
                                interpret=False)
     return out.astype(jnp.float32).sum() + lse.sum()
 
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower(
-      lowering_platforms=("cuda",))
+  with _for_gpu():
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, seg).lower(
+        lowering_platforms=("cuda",))
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
 
 
@@ -215,8 +225,9 @@ def test_carried_state_lowers_for_gpu_triton():
     return block_backward(q, k, v, seg, seg, o.astype(q.dtype), lse, delta, grads=(dq, dk, dv),
                           bounds=bounds, causal=causal, interpret=False)
 
-  lowered = jax.jit(step).trace(q, k, k, seg, o, lse, o, dkv, dkv, index, index,
-                                sds((), jnp.bool_)).lower(lowering_platforms=("cuda",))
+  with _for_gpu():
+    lowered = jax.jit(step).trace(q, k, k, seg, o, lse, o, dkv, dkv, index, index,
+                                  sds((), jnp.bool_)).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert text.count("__gpu$xla.gpu.triton") == 3
   assert text.count("output_operand_alias<") == 5  # (o, lse), dq, (dk, dv): updated in place

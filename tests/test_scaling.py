@@ -125,7 +125,8 @@ def test_schedule_in_tokens_follows_the_ramp():
   steps_cfg = _optim(learning_rate=1.0, schedule="linear", warmup_steps=0, decay_steps=0,
                      decay_tokens=6400, min_lr_ratio=0.0)
   by_steps = build_schedule(steps_cfg, 100, ramp)
-  assert float(fn(13.75)) == pytest.approx(0.5) and float(fn(20)) == pytest.approx(0.0)
+  # fp32 arithmetic: the end point is 0 up to rounding (2e-8 on jax 0.12)
+  assert float(fn(13.75)) == pytest.approx(0.5) and float(fn(20)) == pytest.approx(0.0, abs=1e-6)
   assert float(by_steps(10)) == pytest.approx(0.5) and float(by_steps(20)) == 0.0
 
 
