@@ -76,9 +76,9 @@ def test_init_from_loads_parameters_only(tmp_path):
   source = tmp_path / "source"
   _run(source, **{"steps": 4, "checkpoint.every_steps": 4})
   saved = Run(tiny_config(), str(source))
-  want, _, _, _ = saved._start_state(Checkpointer(str(source / "checkpoints"), keep=3))
+  want, _, _ = saved._start_state(Checkpointer(str(source / "checkpoints"), keep=3))
   warm = Run(tiny_config(**{"checkpoint.init_from": str(source)}), str(tmp_path / "warm"))
-  state, _, _, resumed = warm._start_state(
+  state, _, resumed = warm._start_state(
       Checkpointer(str(tmp_path / "warm" / "checkpoints"), keep=3))
   assert resumed is None and int(state.step) == 0
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),

@@ -202,20 +202,19 @@ class Run:
       self.stop_reason = self.stop_when(step, row)
 
   def _start_state(self, checkpointer: Checkpointer):
-    """(state, data iterator) from the newest readable checkpoint, `init_from`, or fresh."""
-    abstract = self.program.abstract_state()
+    """(state, data iterator, restored step or None) from the newest readable checkpoint,
+    `init_from`, or fresh."""
     make_iterator = lambda: iter(pipeline.dataset(self.train_spec))
     restored = checkpointer.restore_latest(
-        abstract, self.train_spec, self.cfg.to_dict(),
+        self.program.abstract_state(), self.train_spec, self.cfg.to_dict(),
         allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
     if restored is not None:
-      state, iterator, step = restored
-      return state, iterator, abstract, step
+      return restored
     if self.cfg.checkpoint.init_from:
       params, source = load_params(self.cfg.checkpoint.init_from, self.spec.abstract_params)
       self.log(f"initialised parameters from {source} (optimizer state and data start fresh)")
-      return init_state(self.spec, self.tx, params), make_iterator(), abstract, None
-    return init_state(self.spec, self.tx), make_iterator(), abstract, None
+      return init_state(self.spec, self.tx, params), make_iterator(), None
+    return init_state(self.spec, self.tx), make_iterator(), None
 
   # --------------------------------------------------------------------------------------------
 
@@ -244,7 +243,7 @@ class Run:
         self.writer.close()
 
   def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
-             abstract, resumed_at) -> RunResult:
+             resumed_at) -> RunResult:
     cfg, writer = self.cfg, self.writer
     counts = param_counts(self.model_cfg)
     src = self.data_meta["source"]
