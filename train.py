@@ -72,8 +72,7 @@ def main(argv: list[str]) -> int:
     from absl import logging as absl_logging  # noqa: PLC0415
     absl_logging.set_verbosity(absl_logging.ERROR)  # library chatter; our own lines say it all
     distributed.check_agreement(cfg, workdir)
-    validate(cfg, jax.device_count(), jax.process_count())
-    distributed.check_data_layout(cfg)
+    validate(cfg, jax.device_count())
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)
     result = run.train()

@@ -40,7 +40,7 @@ def main(argv=None):
   from trainer.state import init_state  # noqa: PLC0415
 
   cfg = load(args.config, overrides)
-  validate(cfg, jax.device_count(), jax.process_count())
+  validate(cfg, jax.device_count())
   with tempfile.TemporaryDirectory() as workdir:
     run = Run(cfg, workdir)
     t0 = time.perf_counter()

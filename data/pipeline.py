@@ -3,7 +3,8 @@
 Layout of the stream. The global micro-batch has `rows` rows. Row r is its own packing stream:
 it reads the shuffled documents r, r + rows, r + 2*rows, ... and packs them back to back into
 sequences of `seq_len + 1` tokens (grain's ConcatThenSplit, which also emits segment ids and
-positions). A process owns a contiguous block of rows and reads only their documents, so
+positions). A process reads only the rows its devices hold (`row_ids`, from the batch sharding:
+`sharding.process_rows`), so
 
   * each process reads only its shard of the data, and
   * the global batch at every step is the same whatever the number of processes or devices,
@@ -38,14 +39,12 @@ class StreamSpec:
   rows: int  # global rows of one micro-batch
   seed: int = 0
   shuffle: bool = True
-  process_index: int = 0
-  process_count: int = 1
+  row_ids: tuple[int, ...] | None = None  # the rows this process reads; None = all of them
   prefetch: int = 0  # batches prepared ahead in a background thread (0 = none)
 
   @property
-  def local_rows(self) -> range:
-    per = self.rows // self.process_count
-    return range(self.process_index * per, (self.process_index + 1) * per)
+  def local_rows(self) -> tuple[int, ...]:
+    return tuple(range(self.rows)) if self.row_ids is None else tuple(self.row_ids)
 
 
 def _decode(record: bytes) -> dict[str, np.ndarray]:
@@ -77,9 +76,6 @@ def _shift(elements: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]
 
 def dataset(spec: StreamSpec) -> grain.IterDataset:
   """The per-process stream of micro-batches described in the module docstring."""
-  if spec.rows % spec.process_count:
-    raise DataError(f"{spec.rows} rows per micro-batch do not split over "
-                    f"{spec.process_count} processes")
   docs = documents(spec.data_dir, spec.split)
   if spec.shuffle:
     docs = docs.shuffle(seed=spec.seed)
@@ -107,8 +103,7 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
 
 def shard_state(iterator_state: dict, spec: StreamSpec) -> dict:
   """What one process saves: its rows' states and which global rows they are."""
-  rows = spec.local_rows
-  return {"rows": [rows.start, rows.stop], "total_rows": spec.rows,
+  return {"rows": list(spec.local_rows), "total_rows": spec.rows,
           "row_states": iterator_state["parents"]}
 
 
@@ -119,11 +114,10 @@ def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
     if shard["total_rows"] != spec.rows:
       raise DataError(f"the saved data stream has {shard['total_rows']} rows per micro-batch, "
                       f"this run {spec.rows}")
-    first, stop = shard["rows"]
-    by_row.update(zip(range(first, stop), shard["row_states"]))
+    by_row.update(zip(shard["rows"], shard["row_states"]))
   missing = [r for r in spec.local_rows if r not in by_row]
   if missing:
-    raise DataError(f"the saved data state lacks rows {missing[0]}..{missing[-1]}")
+    raise DataError(f"the saved data state lacks rows {missing}")
   return {"parents": [by_row[r] for r in spec.local_rows]}
 
 

@@ -95,8 +95,8 @@ def test_resume_from_iterator_state_gives_the_next_batch(data_dir):
 def test_process_shards_reassemble_the_global_batch(data_dir):
   """Two processes' rows, stacked, are exactly the single-process global batch."""
   whole = _take(iter(pipeline.dataset(_spec(data_dir))), 3)
-  parts = [_take(iter(pipeline.dataset(_spec(data_dir, process_index=p, process_count=2))), 3)
-           for p in range(2)]
+  parts = [_take(iter(pipeline.dataset(_spec(data_dir, row_ids=rows))), 3)
+           for rows in ((0, 1), (2, 3))]
   for step in range(3):
     for key in pipeline.BATCH_KEYS:
       np.testing.assert_array_equal(
@@ -106,8 +106,8 @@ def test_process_shards_reassemble_the_global_batch(data_dir):
 @pytest.mark.parametrize("saved_by,restored_by", [(2, 1), (1, 4), (4, 2)])
 def test_iterator_state_moves_between_process_counts(data_dir, saved_by, restored_by):
   """States saved by N processes restore on M processes at exactly the next global batch."""
-  def spec(p, n):
-    return _spec(data_dir, rows=4, process_index=p, process_count=n)
+  def spec(p, n):  # process p of n reads a contiguous block of the 4 rows
+    return _spec(data_dir, rows=4, row_ids=tuple(range(p * 4 // n, (p + 1) * 4 // n)))
 
   shards = []
   for p in range(saved_by):
@@ -142,3 +142,28 @@ def test_prepare_user_files(tmp_path):
 def test_missing_data_dir_is_a_clear_error(tmp_path):
   with pytest.raises(prepare.DataError, match="no meta.json"):
     pipeline.dataset(pipeline.StreamSpec(str(tmp_path), "train", 16, 2))
+
+
+def test_rows_follow_the_sharding_in_any_device_order(data_dir, devices):
+  """A process reads the rows its devices hold, whatever the mesh's device order: with the
+  devices shuffled, `process_rows` and `assemble` still give the single-process batch."""
+  import jax  # noqa: PLC0415
+  from jax.sharding import Mesh, NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  from sharding import assemble, process_rows  # noqa: PLC0415
+
+  order = np.random.default_rng(0).permutation(8)
+  mesh = Mesh(np.array(jax.devices())[order].reshape(4, 2), ("data", "tensor"))
+  sharding = NamedSharding(mesh, P("data", None))
+  shape = (8, 64)
+  rows = process_rows(sharding, shape)
+  assert rows == tuple(range(8))  # one process holds every row
+  batch = next(iter(pipeline.dataset(_spec(data_dir, rows=8))))
+  # Feed the rows in reverse: `assemble` places each row by its global index.
+  reverse = tuple(reversed(rows))
+  got = assemble(batch["inputs"][list(reverse)], reverse, sharding, shape)
+  np.testing.assert_array_equal(np.asarray(got), batch["inputs"])
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    shard = next(s for s in got.addressable_shards if s.device == device)
+    np.testing.assert_array_equal(np.asarray(shard.data), batch["inputs"][index])

@@ -6,16 +6,15 @@ import os
 import socket
 import subprocess
 import sys
-import types
 
 import ml_collections
 import numpy as np
 import pytest
 
 import train
-from conftest import CACHE_DIR
+from conftest import CACHE_DIR, losses
 from trainer import distributed
-from trainer.config import ConfigError, default_config
+from trainer.config import default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -75,11 +74,6 @@ def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300)
       if p.poll() is None:
         p.kill()
   return out
-
-
-def losses(workdir) -> dict[int, float]:
-  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,25 +155,6 @@ def test_disagreement_names_the_first_difference():
       distributed.describe_disagreement([base, other]))
 
 
-def _sharding(rows_by_device):
-  """A stand-in batch sharding: {(process, rows slice)} per device."""
-  class Device:
-    def __init__(self, process_index):
-      self.process_index = process_index
-
-  index = {Device(p): (slice(None), slice(a, b), slice(None)) for p, a, b in rows_by_device}
-  return types.SimpleNamespace(devices_indices_map=lambda shape: index)
-
-
-def test_batch_layout_must_match_the_pipeline_rows():
-  mesh = types.SimpleNamespace(shape={"data": 2, "tensor": 2})
-  ok = _sharding([(0, 0, 2), (0, 2, 4), (1, 4, 6), (1, 6, 8)])
-  distributed.check_batch_layout(mesh, ok, rows=8, process_count=2)
-  replicated = _sharding([(0, 0, 8), (1, 0, 8)])  # the batch is not split across processes
-  with pytest.raises(ConfigError, match="must be a multiple of 2"):
-    distributed.check_batch_layout(mesh, replicated, rows=8, process_count=2)
-
-
 def test_processes_that_disagree_fail_fast_instead_of_hanging(tmp_path):
   """Different overrides on two processes: both stop before compiling, same one line, exit 2."""
   results = launch(tmp_path / "w", 2, MODEL_ARGS,
@@ -248,3 +223,28 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   assert sorted(got) == sorted(want) == list(range(1, 9))
   np.testing.assert_allclose([got[s] for s in range(1, 9)], [want[s] for s in range(1, 9)],
                              rtol=1e-5)
+
+
+def test_batch_rows_replicated_across_processes(tmp_path):
+  """A mesh whose `tensor` axis spans the two processes (data=fsdp=1, tensor=2, sequence=4):
+  every batch row lives on both processes, so each reads all of them, and the run equals one
+  process with 8 devices on the same mesh."""
+  mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
+          "--config.mesh.sequence=4", "--config.steps=3", "--config.checkpoint.every_steps=0"]
+  args = MODEL_ARGS + mesh  # later overrides win
+  reference = subprocess.Popen(
+      [sys.executable, "train.py", "--config", TINY, "--workdir", str(tmp_path / "single"),
+       *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    results = launch(tmp_path / "multi", 2, args)
+    ref_out, ref_err = reference.communicate(timeout=300)
+  finally:
+    if reference.poll() is None:
+      reference.kill()
+  assert reference.returncode == 0, ref_out[-2000:] + ref_err[-2000:]
+  for code, stdout, stderr in results:
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
+  assert "mesh data=1 fsdp=1 tensor=2 sequence=4" in results[0][1]
+  got, want = losses(tmp_path / "multi"), losses(tmp_path / "single")
+  assert sorted(got) == sorted(want) == [1, 2, 3]
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)

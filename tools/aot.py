@@ -52,7 +52,6 @@ from models.llama import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
 from sharding.rules import MESH_AXES  # noqa: E402
 from trainer.config import ConfigError, apply_override, load, validate  # noqa: E402
-from trainer.distributed import check_batch_layout  # noqa: E402
 from trainer.metrics import GiB, known_hbm_bytes, known_peak_flops  # noqa: E402
 from trainer.program import Program  # noqa: E402
 
@@ -392,15 +391,11 @@ def _no_persistent_cache():
 def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   """Compile the train step of `cfg` for `target`; raise AotError with advice if it fails."""
   try:
-    sizes = validate(cfg, len(target.devices), target.hosts)
+    sizes = validate(cfg, len(target.devices))
     mesh = target_mesh(cfg.mesh, target)
   except ConfigError as e:
     raise AotError(f"{config_name} on {target.name}: {e}") from None
   program = Program(cfg, mesh)
-  try:  # every host must hold exactly the batch rows its data pipeline reads
-    check_batch_layout(mesh, program.batch_sharding, program.micro_rows, target.hosts)
-  except ConfigError as e:
-    raise AotError(f"{config_name} on {target.name} ({target.hosts} hosts): {e}") from None
   # Abstract arguments are made outside the mesh context: under a mesh of compile-only devices
   # even creating an abstract optimizer state would try to run on them.
   state = program.abstract_state()

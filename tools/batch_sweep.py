@@ -174,7 +174,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.optim.noise_scale_every = max(1, cfg.eval_every // 2)
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
-  validate(cfg, jax.device_count(), jax.process_count())
+  validate(cfg, jax.device_count())
   if os.path.exists(workdir):
     shutil.rmtree(workdir)  # the sweep owns its run directories: always a fresh start
 

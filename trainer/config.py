@@ -309,7 +309,7 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
           f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: int = 1) -> dict:
+def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
   """Check the whole config against itself and the devices. Returns the resolved mesh sizes."""
   from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
@@ -364,8 +364,6 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int, process_count: in
         f"data.{'micro_batch_size' if d.micro_batch_size else 'global_batch_size'}={micro} is "
         f"not divisible by the data-parallel size {dp} (mesh.data x mesh.fsdp x mesh.expert); "
         f"use a multiple of {dp}")
-  _need(micro % process_count == 0,
-        f"data micro-batch of {micro} rows does not split over {process_count} processes")
   _need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be positive")
   _need(d.seq_len % sizes["sequence"] == 0,
         f"data.seq_len={d.seq_len} is not divisible by mesh.sequence={sizes['sequence']}; "

@@ -358,38 +358,3 @@ def check_agreement(cfg, workdir: str) -> None:
   problem = describe_disagreement(prints)
   if problem:
     raise DistributedError(problem)
-
-
-def check_batch_layout(mesh, batch_sharding, rows: int, process_count: int) -> None:
-  """Each process must hold exactly the batch rows its data pipeline reads.
-
-  The pipeline gives process p the rows [p*R/P, (p+1)*R/P) of every micro-batch; the mesh must
-  put those rows, and only those, on p's devices. It does when the batch axes (data, fsdp,
-  expert) are split across processes in process order, which `jax.make_mesh` does for a mesh
-  whose batch axes are a multiple of the process count."""
-  per = rows // process_count
-  shape = (1, rows, mesh.shape.get("sequence", 1))
-  for device, index in batch_sharding.devices_indices_map(shape).items():
-    rows_slice = index[1]
-    start = rows_slice.start or 0
-    stop = rows if rows_slice.stop is None else rows_slice.stop
-    p = device.process_index
-    if not (p * per <= start and stop <= (p + 1) * per):
-      raise ConfigError(
-          f"the mesh ({', '.join(f'{k}={v}' for k, v in mesh.shape.items() if v > 1)}) puts "
-          f"batch rows {start}..{stop - 1} on a device of process {p}, which reads rows "
-          f"{p * per}..{(p + 1) * per - 1}: with {process_count} processes the batch axes "
-          f"(mesh.data x mesh.fsdp x mesh.expert) must be a multiple of {process_count}")
-
-
-def check_data_layout(cfg) -> None:
-  """`check_batch_layout` for the run's mesh (a no-op for a single process)."""
-  import jax  # noqa: PLC0415
-
-  from sharding.mesh import batch_sharding, make_mesh  # noqa: PLC0415
-
-  if jax.process_count() == 1:
-    return
-  mesh = make_mesh(cfg.mesh)
-  rows = cfg.data.micro_batch_size or cfg.data.global_batch_size
-  check_batch_layout(mesh, batch_sharding(mesh, microbatched=True), rows, jax.process_count())

@@ -46,6 +46,7 @@ from optim import BatchRamp, derive
 from optim import schedules as schedules_lib
 from optim.ema import find_ema
 from optim.scaling import describe as describe_hyperparameters
+from sharding.batch import assemble, process_rows
 from sharding.mesh import make_mesh, replicated
 from trainer.checkpoint import Checkpointer, first_line, load_params
 from trainer.metrics import MetricsWriter, machine_peak_flops
@@ -130,10 +131,11 @@ class Run:
     self.compile_count = 0
     self.data_dir = d.dir or ensure_default_corpus()
     self.data_meta = read_meta(self.data_dir)
+    # This process reads the rows its devices hold (any mesh device order works).
+    self.local_rows = process_rows(self.batch_sharding, (1, self.micro_rows, d.seq_len), 1)
     self.train_spec = pipeline.StreamSpec(
         self.data_dir, "train", d.seq_len, self.micro_rows, seed=cfg.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        prefetch=d.prefetch)
+        row_ids=self.local_rows, prefetch=d.prefetch)
     self.writer = None
     self.checkpointer = None
 
@@ -151,7 +153,7 @@ class Run:
     for key in pipeline.BATCH_KEYS:
       local = np.stack([mb[key] for mb in micro_batches])
       global_shape = (local.shape[0], self.micro_rows, local.shape[2])
-      out[key] = jax.make_array_from_process_local_data(self.batch_sharding, local, global_shape)
+      out[key] = assemble(local, self.local_rows, self.batch_sharding, global_shape, row_axis=1)
     return out
 
   def _eval_fn(self):
@@ -161,16 +163,15 @@ class Run:
                  out_shardings=replicated(self.mesh))
     host = pipeline.take(
         pipeline.StreamSpec(self.data_dir, "validation", self.cfg.data.seq_len, self.micro_rows,
-                            shuffle=False, process_index=jax.process_index(),
-                            process_count=jax.process_count()),
+                            shuffle=False, row_ids=self.local_rows),
         self.cfg.eval_steps)
 
     def evaluate(params) -> float:
       loss_sum, tokens = 0.0, 0.0
       with jax.set_mesh(self.mesh):
         for mb in host:
-          batch = {k: jax.make_array_from_process_local_data(
-              flat, mb[k], (self.micro_rows, mb[k].shape[1])) for k in pipeline.BATCH_KEYS}
+          batch = {k: assemble(mb[k], self.local_rows, flat, (self.micro_rows, mb[k].shape[1]))
+                   for k in pipeline.BATCH_KEYS}
           s, n = jax.device_get(fn(params, batch))
           loss_sum, tokens = loss_sum + float(s), tokens + float(n)
       return loss_sum / max(tokens, 1.0)
