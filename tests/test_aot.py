@@ -11,7 +11,7 @@ import os
 import pytest
 
 from conftest import override
-from models.llama import ATTENTION_IMPLS, ModelConfig, flops_per_token
+from models.llama import ModelConfig, flops_per_token
 from tools import aot
 from trainer.config import load
 
@@ -25,7 +25,7 @@ if not aot.libtpu_available():
 
 
 # The attention dispatcher (models/attention.py) sends `auto` to splash attention on TPU.
-ATTENTION = "auto" if "auto" in ATTENTION_IMPLS else "xla"
+ATTENTION = "auto"
 
 
 def tiny(**overrides):
@@ -52,8 +52,6 @@ def test_topology_devices(target):
 
 
 def test_tpu_attention_kernel_is_in_the_program(report):
-  if ATTENTION != "auto":
-    pytest.skip("models/attention.py has no TPU kernel dispatch (model.attention='auto') yet")
   assert report.attention == "splash"
   assert report.kernel_calls >= 1, "the Mosaic attention kernel must be in the compiled program"
 

@@ -43,11 +43,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 
-try:
-  from models.attention import resolve_impl  # noqa: E402
-except ImportError:  # a tree without the attention dispatcher: only plain XLA attention exists
-  def resolve_impl(impl: str, mesh=None) -> str:  # noqa: ARG001
-    return impl
+from models.attention import resolve_impl  # noqa: E402
 from models.llama import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
 from sharding.rules import MESH_AXES  # noqa: E402
