@@ -65,7 +65,7 @@ MiB = 2 ** 20
 TARGET = 1.5
 # What the programs are compiled for: 8 fake CPU devices (the kernel interpreted), or with
 # --target the compile-only GPUs of tools/aot.py (the kernel compiled through Triton).
-_target = {"devices": None, "gpu": False, "kv_heads": HEADS}
+_target = {"devices": None, "gpu": False, "kv_heads": HEADS, "head_chunks": 1}
 
 
 def _devices(n: int):
@@ -82,7 +82,8 @@ def _attention(impl: str, n: int):
     return lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=interpret)
   mesh = jax.make_mesh((n,), ("sequence",), axis_types=(AxisType.Auto,), devices=_devices(n))
   return lambda q, k, v: ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag",
-                                        impl=impl, interpret=interpret)
+                                        impl=impl, interpret=interpret,
+                                        head_chunks=_target["head_chunks"])
 
 
 def memory(seq_len: int, impl: str, n: int, backward: bool) -> dict[str, int]:
@@ -173,13 +174,15 @@ def main():
   parser.add_argument("--budget-mib", type=int, default=1024, help="0: skip the budget search")
   parser.add_argument("--kv-heads", type=int, default=HEADS,
                       help=f"kv heads (grouped-query attention when < {HEADS})")
+  parser.add_argument("--head-chunks", type=int, default=1,
+                      help="ring attention's head_chunks: one ring per chunk of kv heads")
   parser.add_argument("--target", default="cpu",
                       help="cpu: 8 fake CPU devices; or a GPU topology of tools/aot.py, e.g. "
                            "h100:8, compile-only (the flash comparison only)")
   args = parser.parse_args()
   seqs = [int(s) for s in args.seq.split(",")]
   devices = [int(n) for n in args.devices.split(",")]
-  _target["kv_heads"] = args.kv_heads
+  _target.update(kv_heads=args.kv_heads, head_chunks=args.head_chunks)
   comparisons = list(COMPARISONS)
   where = f"{jax.device_count()} {jax.default_backend()} devices"
   if args.target != "cpu":
@@ -190,7 +193,8 @@ def main():
     where = f"{args.target} (compile-only, {target.devices[0].device_kind})"
   start = time.time()
   print(f"jax {jax.__version__}, {where}; batch 1, {HEADS} heads, {args.kv_heads} kv heads, "
-        f"head dim {HEAD_DIM}, {jnp.dtype(DTYPE).name}, causal")
+        f"head dim {HEAD_DIM}, {jnp.dtype(DTYPE).name}, causal; ring head chunks "
+        f"{args.head_chunks}")
 
   verdicts = {name: table(name, seqs, devices) for name in comparisons}
 

@@ -33,7 +33,9 @@ Two levels of API:
     take dynamic `bounds=(q_start, kv_stop)` and a dynamic `causal` flag: rows < q_start keep
     their state, keys >= kv_stop take no part, and the skipped tiles are not computed. A ring
     step is then one kernel call per pass, with no block output, no merge and no sliced or
-    zero-padded copies of its operands.
+    zero-padded copies of its operands. `heads=(first, count)` restricts a carried-state call to
+    a range of query heads whose kv heads are all that k and v hold (the other heads of the
+    state or dQ are left as they are): ring attention's head chunks.
 
 Carried state and the interpreter. The kernels read a carried state through the aliased
 output refs (on GPU the same memory as the input; the interpreter starts the output from the
@@ -96,14 +98,20 @@ def _check_blocks(blocks: BlockSizes) -> None:
                        "(Triton's block shapes)")
 
 
-def _check_shapes(q, k, v, seg_q, seg_kv) -> None:
+def _check_shapes(q, k, v, seg_q, seg_kv, heads=None) -> None:
   B, S, H, D = q.shape
   if k.ndim != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
     raise ValueError(f"flash attention: q {q.shape} and k {k.shape} / v {v.shape} do not "
                      "match as [B, S, H, D] and [B, T, K, D]")
-  if H % k.shape[2]:
-    raise ValueError(f"flash attention: {H} query heads are not a multiple of "
+  first, count = (0, H) if heads is None else heads
+  if not (0 <= first and 0 < count and first + count <= H):
+    raise ValueError(f"flash attention: heads={heads} is not a range of the {H} query heads")
+  if count % k.shape[2]:
+    raise ValueError(f"flash attention: {count} query heads are not a multiple of "
                      f"{k.shape[2]} kv heads")
+  if first % (count // k.shape[2]):
+    raise ValueError(f"flash attention: heads={heads} does not start at a kv head (groups of "
+                     f"{count // k.shape[2]} query heads)")
   if (seg_q is None) != (seg_kv is None):
     raise ValueError("flash attention: give segment ids for both queries and keys, or neither")
   if seg_q is not None and (seg_q.shape != (B, S) or seg_kv.shape != (B, k.shape[1])):
@@ -359,15 +367,19 @@ def _bounds_spec():
   return pl.BlockSpec((3,), lambda *_: (0,))
 
 
-def _fwd_call(q, k, v, seg_q, seg_kv, cfg: _Config, out_dtype, state=None, bounds=None):
+def _fwd_call(q, k, v, seg_q, seg_kv, cfg: _Config, out_dtype, state=None, bounds=None,
+              heads=None):
   """-> (out [B, S, H, D], lse [B, H, S]). With `state` = (o fp32, lse) and `bounds`, the
-  outputs are the state's buffers (input_output_aliases): the call updates them in place."""
+  outputs are the state's buffers (input_output_aliases): the call updates them in place.
+  heads = (first, count): only those query heads are computed (k/v hold just their kv heads);
+  the state's other heads are left as they are."""
   B, S, H, D = q.shape
   T, K = k.shape[1], k.shape[2]
-  G, bq = H // K, cfg.block_q
+  first, count = (0, H) if heads is None else heads
+  G, bq = count // K, cfg.block_q
   has_segments, update = seg_q is not None, state is not None
-  q_spec = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
-  lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+  q_spec = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, first + h, 0))
+  lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, first + h, i))
   in_specs, args = [], []
   if update:
     in_specs, args = [_bounds_spec()], [bounds]
@@ -386,7 +398,7 @@ def _fwd_call(q, k, v, seg_q, seg_kv, cfg: _Config, out_dtype, state=None, bound
     args += list(state)
   return pl.pallas_call(
       functools.partial(_fwd_kernel, cfg=cfg, has_segments=has_segments, update=update),
-      grid=(S // bq, B, H),
+      grid=(S // bq, B, count),
       in_specs=in_specs,
       out_specs=[q_spec, lse_spec],
       out_shape=[_out_struct((B, S, H, D), out_dtype, *args),
@@ -399,12 +411,15 @@ def _fwd_call(q, k, v, seg_q, seg_kv, cfg: _Config, out_dtype, state=None, bound
 
 
 def _bwd_call(q, k, v, seg_q, seg_kv, do, lse, delta, cfg: _Config, grad_dtypes, grads=None,
-              bounds=None):
+              bounds=None, heads=None):
   """-> (dq, dk, dv). With `grads` = (dq, dk, dv) accumulators and `bounds`, the outputs are
-  the accumulators' buffers (input_output_aliases), updated in place."""
+  the accumulators' buffers (input_output_aliases), updated in place. heads = (first, count):
+  only those query heads (and their kv heads, all that k/v/dk/dv hold) take part; dq's other
+  heads are left as they are."""
   B, S, H, D = q.shape
   T, K = k.shape[1], k.shape[2]
-  G, bq, bk = H // K, cfg.block_q_bwd, cfg.block_k_bwd
+  first, count = (0, H) if heads is None else heads
+  G, bq, bk = count // K, cfg.block_q_bwd, cfg.block_k_bwd
   has_segments, update = seg_q is not None, grads is not None
   segs = [seg_q, seg_kv] if has_segments else []
   head = [bounds] if update else []
@@ -412,7 +427,7 @@ def _bwd_call(q, k, v, seg_q, seg_kv, do, lse, delta, cfg: _Config, grad_dtypes,
   head_specs = [_bounds_spec()] if update else []
 
   # dQ: a program per (query tile, batch, query head), looping over key tiles.
-  q_spec = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, h, 0))
+  q_spec = pl.BlockSpec((None, bq, None, D), lambda i, b, h: (b, i, first + h, 0))
   dq_specs = [
       *head_specs, q_spec,
       pl.BlockSpec((None, T, None, D), lambda i, b, h: (b, 0, h // G, 0)),
@@ -422,15 +437,15 @@ def _bwd_call(q, k, v, seg_q, seg_kv, do, lse, delta, cfg: _Config, grad_dtypes,
     dq_specs += [pl.BlockSpec((None, bq), lambda i, b, h: (b, i)),
                  pl.BlockSpec((None, T), lambda i, b, h: (b, 0))]
   dq_specs += [q_spec,
-               pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
-               pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+               pl.BlockSpec((None, None, bq), lambda i, b, h: (b, first + h, i)),
+               pl.BlockSpec((None, None, bq), lambda i, b, h: (b, first + h, i))]
   dq_args = list(inputs)
   if update:
     dq_specs.append(_whole(grads[0]))
     dq_args.append(grads[0])
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, has_segments=has_segments, update=update),
-      grid=(S // bq, B, H),
+      grid=(S // bq, B, count),
       in_specs=dq_specs,
       out_specs=q_spec,
       out_shape=_out_struct(q.shape, grad_dtypes[0], *inputs),
@@ -441,18 +456,20 @@ def _bwd_call(q, k, v, seg_q, seg_kv, do, lse, delta, cfg: _Config, grad_dtypes,
   )(*dq_args)
 
   # dK, dV: a program per (key tile, batch, kv head), looping over its G query heads' tiles.
+  # Query-side blocks are G heads wide, so the first kv head is block first // G.
   kv_spec = pl.BlockSpec((None, bk, None, D), lambda j, b, h: (b, j, h, 0))
+  kv0 = first // G
   dkv_specs = [
       *head_specs,
-      pl.BlockSpec((None, S, G, D), lambda j, b, h: (b, 0, h, 0)),
+      pl.BlockSpec((None, S, G, D), lambda j, b, h: (b, 0, kv0 + h, 0)),
       kv_spec, kv_spec,
   ]
   if has_segments:
     dkv_specs += [pl.BlockSpec((None, S), lambda j, b, h: (b, 0)),
                   pl.BlockSpec((None, bk), lambda j, b, h: (b, j))]
-  dkv_specs += [pl.BlockSpec((None, S, G, D), lambda j, b, h: (b, 0, h, 0)),
-                pl.BlockSpec((None, G, S), lambda j, b, h: (b, h, 0)),
-                pl.BlockSpec((None, G, S), lambda j, b, h: (b, h, 0))]
+  dkv_specs += [pl.BlockSpec((None, S, G, D), lambda j, b, h: (b, 0, kv0 + h, 0)),
+                pl.BlockSpec((None, G, S), lambda j, b, h: (b, kv0 + h, 0)),
+                pl.BlockSpec((None, G, S), lambda j, b, h: (b, kv0 + h, 0))]
   dkv_args = list(inputs)
   if update:
     dkv_specs += [_whole(x) for x in grads[1:]]
@@ -488,9 +505,9 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _setup(q, k, v, seg_q, seg_kv, *, causal, scale, block_sizes, interpret):
+def _setup(q, k, v, seg_q, seg_kv, *, causal, scale, block_sizes, interpret, heads=None):
   """Validate, pick tiles and padded sizes: -> (cfg, padded S, padded T, padded D)."""
-  _check_shapes(q, k, v, seg_q, seg_kv)
+  _check_shapes(q, k, v, seg_q, seg_kv, heads)
   blocks = block_sizes or BlockSizes()
   _check_blocks(blocks)
   S, T, D = q.shape[1], k.shape[1], q.shape[3]
@@ -524,8 +541,8 @@ def _bounds(bounds, causal, S: int, T: int):
                     jnp.asarray(causal, jnp.int32)])
 
 
-def forward(q, k, v, seg_q=None, seg_kv=None, *, state=None, bounds=None, causal=False,
-            scale=None, block_sizes=None, interpret=None, out_dtype=jnp.float32):
+def forward(q, k, v, seg_q=None, seg_kv=None, *, state=None, bounds=None, heads=None,
+            causal=False, scale=None, block_sizes=None, interpret=None, out_dtype=jnp.float32):
   """One attention block: -> (out [B, S, H, D] in `out_dtype`, lse [B, H, S] fp32).
 
   Rows with no allowed key get out = 0 and lse = -inf, so partial results over disjoint key
@@ -543,11 +560,17 @@ def forward(q, k, v, seg_q=None, seg_kv=None, *, state=None, bounds=None, causal
   bounds: (q_start, kv_stop), int32 scalars, possibly traced: only queries >= q_start are
   updated (the others keep their state bit for bit) and only keys < kv_stop take part; whole
   tiles outside are skipped. With state only; default (0, T). With state, `causal` may be a
-  traced bool as well, so one call serves every step of a ring (sharding/ring_attention.py)."""
-  if bounds is not None and state is None:
-    raise ValueError("flash attention: bounds= needs state= (rows outside them keep the state)")
+  traced bool as well, so one call serves every step of a ring (sharding/ring_attention.py).
+  heads: (first, count), static: update only query heads first .. first+count-1, whose kv heads
+  are all that k and v hold (q and the state keep every head; the other heads' state is left
+  as it is). With state only. Ring attention uses it to send a slice of the kv heads round the
+  ring at a time without copying q or the state."""
+  if (bounds is not None or heads is not None) and state is None:
+    raise ValueError("flash attention: bounds= and heads= need state= (what they leave out "
+                     "keeps the state)")
   cfg, s_pad, t_pad, d_pad = _setup(q, k, v, seg_q, seg_kv, causal=state is None and causal,
-                                    scale=scale, block_sizes=block_sizes, interpret=interpret)
+                                    scale=scale, block_sizes=block_sizes, interpret=interpret,
+                                    heads=heads)
   S, T, D = q.shape[1], k.shape[1], q.shape[3]
   padded = _pad_inputs(q, k, v, seg_q, seg_kv, s_pad, t_pad, d_pad)
   if state is None:
@@ -556,12 +579,14 @@ def forward(q, k, v, seg_q=None, seg_kv=None, *, state=None, bounds=None, causal
     o, lse = state
     o = _pad_axis(_pad_axis(o.astype(jnp.float32), 1, s_pad), 3, d_pad)
     lse = _pad_axis(lse.astype(jnp.float32), 2, s_pad, -jnp.inf)
-    out, lse = _fwd_call(*padded, cfg, jnp.float32, (o, lse), _bounds(bounds, causal, S, T))
+    out, lse = _fwd_call(*padded, cfg, jnp.float32, (o, lse), _bounds(bounds, causal, S, T),
+                         heads)
   return out[:, :S, :, :D], lse[:, :, :S]
 
 
-def backward(q, k, v, seg_q, seg_kv, do, lse, delta, *, grads=None, bounds=None, causal=False,
-             scale=None, block_sizes=None, interpret=None, grad_dtype=jnp.float32):
+def backward(q, k, v, seg_q, seg_kv, do, lse, delta, *, grads=None, bounds=None, heads=None,
+             causal=False, scale=None, block_sizes=None, interpret=None,
+             grad_dtype=jnp.float32):
   """Gradients of one attention block given the residuals of the *whole* attention.
 
   `lse` [B, H, S] is the log-sum-exp over all keys the queries attend to (possibly more than
@@ -572,11 +597,14 @@ def backward(q, k, v, seg_q, seg_kv, do, lse, delta, *, grads=None, bounds=None,
   grads: (dq, dk, dv) fp32 accumulators to add this block's gradients to, in place
   (input_output_aliases), with `bounds` = (q_start, kv_stop) and `causal` (then possibly
   traced) as in `forward`: dq changes only for rows >= q_start, dk/dv only for keys < kv_stop,
-  and only those pairs contribute."""
-  if bounds is not None and grads is None:
-    raise ValueError("flash attention: bounds= needs grads= (rows outside them keep theirs)")
+  and only those pairs contribute. heads: (first, count) as in `forward`: q, do, lse, delta and
+  dq keep every query head, k, v, dk and dv hold only the range's kv heads."""
+  if (bounds is not None or heads is not None) and grads is None:
+    raise ValueError("flash attention: bounds= and heads= need grads= (what they leave out "
+                     "keeps its gradient)")
   cfg, s_pad, t_pad, d_pad = _setup(q, k, v, seg_q, seg_kv, causal=grads is None and causal,
-                                    scale=scale, block_sizes=block_sizes, interpret=interpret)
+                                    scale=scale, block_sizes=block_sizes, interpret=interpret,
+                                    heads=heads)
   S, T, D = q.shape[1], k.shape[1], q.shape[3]
   q, k, v, seg_q, seg_kv = _pad_inputs(q, k, v, seg_q, seg_kv, s_pad, t_pad, d_pad)
   do = _pad_axis(_pad_axis(do.astype(q.dtype), 1, s_pad), 3, d_pad)
@@ -592,7 +620,8 @@ def backward(q, k, v, seg_q, seg_kv, do, lse, delta, *, grads=None, bounds=None,
              _pad_axis(_pad_axis(dk.astype(jnp.float32), 1, t_pad), 3, d_pad),
              _pad_axis(_pad_axis(dv.astype(jnp.float32), 1, t_pad), 3, d_pad))
     dq, dk, dv = _bwd_call(q, k, v, seg_q, seg_kv, do, lse, delta, cfg,
-                           (jnp.float32, jnp.float32), grads, _bounds(bounds, causal, S, T))
+                           (jnp.float32, jnp.float32), grads, _bounds(bounds, causal, S, T),
+                           heads)
   return dq[:, :S, :, :D], dk[:, :T, :, :D], dv[:, :T, :, :D]
 
 

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels import flash_attention
 from kernels.splash import splash_attention
+from sharding.mesh import mesh_platform
 from sharding.ring_attention import ring_attention, split_axes
 from sharding.rules import BATCH_AXES
 
@@ -47,13 +48,6 @@ def xla_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
                                       implementation="xla")
 
 
-def _platform(mesh) -> str:
-  """The platform the program is for: the mesh's devices when known (AOT compiles for another
-  platform carry it), else the default backend."""
-  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  return device.platform if device is not None else jax.default_backend()
-
-
 def resolve_impl(impl: str, mesh=None) -> str:
   """The implementation `impl` stands for under `mesh` (default: the current mesh)."""
   if impl not in IMPLS:
@@ -61,7 +55,7 @@ def resolve_impl(impl: str, mesh=None) -> str:
                      f"{', '.join(IMPLS)}")
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   sequence = 1 if mesh.empty else mesh.shape.get("sequence", 1)
-  platform = _platform(mesh)
+  platform = mesh_platform(mesh)
   if impl == "auto" or (impl == "ring" and sequence == 1):
     if sequence > 1:
       return "ring"
@@ -90,11 +84,12 @@ def _shard_over_batch_and_heads(fn, mesh, q_BSHD, k_BSKD):
 
 
 def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xla",
-              layout="contiguous"):
+              layout="contiguous", ring_head_chunks=1):
   """q [B, S, H, D], k/v [B, S, K, D] with H a multiple of K -> [B, S, H, D].
 
   layout: the token order of the sequence axis; "zigzag" only for ring attention (see
-  `sequence_layout`); every other implementation needs natural order."""
+  `sequence_layout`); every other implementation needs natural order. ring_head_chunks: ring
+  attention's `head_chunks` (ignored by the others)."""
   mesh = jax.sharding.get_abstract_mesh()
   impl = resolve_impl(impl, mesh)
   if layout != "contiguous" and not (impl == "ring" and causal):
@@ -104,14 +99,14 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
     return xla_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids, causal=causal)
   if impl == "ring":
     return ring_attention(q_BSHD, k_BSKD, v_BSKD, mesh=mesh, causal=causal,
-                          segment_ids=segment_ids, layout=layout)
+                          segment_ids=segment_ids, layout=layout, head_chunks=ring_head_chunks)
   if impl == "flash":
-    interpret = _platform(mesh) != "gpu"  # the target's platform, also when compiling AOT
+    interpret = mesh_platform(mesh) != "gpu"  # the target's platform, also when compiling AOT
 
     def kernel(q, k, v, seg):
       return flash_attention(q, k, v, causal=causal, segment_ids=seg, interpret=interpret)
   else:
-    interpret = _platform(mesh) != "tpu"
+    interpret = mesh_platform(mesh) != "tpu"
 
     def kernel(q, k, v, seg):
       return splash_attention(q, k, v, causal=causal, segment_ids=seg, interpret=interpret)

@@ -47,6 +47,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay fp32
   remat: str = "none"
   attention: str = "xla"
+  ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
   init_std: float = 0.02
 
   @classmethod
@@ -115,7 +116,8 @@ class Attention(nnx.Module):
                        ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     v_BSKD = constrain(v_BSKD, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=True,
-                         impl=cfg.attention, layout=sequence_layout(cfg.attention))
+                         impl=cfg.attention, layout=sequence_layout(cfg.attention),
+                         ring_head_chunks=cfg.ring_head_chunks)
     return jnp.einsum("bshd,hde->bse", out_BSHD, self.wo_HDE[...].astype(dt))
 
 

@@ -66,3 +66,10 @@ def batch_sharding(mesh: Mesh, *, microbatched: bool = False) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def mesh_platform(mesh) -> str:
+  """The platform a program under `mesh` (a Mesh or AbstractMesh) is for: its devices' when
+  known (ahead-of-time compiles for other hardware carry it), else the default backend."""
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  return device.platform if device is not None else jax.default_backend()

@@ -208,22 +208,25 @@ def test_lowers_for_gpu_triton():
   assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
 
 
-def test_carried_state_lowers_for_gpu_triton():
+@pytest.mark.parametrize("heads", [None, (4, 4)], ids=["all_heads", "head_range"])
+def test_carried_state_lowers_for_gpu_triton(heads):
   """The carried-state calls (traced bounds and causal flag, state and gradient accumulators
   aliased to the outputs) go through the Triton lowering as well, on a length that is not a
-  power of two."""
+  power of two; also on a range of the heads (k/v of one kv head, offset query-side blocks)."""
   sds = jax.ShapeDtypeStruct
-  q, k = sds((2, 320, 8, 64), jnp.bfloat16), sds((2, 320, 2, 64), jnp.bfloat16)
+  kv_heads = 2 if heads is None else 1
+  q, k = sds((2, 320, 8, 64), jnp.bfloat16), sds((2, 320, kv_heads, 64), jnp.bfloat16)
   o, lse = sds((2, 320, 8, 64), jnp.float32), sds((2, 8, 320), jnp.float32)
-  dkv, seg, index = sds((2, 320, 2, 64), jnp.float32), sds((2, 320), jnp.int32), sds((), jnp.int32)
+  dkv, seg = sds((2, 320, kv_heads, 64), jnp.float32), sds((2, 320), jnp.int32)
+  index = sds((), jnp.int32)
 
   def step(q, k, v, seg, o, lse, dq, dk, dv, q_start, kv_stop, causal):
     bounds = (q_start, kv_stop)
-    o, lse = block_forward(q, k, v, seg, seg, state=(o, lse), bounds=bounds, causal=causal,
-                           interpret=False)
+    o, lse = block_forward(q, k, v, seg, seg, state=(o, lse), bounds=bounds, heads=heads,
+                           causal=causal, interpret=False)
     delta = jnp.sum(o, axis=-1).swapaxes(1, 2)
     return block_backward(q, k, v, seg, seg, o.astype(q.dtype), lse, delta, grads=(dq, dk, dv),
-                          bounds=bounds, causal=causal, interpret=False)
+                          bounds=bounds, heads=heads, causal=causal, interpret=False)
 
   with _for_gpu():
     lowered = jax.jit(step).trace(q, k, k, seg, o, lse, o, dkv, dkv, index, index,
@@ -242,8 +245,15 @@ def test_rejects_bad_arguments():
     flash_attention(q, k, v, block_sizes=BlockSizes(block_q=24))
   with pytest.raises(ValueError, match="kv_segment_ids"):
     flash_attention(q, k[:, :16], v[:, :16], segment_ids=jnp.ones((1, 32), jnp.int32))
-  with pytest.raises(ValueError, match="needs state"):
+  with pytest.raises(ValueError, match="need state"):
     block_forward(q, k, v, bounds=(0, 16))
+  state = (jnp.zeros(q.shape), jnp.zeros((1, 2, 32)))
+  with pytest.raises(ValueError, match="not a range of the 2 query heads"):
+    block_forward(q, k, v, state=state, heads=(1, 2))
+  q4 = jnp.concatenate([q, q], axis=2)  # 4 query heads; heads (1, 2) over one kv head: G = 2
+  state = (jnp.zeros(q4.shape), jnp.zeros((1, 4, 32)))
+  with pytest.raises(ValueError, match="does not start at a kv head"):
+    block_forward(q4, k[:, :, :1], v[:, :, :1], state=state, heads=(1, 2))
 
 
 @pytest.mark.parametrize("impl", ["flash", "splash"])

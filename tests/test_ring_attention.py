@@ -99,6 +99,17 @@ def test_flash_kernel_blocks_match_reference(data, n, causal, devices):
   _assert_close(_fwd_and_grads(fn, q, k, v, do), want[causal])
 
 
+@pytest.mark.parametrize("impl, n", [("flash", 4), ("jnp", 2)])
+def test_head_chunks_match_reference(data, impl, n, devices):
+  """One ring per chunk of kv heads (2 chunks of 1 kv head and 2 query heads): the flash
+  kernel updates its chunk's heads of the shared state and dQ in place; jnp runs on slices."""
+  (q, k, v, do, seg), want = data
+  fn = jax.jit(lambda q, k, v: ring_attention(
+      q, k, v, mesh=_sequence_mesh(n), causal=True, segment_ids=seg, impl=impl,
+      block_sizes=BlockSizes(16, 16, 16, 16), head_chunks=2))
+  _assert_close(_fwd_and_grads(fn, q, k, v, do), want[True])
+
+
 def test_model_mesh_with_pre_permuted_layout(data, devices):
   """On the trainer's 5-axis mesh (batch over data, heads over tensor, sequence over sequence)
   with inputs already in zig-zag order (what the model does), the output is in zig-zag order."""
@@ -144,6 +155,8 @@ def test_rejects_bad_arguments(data, devices):
     ring_attention(q, k, v)
   with pytest.raises(ValueError, match="layout"):
     ring_attention(q, k, v, mesh=_sequence_mesh(2), layout="striped")
+  with pytest.raises(ValueError, match="head_chunks=3 does not divide the 2 kv heads"):
+    ring_attention(q, k, v, mesh=_sequence_mesh(2), head_chunks=3)
 
 
 def test_dispatch_and_config():
@@ -154,6 +167,10 @@ def test_dispatch_and_config():
   cfg = tiny_config(**{"model.attention": "ring", "mesh.data": 2, "mesh.sequence": 4,
                        "data.seq_len": 36})
   with pytest.raises(ConfigError, match="zig-zag"):
+    validate(cfg, 8)
+  cfg = tiny_config(**{"model.attention": "ring", "mesh.data": 2, "mesh.tensor": 2,
+                       "mesh.sequence": 2, "model.ring_head_chunks": 2})
+  with pytest.raises(ConfigError, match="ring_head_chunks=2 does not divide the 1 kv heads"):
     validate(cfg, 8)
 
 

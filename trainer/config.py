@@ -37,7 +37,10 @@ def default_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,
       mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=False,
-      param_dtype="float32", dtype="float32", remat="none", attention="xla", init_std=0.02))
+      param_dtype="float32", dtype="float32", remat="none", attention="xla", init_std=0.02,
+      # ring attention: one ring per chunk of a device's kv heads, for less memory in flight
+      # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
+      ring_head_chunks=1))
 
   c.data = ml_collections.ConfigDict(dict(
       dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
@@ -374,6 +377,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
           f"data.seq_len={d.seq_len} does not split into 2 x mesh.sequence = {chunks} chunks, "
           f"which ring attention's load-balanced (zig-zag) layout needs; use a multiple of "
           f"{chunks}")
+  local_kv_heads = m.num_kv_heads // tensor
+  _need(m.ring_head_chunks >= 1 and local_kv_heads % m.ring_head_chunks == 0,
+        f"model.ring_head_chunks={m.ring_head_chunks} does not divide the {local_kv_heads} kv "
+        f"heads per device (model.num_kv_heads={m.num_kv_heads} / mesh.tensor={tensor}); use "
+        f"a divisor of {local_kv_heads}")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
 
   o = cfg.optim
