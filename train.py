@@ -47,6 +47,11 @@ def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
       raise SystemExit(f"error: unknown argument {name!r}\n{USAGE}")
   if not config or not workdir:
     raise SystemExit(f"error: --config and --workdir are required\n{USAGE}")
+  if "://" in workdir:
+    raise SystemExit(
+        f"error: --workdir {workdir}: the workdir must be a filesystem path (metrics.jsonl is "
+        "appended to, checkpoints are renamed into place); for a bucket, mount it (e.g. "
+        "gcsfuse --implicit-dirs BUCKET /gcs/BUCKET) and pass /gcs/BUCKET/...")
   return config, workdir, overrides
 
 

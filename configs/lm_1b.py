@@ -1,6 +1,6 @@
 """A ~1B-parameter Llama (16 layers, d_model 2048, GQA 16/8 heads) for a GPU node or TPU slice.
 
-    python train.py --config configs/lm_1b.py --workdir gs://bucket/runs/1b \
+    python train.py --config configs/lm_1b.py --workdir /gcs/bucket/runs/1b \
         --config.data.dir=/path/to/prepared
 
 bf16 compute, fp32 master weights and Adam moments sharded by FSDP (16 bytes/param -> 16 GB

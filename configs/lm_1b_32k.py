@@ -1,7 +1,7 @@
 """Long context: the 1B Llama of lm_1b.py on 32k-token sequences, split over the `sequence`
 mesh axis with ring attention.
 
-    python train.py --config configs/lm_1b_32k.py --workdir gs://bucket/runs/1b-32k \
+    python train.py --config configs/lm_1b_32k.py --workdir /gcs/bucket/runs/1b-32k \
         --config.data.dir=/path/to/prepared
     python -m tools.aot --config configs/lm_1b_32k.py --topology v5e:4x4
 

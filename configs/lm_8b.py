@@ -1,7 +1,7 @@
 """An ~8B Llama (Llama 3 8B's layers: 32 x d_model 4096, GQA 32/8 heads, SwiGLU 14336) for a
 TPU slice or a multi-node GPU cluster.
 
-    python train.py --config configs/lm_8b.py --workdir gs://bucket/runs/8b \
+    python train.py --config configs/lm_8b.py --workdir /gcs/bucket/runs/8b \
         --config.data.dir=/path/to/prepared
     python -m tools.aot --config configs/lm_8b.py --topology v5:2x2x4   # fits? before you pay
 

@@ -38,6 +38,13 @@ def test_config_error_is_one_line_exit_2(args, needle, tmp_path, capsys):
   assert not os.path.exists(tmp_path / "w"), "nothing may be written for a bad config"
 
 
+def test_url_workdir_is_refused(capsys):
+  assert train.main(["--config", TINY, "--workdir", "gs://bucket/runs/x"]) == 2
+  err = capsys.readouterr().err
+  assert "must be a filesystem path" in err and "gcsfuse" in err
+  assert len(err.strip().splitlines()) == 1, err
+
+
 def test_missing_config_file(tmp_path, capsys):
   assert train.main(["--config", str(tmp_path / "nope.py"), "--workdir", str(tmp_path)]) == 2
   assert "no such file" in capsys.readouterr().err
