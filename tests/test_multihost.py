@@ -76,6 +76,28 @@ def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300)
   return out
 
 
+def assert_ok(results) -> None:
+  for code, stdout, stderr in results:
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
+
+
+def launch_beside_reference(workdir, reference_workdir, args, reference_args):
+  """Launch 2 processes x 4 devices (`args`) while one process with the test's 8 devices runs
+  `reference_args` in `reference_workdir`; both must succeed. -> the 2 processes' results."""
+  reference = subprocess.Popen(
+      [sys.executable, "train.py", "--config", TINY, "--workdir", str(reference_workdir),
+       *reference_args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    results = launch(workdir, 2, args)
+    ref_out, ref_err = reference.communicate(timeout=300)
+  finally:
+    if reference.poll() is None:
+      reference.kill()
+  assert reference.returncode == 0, ref_out[-2000:] + ref_err[-2000:]
+  assert_ok(results)
+  return results
+
+
 # ----------------------------------------------------------------------------------------------
 # Where the processes come from
 
@@ -188,19 +210,8 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   """2 processes x 4 CPU devices == 1 process x 8 devices, step for step, through a resume,
   and on through a restore by a single process (the data state moves between process counts)."""
   multi, single = tmp_path / "multi", tmp_path / "single"
-  # The reference (1 process, the test's 8 devices) runs alongside the first 2-process launch.
-  reference = subprocess.Popen(
-      [sys.executable, "train.py", "--config", TINY, "--workdir", str(single), *MODEL_ARGS,
-       "--config.steps=8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
-    first = launch(multi, 2, MODEL_ARGS + ["--config.steps=4"])
-    ref_out, ref_err = reference.communicate(timeout=300)
-  finally:
-    if reference.poll() is None:
-      reference.kill()
-  assert reference.returncode == 0, ref_out[-2000:] + ref_err[-2000:]
-  for code, stdout, stderr in first:
-    assert code == 0, stdout[-2000:] + stderr[-3000:]
+  first = launch_beside_reference(multi, single, MODEL_ARGS + ["--config.steps=4"],
+                                  MODEL_ARGS + ["--config.steps=8"])
   # Only process 0 writes metrics and talks; every process wrote its data-iterator state.
   assert "step 4:" in first[0][1] and "step" not in first[1][1]
   for step in (2, 4):
@@ -208,8 +219,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data), data
 
   resumed = launch(multi, 2, MODEL_ARGS + ["--config.steps=6"])
-  for code, stdout, stderr in resumed:
-    assert code == 0, stdout[-2000:] + stderr[-3000:]
+  assert_ok(resumed)
   assert "resumed from" in resumed[0][1] and "checkpoints/4" in resumed[0][1]
 
   # One process (8 devices) continues the 2-process run from its step-6 checkpoint.
@@ -232,18 +242,7 @@ def test_batch_rows_replicated_across_processes(tmp_path):
   mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=1", "--config.mesh.tensor=2",
           "--config.mesh.sequence=4", "--config.steps=3", "--config.checkpoint.every_steps=0"]
   args = MODEL_ARGS + mesh  # later overrides win
-  reference = subprocess.Popen(
-      [sys.executable, "train.py", "--config", TINY, "--workdir", str(tmp_path / "single"),
-       *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
-    results = launch(tmp_path / "multi", 2, args)
-    ref_out, ref_err = reference.communicate(timeout=300)
-  finally:
-    if reference.poll() is None:
-      reference.kill()
-  assert reference.returncode == 0, ref_out[-2000:] + ref_err[-2000:]
-  for code, stdout, stderr in results:
-    assert code == 0, stdout[-2000:] + stderr[-3000:]
+  results = launch_beside_reference(tmp_path / "multi", tmp_path / "single", args, args)
   assert "mesh data=1 fsdp=1 tensor=2 sequence=4" in results[0][1]
   got, want = losses(tmp_path / "multi"), losses(tmp_path / "single")
   assert sorted(got) == sorted(want) == [1, 2, 3]
