@@ -31,6 +31,8 @@ def main(argv=None):
                       help="model width: 512 gives ~107 MB of train state, 1024 ~4x that")
   args = parser.parse_args(argv)
 
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   import jax  # noqa: PLC0415
 
   from data import pipeline  # noqa: PLC0415

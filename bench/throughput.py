@@ -31,6 +31,8 @@ def main(argv=None):
       parser.error(f"unknown argument {item}")
     overrides.append((key[len("--config."):], value))
 
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   import jax  # noqa: PLC0415
 
   from models.llama import flops_per_token, param_counts  # noqa: PLC0415

@@ -345,6 +345,8 @@ def parse_args(argv):
 
 def main(argv: list[str]) -> int:
   args, overrides, name = parse_args(argv)
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   from trainer.config import ConfigError, load  # noqa: PLC0415
   try:
     cfg = load(args.config, overrides)
