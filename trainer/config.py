@@ -371,17 +371,18 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
   _need(d.seq_len % sizes["sequence"] == 0,
         f"data.seq_len={d.seq_len} is not divisible by mesh.sequence={sizes['sequence']}; "
         f"use a multiple of {sizes['sequence']}")
+  _need(m.ring_head_chunks >= 1, f"model.ring_head_chunks={m.ring_head_chunks}: must be >= 1")
   if sizes["sequence"] > 1 and m.attention in ("ring", "auto"):
     chunks = 2 * sizes["sequence"]
     _need(d.seq_len % chunks == 0,
           f"data.seq_len={d.seq_len} does not split into 2 x mesh.sequence = {chunks} chunks, "
           f"which ring attention's load-balanced (zig-zag) layout needs; use a multiple of "
           f"{chunks}")
-  local_kv_heads = m.num_kv_heads // tensor
-  _need(m.ring_head_chunks >= 1 and local_kv_heads % m.ring_head_chunks == 0,
-        f"model.ring_head_chunks={m.ring_head_chunks} does not divide the {local_kv_heads} kv "
-        f"heads per device (model.num_kv_heads={m.num_kv_heads} / mesh.tensor={tensor}); use "
-        f"a divisor of {local_kv_heads}")
+    local_kv_heads = m.num_kv_heads // tensor
+    _need(local_kv_heads % m.ring_head_chunks == 0,
+          f"model.ring_head_chunks={m.ring_head_chunks} does not divide the {local_kv_heads} kv "
+          f"heads per device (model.num_kv_heads={m.num_kv_heads} / mesh.tensor={tensor}); use "
+          f"a divisor of {local_kv_heads}")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
 
   o = cfg.optim
