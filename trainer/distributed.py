@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from trainer.config import ConfigError, check_distributed
+from trainer.config import check_distributed
 
 MODES = ("auto", "on", "off")
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
