@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import time
 from collections.abc import Callable
 
@@ -49,6 +48,7 @@ from optim.scaling import describe as describe_hyperparameters
 from sharding.batch import assemble, process_rows
 from sharding.mesh import make_mesh, replicated
 from trainer.checkpoint import Checkpointer, first_line, load_params
+from trainer.decisions import Decider, MetricsWindow, StopSignals, agree_any
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.program import Program
 from trainer.state import init_state
@@ -83,29 +83,6 @@ def setup_compilation_cache(path: str) -> str | None:
   return path
 
 
-class StopSignals:
-  """SIGTERM / SIGINT set a flag that the loop reads between steps (a step is never cut)."""
-
-  def __init__(self):
-    self.received: str | None = None
-    self._previous = {}
-
-  def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
-      self._previous[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    if self.received is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C stops at once
-    self.received = signal.Signals(signum).name
-
-  def __exit__(self, *exc):
-    for sig, handler in self._previous.items():
-      signal.signal(sig, handler)
-    return False
-
-
 class Run:
   """One training run in one workdir. `Run(cfg, workdir).train()`."""
 
@@ -127,7 +104,7 @@ class Run:
 
     d = cfg.data
     self.ramp = BatchRamp.from_config(d)
-    self.compiled_steps: dict = {}  # number of micro-batches -> compiled train step
+    self.compiled_steps: dict = {}  # (micro-batches, measures noise) -> compiled train step
     self.compile_count = 0
     self.data_dir = d.dir or ensure_default_corpus()
     self.data_meta = read_meta(self.data_dir)
@@ -178,12 +155,15 @@ class Run:
 
     return evaluate
 
-  def train_step_for(self, num_micro: int):
-    """The compiled train step for `num_micro` micro-batches (compiled on first use)."""
-    if num_micro not in self.compiled_steps:
-      self.compiled_steps[num_micro] = self.program.compile(num_micro)
+  def train_step_for(self, num_micro: int, measure_noise: bool = False):
+    """The compiled train step for `num_micro` micro-batches, measuring the gradient noise scale
+    or not (each variant compiled on first use)."""
+    key = (num_micro, measure_noise)
+    if key not in self.compiled_steps:
+      extra = {"measure_noise": True} if measure_noise else {}  # TEMP until Program has the kw
+      self.compiled_steps[key] = self.program.compile(num_micro, **extra)
       self.compile_count += 1
-    return self.compiled_steps[num_micro]
+    return self.compiled_steps[key]
 
   def _log_batch_science(self, step: int) -> None:
     """Print the derived hyperparameters once per batch size, and log them as event rows."""
@@ -226,7 +206,7 @@ class Run:
         os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save, log=self.log)
     try:
-      with StopSignals() as signals:
+      with StopSignals(multi_process=jax.process_count() > 1) as signals:
         # Restore first: a run that cannot start (unreadable or mismatched checkpoints) leaves
         # the workdir exactly as it found it.
         start_state = self._start_state(checkpointer)
@@ -243,9 +223,8 @@ class Run:
       if self.writer is not None:
         self.writer.close()
 
-  def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
-             resumed_at) -> RunResult:
-    cfg, writer = self.cfg, self.writer
+  def _log_start(self, state, resumed_at) -> int:
+    """The run's opening lines; returns the step the run starts from."""
     counts = param_counts(self.model_cfg)
     src = self.data_meta["source"]
     self.log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
@@ -258,172 +237,176 @@ class Run:
              f"{self.data_dir}")
     start = int(jax.device_get(state.step))
     if resumed_at is not None:
-      self.log(f"resumed from {checkpointer.directory}/{resumed_at}")
-      writer.write(start, {"event": "resumed"}, console=False)
-
+      self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
+      self.writer.write(start, {"event": "resumed"}, console=False)
     self._log_batch_science(start)
+    return start
+
+  def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
+             resumed_at) -> RunResult:
+    cfg = self.cfg
+    start = self._log_start(state, resumed_at)
+    decider = Decider(cfg, signals, start=start, evaluating=bool(cfg.eval_every))
     t0 = time.perf_counter()
-    self.train_step_for(self.ramp.batch_at(start) // self.micro_rows)
+    self.train_step_for(self.ramp.batch_at(start) // self.micro_rows,
+                        decider.measures_noise(start + 1))
     compile_seconds = time.perf_counter() - t0
     evaluate = self._eval_fn() if cfg.eval_every else None
-
-    flops_token = flops_per_token(self.model_cfg, cfg.data.seq_len)["total"]
-    peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
-    self.log(f"compiled train step in {compile_seconds:.1f}s; {flops_token / 1e6:.2f} MFLOPs "
-             f"per token; peak {peak / 1e12:.3g} TFLOP/s ({peak_source})")
+    self.flops_token = flops_per_token(self.model_cfg, cfg.data.seq_len)["total"]
+    self.peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
+    self.log(f"compiled train step in {compile_seconds:.1f}s; {self.flops_token / 1e6:.2f} "
+             f"MFLOPs per token; peak {self.peak / 1e12:.3g} TFLOP/s ({peak_source})")
     if start >= cfg.steps:
       self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
       return RunResult("done", start, {})
 
-    last_metrics: dict = {}
-    storage_failed = False
-    last_save_time = time.monotonic()
-    timer = _StepTimer()
-
-    last_save_step = None
-
-    def save(step: int, *, blocking: bool = False) -> bool:
-      """Start a checkpoint; False if the storage failed (each failure streak reported once)."""
-      nonlocal storage_failed, last_save_time, last_save_step
-      with timer.paused():
-        failed_step = step
-        try:
-          failed_step = last_save_step  # a background write of the previous save may have failed
-          checkpointer.check_for_errors()
-          failed_step = step
-          checkpointer.save(step, state, train_iter, self.train_spec, cfg.to_dict())
-          last_save_step = step
-          if blocking:
-            checkpointer.wait()
-        except Exception as e:  # noqa: BLE001  storage errors of any kind
-          if not storage_failed:
-            good = [s for s in checkpointer.all_steps() if s < (failed_step or step)]
-            self.log(f"checkpoint save at step {failed_step} failed ({first_line(e)}); "
-                     f"earlier checkpoints are untouched (newest: "
-                     f"{good[-1] if good else 'none'})")
-          storage_failed = True
-          return False
-      if storage_failed:
-        self.log(f"checkpoint save at step {step} succeeded again")
-      storage_failed = False
-      last_save_time = time.monotonic()
-      return True
-
-    def finish_metrics(step: int, metrics) -> dict:
-      host = {k: _scalar(v) for k, v in jax.device_get(metrics).items()}
-      batch = self.ramp.batch_at(step - 1)
-      if not self.ramp.is_constant:
-        host["batch_size"] = batch
-      return timer.annotate(host, batch * cfg.data.seq_len, flops_token, peak)
-
-    # Step N's metrics are read after step N+1 is dispatched. `pending` holds them.
-    pending = None
-    status, message = "done", ""
+    self.timer = timer = _StepTimer()
+    self.last_metrics = {}
+    self._stage = None  # the batch ramp's stage of the last step dispatched
+    window = MetricsWindow()
+    save = _Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log)
+    outcome = None  # (status, message) once the run must end early
+    deferred = None  # a log step whose row is read while the next step runs
+    step = start
     with jax.set_mesh(self.mesh):
-      step = start
-      stage = None
       while step < cfg.steps:
-        if self.ramp.stage_at(step) != stage:
-          stage = self.ramp.stage_at(step)
-          if not self.ramp.is_constant:
-            self.log(f"step {step + 1}: batch {self.ramp.batch_at(step)} (stage {stage + 1} of "
-                     f"{len(self.ramp.batches)}, {self.ramp.tokens_before(step):,} tokens seen)")
-        num_micro = self.ramp.batch_at(step) // self.micro_rows
-        with timer.paused():  # compiling a new stage's step is not step time
-          train_step = self.train_step_for(num_micro)
-        batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
-        state, metrics = train_step(state, batch)
+        state, metrics = self._dispatch(state, train_iter, step, decider.measures_noise(step + 1))
         step += 1
-        timer.step_dispatched()
-        writer.advance(1)
-
-        if pending is not None:
-          status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
-          pending = None
-          if status != "done":
+        if deferred is not None:
+          outcome, deferred = self._read(window, upto=deferred), None
+          if outcome:
             break
-        pending = (step, metrics)
-
-        due_steps = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
-        due_time = (cfg.checkpoint.every_seconds and
-                    time.monotonic() - last_save_time >= cfg.checkpoint.every_seconds)
-        due_eval = evaluate is not None and (step % cfg.eval_every == 0 or step == cfg.steps)
-        if due_steps or due_time or due_eval or step == cfg.steps or signals.received:
-          # Read this step's metrics now: a bad step must not be checkpointed or evaluated.
-          status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
-          pending = None
-          if status != "done":
-            break
-        if signals.received:
-          ok = save(step, blocking=True)
-          status = "preempted"
-          message = (f"{signals.received} received: stopped after step {step}; "
-                     + (f"checkpoint saved to {checkpointer.directory}/{step}" if ok else
-                        "the checkpoint could not be written"))
+        decision = decider.after(step)
+        window.add(step, metrics, decision.log)
+        if not decision.read:
+          deferred = step if decision.log else None
+          continue
+        # A save, an evaluation or a stop reads the window first: a bad step is never
+        # checkpointed or evaluated.
+        outcome = self._read(window)
+        if outcome:
           break
-        if due_steps or due_time or step == cfg.steps:
-          final = step == cfg.steps
-          if not save(step, blocking=final) and (final or cfg.checkpoint.on_error == "stop"):
-            status = "storage"
-            message = (f"stopped at step {step}: checkpoint storage failed" if not final else
+        if decision.preempted:
+          ok = save(step, state, train_iter, blocking=True)
+          outcome = ("preempted", f"{decision.preempted}: stopped after step {step}; " + (
+              f"checkpoint saved to {checkpointer.directory}/{step}" if ok else
+              "the checkpoint could not be written"))
+          break
+        if decision.save and not save(step, state, train_iter, blocking=decision.final):
+          if decision.final or cfg.checkpoint.on_error == "stop":
+            outcome = ("storage", f"stopped at step {step}: checkpoint storage failed"
+                       if not decision.final else
                        f"finished step {step} but its checkpoint could not be written")
             break
-        if due_eval:
-          with timer.paused():
-            row = {"eval_loss": evaluate(state.params)}
-            ema = find_ema(state.opt_state, like=state.params)
-            if ema is not None:
-              row["eval_loss_ema"] = evaluate(ema)
-          writer.write(step, row)
-          last_metrics.update(row)
-          self._stop_check(step, row)
+        if decision.evaluate:
+          self._evaluate(evaluate, state, step)
         if self.stop_reason is not None:
           break
-      if pending is not None and status == "done":
-        status, message, last_metrics = self._check(*pending, finish_metrics, last_metrics)
-      if status == "done" and self.stop_reason is not None:
-        message = f"stopped after step {step}: {self.stop_reason}"
+      if outcome is None:
+        outcome = self._read(window)
+    status, message = outcome or ("done", "")
+    if status == "done" and self.stop_reason is not None:
+      message = f"stopped after step {step}: {self.stop_reason}"
     try:
       checkpointer.wait()
     except Exception as e:  # noqa: BLE001
       if status == "done":
-        status = "storage"
-        message = f"the last checkpoint could not be written ({first_line(e)})"
+        status, message = "storage", f"the last checkpoint could not be written ({first_line(e)})"
     if message:
       self.log(message)
-    return RunResult(status, step, last_metrics, message)
+    return RunResult(status, step, self.last_metrics, message)
 
-  def _check(self, step, metrics, finish_metrics, last_metrics):
-    """Log step `step` if due and apply the non-finite / spike policies."""
+  def _dispatch(self, state, train_iter, step: int, measure_noise: bool):
+    """Start step `step + 1` on the devices (the batch ramp's stage decides its batch)."""
+    stage = self.ramp.stage_at(step)
+    if stage != self._stage and not self.ramp.is_constant:
+      self.log(f"step {step + 1}: batch {self.ramp.batch_at(step)} (stage {stage + 1} of "
+               f"{len(self.ramp.batches)}, {self.ramp.tokens_before(step):,} tokens seen)")
+    self._stage = stage
+    num_micro = self.ramp.batch_at(step) // self.micro_rows
+    with self.timer.paused():  # compiling a new stage's step is not step time
+      train_step = self.train_step_for(num_micro, measure_noise)
+    batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
+    state, metrics = train_step(state, batch)
+    self.timer.step_dispatched()
+    self.writer.advance(1)
+    return state, metrics
+
+  def _evaluate(self, evaluate, state, step: int) -> None:
+    with self.timer.paused():
+      row = {"eval_loss": evaluate(state.params)}
+      ema = find_ema(state.opt_state, like=state.params)
+      if ema is not None:
+        row["eval_loss_ema"] = evaluate(ema)
+    self.writer.write(step, row)
+    self.last_metrics.update(row)
+    self._stop_check(step, row)
+
+  def _read(self, window: MetricsWindow, upto: int | None = None) -> tuple[str, str] | None:
+    """Write the due rows of the steps read back; apply the non-finite / spike policies.
+    Returns (status, message) when the run must stop."""
     cfg = self.cfg
-    noise_due = cfg.optim.noise_scale_every and step % cfg.optim.noise_scale_every == 0
-    host = finish_metrics(step, metrics) if (step % cfg.log_every == 0 or step == cfg.steps or
-                                             noise_due or _any_flag(metrics)) else None
-    if host is None:
-      return "done", "", last_metrics
-    self.writer.write(step, host)
-    self.writer.advance(0, loss=host["loss"])
-    self._stop_check(step, host)
-    if host.get("skipped"):
-      kind = "non-finite loss/gradient" if host.get("nonfinite") else "loss spike"
-      policy = cfg.trainer.nonfinite_policy if host.get("nonfinite") else cfg.trainer.spike_policy
+    for step, host, log in window.read(upto):
+      if log:
+        batch = self.ramp.batch_at(step - 1)
+        if not self.ramp.is_constant:
+          host["batch_size"] = batch
+        self.timer.annotate(host, batch * cfg.data.seq_len, self.flops_token, self.peak)
+      if log or host["skipped"]:
+        self.writer.write(step, host)
+        self.writer.advance(0, loss=host["loss"])
+        self.last_metrics = host
+        self._stop_check(step, host)
+      if not host["skipped"]:
+        continue
+      kind = "non-finite loss/gradient" if host["nonfinite"] else "loss spike"
+      policy = cfg.trainer.nonfinite_policy if host["nonfinite"] else cfg.trainer.spike_policy
       if policy == "stop":
         steps = self.checkpointer.all_steps()
         newest = f"newest checkpoint: step {steps[-1]}" if steps else "no checkpoint yet"
         return "nonfinite", (f"{kind} at step {step} (loss={host['loss']}); stopping without "
-                             f"applying it; {newest}"), host
+                             f"applying it; {newest}")
       self.log(f"{kind} at step {step} (loss={host['loss']}): update skipped")
-    return "done", "", host
+    return None
 
 
-def _any_flag(metrics) -> bool:
-  """Whether a step was skipped (reads one scalar; called one step behind the device)."""
-  return bool(jax.device_get(metrics["skipped"]))
+class _Saver:
+  """Starts checkpoints; a failing storage is reported once per streak (earlier checkpoints stay
+  readable). With several processes, a save counts as written only if it was on all of them."""
 
+  def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log):
+    self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
+    self.timer, self.decider, self.log = timer, decider, log
+    self.failing = False
+    self.last_step = None
 
-def _scalar(v):
-  v = np.asarray(v)
-  return int(v) if np.issubdtype(v.dtype, np.integer) else float(v)
+  def __call__(self, step: int, state, train_iter, *, blocking: bool = False) -> bool:
+    ckpt = self.checkpointer
+    with self.timer.paused():
+      failed_step, error = step, None
+      try:
+        failed_step = self.last_step  # a background write of the previous save may have failed
+        ckpt.check_for_errors()
+        failed_step = step
+        ckpt.save(step, state, train_iter, self.data_spec, self.config)
+        self.last_step = step
+        if blocking:
+          ckpt.wait()
+      except Exception as e:  # noqa: BLE001  storage errors of any kind
+        error = e
+      if agree_any(error is not None):
+        if not self.failing:
+          good = [s for s in ckpt.all_steps() if s < (failed_step or step)]
+          reason = first_line(error) if error is not None else "failed on another process"
+          self.log(f"checkpoint save at step {failed_step} failed ({reason}); earlier "
+                   f"checkpoints are untouched (newest: {good[-1] if good else 'none'})")
+        self.failing = True
+        return False
+    if self.failing:
+      self.log(f"checkpoint save at step {step} succeeded again")
+    self.failing = False
+    self.decider.saved()
+    return True
 
 
 class _StepTimer:

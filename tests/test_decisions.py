@@ -1,0 +1,128 @@
+"""When the loop logs, saves, evaluates and stops (`trainer/decisions.py`): in process for one
+process, and with two real processes where only one of them is sent SIGTERM."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from conftest import losses, tiny_config
+from test_multihost import MODEL_ARGS, ROOT, TINY, assert_ok, child_env, free_port, launch
+from trainer.decisions import Decider, MetricsWindow, StopSignals
+from trainer.loop import Run
+
+
+def _decider(**overrides):
+  return Decider(tiny_config(**overrides), StopSignals(), start=0, evaluating=True)
+
+
+def test_decisions_follow_step_counts():
+  d = _decider(**{"steps": 12, "log_every": 4, "eval_every": 6, "checkpoint.every_steps": 5,
+                  "optim.noise_scale_every": 3})
+  got = {s: d.after(s) for s in range(1, 13)}
+  assert [s for s, x in got.items() if x.log] == [3, 4, 6, 8, 9, 12]  # log or noise steps
+  assert [s for s, x in got.items() if x.save] == [5, 10, 12]
+  assert [s for s, x in got.items() if x.evaluate] == [6, 12]
+  assert [s for s, x in got.items() if x.read] == [5, 6, 10, 12]
+  assert [s for s in range(1, 13) if d.measures_noise(s)] == [3, 6, 9, 12]
+  assert got[12].final and not any(x.final for s, x in got.items() if s < 12)
+
+
+def test_clock_and_signal_decisions():
+  d = _decider(**{"steps": 100, "checkpoint.every_seconds": 0.05})
+  assert not d.after(1).save
+  time.sleep(0.06)
+  assert d.after(2).save
+  d.saved()
+  assert not d.after(3).save
+  d.signals.received = "SIGTERM"
+  stop = d.after(4)
+  assert stop.preempted == "SIGTERM received" and stop.save and stop.read
+
+
+def test_metrics_are_read_back_only_when_a_decision_needs_them(tmp_path, monkeypatch):
+  """No device-to-host transfer per step: with log_every=3 over 7 steps the loop reads the
+  device at the start (its step) and then once per log step and at the end (3, 6, 7)."""
+  calls = []
+  real = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: calls.append(1) or real(x))
+  result = Run(tiny_config(**{"steps": 7, "log_every": 3}), str(tmp_path)).train()
+  assert result.status == "done" and result.step == 7
+  assert len(calls) == 4, len(calls)
+  assert sorted(losses(tmp_path)) == [3, 6, 7]
+
+
+def test_window_reads_flags_of_unlogged_steps():
+  window = MetricsWindow()
+  for step in (1, 2, 3):
+    m = {"loss": np.float32(step), "skipped": np.int32(step == 2), "nonfinite": np.int32(0),
+         "spike": np.int32(step == 2), "grad_norm": np.float32(1.0)}
+    window.add(step, m, log=step == 3)
+  first = window.read(upto=2)
+  assert [(s, h["skipped"], "grad_norm" in h) for s, h, _ in first] == [(1, 0, False),
+                                                                       (2, 1, False)]
+  assert [(s, "grad_norm" in h) for s, h, _ in window.read()] == [(3, True)]
+  assert window.read() == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Two real processes; SIGTERM reaches only one of them.
+
+
+def _start(workdir, args):
+  port = free_port()
+  procs = []
+  for pid in range(2):
+    env = child_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                    JAX_PROCESS_ID=str(pid))
+    procs.append(subprocess.Popen(
+        [sys.executable, "train.py", "--config", TINY, "--workdir", str(workdir), *args],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def _logged_steps(workdir) -> int:
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.endswith("\n")]
+  return max((r["step"] for r in rows if "loss" in r), default=0)
+
+
+def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
+  """SIGTERM to process 1 only: both processes stop after the same step, write one checkpoint
+  together and exit 75; the resumed run equals an uninterrupted one."""
+  run = tmp_path / "run"
+  args = MODEL_ARGS + ["--config.checkpoint.every_steps=0", "--config.optim.decay_steps=400"]
+  procs = _start(run, args + ["--config.steps=400"])
+  try:
+    deadline = time.time() + 240
+    while _logged_steps(run) < 5 and time.time() < deadline and procs[0].poll() is None:
+      time.sleep(0.2)
+    assert _logged_steps(run) >= 5, procs[0].communicate(timeout=5)
+    procs[1].send_signal(signal.SIGTERM)
+    out = [p.communicate(timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [75, 75], [o[1][-2000:] for o in out]
+  stopped = int(out[0][0].split("stopped after step ")[1].split(";")[0])
+  assert "preemption notice" in out[0][0] and f"checkpoint saved to" in out[0][0]
+  assert sorted(os.listdir(run / "checkpoints")) == [str(stopped)]
+  assert _logged_steps(run) == stopped < 400
+
+  end = stopped + 3
+  resumed = launch(run, 2, args + [f"--config.steps={end}"])
+  assert_ok(resumed)
+  assert f"checkpoints/{stopped}" in resumed[0][1]
+  straight = tmp_path / "straight"
+  assert_ok(launch(straight, 2, args + [f"--config.steps={end}"]))
+  got, want = losses(run), losses(straight)
+  assert sorted(got) == sorted(want) == list(range(1, end + 1))
+  np.testing.assert_array_equal([got[s] for s in got], [want[s] for s in got])
