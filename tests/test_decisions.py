@@ -126,3 +126,12 @@ def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
   got, want = losses(run), losses(straight)
   assert sorted(got) == sorted(want) == list(range(1, end + 1))
   np.testing.assert_array_equal([got[s] for s in got], [want[s] for s in got])
+
+
+def test_stop_when_ends_the_run_one_step_after_the_row(tmp_path):
+  """`stop_when` sees each logged row; the run ends with the step that was running meanwhile."""
+  stop = lambda step, row: "target reached" if step == 3 and "loss" in row else None
+  result = Run(tiny_config(**{"steps": 20}), str(tmp_path), stop_when=stop).train()
+  assert result.status == "done" and result.step == 4, result
+  assert result.message == "stopped after step 4: target reached"
+  assert sorted(losses(tmp_path)) == [1, 2, 3, 4]

@@ -1,13 +1,15 @@
 """The training loop: build everything from the config, resume if the workdir has a checkpoint,
 run the jitted step, log, evaluate, checkpoint, and stop cleanly when told to.
 
-The loop keeps the device busy: step N+1 is dispatched before step N's results are read back
-(`jax.device_get` of step N's metrics happens while N+1 runs), and the data pipeline prepares
+The loop keeps the device busy: nothing is read back from the device between log steps, and a
+log step's metrics are read while the next step runs (`trainer/decisions.py` says when the loop
+logs, evaluates, saves and stops, the same on every process); the data pipeline prepares
 micro-batches in a background thread.
 
 How a run ends (`RunResult.status`, and train.py's exit code):
   done         reached `steps`                                                exit 0
-  preempted    SIGTERM / SIGINT: finished the step, saved a checkpoint        exit 75
+  preempted    SIGTERM / SIGINT (to any one process): every process finishes
+               the same step and they save one checkpoint together          exit 75
   nonfinite    a non-finite loss (or a spike) under policy "stop"             exit 3
   storage      a checkpoint could not be written under on_error="stop"        exit 4
 Nothing in a step depends on wall-clock time or process state, so a run killed at any moment
@@ -272,12 +274,12 @@ class Run:
       while step < cfg.steps:
         state, metrics = self._dispatch(state, train_iter, step, decider.measures_noise(step + 1))
         step += 1
-        if deferred is not None:
-          outcome, deferred = self._read(window, upto=deferred), None
-          if outcome:
-            break
         decision = decider.after(step)
         window.add(step, metrics, decision.log)
+        if deferred is not None:
+          outcome, deferred = self._read(window, upto=deferred), None
+          if outcome or self.stop_reason is not None:
+            break
         if not decision.read:
           deferred = step if decision.log else None
           continue
