@@ -135,3 +135,13 @@ def test_stop_when_ends_the_run_one_step_after_the_row(tmp_path):
   assert result.status == "done" and result.step == 4, result
   assert result.message == "stopped after step 4: target reached"
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+
+
+def test_two_processes_agree_on_clock_saves(tmp_path):
+  """With several processes the wall clock is consulted at log steps only, and agreed: a save
+  every 1 us becomes a save at every log step (3, 6) and the last one (7), on both processes."""
+  args = MODEL_ARGS + ["--config.checkpoint.every_steps=0", "--config.log_every=3",
+                       "--config.checkpoint.every_seconds=1e-6", "--config.checkpoint.keep=10",
+                       "--config.steps=7"]
+  assert_ok(launch(tmp_path, 2, args))
+  assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["3", "6", "7"]
