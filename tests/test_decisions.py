@@ -145,3 +145,15 @@ def test_two_processes_agree_on_clock_saves(tmp_path):
                        "--config.steps=7"]
   assert_ok(launch(tmp_path, 2, args))
   assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["3", "6", "7"]
+
+
+def test_data_wait_is_reported(tmp_path, monkeypatch):
+  """A slow input pipeline shows as `data_wait_ms` (part of `step_time`)."""
+  slow = Run.global_batch
+  monkeypatch.setattr(Run, "global_batch",
+                      lambda self, mbs: time.sleep(0.05) or slow(self, mbs))
+  Run(tiny_config(**{"steps": 4, "log_every": 2}), str(tmp_path)).train()
+  rows = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]
+  assert [r["step"] for r in rows] == [2, 4]
+  for r in rows:
+    assert 50 <= r["data_wait_ms"] <= 1e3 * r["step_time"], r

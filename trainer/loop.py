@@ -30,6 +30,7 @@ With `optim.noise_scale_every` the gradient noise scale is logged every that man
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -328,7 +329,8 @@ class Run:
     num_micro = self.ramp.batch_at(step) // self.micro_rows
     with self.timer.paused():  # compiling a new stage's step is not step time
       train_step = self.train_step_for(num_micro, measure_noise)
-    batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
+    with self.timer.waiting_for_data():
+      batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
     state, metrics = train_step(state, batch)
     self.timer.step_dispatched()
     self.writer.advance(1)
@@ -412,36 +414,46 @@ class _Saver:
 
 
 class _StepTimer:
-  """Wall time per step over the window since the last log, excluding saves and evals."""
+  """Wall time per step over the window since the last log, excluding saves and evals, and the
+  part of it the loop spent waiting for input (`data_wait_ms`: taking this step's micro-batches
+  from the pipeline and assembling the global arrays). While the device is busy with the
+  previous step, that wait is hidden; a `data_wait_ms` close to `step_time` means the input
+  pipeline is the bottleneck."""
 
   def __init__(self):
     self.start = time.perf_counter()
     self.steps = 0
     self.excluded = 0.0
+    self.data_wait = 0.0
 
   def step_dispatched(self):
     self.steps += 1
 
+  @contextlib.contextmanager
   def paused(self):
-    timer = self
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.excluded += time.perf_counter() - t
 
-    class _Pause:
-      def __enter__(self):
-        self.t = time.perf_counter()
-
-      def __exit__(self, *exc):
-        timer.excluded += time.perf_counter() - self.t
-        return False
-
-    return _Pause()
+  @contextlib.contextmanager
+  def waiting_for_data(self):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.data_wait += time.perf_counter() - t
 
   def annotate(self, host: dict, tokens_per_step: int, flops_token: float, peak: float) -> dict:
     now = time.perf_counter()
-    seconds = max(now - self.start - self.excluded, 1e-9) / max(self.steps, 1)
-    self.start, self.steps, self.excluded = now, 0, 0.0
+    steps = max(self.steps, 1)
+    seconds = max(now - self.start - self.excluded, 1e-9) / steps
     host["step_time"] = seconds
+    host["data_wait_ms"] = 1e3 * self.data_wait / steps
     host["tokens_per_sec"] = tokens_per_step / seconds
     host["mfu"] = host["tokens_per_sec"] * flops_token / peak
+    self.start, self.steps, self.excluded, self.data_wait = now, 0, 0.0, 0.0
     return host
 
 
