@@ -29,6 +29,19 @@ REMAT_POLICIES = {
 }
 ATTENTION_IMPLS = IMPLS  # xla, flash, splash, ring, auto: see models/attention.py
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ROPE_SCALING_TYPES = ("none", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """RoPE frequency scaling. "llama3" is Llama 3.1's context extension: wavelengths longer than
+  original_max_position_embeddings / low_freq_factor are slowed by `factor`, shorter than
+  .../high_freq_factor kept, and the band between interpolated smoothly."""
+  type: str = "none"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,12 +62,20 @@ class ModelConfig:
   attention: str = "xla"
   ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
   init_std: float = 0.02
+  rope_scaling: RopeScaling = RopeScaling()
 
   @classmethod
   def from_config(cls, cfg: Any) -> "ModelConfig":
     """From the `model` block of a run config (a ConfigDict or mapping)."""
     fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in dict(cfg).items() if k in fields})
+    values = {k: v for k, v in dict(cfg).items() if k in fields}
+    if not isinstance(values.get("rope_scaling", RopeScaling()), RopeScaling):
+      values["rope_scaling"] = RopeScaling(**dict(values["rope_scaling"]))
+    return cls(**values)
+
+  def to_dict(self) -> dict:
+    """The `model` block of a run config (plain JSON types)."""
+    return dataclasses.asdict(self)
 
   @property
   def dim_per_head(self) -> int:
@@ -78,10 +99,29 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x_BSHD, positions_BS, theta: float):
-  """Rotary position embedding (Su et al. 2021), rotate-half form, computed in fp32."""
-  d = x_BSHD.shape[-1]
+def rope_inv_freq(d: int, theta: float, scaling: RopeScaling = RopeScaling()):
+  """The d/2 rotation frequencies, with Llama 3 scaling applied when configured (the same
+  formula as Meta's reference and transformers' `_compute_llama3_parameters`)."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+  if scaling.type == "none":
+    return inv_freq
+  if scaling.type != "llama3":
+    raise ValueError(f"model.rope_scaling.type={scaling.type!r}: use one of {ROPE_SCALING_TYPES}")
+  old_len, lo, hi = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
+                     scaling.high_freq_factor)
+  wavelen = 2 * jnp.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / lo, inv_freq / scaling.factor, inv_freq)
+  smooth = (old_len / wavelen - lo) / (hi - lo)
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BSHD, positions_BS, theta: float, scaling: RopeScaling = RopeScaling()):
+  """Rotary position embedding (Su et al. 2021), rotate-half form (the layout of Hugging Face
+  Llama checkpoints: dims i and i + D/2 rotate together), computed in fp32."""
+  d = x_BSHD.shape[-1]
+  inv_freq = rope_inv_freq(d, theta, scaling)
   angles_BSd = positions_BS[..., None].astype(jnp.float32) * inv_freq
   sin = jnp.sin(angles_BSd)[:, :, None, :]
   cos = jnp.cos(angles_BSd)[:, :, None, :]
@@ -110,9 +150,9 @@ class Attention(nnx.Module):
     q_BSHD = jnp.einsum("bse,ehd->bshd", x_BSE, self.wq_EHD[...].astype(dt))
     k_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wk_EKD[...].astype(dt))
     v_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wv_EKD[...].astype(dt))
-    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta),
+    q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
                        ("act_batch", "act_seq", "act_heads", "act_head_dim"))
-    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta),
+    k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
                        ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     v_BSKD = constrain(v_BSKD, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=True,

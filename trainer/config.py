@@ -40,7 +40,12 @@ def default_config() -> ml_collections.ConfigDict:
       param_dtype="float32", dtype="float32", remat="none", attention="xla", init_std=0.02,
       # ring attention: one ring per chunk of a device's kv heads, for less memory in flight
       # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
-      ring_head_chunks=1))
+      ring_head_chunks=1,
+      # RoPE frequency scaling: "none" or "llama3" (Llama 3.1 context extension; the other
+      # fields are its parameters, as in a Hugging Face config's `rope_scaling`)
+      rope_scaling=ml_collections.ConfigDict(dict(
+          type="none", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+          original_max_position_embeddings=8192))))
 
   c.data = ml_collections.ConfigDict(dict(
       dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
@@ -314,7 +319,8 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
 
 def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
   """Check the whole config against itself and the devices. Returns the resolved mesh sizes."""
-  from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
+  from models.llama import (  # noqa: PLC0415
+      ATTENTION_IMPLS, DTYPES, REMAT_POLICIES, ROPE_SCALING_TYPES)
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
@@ -334,6 +340,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
   _choice(cfg, "model.dtype", DTYPES)
   _choice(cfg, "model.remat", REMAT_POLICIES)
   _choice(cfg, "model.attention", ATTENTION_IMPLS)
+  _choice(cfg, "model.rope_scaling.type", ROPE_SCALING_TYPES)
   for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
     _need(m[key] >= 1, f"model.{key}={m[key]}: must be positive")
   _need(m.num_heads % m.num_kv_heads == 0,

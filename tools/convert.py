@@ -1,0 +1,145 @@
+"""Hugging Face Llama checkpoints in and out.
+
+    python -m tools.convert from-hf HF_DIR --out DIR [--param_dtype float32|bfloat16]
+    python -m tools.convert to-hf SRC --out HF_DIR [--dtype bfloat16] [--max_shard_gb 5]
+
+`from-hf` reads a Llama / Llama-3 style directory (config.json + model.safetensors or sharded
+model-*.safetensors with an index; GQA, tied or untied embeddings, rope_theta, Llama 3
+rope_scaling) into a converted dir (trainer/inference.py) that `checkpoint.init_from`,
+`tools.generate` and `tools.evaluate` accept; tokenizer files in HF_DIR are copied along.
+Each tensor goes straight from the memory-mapped file to its shards on the mesh
+(`--mesh.fsdp=-1` style overrides pick the mesh; default: all devices on `data`).
+
+`to-hf` writes config.json + safetensors (+ the tokenizer files the source has) from a
+training workdir (its newest checkpoint), a step dir or a converted dir, for
+`transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`. Mapping: models/hf.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from trainer import platforms
+
+
+def mesh_from_args(values: list[str]):
+  """A mesh from `--mesh.AXIS=N` overrides (the run config's mesh block, validated the same)."""
+  from sharding.mesh import make_mesh  # noqa: PLC0415
+  from trainer.config import default_config  # noqa: PLC0415
+  mesh_cfg = default_config().mesh
+  for item in values:
+    key, _, value = item.partition("=")
+    if key not in mesh_cfg:
+      raise SystemExit(f"error: --mesh.{key}: unknown mesh axis (use {', '.join(mesh_cfg)})")
+    mesh_cfg[key] = int(value)
+  return make_mesh(mesh_cfg)
+
+
+def from_hf(hf_dir: str, out_dir: str, *, param_dtype: str | None = None, mesh=None) -> dict:
+  """Convert; returns the converted dir's model config (as a dict)."""
+  import jax  # noqa: PLC0415
+
+  from models.hf import ConvertError, load_hf_params, model_config_from_hf  # noqa: PLC0415
+  from trainer.inference import write_converted  # noqa: PLC0415
+  from trainer.state import ModelSpec  # noqa: PLC0415
+
+  path = os.path.join(hf_dir, "config.json")
+  if not os.path.isfile(path):
+    raise ConvertError(f"{hf_dir}: no config.json (expected a Hugging Face model directory)")
+  with open(path) as f:
+    hf_cfg = json.load(f)
+  cfg = model_config_from_hf(hf_cfg, param_dtype=param_dtype)
+  mesh = mesh or mesh_from_args([])
+  spec = ModelSpec(cfg, mesh, seed=0)
+  with jax.set_mesh(mesh):
+    params = load_hf_params(hf_dir, cfg, spec.abstract_params)
+  special = {k: hf_cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+  write_converted(out_dir, params, cfg, source=os.path.abspath(hf_dir), tokenizer_dir=hf_dir,
+                  extra={"hf": {"max_position_embeddings": hf_cfg.get("max_position_embeddings"),
+                                **special}})
+  return cfg.to_dict()
+
+
+def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
+          mesh=None) -> list[str]:
+  """Export; returns the files written."""
+  from models.hf import save_hf  # noqa: PLC0415
+  from trainer.checkpoint import resolve_step_dir  # noqa: PLC0415
+  from trainer.inference import copy_tokenizer, restore_params, tokenizer_dir  # noqa: PLC0415
+
+  mesh = mesh or mesh_from_args([])
+  spec, params, config, _ = restore_params(src, mesh)
+  hf_meta = config.get("hf", {})
+  special = {"bos_id": hf_meta.get("bos_token_id"), "eos_id": hf_meta.get("eos_token_id"),
+             "pad_id": hf_meta.get("pad_token_id")}
+  tok_dir = tokenizer_dir(resolve_step_dir(src), config)
+  if "data" in config:  # a training run: its data dir names the tokenizer
+    special, tok_dir = _training_tokenizer(config, special)
+  max_pos = hf_meta.get("max_position_embeddings") or config.get("data", {}).get("seq_len", 2048)
+  files = save_hf(params, spec.cfg, out_dir, dtype=dtype or spec.cfg.param_dtype,
+                  max_shard_bytes=max_shard_bytes, max_position_embeddings=max_pos,
+                  special_ids=special)
+  return files + copy_tokenizer(tok_dir, out_dir)
+
+
+def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
+  """Special ids and tokenizer-file dir of a training run's data (byte tokenizer: no files)."""
+  from data import tokenizer  # noqa: PLC0415
+  from data.prepare import read_meta  # noqa: PLC0415
+  data_dir = config["data"].get("dir") or ""
+  if not data_dir:
+    from data.prepare import ensure_default_corpus  # noqa: PLC0415
+    data_dir = ensure_default_corpus()
+  if hasattr(tokenizer, "load_tokenizer"):
+    tok = tokenizer.load_tokenizer(data_dir)
+    files = tok.files()
+    return ({"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
+            os.path.dirname(files[0]) if files else None)
+  meta = read_meta(data_dir)
+  return {"bos_id": meta.get("bos_id"), "eos_id": meta.get("eos_id"),
+          "pad_id": tokenizer.PAD_ID}, None
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()
+  parser = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="cmd", required=True)
+  a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir")
+  a.add_argument("hf_dir")
+  a.add_argument("--out", required=True)
+  a.add_argument("--param_dtype", choices=("float32", "bfloat16"), default=None,
+                 help="dtype of the converted parameters (default: the checkpoint's)")
+  b = sub.add_parser("to-hf", help="workdir / converted dir -> Hugging Face Llama dir")
+  b.add_argument("src")
+  b.add_argument("--out", required=True)
+  b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                 help="dtype of the written tensors (default: the parameters')")
+  b.add_argument("--max_shard_gb", type=float, default=5.0)
+  args, rest = parser.parse_known_args(argv)
+  bad = [r for r in rest if not r.startswith("--mesh.")]
+  if bad:
+    parser.error(f"unrecognized arguments: {' '.join(bad)}")
+
+  from models.hf import ConvertError  # noqa: PLC0415
+  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  try:
+    mesh = mesh_from_args([r[len("--mesh."):] for r in rest])
+    if args.cmd == "from-hf":
+      cfg = from_hf(args.hf_dir, args.out, param_dtype=args.param_dtype, mesh=mesh)
+      print(f"converted {args.hf_dir} -> {args.out}")
+      print("model: " + " ".join(f"{k}={v}" for k, v in cfg.items()))
+    else:
+      files = to_hf(args.src, args.out, dtype=args.dtype,
+                    max_shard_bytes=int(args.max_shard_gb * (1 << 30)), mesh=mesh)
+      print(f"wrote {args.out}: {', '.join(files)}")
+  except (ConvertError, CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

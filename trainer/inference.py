@@ -1,0 +1,129 @@
+"""Models outside training: read a checkpoint for generation/evaluation/export, and write the
+"converted" directory that an imported model lives in.
+
+A *source* is a training workdir (its newest checkpoint), its `checkpoints/` dir, one step
+dir, or a converted dir. A converted dir has the layout of one checkpoint step, so
+`--config.checkpoint.init_from=DIR` reads it as it reads another run:
+
+  DIR/state/            Orbax PyTree {"params": ...} (our layout, scanned layers)
+  DIR/config/metadata   JSON {"model": {...every ModelConfig field...}, "source": ...}
+  DIR/tokenizer/        the tokenizer files, when the model came with some (tokenizer.json, ...)
+
+Every source carries its model config, so no command that reads one asks for dimensions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from models.llama import ModelConfig
+from trainer.checkpoint import CheckpointError, load_params, resolve_step_dir
+from trainer.state import ModelSpec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def source_config(src: str) -> tuple[str, dict]:
+  """(step dir, the config saved with it) of a source."""
+  step_dir = resolve_step_dir(src)
+  path = os.path.join(step_dir, "config", "metadata")
+  try:
+    with open(path) as f:
+      config = json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{src}: cannot read its config ({path}: {e})") from None
+  if "model" not in config:
+    raise CheckpointError(f"{src}: its config ({path}) has no model block")
+  return step_dir, config
+
+
+def model_config(config: dict) -> ModelConfig:
+  return ModelConfig.from_config(config["model"])
+
+
+def restore_params(src: str, mesh, *, ema: bool = False):
+  """(ModelSpec on `mesh`, params sharded by the rule table, config dict, which weights).
+
+  With `ema=True` and a checkpoint whose optimizer kept a parameter EMA (`optim.ema_decay`),
+  the EMA weights are returned instead of the raw ones.
+  """
+  step_dir, config = source_config(src)
+  cfg = model_config(config)
+  spec = ModelSpec(cfg, mesh, seed=0)
+  if ema and config.get("optim", {}).get("ema_decay", 0) > 0:
+    return spec, _restore_ema(step_dir, config, mesh), config, "ema"
+  params, _ = load_params(step_dir, spec.abstract_params)
+  return spec, params, config, "params"
+
+
+def _restore_ema(step_dir: str, config: dict, mesh):
+  """The EMA weights of a training checkpoint: the full state is restored (its structure comes
+  from the optimizer the config builds) and the EMA picked out of the optimizer state."""
+  from optim.ema import find_ema  # noqa: PLC0415
+  from trainer.program import Program  # noqa: PLC0415
+  from trainer.config import default_config  # noqa: PLC0415
+
+  cfg = default_config()
+  cfg.update_from_flattened_dict(_flatten(config, cfg))
+  abstract = Program(cfg, mesh).abstract_state()
+  with ocp.StandardCheckpointer() as checkpointer:
+    state = checkpointer.restore(os.path.join(step_dir, "state"), abstract)
+  return find_ema(state.opt_state, state.params)
+
+
+def _flatten(config: dict, ref: ml_collections.ConfigDict, prefix: str = "") -> dict:
+  """The saved config's values for keys the current defaults know (a saved config may come
+  from an older version)."""
+  out = {}
+  for key, value in config.items():
+    if key not in ref:
+      continue
+    if isinstance(value, dict) and isinstance(ref[key], ml_collections.ConfigDict):
+      out.update(_flatten(value, ref[key], prefix + key + "."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def write_converted(out_dir: str, params, cfg: ModelConfig, *, source: str,
+                    tokenizer_dir: str | None = None, extra: dict | None = None) -> None:
+  """Write a converted dir (layout in the module docstring)."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(os.path.join(out_dir, "state")):
+    raise CheckpointError(f"--out {out_dir} already holds a converted model; choose a new dir")
+  os.makedirs(os.path.join(out_dir, "config"), exist_ok=True)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    checkpointer.save(os.path.join(out_dir, "state"), {"params": params})
+  config = {"model": cfg.to_dict(), "source": source, **(extra or {})}
+  copied = copy_tokenizer(tokenizer_dir, os.path.join(out_dir, "tokenizer"))
+  if copied:
+    config["tokenizer"] = "tokenizer"
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, "config", "metadata"), "w") as f:
+      json.dump(config, f, indent=1)
+
+
+def copy_tokenizer(src_dir: str | None, dst_dir: str) -> list[str]:
+  """Copy the tokenizer files present in `src_dir` (names in TOKENIZER_FILES)."""
+  if not src_dir or not os.path.isdir(src_dir):
+    return []
+  names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src_dir, n))]
+  if names:
+    os.makedirs(dst_dir, exist_ok=True)
+    for n in names:
+      shutil.copy2(os.path.join(src_dir, n), os.path.join(dst_dir, n))
+  return names
+
+
+def tokenizer_dir(step_dir: str, config: dict) -> str | None:
+  """Where a source's tokenizer files are: the converted dir's tokenizer/, else None."""
+  if config.get("tokenizer"):
+    path = os.path.join(step_dir, config["tokenizer"])
+    return path if os.path.isdir(path) else None
+  return None
