@@ -143,7 +143,8 @@ class Attention(nnx.Module):
     self.wv_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
     self.wo_HDE = _param(rngs, out_init, (H, D, E), ("heads", "head_dim", "embed"), pdt)
 
-  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+  def qkv(self, x_BSE, positions_BS):
+    """Queries, keys (both rotated) and values of x; also used by decoding (models/decode.py)."""
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     x_BSE = x_BSE.astype(dt)
@@ -155,10 +156,19 @@ class Attention(nnx.Module):
     k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
                        ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
     v_BSKD = constrain(v_BSKD, ("act_batch", "act_seq", "act_kv_heads", "act_head_dim"))
+    return q_BSHD, k_BSKD, v_BSKD
+
+  def out(self, out_BSHD):
+    dt = DTYPES[self.cfg.dtype]
+    return jnp.einsum("bshd,hde->bse", out_BSHD, self.wo_HDE[...].astype(dt))
+
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+    cfg = self.cfg
+    q_BSHD, k_BSKD, v_BSKD = self.qkv(x_BSE, positions_BS)
     out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=True,
                          impl=cfg.attention, layout=sequence_layout(cfg.attention),
                          ring_head_chunks=cfg.ring_head_chunks)
-    return jnp.einsum("bshd,hde->bse", out_BSHD, self.wo_HDE[...].astype(dt))
+    return self.out(out_BSHD)
 
 
 class MLP(nnx.Module):
@@ -227,13 +237,7 @@ class Transformer(nnx.Module):
     if reorder:
       tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
-    # Gather from a table that FSDP has all-gathered (like every weight before use) and that is
-    # only vocab-parallel: a masked local lookup plus an all-reduce over `tensor` (Megatron's
-    # vocab-parallel embedding). Gathering straight from the fsdp-sharded table makes XLA's
-    # partitioner replicate it ("involuntary full rematerialization").
-    table_VE = constrain(self.embed_VE[...], ("vocab", None))
-    x_BSE = jnp.take(table_VE, tokens_BS, axis=0).astype(DTYPES[cfg.dtype])
-    x_BSE = constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
+    x_BSE = self.embed(tokens_BS)
 
     policy = REMAT_POLICIES[cfg.remat]
 
@@ -249,6 +253,20 @@ class Transformer(nnx.Module):
     x_BSE = self.final_norm(x_BSE)
     if reorder:
       x_BSE = zigzag(x_BSE, inverse=True)
+    return self.logits(x_BSE)
+
+  def embed(self, tokens_BS):
+    # Gather from a table that FSDP has all-gathered (like every weight before use) and that is
+    # only vocab-parallel: a masked local lookup plus an all-reduce over `tensor` (Megatron's
+    # vocab-parallel embedding). Gathering straight from the fsdp-sharded table makes XLA's
+    # partitioner replicate it ("involuntary full rematerialization").
+    table_VE = constrain(self.embed_VE[...], ("vocab", None))
+    x_BSE = jnp.take(table_VE, tokens_BS, axis=0).astype(DTYPES[self.cfg.dtype])
+    return constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
+
+  def logits(self, x_BSE):
+    """Final-normed hidden states -> fp32 logits (the tied or separate LM head)."""
+    cfg = self.cfg
     head_EV = self.embed_VE[...].T if cfg.tie_embeddings else self.lm_head_EV[...]
     logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE.astype(DTYPES[cfg.dtype]),
                             head_EV.astype(DTYPES[cfg.dtype]),

@@ -127,3 +127,46 @@ def tokenizer_dir(step_dir: str, config: dict) -> str | None:
     path = os.path.join(step_dir, config["tokenizer"])
     return path if os.path.isdir(path) else None
   return None
+
+
+class _ByteTokenizer:
+  """The module-level byte tokenizer functions behind the Tokenizer interface's methods (used
+  until `data.tokenizer.load_tokenizer` exists)."""
+  kind = "byte"
+
+  def __init__(self):
+    from data import tokenizer  # noqa: PLC0415
+    self._t = tokenizer
+    self.vocab_size, self.bos_id, self.eos_id = tokenizer.VOCAB_SIZE, tokenizer.BOS_ID, \
+        tokenizer.EOS_ID
+    self.pad_id = tokenizer.PAD_ID
+
+  def encode(self, text, *, bos=True, eos=True):
+    return self._t.encode(text, bos=bos, eos=eos)
+
+  def decode(self, ids):
+    return self._t.decode(ids)
+
+  def files(self):
+    return []
+
+
+def source_tokenizer(step_dir: str, config: dict):
+  """The tokenizer of a source, or None if it has none: a converted dir's tokenizer files
+  (`data.tokenizer.from_path`), or a training run's data dir (`data.tokenizer.load_tokenizer`,
+  the byte tokenizer for byte-level data)."""
+  from data import tokenizer  # noqa: PLC0415
+  files = tokenizer_dir(step_dir, config)
+  if files:
+    if not hasattr(tokenizer, "from_path"):
+      return None
+    return tokenizer.from_path(files)
+  if "data" not in config:
+    return None
+  data_dir = config["data"].get("dir") or ""
+  if hasattr(tokenizer, "load_tokenizer"):
+    if not data_dir:
+      from data.prepare import ensure_default_corpus  # noqa: PLC0415
+      data_dir = ensure_default_corpus()
+    return tokenizer.load_tokenizer(data_dir)
+  return _ByteTokenizer()
