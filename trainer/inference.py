@@ -62,7 +62,19 @@ def restore_params(src: str, mesh, *, ema: bool = False):
   return spec, params, config, "params"
 
 
-def _restore_ema(step_dir: str, config: dict, mesh):
+def restore_with_ema(src: str, mesh):
+  """(ModelSpec, {"params": ..., "ema": ...} ("ema" only when the checkpoint kept one),
+  config dict): both weight sets of a checkpoint from one read."""
+  step_dir, config = source_config(src)
+  spec = ModelSpec(model_config(config), mesh, seed=0)
+  if config.get("optim", {}).get("ema_decay", 0) > 0:
+    params, ema = _restore_ema(step_dir, config, mesh, with_params=True)
+    return spec, {"params": params, "ema": ema}, config
+  params, _ = load_params(step_dir, spec.abstract_params)
+  return spec, {"params": params}, config
+
+
+def _restore_ema(step_dir: str, config: dict, mesh, *, with_params: bool = False):
   """The EMA weights of a training checkpoint: the full state is restored (its structure comes
   from the optimizer the config builds) and the EMA picked out of the optimizer state."""
   from optim.ema import find_ema  # noqa: PLC0415
@@ -74,7 +86,8 @@ def _restore_ema(step_dir: str, config: dict, mesh):
   abstract = Program(cfg, mesh).abstract_state()
   with ocp.StandardCheckpointer() as checkpointer:
     state = checkpointer.restore(os.path.join(step_dir, "state"), abstract)
-  return find_ema(state.opt_state, state.params)
+  ema = find_ema(state.opt_state, state.params)
+  return (state.params, ema) if with_params else ema
 
 
 def _flatten(config: dict, ref: ml_collections.ConfigDict, prefix: str = "") -> dict:
@@ -164,9 +177,15 @@ def source_tokenizer(step_dir: str, config: dict):
   if "data" not in config:
     return None
   data_dir = config["data"].get("dir") or ""
+  if not data_dir:
+    from data.prepare import ensure_default_corpus  # noqa: PLC0415
+    data_dir = ensure_default_corpus()
+  return data_tokenizer(data_dir)
+
+
+def data_tokenizer(data_dir: str):
+  """The tokenizer a prepared data dir was made with."""
+  from data import tokenizer  # noqa: PLC0415
   if hasattr(tokenizer, "load_tokenizer"):
-    if not data_dir:
-      from data.prepare import ensure_default_corpus  # noqa: PLC0415
-      data_dir = ensure_default_corpus()
     return tokenizer.load_tokenizer(data_dir)
   return _ByteTokenizer()

@@ -1,0 +1,83 @@
+"""Loss, perplexity and bits per byte of a model over a whole data split (trainer/evaluation.py).
+
+    python -m tools.evaluate --checkpoint SRC --data DIR [--split validation] \
+        [--seq_len 128] [--batch_size 16] [--mesh.AXIS=N ...]
+
+SRC is a training workdir (newest checkpoint), a step dir, or a converted dir. --data defaults
+to the training run's data dir and --seq_len to its sequence length. When the checkpoint kept a
+parameter EMA (optim.ema_decay > 0), the EMA weights are evaluated too, in the same pass.
+Prints one line per weight set and writes them as JSON with --json PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainer import platforms
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()
+  parser = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--checkpoint", required=True)
+  parser.add_argument("--data", default="", help="prepared data dir (default: the run's)")
+  parser.add_argument("--split", default="validation")
+  parser.add_argument("--seq_len", type=int, default=0, help="0: the run's data.seq_len")
+  parser.add_argument("--batch_size", type=int, default=0,
+                      help="rows per batch; 0: 4 per data-parallel device")
+  parser.add_argument("--json", default="", help="also write the results to this file")
+  args, rest = parser.parse_known_args(argv)
+  bad = [r for r in rest if not r.startswith("--mesh.")]
+  if bad:
+    parser.error(f"unrecognized arguments: {' '.join(bad)}")
+
+  from data.prepare import DataError, ensure_default_corpus, read_meta  # noqa: PLC0415
+  from sharding.mesh import data_parallel_size  # noqa: PLC0415
+  from tools.convert import mesh_from_args  # noqa: PLC0415
+  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer.evaluation import evaluate_split  # noqa: PLC0415
+  from trainer.inference import data_tokenizer, restore_with_ema, source_config  # noqa: PLC0415
+
+  try:
+    mesh = mesh_from_args([r[len("--mesh."):] for r in rest])
+    _, config = source_config(args.checkpoint)
+    run_data = config.get("data", {})
+    data_dir = args.data or run_data.get("dir") or ""
+    if not data_dir:
+      if "data" not in config:
+        parser.error(f"{args.checkpoint} is not a training run: give --data DIR")
+      data_dir = ensure_default_corpus()
+    meta = read_meta(data_dir)
+    if args.split not in meta["splits"]:
+      parser.error(f"--split {args.split}: {data_dir} has {', '.join(meta['splits'])}")
+    seq_len = args.seq_len or run_data.get("seq_len") or 0
+    if seq_len <= 0:
+      parser.error("--seq_len: give the sequence length (the checkpoint does not name one)")
+    dp = data_parallel_size(dict(mesh.shape))
+    rows = args.batch_size or 4 * dp
+    if rows % dp:
+      parser.error(f"--batch_size {rows}: must divide over the {dp} data-parallel devices")
+    spec, weights, config = restore_with_ema(args.checkpoint, mesh)
+    if meta.get("vocab_size", 0) > spec.cfg.vocab_size:
+      parser.error(f"{data_dir} has vocab_size {meta['vocab_size']}, more than the model's "
+                   f"{spec.cfg.vocab_size}: it was tokenized for another model")
+  except (CheckpointError, DataError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  tok = data_tokenizer(data_dir)
+  results = evaluate_split(spec, weights, data_dir, args.split, seq_len=seq_len,
+                           batch_rows=rows, decode=tok.decode, log=print)
+  for name, r in results.items():
+    print(f"{args.split} [{name}]: loss={r['loss']:.4f} perplexity={r['perplexity']:.3f} "
+          f"bits_per_byte={r['bits_per_byte']:.4f} tokens={r['tokens']} bytes={r['bytes']}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"checkpoint": args.checkpoint, "data": data_dir, "split": args.split,
+                 "seq_len": seq_len, **results}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
