@@ -113,8 +113,34 @@ def default_config() -> ml_collections.ConfigDict:
       spike_zscore=6.0,  # a spike: loss > EMA mean + zscore * EMA std
       spike_window=200,  # EMA time constant in steps; detection starts after one window
       debug_nan_at_step=0,  # testing aid: make this step's loss NaN (0: never)
+      # Weights & Biases beside TensorBoard and metrics.jsonl (the `wandb` extra): project "" =
+      # off; mode "offline" logs under <workdir>/wandb with no account or network
+      wandb=ml_collections.ConfigDict(dict(project="", mode="online", name="")),
+      profile_steps="",  # "A:B": a jax.profiler trace of steps A..B under <workdir>/profile
   ))
   return c
+
+
+def _check_logging(trainer) -> None:
+  """trainer.wandb (the package installed when a project is named) and trainer.profile_steps."""
+  from trainer.profiling import parse_window  # noqa: PLC0415
+  _choice_value("trainer.wandb.mode", trainer.wandb.mode, ("online", "offline", "disabled"))
+  if trainer.wandb.project:
+    try:
+      import wandb  # noqa: F401, PLC0415
+    except ImportError:
+      raise ConfigError(f"trainer.wandb.project={trainer.wandb.project!r} needs the wandb "
+                        "package: pip install 'scaletrain[wandb]' (or leave the project empty)"
+                        ) from None
+  try:
+    parse_window(trainer.profile_steps)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _choice_value(key: str, value, choices) -> None:
+  if value not in choices:
+    raise ConfigError(f"{key}={value!r}: choose one of {', '.join(map(str, choices))}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,6 +440,7 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
   _choice(cfg, "checkpoint.on_error", ("stop", "continue"))
   _choice(cfg, "trainer.nonfinite_policy", ("skip", "stop"))
   _choice(cfg, "trainer.spike_policy", ("off", "skip", "stop"))
+  _check_logging(cfg.trainer)
   _need(t.spike_zscore > 0, f"trainer.spike_zscore={t.spike_zscore}: must be positive")
   _need(t.spike_window >= 1, f"trainer.spike_window={t.spike_window}: must be at least 1")
   if ck.init_from:

@@ -216,7 +216,8 @@ class Run:
         _repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
         self.writer = MetricsWriter(self.workdir, enabled=self.is_lead,
                                     progress_total=cfg.steps,
-                                    progress_bar=cfg.trainer.progress_bar)
+                                    progress_bar=cfg.trainer.progress_bar,
+                                    wandb=cfg.trainer.wandb.to_dict(), run_config=cfg.to_dict())
         if self.is_lead:
           with open(os.path.join(self.workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=1)

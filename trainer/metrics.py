@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -115,16 +116,22 @@ def _jsonable(value):
 
 
 class MetricsWriter:
-  """Writes on process 0 only: metrics.jsonl, TensorBoard event files, console lines."""
+  """Writes on process 0 only: metrics.jsonl, TensorBoard event files, console lines, and
+  Weights & Biases when `wandb` names a project (`trainer.wandb`: project, mode, name; mode
+  "offline" writes under `<workdir>/wandb` and needs no account or network)."""
 
   def __init__(self, workdir: str, *, enabled: bool = True, progress_total: int = 0,
-               progress_start: int = 0, progress_bar: bool = True):
+               progress_start: int = 0, progress_bar: bool = True, wandb=None,
+               run_config: dict | None = None):
     self.enabled = enabled
     self._jsonl = None
     self._tb = None
     self._bar = None
+    self._wandb = None
     if not enabled:
       return
+    if wandb is not None and wandb.get("project"):
+      self._wandb = _start_wandb(workdir, wandb, run_config)
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
     try:
@@ -146,6 +153,9 @@ class MetricsWriter:
       for key, value in row.items():
         if key != "step" and isinstance(value, (int, float)):
           self._tb.add_scalar(key, value, int(step))
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in row.items()
+                       if k != "step" and isinstance(v, (int, float))}, step=int(step))
     if console:
       text = " ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "step")
       self.log(f"step {step}: {text}")
@@ -167,10 +177,30 @@ class MetricsWriter:
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
     if self._tb is not None:
       self._tb.close()
     if self._jsonl is not None:
       self._jsonl.close()
+
+
+def _start_wandb(workdir: str, cfg, run_config: dict | None):
+  """A wandb run for this workdir; resumed (same id) when the workdir is restarted."""
+  import wandb  # noqa: PLC0415  (an optional extra; trainer/config.py checks it is installed)
+  os.makedirs(workdir, exist_ok=True)
+  id_path = os.path.join(workdir, "wandb_run_id")
+  if os.path.exists(id_path):
+    with open(id_path) as f:
+      run_id = f.read().strip()
+  else:
+    run_id = uuid.uuid4().hex[:12]
+    with open(id_path, "w") as f:
+      f.write(run_id)
+  return wandb.init(project=cfg["project"], name=cfg.get("name") or None,
+                    mode=cfg.get("mode") or "online", dir=workdir, id=run_id, resume="allow",
+                    config=run_config, settings=wandb.Settings(console="off"))
 
 
 def _fmt(v) -> str:
