@@ -2,9 +2,11 @@
 
     python train.py --config configs/lm_tiny.py --workdir runs/tiny [--config.a.b=value ...]
 
-Rerunning with the same --workdir resumes from its newest checkpoint. Config errors (unknown
-keys, wrong types, a mesh that does not fit the devices, sizes that do not divide) are reported
-in one line with exit code 2, before anything is compiled.
+Rerunning with the same --workdir resumes from its newest checkpoint. Command-line and config
+mistakes (an unknown argument or key, a wrong type, a config file that is missing, a directory,
+has a syntax error or raises in get_config(); a mesh that does not fit the devices, sizes that
+do not divide; a --workdir that is a file or cannot be written) are reported in one line with
+exit code 2, before anything is compiled.
 
 Several processes (hosts) are started by running this same command on each of them: see
 trainer/distributed.py and the README's "Multi-host" section.
@@ -17,42 +19,42 @@ after saving a checkpoint (restart to continue).
 """
 from __future__ import annotations
 
+import os
 import sys
 
-USAGE = "usage: python train.py --config FILE.py --workdir DIR [--config.KEY=VALUE ...]"
 EXIT_CONFIG_ERROR = 2
 
 
 def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
   """--config FILE, --workdir DIR, and --config.a.b=v (or --config.a.b v) overrides."""
-  config = workdir = None
-  overrides = []
-  i = 0
-  while i < len(argv):
-    arg = argv[i]
-    name, eq, value = arg.partition("=")
-    if not eq:
-      if i + 1 >= len(argv) or not name.startswith("--"):
-        raise SystemExit(f"error: cannot parse argument {arg!r}\n{USAGE}")
-      value = argv[i + 1]
-      i += 1
-    i += 1
-    if name == "--config":
-      config = value
-    elif name == "--workdir":
-      workdir = value
-    elif name.startswith("--config."):
-      overrides.append((name[len("--config."):], value))
-    else:
-      raise SystemExit(f"error: unknown argument {name!r}\n{USAGE}")
-  if not config or not workdir:
-    raise SystemExit(f"error: --config and --workdir are required\n{USAGE}")
-  if "://" in workdir:
-    raise SystemExit(
-        f"error: --workdir {workdir}: the workdir must be a filesystem path (metrics.jsonl is "
+  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  parser = CliParser("train.py", __doc__)
+  parser.add_argument("--workdir", required=True, metavar="DIR",
+                      help="run directory: checkpoints, metrics.jsonl; rerun to resume")
+  args, overrides = parser.parse(argv)
+  if "://" in args.workdir:
+    raise ConfigError(
+        f"--workdir {args.workdir}: the workdir must be a filesystem path (metrics.jsonl is "
         "appended to, checkpoints are renamed into place); for a bucket, mount it (e.g. "
         "gcsfuse --implicit-dirs BUCKET /gcs/BUCKET) and pass /gcs/BUCKET/...")
-  return config, workdir, overrides
+  return args.config, args.workdir, overrides
+
+
+def check_workdir(workdir: str) -> None:
+  """Create the workdir (if new) and make sure this process can write in it; a ConfigError
+  otherwise. Permission bits do not stop root, so it really writes (and removes) a file."""
+  import tempfile  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f"--workdir {workdir}: is a file, not a directory; give a directory "
+                      "(it is created if missing)")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise ConfigError(f"--workdir {workdir}: cannot write there ({e.strerror or e}); give a "
+                      "directory this user can create and write") from None
 
 
 def main(argv: list[str]) -> int:
@@ -65,10 +67,6 @@ def main(argv: list[str]) -> int:
 
   try:
     config_path, workdir, overrides = parse_args(argv)
-  except SystemExit as e:
-    print(e, file=sys.stderr)
-    return EXIT_CONFIG_ERROR
-  try:
     cfg = load(config_path, overrides)
     # Several processes (hosts): join them before anything touches a jax backend, then make
     # sure they all run the same thing (a disagreement is an error here, not a hang later).
@@ -77,7 +75,8 @@ def main(argv: list[str]) -> int:
     from absl import logging as absl_logging  # noqa: PLC0415
     absl_logging.set_verbosity(absl_logging.ERROR)  # library chatter; our own lines say it all
     distributed.check_agreement(cfg, workdir)
-    validate(cfg, jax.device_count())
+    validate(cfg, jax.devices())
+    check_workdir(workdir)
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)
     result = run.train()

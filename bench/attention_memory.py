@@ -41,7 +41,6 @@ layout (the model's: inputs already reordered, see sharding/ring_attention.py).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -167,8 +166,9 @@ def longest_fitting(impl: str, n: int, budget: int, granule: int) -> int:
   return lo
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  parser = CliParser("bench/attention_memory.py", __doc__, config=False)
   parser.add_argument("--seq", default="2048,4096,8192,16384")
   parser.add_argument("--devices", default="2,4,8")
   parser.add_argument("--budget-mib", type=int, default=1024, help="0: skip the budget search")
@@ -179,9 +179,16 @@ def main():
   parser.add_argument("--target", default="cpu",
                       help="cpu: 8 fake CPU devices; or a GPU topology of tools/aot.py, e.g. "
                            "h100:8, compile-only (the flash comparison only)")
-  args = parser.parse_args()
-  seqs = [int(s) for s in args.seq.split(",")]
-  devices = [int(n) for n in args.devices.split(",")]
+  try:
+    args = parser.parse_args(argv)
+    try:
+      seqs = [int(s) for s in args.seq.split(",")]
+      devices = [int(n) for n in args.devices.split(",")]
+    except ValueError as e:
+      parser.error(f"--seq / --devices take comma-separated integers ({e})")
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   _target.update(kv_heads=args.kv_heads, head_chunks=args.head_chunks)
   comparisons = list(COMPARISONS)
   where = f"{jax.device_count()} {jax.default_backend()} devices"
@@ -226,4 +233,4 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

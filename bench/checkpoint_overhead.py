@@ -11,7 +11,6 @@ noise is visible in the min/max columns.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -23,16 +22,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  parser = CliParser("bench/checkpoint_overhead.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=60, help="steps per overhead measurement")
   parser.add_argument("--saves", type=int, default=5, help="saves per blocking measurement")
   parser.add_argument("--every", default="0,20,10,5", help="checkpoint intervals to compare")
   parser.add_argument("--d-model", type=int, default=512,
                       help="model width: 512 gives ~107 MB of train state, 1024 ~4x that")
-  args = parser.parse_args(argv)
+  try:
+    args = parser.parse_args(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   import jax  # noqa: PLC0415
 
   from data import pipeline  # noqa: PLC0415
@@ -113,4 +117,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

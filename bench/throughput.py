@@ -9,7 +9,6 @@ tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this sam
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -20,29 +19,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--steps", type=int, default=20)
-  args, rest = parser.parse_known_args(argv)
-  overrides = []
-  for item in rest:
-    key, _, value = item.partition("=")
-    if not key.startswith("--config."):
-      parser.error(f"unknown argument {item}")
-    overrides.append((key[len("--config."):], value))
-
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  from trainer.config import CliParser, ConfigError, load_from_cli  # noqa: PLC0415
+  parser = CliParser("bench/throughput.py", __doc__)
+  parser.add_argument("--steps", type=int, default=20)
   import jax  # noqa: PLC0415
+  try:  # a mistake in the command line or config: one line, exit 2
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_from_cli(args.config, rest, devices=jax.devices())
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
   from models.llama import flops_per_token, param_counts  # noqa: PLC0415
-  from trainer.config import load, validate  # noqa: PLC0415
   from trainer.loop import Run  # noqa: PLC0415
   from trainer.metrics import machine_peak_flops, measure_matmul_peak  # noqa: PLC0415
   from trainer.state import init_state  # noqa: PLC0415
 
-  cfg = load(args.config, overrides)
-  validate(cfg, jax.device_count())
   with tempfile.TemporaryDirectory() as workdir:
     run = Run(cfg, workdir)
     t0 = time.perf_counter()
@@ -84,4 +78,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

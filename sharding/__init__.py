@@ -1,13 +1,14 @@
 """Device meshes, the logical->mesh rule table, and ring attention over the sequence axis."""
 from sharding.batch import assemble, process_rows
-from sharding.mesh import (MeshError, batch_sharding, data_parallel_size, make_mesh, replicated,
-                           resolve_mesh_shape)
+from sharding.mesh import (DCN_AXES, MeshError, batch_sharding, data_parallel_size, make_mesh,
+                           num_slices, replicated, resolve_mesh, resolve_mesh_shape)
 from sharding.ring_attention import ring_attention, ring_work, zigzag, zigzag_order
 from sharding.rules import BATCH_AXES, LOGICAL_RULES, MESH_AXES, constrain, logical_to_spec
 
 __all__ = [
-    "BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "MeshError", "assemble", "batch_sharding",
-    "constrain", "process_rows",
-    "data_parallel_size", "logical_to_spec", "make_mesh", "replicated", "resolve_mesh_shape",
+    "BATCH_AXES", "DCN_AXES", "LOGICAL_RULES", "MESH_AXES", "MeshError", "assemble",
+    "batch_sharding", "constrain", "process_rows",
+    "data_parallel_size", "logical_to_spec", "make_mesh", "num_slices", "replicated",
+    "resolve_mesh", "resolve_mesh_shape",
     "ring_attention", "ring_work", "zigzag", "zigzag_order",
 ]

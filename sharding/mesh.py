@@ -1,4 +1,5 @@
-"""Device mesh from the config's `mesh` block, and the NamedShardings the trainer needs."""
+"""Device mesh from the config's `mesh` block (one slice or several), and the NamedShardings
+the trainer needs."""
 from __future__ import annotations
 
 import math
@@ -15,42 +16,91 @@ class MeshError(ValueError):
   """The requested mesh cannot be built from the available devices."""
 
 
-def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """Sizes of every mesh axis, with at most one -1 filled from the device count."""
-  sizes = {name: int(mesh_cfg.get(name, 1)) for name in MESH_AXES}
-  fill = [name for name, size in sizes.items() if size == -1]
+DCN_AXES = tuple(f"dcn_{name}" for name in MESH_AXES)  # config keys: sizes across slices
+
+
+def num_slices(devices) -> int:
+  """How many slices the devices form: groups joined only by the slower data-center network
+  (DCN), told apart by `device.slice_index` (TPU multi-slice; also multi-node GPU). Devices
+  without a slice index (CPU) are one slice."""
+  return len({getattr(d, "slice_index", 0) for d in devices}) or 1
+
+
+def _fill(sizes: dict[str, int], total: int, prefix: str, unit: str,
+          available: str) -> dict[str, int]:
+  """`sizes` with at most one -1 filled so that they multiply to `total`. For the messages:
+  the config keys are `mesh.<prefix><axis>`, the product counts `unit`, `available` says what
+  there is."""
+  key = lambda name: f"mesh.{prefix}{name}"
   bad = [name for name, size in sizes.items() if size == 0 or size < -1]
   if bad:
-    raise MeshError(f"mesh.{bad[0]}={sizes[bad[0]]}: axis sizes must be positive (or -1 = fill)")
+    raise MeshError(f"{key(bad[0])}={sizes[bad[0]]}: axis sizes must be positive (or -1 = fill)")
+  fill = [name for name, size in sizes.items() if size == -1]
   if len(fill) > 1:
-    raise MeshError(f"mesh: only one axis may be -1 (fill), got {', '.join('mesh.' + f for f in fill)}")
+    raise MeshError(f"mesh: only one axis may be -1 (fill), got {', '.join(map(key, fill))}")
   known = math.prod(size for size in sizes.values() if size != -1)
   if fill:
-    if num_devices % known:
-      raise MeshError(
-          f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to "
-          f"{known}, which does not divide {num_devices}")
-    sizes[fill[0]] = num_devices // known
+    if total % known:
+      raise MeshError(f"{key(fill[0])}=-1 cannot fill {total} {unit}: the other axes multiply "
+                      f"to {known}, which does not divide {total}")
+    sizes = {**sizes, fill[0]: total // known}
   product = math.prod(sizes.values())
-  if product != num_devices:
-    shape = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "all 1"
-    raise MeshError(
-        f"mesh ({shape}) has {product} devices but {num_devices} are available; make the "
-        f"product of mesh.{{{','.join(MESH_AXES)}}} equal {num_devices} or set one axis to -1")
+  if product != total:
+    shape = ", ".join(f"{prefix}{k}={v}" for k, v in sizes.items() if v != 1) or "all 1"
+    group = ",".join(prefix + name for name in sizes)
+    raise MeshError(f"mesh ({shape}) has {product} {unit} but {available}; make the product of "
+                    f"mesh.{{{group}}} equal {total} or set one axis to -1")
   return sizes
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
-  """A `jax.sharding.Mesh` with the five named axes, all of type Auto.
+def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int,
+                 slices: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+  """(sizes inside a slice, sizes across slices) of every mesh axis, each with at most one -1
+  filled: `mesh.<axis>` multiply to the devices of one slice, `mesh.dcn_<axis>` to `slices`."""
+  dcn = _fill({name: int(mesh_cfg.get(f"dcn_{name}", 1)) for name in MESH_AXES}, slices, "dcn_",
+              "slice(s)", f"the devices form {slices} (device.slice_index; usually only "
+              "mesh.dcn_data crosses slices)")
+  if num_devices % slices:
+    raise MeshError(f"{num_devices} devices do not split evenly into {slices} slices")
+  per_slice = num_devices // slices
+  available = (f"{num_devices} are available" if slices == 1 else
+               f"each of the {slices} slices has {per_slice}")
+  ici = _fill({name: int(mesh_cfg.get(name, 1)) for name in MESH_AXES}, per_slice, "",
+              "devices", available)
+  return ici, dcn
 
-  `jax.make_mesh` defaults to Explicit axes, which breaks `with_sharding_constraint`; we pass
-  Auto explicitly (see DESIGN.md).
+
+def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int,
+                       slices: int = 1) -> dict[str, int]:
+  """Size of every mesh axis over all devices (inside-slice size x across-slice size)."""
+  ici, dcn = resolve_mesh(mesh_cfg, num_devices, slices)
+  return {name: ici[name] * dcn[name] for name in MESH_AXES}
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
+  """A `jax.sharding.Mesh` with the five named axes, all of type Auto: the one mesh builder of
+  training, the tools and the ahead-of-time compiles.
+
+  One slice: `jax.make_mesh` (it orders devices for the chips' interconnect). It defaults to
+  Explicit axes, which breaks `with_sharding_constraint`, so Auto is passed (see DESIGN.md).
+  Several slices (devices with more than one `slice_index`, which `jax.make_mesh` refuses):
+  `mesh_utils.create_hybrid_device_mesh`, jax's public builder for them; each axis is
+  `mesh.dcn_<axis>` blocks of one slice's `mesh.<axis>` devices, so an axis whose DCN size is 1
+  never leaves a slice. Physical axes may be split inside a slice (as `jax.make_mesh` allows
+  for v5e) so that any per-slice shape that divides the slice builds.
   """
   devices = jax.devices() if devices is None else list(devices)
-  sizes = resolve_mesh_shape(mesh_cfg, len(devices))
-  shape = tuple(sizes[name] for name in MESH_AXES)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+  slices = num_slices(devices)
+  ici, dcn = resolve_mesh(mesh_cfg, len(devices), slices)
+  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  if slices == 1:
+    return jax.make_mesh(tuple(ici[name] for name in MESH_AXES), MESH_AXES,
+                         axis_types=axis_types, devices=devices)
+  from jax.experimental import mesh_utils  # noqa: PLC0415
+  grid = mesh_utils.create_hybrid_device_mesh(
+      [ici[name] for name in MESH_AXES], [dcn[name] for name in MESH_AXES], devices,
+      allow_split_physical_axes=True)
+  return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def data_parallel_size(mesh_sizes: Mapping[str, int]) -> int:

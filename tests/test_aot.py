@@ -8,12 +8,16 @@ config must fail with the one-line message that names the knob to turn.
 import json
 import os
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 from conftest import override
 from models.llama import ModelConfig, flops_per_token
 from tools import aot
-from trainer.config import load
+from trainer import loop
+from trainer.config import ConfigError, load, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -99,8 +103,11 @@ def test_oversized_config_fails_with_the_knob_to_turn(capsys):
 @pytest.mark.parametrize("args,needle", [
     (["--topology", "v5e-8"], "--topology 'v5e-8': expected CHIP:AxB[xC]"),
     (["--topology", "v5e:2x2", "--config.mesh.data=3"], "has 3 devices but 4 are available"),
-    (["--topology", "v5e:2x2", "--slices", "2", "--config.mesh.data=1",
-      "--config.mesh.fsdp=-1"], "mesh.data=1 does not split over 2 slices"),
+    (["--topology", "v5e:2x2", "--config.mesh.dcn_data=2", "--config.mesh.data=8"],
+     "lm_tiny on 2x v5e:2x2: mesh (data=8) has 8 devices but each of the 2 slices has 4"),
+    (["--topology", "v5e:2x2", "--config.mesh.dcn_data=-1"],
+     "an ahead-of-time compile has no slices to count"),
+    (["--topology", "v5e:2x2", "--slices", "2"], "unknown argument '--slices'"),
 ])
 def test_user_errors_are_one_line_exit_2(args, needle, capsys):
   code = aot.main(["--config", TINY, *args])
@@ -108,12 +115,48 @@ def test_user_errors_are_one_line_exit_2(args, needle, capsys):
   assert code == 2 and needle in err and len(err.splitlines()) == 1, err
 
 
+@pytest.fixture(scope="module")
+def two_slices():
+  return aot.tpu_target("v5e:2x2", slices=2)
+
+
+def test_aot_and_training_build_the_same_multi_slice_mesh(two_slices, monkeypatch):
+  """Two v5e:2x2 slices, data across them (mesh.dcn_data=2) and data=2 x fsdp=2 inside each:
+  the mesh tools.aot compiles on is the one training builds on those devices, and only the
+  data axis leaves a slice."""
+  cfg = tiny(**{"mesh.dcn_data": 2})
+  assert aot.config_slices(cfg.mesh) == 2 and two_slices.slices == 2
+  sizes, aot_mesh = aot.target_mesh(cfg, two_slices, "lm_tiny")
+  # Training on these devices: train.py validates against jax.devices(), trainer.loop.Run
+  # builds `make_mesh(cfg.mesh)` over them.
+  monkeypatch.setattr(jax, "devices", lambda *a, **k: list(two_slices.devices))
+  assert validate(cfg, jax.devices()) == sizes
+  train_mesh = loop.make_mesh(cfg.mesh)
+  ids = lambda mesh: np.vectorize(lambda d: d.id)(mesh.devices)
+  np.testing.assert_array_equal(ids(aot_mesh), ids(train_mesh))
+  assert dict(train_mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1, "sequence": 1,
+                                    "expert": 1} == sizes
+  assert set(train_mesh.axis_types) == {AxisType.Auto}
+  slice_of = np.vectorize(lambda d: d.slice_index)(train_mesh.devices)
+  assert (slice_of[:2] == 0).all() and (slice_of[2:] == 1).all()  # fsdp stays inside a slice
+
+
+def test_slices_the_devices_report_must_match_the_config(two_slices):
+  with pytest.raises(ConfigError, match=r"has 1 slice\(s\) but the devices form 2"):
+    validate(tiny(), two_slices.devices)
+
+
 @pytest.mark.slow
-def test_multi_slice_puts_data_across_slices():
-  target = aot.tpu_target("v5e:2x2", slices=2)
-  assert len(target.devices) == 8 and target.slices == 2
-  report = aot.compile_report(tiny(**{"mesh.data": 2, "mesh.fsdp": 4}), target, "lm_tiny")
-  assert report.mesh["data"] == 2 and report.kernel_calls >= 1
+def test_multi_slice_compiles_from_the_config_keys(tmp_path, capsys):
+  out = tmp_path / "report.json"
+  code = aot.main(["--config", TINY, "--topology", "v5e:2x2",
+                   f"--config.model.attention={ATTENTION}", "--config.mesh.dcn_data=2", "--config.mesh.data=1", "--config.mesh.fsdp=4",
+                   "--json", str(out)])
+  assert code == 0, capsys.readouterr().err
+  report = json.loads(out.read_text())
+  assert report["chips"] == 8 and report["hosts"] == 2 and report["topology"] == "2x v5e:2x2"
+  assert report["mesh"]["data"] == 2 and report["mesh"]["fsdp"] == 4
+  assert report["kernel_calls"] >= 1
 
 
 @pytest.mark.slow

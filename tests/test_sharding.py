@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from models.llama import ModelConfig
-from sharding import MeshError, make_mesh, resolve_mesh_shape
+from sharding import MeshError, make_mesh, resolve_mesh, resolve_mesh_shape
 from trainer.state import ModelSpec
 
 CFG = ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -106,3 +106,37 @@ def test_resolve_mesh_shape(mesh_cfg, n, want):
 def test_mesh_errors(mesh_cfg, n, needle):
   with pytest.raises(MeshError, match=needle):
     resolve_mesh_shape(mesh_cfg, n)
+
+
+@pytest.mark.parametrize("mesh_cfg,n,slices,ici,dcn", [
+    ({"data": -1, "dcn_data": 2}, 8, 2, {"data": 4}, {"data": 2}),
+    ({"data": 2, "fsdp": -1, "dcn_data": -1}, 16, 4, {"data": 2, "fsdp": 2}, {"data": 4}),
+    ({"fsdp": -1, "dcn_data": 2, "dcn_fsdp": 2}, 16, 4, {"fsdp": 4}, {"data": 2, "fsdp": 2}),
+])
+def test_resolve_multi_slice(mesh_cfg, n, slices, ici, dcn):
+  """mesh.<axis> multiply to one slice's devices, mesh.dcn_<axis> to the slices; the axis sizes
+  over all devices are their products."""
+  got_ici, got_dcn = resolve_mesh(mesh_cfg, n, slices)
+  assert {k: v for k, v in got_ici.items() if v > 1} == ici
+  assert {k: v for k, v in got_dcn.items() if v > 1} == dcn
+  total = resolve_mesh_shape(mesh_cfg, n, slices)
+  assert total == {k: got_ici[k] * got_dcn[k] for k in total}
+
+
+@pytest.mark.parametrize("mesh_cfg,n,slices,needle", [
+    ({"data": -1}, 8, 2, r"mesh \(all 1\) has 1 slice\(s\) but the devices form 2"),
+    ({"data": -1, "dcn_data": 2}, 8, 1, r"mesh \(dcn_data=2\) has 2 slice\(s\) but the devices "
+     "form 1"),
+    ({"data": 8, "dcn_data": 2}, 8, 2, "has 8 devices but each of the 2 slices has 4"),
+    ({"dcn_data": -1, "dcn_fsdp": -1}, 8, 2, "only one axis may be -1"),
+    ({"dcn_data": 0}, 8, 2, "mesh.dcn_data=0: axis sizes must be positive"),
+])
+def test_multi_slice_mesh_errors(mesh_cfg, n, slices, needle):
+  with pytest.raises(MeshError, match=needle):
+    resolve_mesh_shape(mesh_cfg, n, slices)
+
+
+def test_dcn_sizes_must_match_the_slices_on_one_slice(devices):
+  """CPU devices are one slice: a DCN size above 1 is an error, not a silently ignored key."""
+  with pytest.raises(MeshError, match="dcn_data=2"):
+    make_mesh({"data": -1, "dcn_data": 2})

@@ -2,14 +2,17 @@
 
     python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4
     python -m tools.aot --config configs/lm_8b.py --topology v5:4x4x4 --config.mesh.fsdp=-1
-    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 --slices 2   # multi-slice
+    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 --config.mesh.dcn_data=2
 
 The program compiled is the one `train.py` runs: the same `trainer.program.Program` (model,
-logical->mesh rules, optimizer, micro-batching, donated state) on a mesh built from the config,
-but over the devices of a TPU topology description made by libtpu's compiler on this CPU machine
-(`jax.experimental.topologies`; install with `pip install -e ".[tpu]"`). On TPU the attention is
-jax's splash attention (a Mosaic kernel) when `model.attention` is `auto` or `flash`, so a kernel
-that does not lower for TPU fails here, before anyone pays for a slice.
+logical->mesh rules, optimizer, micro-batching, donated state) on the mesh `sharding.make_mesh`
+builds from the config, as in training, but over the devices of a TPU topology description made
+by libtpu's compiler on this CPU machine (`jax.experimental.topologies`; install with
+`pip install -e ".[tpu]"`). Multi-slice: the target has as many slices as the config's
+`mesh.dcn_*` sizes multiply to (the last example: two v5e:2x2 slices, data across them).
+On TPU the attention is jax's splash attention (a Mosaic kernel) when `model.attention` is
+`auto` or `flash`, so a kernel that does not lower for TPU fails here, before anyone pays for a
+slice.
 
 It prints, per device (= chip): argument memory (train state + batch), temporaries, outputs not
 aliased to the donated inputs, and their sum against the chip's HBM; the step's FLOPs (the
@@ -30,7 +33,6 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before jax is imported: this tool never runs a step
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several libtpu users at once
 
-import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -41,13 +43,12 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, Mesh  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 from models.attention import resolve_impl  # noqa: E402
 from models.llama import flops_per_token, param_counts  # noqa: E402
-from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
-from sharding.rules import MESH_AXES  # noqa: E402
-from trainer.config import ConfigError, apply_override, load, validate  # noqa: E402
+from sharding.mesh import DCN_AXES, data_parallel_size, make_mesh, num_slices  # noqa: E402
+from trainer.config import CliParser, ConfigError, load, validate  # noqa: E402
 from trainer.metrics import GiB, known_hbm_bytes, known_peak_flops  # noqa: E402
 from trainer.program import Program  # noqa: E402
 
@@ -72,9 +73,12 @@ class LibtpuMissing(AotError):
 
 @dataclasses.dataclass
 class Target:
-  name: str  # as given, e.g. "v5e:2x2" (with " x2 slices" for multi-slice)
+  name: str  # as given, e.g. "v5e:2x2" ("2x v5e:2x2" for two slices)
   devices: list
-  slices: int = 1
+
+  @property
+  def slices(self) -> int:
+    return num_slices(self.devices)
 
   @property
   def kind(self) -> str:
@@ -98,9 +102,15 @@ class Target:
 
 
 def libtpu_available() -> bool:
-  """Whether libtpu (the TPU compiler) is installed."""
-  from jax._src import xla_bridge  # noqa: PLC0415
-  return xla_bridge.get_tpu_library_path() is not None
+  """Whether libtpu (the TPU compiler) is installed: where jax looks for it, $TPU_LIBRARY_PATH
+  or the `libtpu` package (its public `get_library_path()`)."""
+  if os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", "")):
+    return True
+  try:
+    import libtpu  # noqa: PLC0415
+  except ImportError:
+    return False
+  return os.path.isfile(libtpu.get_library_path())
 
 
 @contextlib.contextmanager
@@ -125,11 +135,10 @@ def tpu_target(topology: str, slices: int = 1) -> Target:
   if not match:
     raise AotError(f"--topology {topology!r}: expected CHIP:AxB[xC], e.g. v5e:2x2, v4:2x2x1, "
                    "v5:2x2x1 (v5p), v6e:4x4; or h100:8, h100:2x8 (hosts x GPUs)")
-  if slices < 1:
-    raise AotError(f"--slices {slices}: must be at least 1")
   if not libtpu_available():
     raise LibtpuMissing("libtpu is not installed, so nothing can be compiled for TPU here: "
                         "pip install -e \".[tpu]\" (jax pins the libtpu it accepts)")
+  # Compile-only devices through jax's public jax.experimental.topologies (no private API).
   from jax.experimental import topologies  # noqa: PLC0415
   chip = match.group(1)
   kwargs = {"chip_config_name": "megacore"} if chip in MEGACORE else {}
@@ -142,7 +151,7 @@ def tpu_target(topology: str, slices: int = 1) -> Target:
     raise AotError(f"--topology {topology!r}: libtpu cannot describe it ({_first_line(e)})") \
         from None
   name = topology if slices == 1 else f"{slices}x {topology}"
-  return Target(name, list(desc.devices), slices)
+  return Target(name, list(desc.devices))
 
 
 # GPU targets: XLA's GpuTargetConfigProto (what a GPU's StreamExecutor would report), written
@@ -186,32 +195,24 @@ def gpu_target(topology: str) -> Target:
   return Target(topology, list(desc.devices))
 
 
+def config_slices(mesh_cfg) -> int:
+  """How many slices the config's mesh spans: the product of its `mesh.dcn_*` sizes."""
+  dcn = {key: int(mesh_cfg[key]) for key in DCN_AXES}
+  unknown = [key for key, size in dcn.items() if size == -1]
+  if unknown:
+    raise AotError(f"mesh.{unknown[0]}=-1: an ahead-of-time compile has no slices to count; "
+                   f"give the number of slices, e.g. --config.mesh.{unknown[0]}=2")
+  return math.prod(dcn.values())
+
+
 def make_target(topology: str, slices: int = 1) -> Target:
-  """A TPU topology (`v5e:2x2`, ...) or a GPU one (`h100:8`, `h100:2x8`)."""
+  """A TPU topology (`v5e:2x2`, ...), `slices` of them; or a GPU one (`h100:8`, `h100:2x8`)."""
   if GPU_TOPOLOGY_RE.match(topology):
     if slices != 1:
-      raise AotError("--slices is for TPU topologies")
+      raise AotError(f"mesh.dcn_* multiply to {slices} slices, which is for TPU topologies; "
+                     "for several GPU hosts use h100:HOSTSxGPUS with the dcn_* sizes at 1")
     return gpu_target(topology)
   return tpu_target(topology, slices)
-
-
-def target_mesh(mesh_cfg, target: Target) -> Mesh:
-  """The config's mesh over the target's devices. Across slices (the slow data-center network)
-  only the `data` axis is split: the other axes' collectives stay inside a slice."""
-  if target.slices == 1:
-    return make_mesh(mesh_cfg, devices=target.devices)
-  from jax.experimental import mesh_utils  # noqa: PLC0415
-  from sharding.mesh import resolve_mesh_shape  # noqa: PLC0415
-  sizes = resolve_mesh_shape(mesh_cfg, len(target.devices))
-  if sizes["data"] % target.slices:
-    raise AotError(f"mesh.data={sizes['data']} does not split over {target.slices} slices: the "
-                   "data axis is the one that crosses slices; make it a multiple of "
-                   f"{target.slices}")
-  ici = tuple(sizes[a] // (target.slices if a == "data" else 1) for a in MESH_AXES)
-  dcn = tuple(target.slices if a == "data" else 1 for a in MESH_AXES)
-  devices = mesh_utils.create_hybrid_device_mesh(ici, dcn, target.devices,
-                                                 allow_split_physical_axes=True)
-  return Mesh(devices, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,13 +385,18 @@ def _no_persistent_cache():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
-def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
-  """Compile the train step of `cfg` for `target`; raise AotError with advice if it fails."""
+def target_mesh(cfg, target: Target, config_name: str = "config") -> tuple[dict, Mesh]:
+  """The config validated against the target's devices (as train.py validates against its
+  own), and the mesh training builds on them: `sharding.make_mesh`, the one mesh builder."""
   try:
-    sizes = validate(cfg, len(target.devices))
-    mesh = target_mesh(cfg.mesh, target)
+    return validate(cfg, target.devices), make_mesh(cfg.mesh, target.devices)
   except ConfigError as e:
     raise AotError(f"{config_name} on {target.name}: {e}") from None
+
+
+def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
+  """Compile the train step of `cfg` for `target`; raise AotError with advice if it fails."""
+  sizes, mesh = target_mesh(cfg, target, config_name)
   program = Program(cfg, mesh)
   # Abstract arguments are made outside the mesh context: under a mesh of compile-only devices
   # even creating an abstract optimizer state would try to run on them.
@@ -454,36 +460,20 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
 
 
 def parse_args(argv: list[str]):
-  parser = argparse.ArgumentParser(prog="python -m tools.aot", description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True, help="a config file, e.g. configs/lm_1b.py")
+  """(options, config overrides); a mistake is a one-line ConfigError."""
+  parser = CliParser("-m tools.aot", __doc__)
   parser.add_argument("--topology", required=True, help="e.g. v5e:2x2, v4:2x2x1, v6e:4x4")
-  parser.add_argument("--slices", type=int, default=1, help="multi-slice: this many slices")
   parser.add_argument("--json", default="", help="also write the report to this JSON file")
   parser.add_argument("--markdown", action="store_true", help="print a README table row too")
-  args, rest = parser.parse_known_args(argv)
-  overrides = []
-  i = 0
-  while i < len(rest):
-    name, eq, value = rest[i].partition("=")
-    if not name.startswith("--config."):
-      parser.error(f"unknown argument {rest[i]!r}")
-    if not eq:
-      if i + 1 >= len(rest):
-        parser.error(f"{name} needs a value")
-      value, i = rest[i + 1], i + 1
-    overrides.append((name[len("--config."):], value))
-    i += 1
-  return args, overrides
+  return parser.parse(argv)
 
 
 def main(argv: list[str]) -> int:
-  args, overrides = parse_args(argv)
-  name = os.path.splitext(os.path.basename(args.config))[0]
   try:
-    cfg = load(args.config, [])
-    for dotted, text in overrides:
-      apply_override(cfg, dotted, text)
-    target = make_target(args.topology, args.slices)
+    args, overrides = parse_args(argv)
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    cfg = load(args.config, overrides)
+    target = make_target(args.topology, config_slices(cfg.mesh))
     report = compile_report(cfg, target, name)
   except (ConfigError, AotError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -36,7 +36,6 @@ needs matplotlib, the `tools` extra), and each run's workdir under `runs/`.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
@@ -174,7 +173,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.optim.noise_scale_every = max(1, cfg.eval_every // 2)
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
-  validate(cfg, jax.device_count())
+  validate(cfg, jax.devices())
   if os.path.exists(workdir):
     shutil.rmtree(workdir)  # the sweep owns its run directories: always a fresh start
 
@@ -309,9 +308,9 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--config", required=True)
+  """(options, config overrides, config name); a mistake is a one-line ConfigError."""
+  from trainer.config import CliParser  # noqa: PLC0415
+  p = CliParser("-m tools.batch_sweep", __doc__)
   p.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32,64")
   p.add_argument("--target_loss", type=float, required=True, help="validation loss to reach")
   p.add_argument("--lr_grid", default="1", help="multipliers of the reference learning rate")
@@ -327,15 +326,12 @@ def parse_args(argv):
   p.add_argument("--smooth_examples", type=int, default=1024,
                  help="width in examples of the centered average of the eval curve (0: none)")
   p.add_argument("--plot", default="", help="PNG path (default <out>/batch_sweep.png)")
-  args, rest = p.parse_known_args(argv)
-  overrides = []
-  for arg in rest:
-    name, eq, value = arg.partition("=")
-    if not name.startswith("--config.") or not eq:
-      p.error(f"unknown argument {arg!r} (overrides are --config.KEY=VALUE)")
-    overrides.append((name[len("--config."):], value))
-  args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})
-  args.lr_grid = [float(m) for m in args.lr_grid.split(",") if m]
+  args, overrides = p.parse(argv)
+  try:
+    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})
+    args.lr_grid = [float(m) for m in args.lr_grid.split(",") if m]
+  except ValueError as e:
+    p.error(f"--batch_sizes / --lr_grid take comma-separated numbers ({e})")
   args.micro_batch_size = args.micro_batch_size or args.batch_sizes[0]
   name = os.path.splitext(os.path.basename(args.config))[0]
   args.out = args.out or os.path.join("runs", "batch_sweep", name)
@@ -344,11 +340,11 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
-  args, overrides, name = parse_args(argv)
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   from trainer.config import ConfigError, load  # noqa: PLC0415
   try:
+    args, overrides, name = parse_args(argv)
     cfg = load(args.config, overrides)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -8,15 +8,18 @@ value and what would work.
 """
 from __future__ import annotations
 
+import argparse
 import ast
 import difflib
 import importlib.util
 import math
 import os
+import traceback
+from collections.abc import Sequence
 
 import ml_collections
 
-from sharding.mesh import MeshError, data_parallel_size, resolve_mesh_shape
+from sharding.mesh import MeshError, data_parallel_size, num_slices, resolve_mesh_shape
 
 
 class ConfigError(ValueError):
@@ -31,8 +34,11 @@ def default_config() -> ml_collections.ConfigDict:
   c.eval_every = 100  # 0: never
   c.eval_steps = 4  # validation batches per evaluation (a fixed set, the same every time)
 
-  c.mesh = ml_collections.ConfigDict(
-      dict(data=-1, fsdp=1, tensor=1, sequence=1, expert=1))  # one axis may be -1 = fill
+  # Devices per axis inside one slice (one axis may be -1 = fill), and across slices: the
+  # dcn_* sizes multiply to the number of slices (TPU multi-slice, multi-node GPU), 1 = one.
+  c.mesh = ml_collections.ConfigDict(dict(
+      data=-1, fsdp=1, tensor=1, sequence=1, expert=1,
+      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_sequence=1, dcn_expert=1))
 
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,
@@ -148,16 +154,55 @@ def _choice_value(key: str, value, choices) -> None:
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
+  """The ConfigDict of a config file's `get_config()`. Every way the file can fail (missing, a
+  directory, a syntax error, an exception while it runs) is one ConfigError line naming the file
+  and, where there is one, the line."""
+  if os.path.isdir(path):
+    raise ConfigError(f"--config {path}: is a directory; give a config file, e.g. "
+                      "configs/lm_tiny.py")
   if not os.path.isfile(path):
     raise ConfigError(f"--config {path}: no such file (configs live in configs/*.py)")
   spec = importlib.util.spec_from_file_location("_run_config", path)
+  if spec is None:
+    raise ConfigError(f"--config {path}: not a Python file; a config is a .py file with "
+                      "get_config()")
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    where = "" if os.path.realpath(e.filename or path) == os.path.realpath(path) else \
+        f" ({e.filename})"
+    raise ConfigError(f"--config {path}, line {e.lineno}{where}: {type(e).__name__}: "
+                      f"{e.msg}") from None
+  except Exception as e:  # noqa: BLE001  the user's code: report where it failed, in one line
+    raise ConfigError(f"--config {path}{_where(e, path)}: {_one_line(e)}") from None
+  if not callable(getattr(module, "get_config", None)):
     raise ConfigError(f"--config {path}: the file must define get_config()")
-  cfg = module.get_config()
+  try:
+    cfg = module.get_config()
+  except ConfigError:
+    raise
+  except Exception as e:  # noqa: BLE001
+    raise ConfigError(f"--config {path}{_where(e, path)}: get_config() raised "
+                      f"{_one_line(e)}") from None
+  if not isinstance(cfg, (ml_collections.ConfigDict, dict)):
+    raise ConfigError(f"--config {path}: get_config() returned a {type(cfg).__name__}; return an "
+                      "ml_collections.ConfigDict")
   _check_keys(cfg, default_config(), path)
   return cfg
+
+
+def _where(e: BaseException, path: str) -> str:
+  """', line N' of the innermost frame of `e` in the config file, or ''."""
+  target = os.path.realpath(path)
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if os.path.realpath(f.filename) == target]
+  return f", line {frames[-1].lineno}" if frames else ""
+
+
+def _one_line(e: BaseException) -> str:
+  text = " ".join(str(e).split())
+  return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _check_keys(cfg, ref, where, prefix=""):
@@ -228,6 +273,58 @@ def load(path: str, overrides: list[tuple[str, str]]) -> ml_collections.ConfigDi
   _merge(cfg, load_config_file(path), path)
   for dotted, text in overrides:
     apply_override(cfg, dotted, text)
+  return cfg
+
+
+# ----------------------------------------------------------------------------------------------
+# Command lines: one parser of `--config.KEY=VALUE` for train.py, tools/ and bench/
+
+
+def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+  """`--config.a.b=value` (or `--config.a.b value`) arguments -> [("a.b", "value")], in order.
+  Anything else is a ConfigError (keys and values are checked by `apply_override`)."""
+  out, i = [], 0
+  while i < len(args):
+    arg = args[i]
+    name, eq, value = arg.partition("=")
+    if not name.startswith("--config.") or name == "--config.":
+      raise ConfigError(f"unknown argument {arg!r}; config overrides are --config.KEY=VALUE")
+    if not eq:
+      if i + 1 >= len(args) or args[i + 1].startswith("--"):
+        raise ConfigError(f"{name}: no value; write {name}=VALUE")
+      value, i = args[i + 1], i + 1
+    out.append((name[len("--config."):], value))
+    i += 1
+  return out
+
+
+class CliParser(argparse.ArgumentParser):
+  """argparse for the project's command lines: `--config FILE.py` (when `config`), the CLI's own
+  options, and `--config.KEY=VALUE` overrides (`parse_overrides`). A mistake is one ConfigError
+  line (argparse would print its usage and exit); the CLI prints it and exits with code 2."""
+
+  def __init__(self, prog: str, description: str = "", *, config: bool = True):
+    super().__init__(prog=prog, description=description, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if config:
+      self.add_argument("--config", required=True, metavar="FILE.py",
+                        help="config file; --config.KEY=VALUE overrides any of its keys")
+
+  def parse(self, argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
+    """(the CLI's own options, the config overrides in order)."""
+    args, rest = self.parse_known_args(argv)
+    return args, parse_overrides(rest)
+
+  def error(self, message: str):
+    raise ConfigError(f"{message} (python {self.prog} --help)")
+
+
+def load_from_cli(path: str, args: Sequence[str], *, devices=None) -> ml_collections.ConfigDict:
+  """`load` with the overrides of a command line; validated against `devices` (a device list,
+  or a count for one slice) unless None."""
+  cfg = load(path, parse_overrides(args))
+  if devices is not None:
+    validate(cfg, devices)
   return cfg
 
 
@@ -343,8 +440,9 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
           f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
 
 
-def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
-  """Check the whole config against itself and the devices. Returns the resolved mesh sizes."""
+def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
+  """Check the whole config against itself and the devices the run will use (a list: their
+  count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
   from models.llama import (  # noqa: PLC0415
       ATTENTION_IMPLS, DTYPES, REMAT_POLICIES, ROPE_SCALING_TYPES)
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
@@ -357,7 +455,11 @@ def validate(cfg: ml_collections.ConfigDict, num_devices: int) -> dict:
   _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
 
   try:
-    sizes = resolve_mesh_shape(cfg.mesh, num_devices)
+    if isinstance(devices, int):
+      num_devices, slices = devices, 1
+    else:
+      num_devices, slices = len(devices), num_slices(devices)
+    sizes = resolve_mesh_shape(cfg.mesh, num_devices, slices)
   except MeshError as e:
     raise ConfigError(str(e)) from None
 
