@@ -7,8 +7,23 @@
           runs interpreted, exact but slow).
   splash  jax's TPU splash attention (kernels/splash.py); interpreted off-TPU.
   ring    ring attention over the mesh's `sequence` axis (sharding/ring_attention.py), O(S/N)
-          memory per device; with no sequence axis (> 1) to ring over it falls back to `auto`.
-  auto    ring when mesh.sequence > 1, else flash on GPU, splash on TPU, xla on CPU.
+          memory per device, its blocks in jnp (XLA) on every platform; with no sequence axis
+          (> 1) to ring over it falls back to `auto`.
+  auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU cuDNN's fused
+          flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) where it
+          applies, else xla (`choose_impl` decides, from the platform, dtype and shapes).
+
+Why `auto` never picks our Pallas kernel on GPU: it has been compiled for GPUs (Triton lowering
+in tests/test_flash_attention.py, H100 compiles in bench/attention_memory.py) but never *run*
+on one; every numerical check runs it interpreted on CPU. Until a GPU run has checked it against
+the reference, the default on GPU is a path that jax and NVIDIA run in production: cuDNN's
+fused attention when its constraints hold (jax 0.10.2, `jax/_src/cudnn/fused_attention_stablehlo.py`:
+q/k/v fp16 or bf16, never fp32; head dim a multiple of 8 and <= 128, 256 only on Hopper+ as
+seen by the local GPU, so 128 is what an ahead-of-time compile may rely on; grouped-query heads
+supported; packed documents only as a mask, which cuDNN takes as an additive [B, 1, S, S] bias,
+and in training with a bias both lengths must be even), otherwise XLA's attention. `flash`
+stays available by name (and as ring attention's blocks only by name, see
+sharding/ring_attention.py).
 
 Packed documents are kept apart by segment ids: a query attends only to keys of its own segment
 (and, when causal, not to later tokens; causality is by token index, not by position).
@@ -24,6 +39,7 @@ states back once at the output, so no layer pays for a permutation.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from kernels import flash_attention
@@ -33,6 +49,8 @@ from sharding.ring_attention import ring_attention, split_axes
 from sharding.rules import BATCH_AXES
 
 IMPLS = ("xla", "flash", "splash", "ring", "auto")
+CUDNN_DTYPES = ("float16", "bfloat16")
+CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper+, but jax checks that on the local GPU (see above)
 
 
 def segment_mask(segment_ids_q, segment_ids_kv=None):
@@ -48,21 +66,43 @@ def xla_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
                                       implementation="xla")
 
 
-def resolve_impl(impl: str, mesh=None) -> str:
-  """The implementation `impl` stands for under `mesh` (default: the current mesh)."""
+def cudnn_applies(dtype, head_dim: int, seq_len: int | None = None) -> bool:
+  """Whether cuDNN's fused attention (through `jax.nn.dot_product_attention`) accepts q/k/v of
+  `dtype` with this head dim and sequence length, with a segment mask, in training."""
+  return (jnp.dtype(dtype).name in CUDNN_DTYPES and head_dim % 8 == 0
+          and head_dim <= CUDNN_MAX_HEAD_DIM and (seq_len is None or seq_len % 2 == 0))
+
+
+def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
+                head_dim: int | None = None, seq_len: int | None = None) -> str:
+  """The implementation `impl` stands for on `platform` ("cpu", "gpu", "tpu") with a mesh
+  `sequence` axis of that size, for q/k/v of `dtype` and `head_dim` (the one place the choice
+  is made; see the module docstring for why GPU's default is cudnn or xla, not flash). Without
+  dtype and head_dim (not known yet), `auto` on GPU is "cudnn" when the caller cannot tell:
+  `attention` decides again with the real arrays."""
   if impl not in IMPLS:
     raise ValueError(f"unknown attention implementation {impl!r}; choose one of "
                      f"{', '.join(IMPLS)}")
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  sequence = 1 if mesh.empty else mesh.shape.get("sequence", 1)
-  platform = mesh_platform(mesh)
   if impl == "auto" or (impl == "ring" and sequence == 1):
     if sequence > 1:
       return "ring"
-    return {"gpu": "flash", "tpu": "splash"}.get(platform, "xla")
+    if platform == "gpu":
+      if dtype is None or head_dim is None:
+        return "cudnn"
+      return "cudnn" if cudnn_applies(dtype, head_dim, seq_len) else "xla"
+    return {"tpu": "splash"}.get(platform, "xla")
   if impl == "flash" and platform == "tpu":
     return "splash"
   return impl
+
+
+def resolve_impl(impl: str, mesh=None, *, dtype=None, head_dim: int | None = None,
+                 seq_len: int | None = None) -> str:
+  """The implementation `impl` stands for under `mesh` (default: the current mesh)."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  sequence = 1 if mesh.empty else mesh.shape.get("sequence", 1)
+  return choose_impl(impl, platform=mesh_platform(mesh), sequence=sequence, dtype=dtype,
+                     head_dim=head_dim, seq_len=seq_len)
 
 
 def sequence_layout(impl: str, mesh=None) -> str:
@@ -83,6 +123,13 @@ def _shard_over_batch_and_heads(fn, mesh, q_BSHD, k_BSKD):
                        check_vma=False)
 
 
+def cudnn_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
+  """cuDNN's fused flash attention; packed documents as a mask (cuDNN adds it as a bias)."""
+  mask = None if segment_ids is None else segment_mask(segment_ids)
+  return jax.nn.dot_product_attention(q_BSHD, k_BSKD, v_BSKD, mask=mask, is_causal=causal,
+                                      implementation="cudnn")
+
+
 def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xla",
               layout="contiguous", ring_head_chunks=1):
   """q [B, S, H, D], k/v [B, S, K, D] with H a multiple of K -> [B, S, H, D].
@@ -91,7 +138,8 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   `sequence_layout`); every other implementation needs natural order. ring_head_chunks: ring
   attention's `head_chunks` (ignored by the others)."""
   mesh = jax.sharding.get_abstract_mesh()
-  impl = resolve_impl(impl, mesh)
+  impl = resolve_impl(impl, mesh, dtype=q_BSHD.dtype, head_dim=q_BSHD.shape[3],
+                      seq_len=q_BSHD.shape[1])
   if layout != "contiguous" and not (impl == "ring" and causal):
     raise ValueError(f"attention layout {layout!r} is only meaningful for causal ring "
                      f"attention, not {impl!r}")
@@ -100,7 +148,10 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   if impl == "ring":
     return ring_attention(q_BSHD, k_BSKD, v_BSKD, mesh=mesh, causal=causal,
                           segment_ids=segment_ids, layout=layout, head_chunks=ring_head_chunks)
-  if impl == "flash":
+  if impl == "cudnn":
+    def kernel(q, k, v, seg):
+      return cudnn_attention(q, k, v, segment_ids=seg, causal=causal)
+  elif impl == "flash":
     interpret = mesh_platform(mesh) != "gpu"  # the target's platform, also when compiling AOT
 
     def kernel(q, k, v, seg):

@@ -30,8 +30,10 @@ un-permutes the final hidden states once, models/llama.py), and everything in be
 positions, segment masks, MLPs) is order-agnostic. `layout="contiguous"` (the default) accepts
 natural order and reorders inside, with ppermutes, O(S/N) memory, on every call.
 
-The per-block computation is the Pallas flash kernel (kernels/flash_attention.py) on GPU, and
-plain jnp elsewhere (`impl="flash"` forces the kernel, interpreted off-GPU). Non-causal
+The per-block computation is plain jnp (XLA) by default on every platform, or the Pallas flash
+kernel (kernels/flash_attention.py) by name (`impl="flash"`: compiled on GPU, interpreted
+elsewhere). `auto` does not pick the kernel on GPU because it has only been compiled for GPUs,
+never run on one (models/attention.py says the same for the unsharded default). Non-causal
 attention needs no balancing: every step is a full block pair.
 
 With the flash kernel a step is one kernel call per pass that carries the ring's state: the
@@ -75,7 +77,7 @@ forward and 1.60-1.73 instead of 0.94 x N forward+backward (S = 4096, when this 
 the backward, dK/dV are sent after their kernel, so their hops are exactly N, the last one
 bringing them home.
 
-The jnp block (everywhere but GPU) keeps static shapes: each causal step is one of two half
+The jnp block (the default) keeps static shapes: each causal step is one of two half
 block pairs chosen by `lax.cond`, merged into (o, lse) with their log-sum-exps. It scans over
 chunks of keys with the same online softmax, so its scores are [S/N, chunk], not [S/N, S/N],
 and memory stays O(S/N) there too.
@@ -92,7 +94,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from kernels.flash_attention import BlockSizes
+from kernels.flash_attention import BlockSizes, _update_tiles
+from kernels.flash_attention import _setup as _flash_setup
 from kernels.flash_attention import backward as flash_backward
 from kernels.flash_attention import forward as flash_forward
 from sharding.mesh import mesh_platform
@@ -315,15 +318,21 @@ def _send(tree, cfg: _RingConfig):
   return lax.ppermute(tree, cfg.axis, [(j, (j + 1) % n) for j in range(n)])
 
 
-def _visible(cfg: _RingConfig, i, s, length: int):
+def _visible(cfg: _RingConfig, i, s, length: int, layout: str = "zigzag"):
   """The block pair of ring step s on device i as (q_start, kv_stop, causal): our queries from
   q_start on see the held keys before kv_stop, causally at step 0 (the zig-zag cases of the
-  module docstring; non-causal: everything)."""
+  module docstring; non-causal: everything). Both block implementations take their step from
+  here, and so does `ring_work`. layout="contiguous" is only for `ring_work`'s comparison (the
+  ring itself always runs zig-zag when causal): earlier devices' blocks whole, later ones not
+  at all."""
   if not cfg.causal:
     return 0, length, False
-  half, own = length // 2, s == 0
-  earlier = (i - s) % cfg.n < i  # an earlier device's keys: only their first chunk is visible
-  later = jnp.logical_not(jnp.logical_or(own, earlier))  # only our second chunk sees them
+  own = s == 0
+  earlier = (i - s) % cfg.n < i
+  later = jnp.logical_not(jnp.logical_or(own, earlier))
+  if layout == "contiguous":
+    return jnp.where(later, length, 0), length, own
+  half = length // 2  # zig-zag: an earlier device's first chunk; only our second sees later ones
   return jnp.where(later, half, 0), jnp.where(earlier, half, length), own
 
 
@@ -437,7 +446,8 @@ def _jnp_ring_fwd(cfg: _RingConfig, q, k, v, seg):
       return _zeros_then(ob), jnp.concatenate([jnp.full_like(lseb, -jnp.inf), lseb], axis=2)
 
     # The merge stays outside the branches, so it updates the accumulator in place.
-    return _merge(o, lse, *lax.cond((i - s) % n < i, kv_first_half, q_second_half))
+    first_half_of_keys = _visible(cfg, i, s, 2 * half)[1] == half
+    return _merge(o, lse, *lax.cond(first_half_of_keys, kv_first_half, q_second_half))
 
   kv = (k, v, seg)
   o, lse = _jnp_block_fwd(cfg, q, k, v, seg, seg, cfg.causal)  # step 0: our own keys
@@ -477,7 +487,7 @@ def _jnp_ring_bwd(cfg: _RingConfig, q, k, v, seg, o, lse, do):
                                   lse[:, :, hi], delta[:, :, hi], False)
       return _zeros_then(dq), dk, dv
 
-    return lax.cond((i - s) % n < i, kv_first_half, q_second_half)
+    return lax.cond(_visible(cfg, i, s, 2 * half)[1] == half, kv_first_half, q_second_half)
 
   kv = (k, v, seg)
   dq, dk, dv = _jnp_block_bwd(cfg, q, k, v, seg, seg, do, lse, delta, cfg.causal)  # step 0
@@ -550,12 +560,10 @@ def _ring_vjp_bwd(cfg, residuals, do):
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd)
 
 
-def _block_impl(impl: str, mesh) -> str:
+def _block_impl(impl: str) -> str:
   if impl not in BLOCK_IMPLS:
     raise ValueError(f"ring attention: impl={impl!r}; choose one of {', '.join(BLOCK_IMPLS)}")
-  if impl != "auto":
-    return impl
-  return "flash" if mesh_platform(mesh) == "gpu" else "jnp"
+  return "jnp" if impl == "auto" else impl
 
 
 def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
@@ -572,8 +580,8 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
   like the model's activations. layout: "contiguous" = natural token order; "zigzag" = the
   arrays are in `zigzag` order already (see the module docstring; only matters when causal).
   impl: block computation, "flash" (Pallas kernel with `block_sizes` tiles), "jnp" (keys in
-  chunks of `kv_chunk`, or the largest common divisor with the block length), or "auto" (flash
-  on GPU, jnp elsewhere).
+  chunks of `kv_chunk`, or the largest common divisor with the block length), or "auto" (jnp
+  on every platform until the kernel has been checked on a GPU; see the module docstring).
   head_chunks: run the ring once per chunk of a device's kv heads (with their query heads), so
   the k/v block in flight, the one computed on and, backward, the travelling dK/dV hold 1/c of
   the heads: per-device memory falls from q, k, v, o + 2 k/v blocks towards q, k, v, o (see
@@ -598,7 +606,7 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
                      f"{local_kv_heads} kv heads each device holds")
   cfg = _RingConfig(axis=axis, n=n, causal=bool(causal),
                     scale=float(D ** -0.5 if scale is None else scale),
-                    impl=_block_impl(impl, mesh), block_sizes=block_sizes,
+                    impl=_block_impl(impl), block_sizes=block_sizes,
                     interpret=mesh_platform(mesh) != "gpu" if interpret is None else interpret,
                     kv_chunk=int(kv_chunk), head_chunks=int(head_chunks))
   reorder = causal and layout == "contiguous" and n > 1
@@ -621,23 +629,40 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
 # Work per device (for the load-balance benchmark).
 
 
-def ring_work(seq_len: int, n: int, *, layout: str = "zigzag") -> dict[str, np.ndarray]:
-  """Causal attention work per device over the whole ring, as (query, key) pairs.
+def ring_work(seq_len: int, n: int, *, layout: str = "zigzag", impl: str = "jnp",
+              block_sizes: BlockSizes | None = None) -> dict[str, np.ndarray]:
+  """Causal attention work per device over one forward pass of the ring, as (query, key) pairs.
 
-  `needed`: pairs the causal mask allows (key index <= query index), counted exactly from the
-  layout's token order. `computed`: pairs in the block pairs the ring schedule evaluates, with
-  the flash kernel's tile skipping on the diagonal block (zig-zag: the local causal triangle at
-  step 0, then half a block pair per step; the jnp block computes the whole square at step 0,
-  the same on every device; contiguous: a full block pair per earlier device, a triangle for
-  its own, nothing for later ones). FLOPs are 4 x D x H x pairs forward, 2.5x that backward."""
+  `needed`: pairs the causal mask allows (key index <= query index), counted from the layout's
+  token order. `computed`: pairs the ring's block computations visit, counted from the same
+  per-step bounds the ring passes to them (`_visible`: q_start, kv_stop, causal flag) and, for
+  impl="flash", the kernel's own tile loop bounds (`_update_tiles`, with the tiles `forward`
+  would use for `block_sizes`): whole [block_q, block_k] tiles, masked pairs in a visited tile
+  included; impl="jnp": the rows from q_start times the keys before kv_stop (the jnp block
+  computes whole sub-blocks, its step-0 square included). layout="contiguous" counts the same
+  schedule on contiguous blocks (what the ring would do without zig-zag), for comparison.
+  FLOPs are about 4 x D x H x pairs forward (the backward visits the same pairs)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
+  if impl not in ("jnp", "flash"):
+    raise ValueError(f"impl={impl!r}; choose jnp or flash")
   L = seq_len // n
   order = zigzag_order(seq_len, n) if layout == "zigzag" else np.arange(seq_len)
   needed = np.array([np.sum(order[d * L:(d + 1) * L] + 1) for d in range(n)], dtype=np.int64)
-  triangle = L * (L + 1) // 2
-  if layout == "zigzag":
-    computed = np.full(n, triangle + (n - 1) * L * (L // 2), dtype=np.int64)
+  cfg = _RingConfig(axis="", n=n, causal=True, scale=1.0, impl=impl, block_sizes=block_sizes,
+                    interpret=True, kv_chunk=L)
+  device, step = np.arange(n)[:, None], np.arange(n)[None, :]
+  q_start, kv_stop, causal = (np.broadcast_to(np.asarray(x), (n, n))
+                              for x in _visible(cfg, device, step, L, layout))
+  if impl == "jnp":
+    computed = ((L - q_start) * kv_stop).sum(axis=1)
   else:
-    computed = np.array([triangle + d * L * L for d in range(n)], dtype=np.int64)
-  return {"needed": needed, "computed": computed}
+    sds = jax.ShapeDtypeStruct((1, L, 1, 16), jnp.float32)
+    tiles, s_pad, t_pad, _ = _flash_setup(sds, sds, sds, None, None, causal=False, scale=None,
+                                          block_sizes=block_sizes, interpret=True)
+    bq, bk = tiles.block_q, tiles.block_k
+    query_tile = np.arange(s_pad // bq)[None, None, :]
+    bounds = (q_start[..., None], kv_stop[..., None], causal[..., None])
+    visits = np.asarray(_update_tiles(t_pad // bk, query_tile, bq, bk, bounds))
+    computed = visits.sum(axis=(1, 2)) * bq * bk
+  return {"needed": needed, "computed": np.asarray(computed, dtype=np.int64)}

@@ -11,11 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models.attention as attention_module
 from kernels import BlockSizes, flash_attention
+from kernels.flash_attention import _setup
 from kernels.flash_attention import backward as block_backward
 from kernels.flash_attention import forward as block_forward
 from kernels.splash import splash_attention
-from models.attention import attention, segment_mask
+from models.attention import attention, choose_impl, resolve_impl, segment_mask
 from sharding import make_mesh
 
 SMALL = BlockSizes(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=32)
@@ -63,6 +65,22 @@ def test_fp32_matches_reference(name):
   want = _fwd_and_grads(lambda q, k, v: _reference(q, k, v, seg, causal), q, k, v, do)
   for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     assert g.shape == w.shape and g.dtype == w.dtype, what
+    np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
+
+
+def test_default_tiles_match_reference():
+  """The tiles users get (BlockSizes() defaults: 128 x 64 forward, 64 x 64 backward) on a
+  sequence of several of them, not a multiple of the largest (padded), causal, packed, GQA."""
+  q, k, v, do, seg = _inputs(1, 320, 4, 2, 32, jnp.float32, seed=8, segments=True)
+  cfg = _setup(q, k, v, seg, seg, causal=True, scale=None, block_sizes=None, interpret=True)[0]
+  defaults = BlockSizes()
+  assert (cfg.block_q, cfg.block_k, cfg.block_q_bwd, cfg.block_k_bwd) == (
+      defaults.block_q, defaults.block_k, defaults.block_q_bwd, defaults.block_k_bwd)
+  assert 320 > 2 * max(cfg.block_q, cfg.block_k)  # several tiles each way, last one padded
+  got = _fwd_and_grads(jax.jit(lambda q, k, v: flash_attention(
+      q, k, v, causal=True, segment_ids=seg)), q, k, v, do)
+  want = _fwd_and_grads(lambda q, k, v: _reference(q, k, v, seg, True), q, k, v, do)
+  for what, g, w in zip(("out", "dq", "dk", "dv"), got, want):
     np.testing.assert_allclose(g, w, atol=2e-5, rtol=1e-5, err_msg=what)
 
 
@@ -282,3 +300,47 @@ def test_splash_lowers_for_tpu():
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
       q, k, k, sds((2, 1024), jnp.int32)).lower(lowering_platforms=("tpu",))
   assert lowered.as_text().count("tpu_custom_call") == 3
+
+
+def test_auto_attention_choice():
+  """`auto` on GPU is cuDNN's fused attention where its constraints hold (fp16/bf16, head dim a
+  multiple of 8 up to 128, even length with a segment mask), else xla: never our Pallas
+  kernel, which has not run on a GPU yet; `flash` stays available by name."""
+  gpu = dict(platform="gpu", seq_len=2048)
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=128, **gpu) == "cudnn"
+  assert choose_impl("auto", dtype=jnp.float16, head_dim=64, **gpu) == "cudnn"
+  assert choose_impl("auto", dtype=jnp.float32, head_dim=64, **gpu) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=256, **gpu) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=36, **gpu) == "xla"
+  assert choose_impl("auto", platform="gpu", dtype=jnp.bfloat16, head_dim=64,
+                     seq_len=2047) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, sequence=4, **gpu) == "ring"
+  assert choose_impl("ring", dtype=jnp.bfloat16, head_dim=64, **gpu) == "cudnn"  # nothing to ring
+  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, **gpu) == "flash"
+  assert choose_impl("flash", platform="tpu") == "splash"
+  assert choose_impl("auto", platform="tpu") == "splash"
+  assert choose_impl("auto", platform="cpu", dtype=jnp.bfloat16, head_dim=64) == "xla"
+  with _for_gpu():  # the platform comes from the mesh's devices (ahead-of-time compiles)
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=64, seq_len=128) == "cudnn"
+    assert resolve_impl("auto", dtype=jnp.float32, head_dim=64, seq_len=128) == "xla"
+  with pytest.raises(ValueError, match="unknown attention implementation"):
+    choose_impl("cudnn2", platform="gpu")
+
+
+@pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "cudnn"), (jnp.float32, "xla")])
+def test_model_attention_on_gpu_calls_the_choice(monkeypatch, dtype, want):
+  """Under a GPU mesh the model's `attention(impl="auto")` calls what `choose_impl` picked.
+  (Tracing cuDNN's attention needs CUDA libraries, so the calls are recorded, not run.)"""
+  called = []
+
+  def record(name):
+    return lambda q, k, v, *, segment_ids=None, causal=True: called.append(name) or q
+
+  monkeypatch.setattr(attention_module, "cudnn_attention", record("cudnn"))
+  monkeypatch.setattr(attention_module, "xla_attention", record("xla"))
+  sds = jax.ShapeDtypeStruct
+  q, k = sds((2, 128, 4, 64), dtype), sds((2, 128, 2, 64), dtype)
+  with _for_gpu():
+    jax.eval_shape(lambda q, k, v, seg: attention(q, k, v, segment_ids=seg, impl="auto"),
+                   q, k, k, sds((2, 128), jnp.int32))
+  assert called == [want]
