@@ -1,6 +1,7 @@
 """Several processes: start-up from config/environment, agreement checks, and a real two-process
 run on CPU (gloo collectives, 4 devices per process) that equals one process with 8 devices and
 resumes from its own checkpoint."""
+import inspect
 import json
 import os
 import socket
@@ -136,6 +137,30 @@ def test_resolve_detection_order(values, environ, expected):
   else:
     assert (launch_.coordinator_address, launch_.num_processes, launch_.process_id,
             launch_.source) == expected
+
+
+@pytest.mark.parametrize("environ,vendors,expected", [
+    ({}, {"0x1ae0"}, (None, None, None, "Cloud TPU VM")),  # jax asks the metadata server
+    ({"JAX_PLATFORMS": "cpu"}, {"0x1ae0"}, None),  # TPUs left out: one process
+    ({}, {"0x8086"}, None),  # no Google TPU on the PCI bus
+])
+def test_resolve_on_a_tpu_vm_leaves_the_count_to_jax(environ, vendors, expected, monkeypatch):
+  monkeypatch.setattr(distributed.platforms, "pci_vendors", lambda: vendors)
+  monkeypatch.setattr(distributed, "libtpu_available", lambda: True)
+  launch_ = distributed.resolve(dist_cfg(), environ)
+  if expected is None:
+    assert launch_ is None
+  else:
+    assert (launch_.coordinator_address, launch_.num_processes, launch_.process_id,
+            launch_.source) == expected
+
+
+def test_only_public_jax_apis():
+  """Start-up, the agreement check and the AOT tool use jax's public APIs (jax.distributed,
+  jax.experimental.{multihost_utils,mesh_utils,topologies}), never jax._src."""
+  from tools import aot  # noqa: PLC0415
+  for module in (distributed, aot):
+    assert "jax._src" not in inspect.getsource(module), module.__name__
 
 
 def test_resolve_partial_values_without_a_cluster_is_an_error():

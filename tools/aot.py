@@ -49,6 +49,7 @@ from models.attention import resolve_impl  # noqa: E402
 from models.llama import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import DCN_AXES, data_parallel_size, make_mesh, num_slices  # noqa: E402
 from trainer.config import CliParser, ConfigError, load, validate  # noqa: E402
+from trainer.distributed import libtpu_available  # noqa: E402
 from trainer.metrics import GiB, known_hbm_bytes, known_peak_flops  # noqa: E402
 from trainer.program import Program  # noqa: E402
 
@@ -99,18 +100,6 @@ class Target:
   @property
   def peak_flops(self) -> float | None:
     return known_peak_flops(self.kind)
-
-
-def libtpu_available() -> bool:
-  """Whether libtpu (the TPU compiler) is installed: where jax looks for it, $TPU_LIBRARY_PATH
-  or the `libtpu` package (its public `get_library_path()`)."""
-  if os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", "")):
-    return True
-  try:
-    import libtpu  # noqa: PLC0415
-  except ImportError:
-    return False
-  return os.path.isfile(libtpu.get_library_path())
 
 
 @contextlib.contextmanager
@@ -406,7 +395,9 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   t0 = time.perf_counter()
   try:
     with jax.set_mesh(mesh), _no_persistent_cache():
-      attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh)
+      attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh, dtype=cfg.model.dtype,
+                               head_dim=program.model_cfg.dim_per_head,
+                               seq_len=cfg.data.seq_len)
       compiled = program.jitted_step().lower(state, batch).compile()
   except Exception as e:  # noqa: BLE001
     if not is_out_of_memory(e):

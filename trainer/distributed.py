@@ -9,10 +9,11 @@ things go wrong at that scale that never do on one machine, and both used to mea
     naming the coordinator, this process and what to check;
   * the processes do not run the same thing (a different override on one host, a stale checkout,
     a host with fewer devices): they would compile different programs and wait for each other
-    in a collective forever. `check_agreement` has every process publish a fingerprint (config,
-    workdir, source code, library versions, devices) in the coordinator's key-value store and
-    compare all of them with process 0's before anything is compiled, so every process stops
-    with the same one-line `DistributedError` naming the first difference.
+    in a collective forever. `check_agreement` gathers every process's fingerprint (config,
+    workdir, source code, library versions, devices) on every process with one small collective
+    of its own (`multihost_utils.process_allgather`, under a watchdog) and compares all of them
+    with process 0's before the train step is compiled, so every process stops with the same
+    one-line `DistributedError` naming the first difference.
 
 Where the processes come from, first match wins (`resolve`):
   1. `distributed.mode="off"`: one process, whatever the environment says.
@@ -20,10 +21,17 @@ Where the processes come from, first match wins (`resolve`):
   3. the environment: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`
      (each key separately: a config value beats its variable);
   4. a cluster manager jax itself understands: SLURM (`srun`, `SLURM_NTASKS` > 1), Open MPI
-     (`mpirun`, `OMPI_COMM_WORLD_SIZE` > 1), a multi-host Cloud TPU slice (`TPU_WORKER_HOSTNAMES`
-     or the TPU VM's metadata server); jax fills in what 2-3 left unset.
+     (`mpirun`, `OMPI_COMM_WORLD_SIZE` > 1), a multi-host Cloud TPU slice (`TPU_WORKER_HOSTNAMES`,
+     or a TPU VM: Google TPU chips on the PCI bus and libtpu installed); here we only decide
+     that `jax.distributed.initialize()` should run, and jax's own cluster detection fills in
+     what 2-3 left unset (on a TPU VM it asks the metadata server how many workers there are:
+     one worker initialises a one-process run, and a VM whose metadata jax cannot read runs as
+     one process).
 Nothing found, or a count of 1: a single process and nothing to initialise. `mode="on"` insists
 on initialising (jax's own detection must then find the rest).
+
+Only public jax APIs are used: `jax.distributed` to start, `jax.experimental.multihost_utils`
+to exchange the agreement fingerprints.
 """
 from __future__ import annotations
 
@@ -33,10 +41,12 @@ import json
 import os
 import sys
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
+from trainer import platforms
 from trainer.config import check_distributed
 
 MODES = ("auto", "on", "off")
@@ -46,6 +56,7 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 # Source directories whose contents every process must agree on (the program it compiles).
 CODE_DIRS = ("models", "kernels", "sharding", "optim", "data", "trainer")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TPU_VM = "Cloud TPU VM"
 
 
 class DistributedError(RuntimeError):
@@ -92,29 +103,30 @@ def _cluster(environ: Mapping[str, str]) -> tuple[str, int | None] | None:
   hosts = environ.get("TPU_PROCESS_ADDRESSES") or environ.get("TPU_WORKER_HOSTNAMES")
   if hosts:
     return "Cloud TPU (GKE)", len(hosts.split(","))
-  if _on_cloud_tpu_vm():
-    return "Cloud TPU VM", None  # the worker count is on the metadata server: ask jax
+  if _on_cloud_tpu_vm(environ):
+    return TPU_VM, None  # the worker count is on the metadata server: jax reads it
   return None
 
 
-def _on_cloud_tpu_vm() -> bool:
-  """TPU chips on this machine and libtpu to drive them (what jax's own TPU set-up checks; it
-  runs later, when the backend starts, so its flag cannot be read yet)."""
+def libtpu_available() -> bool:
+  """Whether libtpu (the TPU runtime and compiler) is installed, where jax looks for it:
+  $TPU_LIBRARY_PATH or the `libtpu` package (its public `get_library_path()`)."""
+  if os.path.isfile(os.environ.get("TPU_LIBRARY_PATH", "")):
+    return True
   try:
-    from jax._src import hardware_utils, xla_bridge  # noqa: PLC0415
-    chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
-    return chips > 0 and xla_bridge.get_tpu_library_path() is not None
-  except (ImportError, AttributeError):  # moved in a newer jax: then use mode="on" or values
+    import libtpu  # noqa: PLC0415
+  except ImportError:
     return False
+  return os.path.isfile(libtpu.get_library_path())
 
 
-def _tpu_vm_process_count() -> int:
-  """Workers of this TPU slice (times slices), as jax's own TPU detection counts them."""
-  from jax._src import clusters  # noqa: PLC0415
-  for env in (clusters.GkeTpuCluster, clusters.GceTpuCluster):
-    if env.is_env_present():
-      return env.get_process_count()
-  return 1
+def _on_cloud_tpu_vm(environ: Mapping[str, str]) -> bool:
+  """Google TPU chips on this machine's PCI bus, libtpu to drive them, and JAX allowed to use
+  them (no JAX_PLATFORMS that leaves TPU out)."""
+  chosen = environ.get("JAX_PLATFORMS", "")
+  if chosen and "tpu" not in chosen.split(","):
+    return False
+  return platforms.GOOGLE in platforms.pci_vendors() and libtpu_available()
 
 
 def resolve(dist_cfg, environ: Mapping[str, str] | None = None) -> Launch | None:
@@ -154,8 +166,6 @@ def resolve(dist_cfg, environ: Mapping[str, str] | None = None) -> Launch | None
       return Launch(None, None, None, "jax's cluster detection")
     return None
   name, count = cluster
-  if count is None and name == "Cloud TPU VM":
-    count = _tpu_vm_process_count()
   if count is not None and count <= 1 and dist_cfg.mode != "on":
     return None
   return Launch(None, count, None, name)
@@ -200,7 +210,12 @@ def initialize(dist_cfg) -> Launch | None:
                                  num_processes=launch.num_processes,
                                  process_id=launch.process_id,
                                  initialization_timeout=2 * timeout + 30)
-    except Exception as e:  # noqa: BLE001  jax raises RuntimeError/ValueError/JaxRuntimeError
+    except ValueError as e:
+      if launch.source == TPU_VM and dist_cfg.mode == "auto":
+        return None  # jax found no TPU workers to ask about (before connecting): one process
+      raise DistributedError(f"{launch.describe()} could not start jax.distributed: "
+                             f"{_first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001  jax raises RuntimeError/JaxRuntimeError
       raise DistributedError(f"{launch.describe()} could not start jax.distributed: "
                              f"{_first_line(e)}") from None
   return launch
@@ -315,35 +330,33 @@ def describe_disagreement(prints: list[dict]) -> str | None:
   return None
 
 
-_exchanges = 0
-
-
 def exchange(payload: dict, timeout_s: float) -> list[dict]:
-  """Every process's `payload`, in process order, through the coordinator's key-value store.
+  """Every process's `payload` (JSON-able), in process order.
 
-  No collective is involved, so a process that never arrives (or runs different code) makes
-  the others fail after `timeout_s` with a message naming it, rather than hang."""
+  Two `multihost_utils.process_allgather` collectives: the payloads' lengths, then the payloads
+  padded to the longest. A collective waits for every process, so a process that never arrives
+  would make the others wait for good: a watchdog ends this one with a line naming the timeout
+  after `timeout_s` instead."""
   import jax  # noqa: PLC0415
-  from jax._src import distributed as jax_distributed  # noqa: PLC0415
+  from jax.experimental import multihost_utils  # noqa: PLC0415
 
-  global _exchanges
-  _exchanges += 1
-  client = jax_distributed.global_state.client
-  me, count = jax.process_index(), jax.process_count()
-  prefix = f"scaletrain/agreement/{_exchanges}"
-  client.key_value_set(f"{prefix}/{me}", json.dumps(payload, sort_keys=True, default=str))
-  deadline = time.monotonic() + timeout_s
-  out = []
-  for pid in range(count):
-    remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
-    try:
-      out.append(json.loads(client.blocking_key_value_get(f"{prefix}/{pid}", remaining_ms)))
-    except Exception:  # noqa: BLE001  a timeout (jax raises its runtime error type)
-      raise DistributedError(
-          f"process {pid} of {count} did not reach the agreement check within "
-          f"{timeout_s:.0f}s (it may have failed earlier: see its own output; or raise "
-          "distributed.initialization_timeout)") from None
-  return out
+  count = jax.process_count()
+  if jax.device_count() != count * jax.local_device_count():
+    raise DistributedError(
+        f"processes disagree before compiling: this process (process {jax.process_index()}) has "
+        f"{jax.local_device_count()} of the run's {jax.device_count()} devices, which is not an "
+        f"equal share of {count} processes; give every process the same number and kind of "
+        "devices")
+  data = np.frombuffer(json.dumps(payload, sort_keys=True, default=str).encode(), np.uint8)
+  late = (f"not every one of the {count} processes reached the agreement check within "
+          f"{timeout_s:.0f}s (one may have failed earlier: see its own output; or raise "
+          "distributed.initialization_timeout)")
+  with _Watchdog(timeout_s, late):
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(data.size))).reshape(count)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(count, -1)
+  return [json.loads(row[:n].tobytes()) for row, n in zip(rows, sizes)]
 
 
 def check_agreement(cfg, workdir: str) -> None:
