@@ -21,10 +21,27 @@ PROMPTS = [[5, 17, 33, 2, 9, 60, 11], [40, 3], [7, 7, 7, 8, 91]]
 NEW = 12
 
 
+WORDS = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 96)]
+
+
+def write_word_tokenizer(hf_dir):
+  """A word-level tokenizer.json over the model's 96 ids (w3 .. w95), with special tokens named
+  in tokenizer_config.json, as a Hugging Face model dir has them."""
+  tokenizers = pytest.importorskip("tokenizers")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+  tok.save(str(hf_dir / "tokenizer.json"))
+  (hf_dir / "tokenizer_config.json").write_text(
+      '{"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}')
+
+
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
   root = tmp_path_factory.mktemp("gen")
   model = make_hf_model(root / "hf", "gqa_llama3_untied", seed=1)
+  write_word_tokenizer(root / "hf")
   mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2, "sequence": 1, "expert": 2})
   convert.from_hf(str(root / "hf"), str(root / "ours"), mesh=mesh)
   return model, str(root / "ours"), mesh
@@ -79,3 +96,18 @@ def test_cli_prompt_ids_prints_generated_ids(converted, greedy, capsys):
   lines = capsys.readouterr().out.strip().splitlines()
   expected = greedy.generate([PROMPTS[0]], NEW)[0]
   assert lines[-1] == ",".join(map(str, expected))
+
+
+@pytest.mark.skipif(not hasattr(__import__("data.tokenizer").tokenizer, "from_path"),
+                    reason="data.tokenizer.from_path (Hugging Face tokenizers) not available")
+def test_cli_text_prompt_uses_the_converted_tokenizer_and_to_hf_copies_it(converted, greedy,
+                                                                          capsys, tmp_path):
+  _, src, mesh = converted
+  assert generate_cli.main(["--checkpoint", src, "--prompt", "w5 w17 w33", "--max_new_tokens",
+                            "6", "--temperature", "0"]) == 0
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  ids = greedy.generate([[1, 5, 17, 33]], 6, eos_id=2)[0]  # <s> w5 w17 w33
+  text = " ".join(WORDS[i] for i in ids if i > 2)
+  assert line == f"'w5 w17 w33' -> {text!r}"
+  files = convert.to_hf(src, str(tmp_path / "back"), mesh=mesh)
+  assert "tokenizer.json" in files and (tmp_path / "back" / "tokenizer.json").exists()

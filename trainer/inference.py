@@ -26,7 +26,8 @@ from trainer.checkpoint import CheckpointError, load_params, resolve_step_dir
 from trainer.state import ModelSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model")
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model")  # without one of these there is none
 
 
 def source_config(src: str) -> tuple[str, dict]:
@@ -123,14 +124,16 @@ def write_converted(out_dir: str, params, cfg: ModelConfig, *, source: str,
 
 
 def copy_tokenizer(src_dir: str | None, dst_dir: str) -> list[str]:
-  """Copy the tokenizer files present in `src_dir` (names in TOKENIZER_FILES)."""
+  """Copy the tokenizer files present in `src_dir` (names in TOKENIZER_FILES), if it holds a
+  tokenizer (a tokenizer.json or a SentencePiece tokenizer.model); returns the names copied."""
   if not src_dir or not os.path.isdir(src_dir):
     return []
   names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src_dir, n))]
-  if names:
-    os.makedirs(dst_dir, exist_ok=True)
-    for n in names:
-      shutil.copy2(os.path.join(src_dir, n), os.path.join(dst_dir, n))
+  if not set(names) & set(_VOCAB_FILES):
+    return []
+  os.makedirs(dst_dir, exist_ok=True)
+  for n in names:
+    shutil.copy2(os.path.join(src_dir, n), os.path.join(dst_dir, n))
   return names
 
 
@@ -173,7 +176,10 @@ def source_tokenizer(step_dir: str, config: dict):
   if files:
     if not hasattr(tokenizer, "from_path"):
       return None
-    return tokenizer.from_path(files)
+    try:
+      return tokenizer.from_path(files)
+    except ValueError as e:  # the tokenizer module's errors (TokenizerError)
+      raise CheckpointError(f"{step_dir}: its tokenizer cannot be read ({e})") from None
   if "data" not in config:
     return None
   data_dir = config["data"].get("dir") or ""
