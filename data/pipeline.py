@@ -13,6 +13,10 @@ which is what makes a multi-host run equal a single-host one, and a restore onto
 mesh continue the same data order. A step with gradient accumulation draws several consecutive
 micro-batches. The iterator state (position of every row stream) is checkpointable.
 
+With `mixture` (sources from `data.mixture`, see data/mixture.py) the shuffled documents are a
+weighted mixture of several prepared directories whose element i is a pure function of i, so
+everything above holds for mixtures too.
+
 Batches are dicts of [rows_on_this_process, seq_len] numpy arrays:
   inputs, targets (next token), positions (within the document), segment_ids (1, 2, ... per
   document, 0 = padding), loss_mask (target belongs to the same document as the input).
@@ -21,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import grain
 import numpy as np
 
+from data import mixture as mixture_lib
 from data.prepare import DataError, read_meta
 
 _NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
@@ -41,17 +47,23 @@ class StreamSpec:
   shuffle: bool = True
   row_ids: tuple[int, ...] | None = None  # the rows this process reads; None = all of them
   prefetch: int = 0  # batches prepared ahead in a background thread (0 = none)
+  mixture: tuple[mixture_lib.Source, ...] = ()  # when set, read these instead of data_dir
 
   @property
   def local_rows(self) -> tuple[int, ...]:
     return tuple(range(self.rows)) if self.row_ids is None else tuple(self.row_ids)
 
 
-def _decode(record: bytes) -> dict[str, np.ndarray]:
-  return {"tokens": np.frombuffer(record, dtype="<u2").astype(np.int32)}
+@dataclasses.dataclass(frozen=True)
+class _Decode:
+  dtype: str  # the stored token dtype (meta.json's token_dtype)
+
+  def __call__(self, record: bytes) -> dict[str, np.ndarray]:
+    return {"tokens": np.frombuffer(record, dtype=self.dtype).astype(np.int32)}
 
 
 def documents(data_dir: str, split: str) -> grain.MapDataset:
+  """The raw records (one per document) of one split of a prepared directory."""
   meta = read_meta(data_dir)
   files = [os.path.join(data_dir, f) for f in meta["splits"][split]["files"]]
   missing = [f for f in files if not os.path.exists(f)]
@@ -59,6 +71,34 @@ def documents(data_dir: str, split: str) -> grain.MapDataset:
     raise DataError(f"data.dir={data_dir!r} is incomplete: {missing[0]} is missing; "
                     "prepare it again")
   return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files))
+
+
+def _shuffled(data_dir: str, split: str, seed: int, shuffle: bool) -> grain.MapDataset:
+  """Decoded documents, shuffled anew every epoch (when `shuffle`) and repeated forever."""
+  docs = documents(data_dir, split)
+  if shuffle:
+    docs = docs.shuffle(seed=seed)
+  return docs.repeat(None).map(_Decode(read_meta(data_dir)["token_dtype"]))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pick:
+  parents: tuple
+  selection: mixture_lib.MixtureSelection
+
+  def __call__(self, i: int):
+    s, k = self.selection[i]
+    return self.parents[s][k]
+
+
+def _mixed(spec: "StreamSpec") -> grain.MapDataset:
+  metas = [read_meta(s.dir) for s in spec.mixture]
+  mixture_lib.check(spec.mixture, metas)
+  parents = tuple(_shuffled(s.dir, spec.split, spec.seed + 1_000_003 * (i + 1), spec.shuffle)
+                  for i, s in enumerate(spec.mixture))
+  selection = mixture_lib.MixtureSelection(
+      mixture_lib.document_fractions(spec.mixture, metas), spec.seed)
+  return grain.MapDataset.range(sys.maxsize).map(_Pick(parents, selection))
 
 
 def _shift(elements: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
@@ -76,10 +116,10 @@ def _shift(elements: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]
 
 def dataset(spec: StreamSpec) -> grain.IterDataset:
   """The per-process stream of micro-batches described in the module docstring."""
-  docs = documents(spec.data_dir, spec.split)
-  if spec.shuffle:
-    docs = docs.shuffle(seed=spec.seed)
-  docs = docs.repeat(None).map(_decode)  # a new shuffle every epoch
+  if spec.mixture:
+    docs = _mixed(spec)
+  else:
+    docs = _shuffled(spec.data_dir, spec.split, spec.seed, spec.shuffle)
   streams = [
       grain.experimental.ConcatThenSplitIterDataset(
           docs[r::spec.rows].to_iter_dataset(_NO_THREADS),

@@ -1,87 +1,261 @@
 """Turn text into tokenized ArrayRecord shards that the training pipeline reads.
 
-    python -m data.prepare --out DIR                       # the default corpus (Python stdlib)
-    python -m data.prepare --out DIR a.txt docs/ b.jsonl   # your files: .txt = one document,
-                                                           # .jsonl = one document per line
+    python -m data.prepare --out DIR                        # the default corpus (Python stdlib)
+    python -m data.prepare --out DIR a.txt docs/ b.jsonl c.parquet saved_hf_dataset/
+    python -m data.prepare --out DIR --tokenizer path/to/tokenizer.json FILES...  # or an HF
+                                                  # model dir, or a SentencePiece .model
+    python -m data.prepare --out DIR --train_tokenizer bpe:4096 [FILES...]  # train a BPE first
 
-A prepared directory holds `train-*.array_record`, `validation-*.array_record` (one record per
-document: little-endian uint16 token ids, no pickle) and `meta.json` (tokenizer, counts,
-fingerprint). Directories are written under a temporary name and renamed when complete, so a
-killed prepare never leaves a half-written corpus behind.
+Inputs are described in `data/sources.py`. A prepared directory holds `train-*.array_record`,
+`validation-*.array_record` (one record per document: little-endian uint16 token ids, uint32 when
+the vocabulary has more than 65,536 ids; no pickle), the tokenizer's files under `tokenizer/` and
+`meta.json`: the tokenizer (kind, files, hash, vocab size, bos/eos/pad ids), the token dtype, and
+per split the documents, tokens, predicted tokens ("targets") and UTF-8 bytes (which turn a loss
+into bits per byte).
+
+Documents go to validation by a hash of their key (`--validation_fraction`, default 1%; the
+default corpus keeps its own 1-in-20 file split). If that leaves a split empty (a small
+corpus), the last training document moves to validation; one document is split by tokens.
+
+Preparation is parallel over units of input (`--workers`) with a progress bar. Work happens in
+`DIR.partial/`, one set of shards per unit plus a marker when the unit is complete; the finished
+directory is renamed to DIR at the end, so an interrupted run leaves no half corpus behind and
+a rerun of the same command redoes only the units that had not finished.
 """
 from __future__ import annotations
 
 import argparse
-import glob
+import concurrent.futures
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordWriter
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from data import corpus, tokenizer
+from data import corpus, sources
+from data import tokenizer as tokenizers
+from data.sources import SourceError, Unit
+from data.tokenizer import TokenizerError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "validation")
 SHARD_BYTES = 256 << 20  # start a new shard after this many bytes of tokens
+COUNTS = ("documents", "tokens", "targets", "bytes")
 
 
 class DataError(ValueError):
   """Missing or unreadable data (a user error, reported in one line)."""
 
 
-def _write_split(out_dir: str, split: str, docs: Iterable[np.ndarray]) -> dict:
-  files, writer, shard_bytes, n_docs, n_tokens = [], None, 0, 0, 0
-  for ids in docs:
-    if writer is None or shard_bytes >= SHARD_BYTES:
-      if writer is not None:
-        writer.close()
-      files.append(f"{split}-{len(files):05d}.array_record")
-      writer = ArrayRecordWriter(os.path.join(out_dir, files[-1]), "group_size:1")
-      shard_bytes = 0
-    data = ids.astype("<u2").tobytes()
-    writer.write(data)
-    shard_bytes += len(data)
-    n_docs += 1
-    n_tokens += len(ids)
-  if writer is not None:
-    writer.close()
-  return {"files": files, "documents": n_docs, "tokens": n_tokens}
-
-
-def write_prepared(out_dir: str, split_docs: dict[str, Iterable[np.ndarray]], source: dict) -> str:
-  """Write every split into `out_dir` atomically (temp dir + rename). Returns `out_dir`."""
-  parent = os.path.dirname(os.path.abspath(out_dir)) or "."
-  os.makedirs(parent, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
-  try:
-    meta = {"format": FORMAT_VERSION, "tokenizer": "byte", "vocab_size": tokenizer.VOCAB_SIZE,
-            "bos_id": tokenizer.BOS_ID, "eos_id": tokenizer.EOS_ID, "source": source,
-            "splits": {}}
-    for split in SPLITS:
-      meta["splits"][split] = _write_split(tmp, split, split_docs.get(split, ()))
-      if meta["splits"][split]["documents"] == 0:
-        raise DataError(f"data.prepare: the {split} split is empty; give more documents")
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-      json.dump(meta, f, indent=1)
-    try:
-      os.rename(tmp, out_dir)
-    except OSError:
-      if not os.path.exists(os.path.join(out_dir, "meta.json")):
-        raise
-      shutil.rmtree(tmp)  # someone else finished the same corpus first; theirs is identical
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  return out_dir
+def split_of(key: str, rule: str, fraction: float) -> str:
+  """'train' or 'validation' for a document key: the stdlib file rule, or a hash fraction."""
+  if rule == "stdlib":
+    return corpus.split_of(key)
+  digest = int(hashlib.sha1(key.encode()).hexdigest(), 16)
+  return "validation" if digest % 1_000_000 < fraction * 1_000_000 else "train"
 
 
 # ----------------------------------------------------------------------------------------------
-# The default corpus
+# One unit of work (runs in a worker process)
+
+_TOKENIZERS: dict = {}
+
+
+def _prepare_unit(work: str, index: int, unit: Unit, plan: dict) -> dict:
+  key = json.dumps(plan["tokenizer"], sort_keys=True)
+  if key not in _TOKENIZERS:
+    _TOKENIZERS[key] = tokenizers.from_meta(plan["tokenizer"], work)
+  tok, dtype = _TOKENIZERS[key], plan["token_dtype"]
+  writers, out = {}, {s: {"files": [], **dict.fromkeys(COUNTS, 0)} for s in SPLITS}
+  shard_bytes = dict.fromkeys(SPLITS, 0)
+  for doc_key, text in sources.documents(unit, plan["text_field"]):
+    split = split_of(doc_key, plan["split_rule"], plan["validation_fraction"])
+    if split not in writers or shard_bytes[split] >= SHARD_BYTES:
+      if split in writers:
+        writers[split].close()
+      name = f"{split}-{index:05d}-{len(out[split]['files']):03d}.array_record"
+      out[split]["files"].append(name)
+      writers[split] = ArrayRecordWriter(os.path.join(work, name + ".tmp"), "group_size:1")
+      shard_bytes[split] = 0
+    data = tok.encode(text).astype(dtype).tobytes()
+    writers[split].write(data)
+    shard_bytes[split] += len(data)
+    c = out[split]
+    n = len(data) // np.dtype(dtype).itemsize
+    c["documents"] += 1
+    c["tokens"] += n
+    c["targets"] += n - 1  # a document's first token is never predicted
+    c["bytes"] += len(text.encode("utf-8", errors="replace"))
+  for w in writers.values():
+    w.close()
+  for s in SPLITS:
+    for name in out[s]["files"]:
+      os.replace(os.path.join(work, name + ".tmp"), os.path.join(work, name))
+  with open(os.path.join(work, f"done-{index:05d}.json.tmp"), "w") as f:
+    json.dump(out, f)
+  os.replace(os.path.join(work, f"done-{index:05d}.json.tmp"),
+             os.path.join(work, f"done-{index:05d}.json"))
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole preparation
+
+
+def _setup_tokenizer(work: str, spec: str, units: list[Unit], plan: dict) -> dict:
+  """Put the tokenizer's files into work/tokenizer/ (training a BPE if asked); its meta entry."""
+  if spec == "byte":
+    return tokenizers.describe(tokenizers.ByteTokenizer())
+  tok_dir = os.path.join(work, "tokenizer")
+  if spec.startswith("bpe:"):
+    try:
+      vocab = int(spec[4:])
+    except ValueError:
+      raise DataError(f"--train_tokenizer {spec!r}: expected bpe:VOCAB, e.g. bpe:4096") from None
+    path = os.path.join(tok_dir, "tokenizer.json")
+    if os.path.exists(path):  # trained before an interruption
+      return tokenizers.describe(tokenizers.HFTokenizer(path), work)
+    texts = (text for u in units for k, text in sources.documents(u, plan["text_field"])
+             if split_of(k, plan["split_rule"], plan["validation_fraction"]) == "train")
+    tok = tokenizers.train_bpe(texts, vocab, tok_dir + ".tmp")
+    os.replace(tok_dir + ".tmp", tok_dir)
+    return tokenizers.describe(tokenizers.HFTokenizer(path), work)
+  tok = tokenizers.from_path(spec)
+  shutil.rmtree(tok_dir, ignore_errors=True)
+  os.makedirs(tok_dir)
+  for f in tok.files():
+    shutil.copy(f, tok_dir)
+  info = tokenizers.describe(tok)
+  info["files"] = [os.path.join("tokenizer", os.path.basename(f)) for f in tok.files()]
+  info["source"] = os.path.abspath(spec)
+  return info
+
+
+def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "byte",
+            split_rule: str = "hash", validation_fraction: float = 0.01,
+            text_field: str = "text", workers: int = 1) -> str:
+  """Tokenize `units` into the prepared directory `out_dir` (see the module docstring)."""
+  if not 0 <= validation_fraction < 1:
+    raise DataError(f"--validation_fraction={validation_fraction}: must be in [0, 1)")
+  if not units:
+    raise DataError("data.prepare: no input documents found")
+  work = os.path.abspath(out_dir).rstrip("/") + ".partial"
+  plan = {"format": FORMAT_VERSION, "units": [dataclasses_asdict(u) for u in units],
+          "tokenizer_spec": tokenizer, "split_rule": split_rule, "text_field": text_field,
+          "validation_fraction": validation_fraction}
+  plan_path = os.path.join(work, "plan.json")
+  if os.path.exists(plan_path):
+    with open(plan_path) as f:
+      if json.load(f) != plan:  # a different preparation was interrupted here: start over
+        shutil.rmtree(work)
+  os.makedirs(work, exist_ok=True)
+  with open(plan_path, "w") as f:
+    json.dump(plan, f)
+  tok_info = _setup_tokenizer(work, tokenizer, units, plan)
+  dtype = tokenizers.storage_dtype(tok_info["vocab_size"])
+  job = {**plan, "tokenizer": tok_info, "token_dtype": dtype}
+  pending = [i for i in range(len(units))
+             if not os.path.exists(os.path.join(work, f"done-{i:05d}.json"))]
+  _run_units(work, units, pending, job, workers)
+  counts = []
+  for i in range(len(units)):
+    with open(os.path.join(work, f"done-{i:05d}.json")) as f:
+      counts.append(json.load(f))
+  splits = {s: {"files": [n for c in counts for n in c[s]["files"]],
+                **{k: sum(c[s][k] for c in counts) for k in COUNTS}} for s in SPLITS}
+  if splits["train"]["documents"] + splits["validation"]["documents"] == 0:
+    raise DataError("data.prepare: the inputs hold no documents")
+  if splits["train"]["documents"] == 0:  # every document hashed to validation: train on them
+    splits["train"] = splits["validation"]
+    splits["validation"] = {"files": [], **dict.fromkeys(COUNTS, 0)}
+  if splits["validation"]["documents"] == 0:
+    _move_to_validation(work, splits, tokenizers.from_meta(tok_info, work), dtype,
+                        validation_fraction or 0.01)
+  meta = {"format": FORMAT_VERSION, "tokenizer": tok_info, "token_dtype": dtype,
+          "vocab_size": tok_info["vocab_size"], "bos_id": tok_info["bos_id"],
+          "eos_id": tok_info["eos_id"], "pad_id": tok_info["pad_id"], "source": source,
+          "validation_fraction": validation_fraction, "splits": splits}
+  with open(os.path.join(work, "meta.json"), "w") as f:
+    json.dump(meta, f, indent=1)
+  for name in os.listdir(work):
+    if name.startswith("done-") or name == "plan.json":
+      os.remove(os.path.join(work, name))
+  try:
+    os.rename(work, out_dir)
+  except OSError:
+    if not os.path.exists(os.path.join(out_dir, "meta.json")):
+      raise
+    shutil.rmtree(work)  # someone else finished the same corpus first; theirs is identical
+  return out_dir
+
+
+def dataclasses_asdict(unit: Unit) -> dict:
+  d = {k: getattr(unit, k) for k in Unit.__dataclass_fields__}
+  d["paths"] = list(d["paths"])
+  return d
+
+
+def _run_units(work: str, units: list[Unit], pending: list[int], job: dict, workers: int):
+  from tqdm import tqdm  # noqa: PLC0415
+  bar = tqdm(total=len(units), initial=len(units) - len(pending), desc="prepare", unit="shard",
+             disable=None, leave=False)
+  try:
+    if workers <= 1 or len(pending) <= 1:
+      for i in pending:
+        _prepare_unit(work, i, units[i], job)
+        bar.update()
+      return
+    ctx = multiprocessing.get_context("spawn")  # safe whatever threads the parent runs
+    with concurrent.futures.ProcessPoolExecutor(min(workers, len(pending)), ctx) as pool:
+      futures = [pool.submit(_prepare_unit, work, i, units[i], job) for i in pending]
+      for fut in concurrent.futures.as_completed(futures):
+        fut.result()
+        bar.update()
+  finally:
+    bar.close()
+
+
+def _move_to_validation(work: str, splits: dict, tok, dtype: str, fraction: float) -> None:
+  """Give an empty validation split the last training document (or, when there is only one
+  document, its last `fraction` of tokens)."""
+  train, val = splits["train"], splits["validation"]
+  name = train["files"][-1]
+  reader = ArrayRecordReader(os.path.join(work, name))
+  records = [np.frombuffer(r, dtype) for r in reader.read_all()]
+  reader.close()
+  if train["documents"] >= 2:
+    keep, moved = records[:-1], [records[-1]]
+  else:
+    ids = records[0]
+    if len(ids) < 4:
+      raise DataError("data.prepare: the corpus is a single document too short to split into "
+                      "train and validation; give more text")
+    cut = min(len(ids) - 2, max(2, round(len(ids) * (1 - fraction))))
+    keep, moved = [ids[:cut]], [ids[cut:]]
+
+  def count(docs):
+    return {"documents": len(docs), "tokens": sum(map(len, docs)),
+            "targets": sum(len(d) - 1 for d in docs),
+            "bytes": sum(len(tok.decode(d).encode("utf-8")) for d in docs)}
+
+  before, after, gone = count(records), count(keep), count(moved)
+  for k in COUNTS:
+    train[k] += after[k] - before[k]
+    val[k] = gone[k]
+  for docs, fname in ((keep, name), (moved, "validation-moved.array_record")):
+    w = ArrayRecordWriter(os.path.join(work, fname + ".tmp"), "group_size:1")
+    for d in docs:
+      w.write(d.astype(dtype).tobytes())
+    w.close()
+    os.replace(os.path.join(work, fname + ".tmp"), os.path.join(work, fname))
+  val["files"] = ["validation-moved.array_record"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The default corpus and user files
 
 
 def default_data_dir() -> str:
@@ -92,117 +266,99 @@ def default_data_dir() -> str:
   return os.path.join(base, f"stdlib-py{info['python']}-{info['fingerprint']}")
 
 
-def prepare_stdlib(out_dir: str) -> str:
+def prepare_stdlib(out_dir: str, *, tokenizer: str = "byte", workers: int = 1) -> str:
   root = corpus.stdlib_root()
-  files = corpus.stdlib_files(root)
-  by_split = {s: [f for f in files if corpus.split_of(f) == s] for s in SPLITS}
-
-  def docs(paths):
-    for rel in paths:
-      with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
-        yield tokenizer.encode(f.read())
-
-  return write_prepared(out_dir, {s: docs(p) for s, p in by_split.items()}, corpus.describe())
+  paths = [os.path.join(root, f) for f in corpus.stdlib_files(root)]
+  return prepare(out_dir, sources.group_files(paths, root), source=corpus.describe(),
+                 tokenizer=tokenizer, split_rule="stdlib", workers=workers)
 
 
 def ensure_default_corpus(data_dir: str = "") -> str:
-  """The prepared default corpus, preparing it on first use."""
+  """The prepared default corpus (byte-level), preparing it on first use."""
   data_dir = data_dir or default_data_dir()
   if not os.path.exists(os.path.join(data_dir, "meta.json")):
     prepare_stdlib(data_dir)
   return data_dir
 
 
-# ----------------------------------------------------------------------------------------------
-# User files
-
-
-def _expand(inputs: list[str]) -> list[str]:
-  paths = []
-  for item in inputs:
-    if os.path.isdir(item):
-      paths += [p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True)
-                if p.endswith((".txt", ".jsonl", ".md", ".py")) and os.path.isfile(p)]
-    elif os.path.isfile(item):
-      paths.append(item)
-    else:
-      matched = glob.glob(item)
-      if not matched:
-        raise DataError(f"data.prepare: {item!r} does not exist")
-      paths += matched
-  return sorted(set(paths))
-
-
-def _user_documents(paths: list[str], text_field: str) -> Iterator[tuple[str, str]]:
-  for path in paths:
-    if path.endswith(".jsonl"):
-      with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f):
-          if line.strip():
-            record = json.loads(line)
-            if text_field not in record:
-              raise DataError(f"{path}:{lineno + 1}: no field {text_field!r} "
-                              f"(fields: {sorted(record)}); set --text_field")
-            yield f"{path}:{lineno}", record[text_field]
-    else:
-      with open(path, encoding="utf-8", errors="replace") as f:
-        yield path, f.read()
-
-
 def prepare_files(out_dir: str, inputs: list[str], *, text_field: str = "text",
-                  validation_fraction: float = 0.01) -> str:
-  paths = _expand(inputs)
-  if not paths:
+                  validation_fraction: float = 0.01, tokenizer: str = "byte",
+                  workers: int = 1) -> str:
+  paths, datasets = sources.expand(inputs)
+  if not paths and not datasets:
     raise DataError(f"data.prepare: no input files found in {inputs}")
-  every = max(2, round(1 / validation_fraction)) if validation_fraction > 0 else 0
-
-  def split(key: str) -> str:
-    digest = int(hashlib.sha1(key.encode()).hexdigest(), 16)
-    return "validation" if every and digest % every == 0 else "train"
-
-  # Two passes over the inputs (one per split) keep memory flat for large corpora.
-  def docs(which):
-    for key, text in _user_documents(paths, text_field):
-      if split(key) == which:
-        yield tokenizer.encode(text)
-
-  h = hashlib.sha256("\n".join(f"{p}\t{os.path.getsize(p)}" for p in paths).encode())
-  source = {"name": "files", "inputs": inputs, "files": len(paths),
+  # Document keys (which decide the split) are paths relative to the inputs' common folder,
+  # so the split does not depend on where the corpus lives.
+  root = os.path.dirname(os.path.commonpath([os.path.abspath(p) for p in paths])) if paths else ""
+  units = sources.group_files([os.path.abspath(p) for p in paths], root) + [
+      u for d in datasets for u in sources.hf_units(d)]
+  h = hashlib.sha256("\n".join([f"{p}\t{os.path.getsize(p)}" for p in paths]
+                               + datasets).encode())
+  source = {"name": "files", "inputs": inputs, "files": len(paths), "datasets": datasets,
             "fingerprint": h.hexdigest()[:16]}
-  return write_prepared(out_dir, {s: docs(s) for s in SPLITS}, source)
+  return prepare(out_dir, units, source=source, tokenizer=tokenizer, text_field=text_field,
+                 validation_fraction=validation_fraction, workers=workers)
 
 
 def read_meta(data_dir: str) -> dict:
+  """meta.json of a prepared directory (a format-1 byte-level directory is read as format 2)."""
   path = os.path.join(data_dir, "meta.json")
   if not os.path.exists(path):
     raise DataError(f"data.dir={data_dir!r} has no meta.json; prepare it with "
                     f"`python -m data.prepare --out {data_dir} FILES...` or leave data.dir empty "
                     "for the default corpus")
   with open(path) as f:
-    return json.load(f)
+    meta = json.load(f)
+  if meta.get("format") == 1:  # byte-level uint16, without bytes/targets counts
+    meta.update(format=FORMAT_VERSION, token_dtype="<u2",
+                tokenizer=tokenizers.describe(tokenizers.ByteTokenizer()))
+    for c in meta["splits"].values():
+      c.update(targets=c["tokens"] - c["documents"], bytes=c["tokens"] - 2 * c["documents"])
+  if meta.get("format") != FORMAT_VERSION:
+    raise DataError(f"data.dir={data_dir!r} was prepared in format {meta.get('format')}; this "
+                    f"version reads format {FORMAT_VERSION}: prepare it again")
+  return meta
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="", help="output directory (default: the cache dir)")
-  parser.add_argument("--text_field", default="text", help="JSONL field holding the text")
+  parser.add_argument("--tokenizer", default="byte",
+                      help="byte, a tokenizer.json, an HF model dir or a SentencePiece .model")
+  parser.add_argument("--train_tokenizer", default="",
+                      help="bpe:VOCAB trains a byte-level BPE on the inputs' training split")
+  parser.add_argument("--text_field", default="text", help="JSONL/Parquet/dataset text field")
   parser.add_argument("--validation_fraction", type=float, default=0.01)
-  parser.add_argument("inputs", nargs="*", help="files, directories or globs; none = stdlib")
+  parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+  parser.add_argument("inputs", nargs="*", help="files, directories, globs, saved HF datasets, "
+                      "hf:NAME[:CONFIG][@SPLIT]; none = the Python stdlib")
   args = parser.parse_args(argv)
+  if args.train_tokenizer and args.tokenizer != "byte":
+    parser.error("give --tokenizer or --train_tokenizer, not both")
+  tok = args.train_tokenizer or args.tokenizer
   try:
     if args.inputs:
       if not args.out:
         parser.error("--out is required when preparing your own files")
-      out = prepare_files(args.out, args.inputs, text_field=args.text_field,
-                          validation_fraction=args.validation_fraction)
+      out = prepare_files(args.out, args.inputs, text_field=args.text_field, tokenizer=tok,
+                          validation_fraction=args.validation_fraction, workers=args.workers)
+    elif tok == "byte":
+      out = args.out or default_data_dir()
+      if not os.path.exists(os.path.join(out, "meta.json")):
+        prepare_stdlib(out, workers=args.workers)
     else:
-      out = ensure_default_corpus(args.out)
-  except DataError as e:
+      if not args.out:
+        parser.error("--out is required with a tokenizer other than byte")
+      out = prepare_stdlib(args.out, tokenizer=tok, workers=args.workers)
+  except (DataError, SourceError, TokenizerError) as e:
     raise SystemExit(f"error: {e}") from None
   meta = read_meta(out)
-  counts = ", ".join(f"{s}: {v['documents']} docs / {v['tokens']:,} tokens"
-                     for s, v in meta["splits"].items())
-  print(f"prepared {out} ({counts})")
+  t = meta["tokenizer"]
+  counts = ", ".join(f"{s}: {v['documents']} docs / {v['tokens']:,} tokens / {v['bytes']:,} "
+                     f"bytes" for s, v in meta["splits"].items())
+  print(f"prepared {out} ({counts}); tokenizer {t['kind']} vocab {t['vocab_size']:,}, "
+        f"{meta['splits']['train']['bytes'] / max(meta['splits']['train']['tokens'], 1):.2f} "
+        "bytes/token")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,30 @@
-"""Byte-level tokenizer: ids 0..255 are bytes, then a few special tokens.
+"""Tokenizers behind one small interface: byte-level, Hugging Face `tokenizers`, SentencePiece.
 
-No vocabulary file, no unknown tokens, exact round trip for any UTF-8 text. Models use a vocab
-of at least `VOCAB_SIZE` (the tiny config pads to 512 so the vocab splits evenly over devices).
+Every tokenizer has `.kind` ("byte" | "hf" | "sentencepiece"), `.vocab_size`, `.bos_id`,
+`.eos_id`, `.pad_id` (int or None), `.encode(text, *, bos=True, eos=True) -> np.ndarray` (int64
+ids), `.decode(ids) -> str` (special tokens dropped) and `.files()` (the files that define it,
+empty for bytes).
+
+  * byte: ids 0..255 are UTF-8 bytes, then BOS=256, EOS=257, PAD=258 (259 ids). No vocabulary
+    file, no unknown tokens, exact round trip. The module-level `encode`/`decode`/`VOCAB_SIZE`/
+    `BOS_ID`/`EOS_ID`/`PAD_ID` are this tokenizer.
+  * hf: a `tokenizer.json` read by the `tokenizers` library (or a Hugging Face model directory
+    holding one; its `tokenizer_config.json`, when present, names the bos/eos/pad tokens).
+  * sentencepiece: a SentencePiece `.model` file.
+
+`from_path(path)` loads an hf/sentencepiece tokenizer from a file or directory;
+`load_tokenizer(data_dir)` the one a prepared data directory was tokenized with (its meta.json
+names it; the files live in `<data_dir>/tokenizer/`). `train_bpe(texts, vocab_size, out_dir)`
+trains a byte-level BPE (GPT-2 style: any text encodes, no unknown tokens) with the special
+tokens `<|bos|>`, `<|eos|>`, `<|pad|>` at ids 0, 1, 2.
 """
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -11,11 +32,40 @@ BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 VOCAB_SIZE = 259
-TOKEN_DTYPE = np.uint16  # what prepared shards store
+TOKEN_DTYPE = np.uint16  # what byte-level shards store
+
+# Names under which tokenizers commonly carry their special tokens, most specific first.
+_BOS_NAMES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>")
+_EOS_NAMES = ("<|eos|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
+_PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
+BPE_SPECIALS = ("<|bos|>", "<|eos|>", "<|pad|>")
+
+
+class TokenizerError(ValueError):
+  """A tokenizer the user named cannot be loaded (reported in one line)."""
+
+
+class Tokenizer(Protocol):
+  kind: str
+  vocab_size: int
+  bos_id: int | None
+  eos_id: int | None
+  pad_id: int | None
+
+  def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray: ...
+  def decode(self, ids) -> str: ...
+  def files(self) -> list[str]: ...
+
+
+def _wrap(body, bos_id, eos_id, bos, eos) -> np.ndarray:
+  head = [bos_id] if bos and bos_id is not None else []
+  tail = [eos_id] if eos and eos_id is not None else []
+  return np.concatenate([np.asarray(head, np.int64), np.asarray(body, np.int64),
+                         np.asarray(tail, np.int64)])
 
 
 def encode(text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
-  """Text -> token ids (uint16): [BOS] + UTF-8 bytes + [EOS]."""
+  """Text -> byte-level token ids (uint16): [BOS] + UTF-8 bytes + [EOS]."""
   body = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
   parts = ([np.array([BOS_ID], TOKEN_DTYPE)] if bos else []) + [body.astype(TOKEN_DTYPE)]
   if eos:
@@ -24,6 +74,185 @@ def encode(text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
 
 
 def decode(ids) -> str:
-  """Token ids -> text; special tokens are dropped."""
+  """Byte-level token ids -> text; special tokens are dropped."""
   ids = np.asarray(ids)
   return bytes(ids[ids < 256].astype(np.uint8)).decode("utf-8", errors="replace")
+
+
+class ByteTokenizer:
+  kind = "byte"
+  vocab_size, bos_id, eos_id, pad_id = VOCAB_SIZE, BOS_ID, EOS_ID, PAD_ID
+
+  def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
+    return encode(text, bos=bos, eos=eos).astype(np.int64)
+
+  def decode(self, ids) -> str:
+    return decode(ids)
+
+  def files(self) -> list[str]:
+    return []
+
+
+class HFTokenizer:
+  """A `tokenizers` tokenizer.json; special ids from tokenizer_config.json or common names."""
+  kind = "hf"
+
+  def __init__(self, path: str, special: dict | None = None):
+    from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
+    self.path = path
+    self._tok = _Tok.from_file(path)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    names = _config_special_names(os.path.dirname(path))
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+
+    def find(key, candidates):
+      if special and key in special:
+        return special[key]
+      for name in ([names[key]] if names.get(key) else []) + list(candidates):
+        if name in vocab:
+          return int(vocab[name])
+      return None
+
+    self.bos_id = find("bos_id", _BOS_NAMES)
+    self.eos_id = find("eos_id", _EOS_NAMES)
+    self.pad_id = find("pad_id", _PAD_NAMES)
+
+  def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
+    body = self._tok.encode(text, add_special_tokens=False).ids
+    return _wrap(body, self.bos_id, self.eos_id, bos, eos)
+
+  def decode(self, ids) -> str:
+    special = {self.bos_id, self.eos_id, self.pad_id}
+    return self._tok.decode([int(i) for i in np.asarray(ids) if int(i) not in special],
+                            skip_special_tokens=True)
+
+  def files(self) -> list[str]:
+    config = os.path.join(os.path.dirname(self.path), "tokenizer_config.json")
+    return [self.path] + ([config] if os.path.exists(config) else [])
+
+
+def _config_special_names(directory: str) -> dict:
+  """bos/eos/pad token strings named by a Hugging Face tokenizer_config.json, if any."""
+  path = os.path.join(directory, "tokenizer_config.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    config = json.load(f)
+  out = {}
+  for key in ("bos", "eos", "pad"):
+    value = config.get(f"{key}_token")
+    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
+      value = value.get("content")
+    out[f"{key}_id"] = value
+  return out
+
+
+class SentencePieceTokenizer:
+  kind = "sentencepiece"
+
+  def __init__(self, path: str):
+    try:
+      import sentencepiece  # noqa: PLC0415
+    except ImportError:
+      raise TokenizerError(f"{path} is a SentencePiece model; install it with "
+                           "`pip install sentencepiece`") from None
+    self.path = path
+    self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+    self.vocab_size = self._sp.get_piece_size()
+    ids = (self._sp.bos_id(), self._sp.eos_id(), self._sp.pad_id())
+    self.bos_id, self.eos_id, self.pad_id = (i if i >= 0 else None for i in ids)
+
+  def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
+    return _wrap(self._sp.encode(text), self.bos_id, self.eos_id, bos, eos)
+
+  def decode(self, ids) -> str:
+    return self._sp.decode([int(i) for i in np.asarray(ids)])
+
+  def files(self) -> list[str]:
+    return [self.path]
+
+
+def from_path(path: str) -> Tokenizer:
+  """An HF tokenizer.json, a directory holding one (or a SentencePiece tokenizer.model), or a
+  SentencePiece .model file."""
+  if os.path.isdir(path):
+    for name in ("tokenizer.json", "tokenizer.model"):
+      if os.path.exists(os.path.join(path, name)):
+        return from_path(os.path.join(path, name))
+    models = sorted(f for f in os.listdir(path) if f.endswith(".model"))
+    if models:
+      return from_path(os.path.join(path, models[0]))
+    raise TokenizerError(f"tokenizer {path!r}: the directory holds no tokenizer.json or "
+                         "SentencePiece .model")
+  if not os.path.exists(path):
+    raise TokenizerError(f"tokenizer {path!r} does not exist; give a tokenizer.json, a Hugging "
+                         "Face model directory or a SentencePiece .model")
+  if path.endswith(".json"):
+    try:
+      return HFTokenizer(path)
+    except Exception as e:  # the tokenizers library raises plain Exceptions on bad files
+      raise TokenizerError(f"tokenizer {path!r} is not a Hugging Face tokenizer.json: "
+                           f"{str(e).splitlines()[0]}") from None
+  if path.endswith(".model"):
+    return SentencePieceTokenizer(path)
+  raise TokenizerError(f"tokenizer {path!r}: expected a tokenizer.json, a directory or a "
+                       "SentencePiece .model")
+
+
+def file_hash(paths: Iterable[str]) -> str:
+  h = hashlib.sha256()
+  for p in sorted(paths, key=os.path.basename):
+    with open(p, "rb") as f:
+      h.update(f.read())
+  return h.hexdigest()[:16]
+
+
+def describe(tok: Tokenizer, data_dir: str | None = None) -> dict:
+  """What meta.json records: kind, files (relative to the data dir), hash, vocab, special ids."""
+  files = tok.files()
+  return {"kind": tok.kind,
+          "files": [os.path.relpath(f, data_dir) if data_dir else f for f in files],
+          "hash": file_hash(files) if files else "", "vocab_size": int(tok.vocab_size),
+          "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id}
+
+
+def from_meta(info: dict, data_dir: str) -> Tokenizer:
+  """The tokenizer a meta.json `tokenizer` entry describes (files relative to data_dir)."""
+  if info["kind"] == "byte":
+    return ByteTokenizer()
+  path = os.path.join(data_dir, info["files"][0])
+  if info["kind"] == "hf":
+    return HFTokenizer(path, {k: info[k] for k in ("bos_id", "eos_id", "pad_id")})
+  return SentencePieceTokenizer(path)
+
+
+def load_tokenizer(data_dir: str) -> Tokenizer:
+  """The tokenizer a prepared data directory was made with."""
+  from data.prepare import read_meta  # noqa: PLC0415
+  return from_meta(read_meta(data_dir)["tokenizer"], data_dir)
+
+
+def storage_dtype(vocab_size: int) -> str:
+  """Little-endian dtype of stored ids: uint16 up to 65,536 ids, uint32 above."""
+  return "<u2" if vocab_size <= 1 << 16 else "<u4"
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HFTokenizer:
+  """Train a byte-level BPE of `vocab_size` ids (3 specials + 256 bytes + merges) on `texts`;
+  saves `out_dir/tokenizer.json`."""
+  from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+  if vocab_size < 256 + len(BPE_SPECIALS):
+    raise TokenizerError(f"bpe:{vocab_size}: a byte-level BPE needs at least "
+                         f"{256 + len(BPE_SPECIALS)} ids")
+  tok = _Tok(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(texts, trainer=trainer)
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "tokenizer.json")
+  tok.save(path)
+  return HFTokenizer(path)

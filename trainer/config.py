@@ -55,6 +55,9 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.data = ml_collections.ConfigDict(dict(
       dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
+      # weighted mixture of prepared dirs instead of `dir`: "NAME=DIR:WEIGHT,..." (weights are
+      # token fractions; data/mixture.py); evaluation reports eval_loss/NAME per source
+      mixture="",
       global_batch_size=16,  # sequences per optimizer step
       micro_batch_size=0,  # sequences per accumulation micro-batch; 0 = no accumulation
       seq_len=128,
@@ -440,6 +443,28 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
           f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
 
 
+def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
+  """(vocabulary size, description) of the run's data: data.dir's or data.mixture's meta.json
+  (all mixture sources share a tokenizer), or the byte tokenizer of the default corpus."""
+  from data import mixture, prepare, tokenizer  # noqa: PLC0415
+  d = cfg.data
+  _need(not (d.dir and d.mixture), f"data.dir={d.dir!r} and data.mixture={d.mixture!r} are "
+        "both set; give one")
+  try:
+    if d.mixture:
+      sources = mixture.parse(d.mixture)
+      metas = [prepare.read_meta(s.dir) for s in sources]
+      mixture.check(sources, metas)
+      t = metas[0]["tokenizer"]
+      return t["vocab_size"], f"data.mixture's {t['kind']} tokenizer"
+    if d.dir:
+      t = prepare.read_meta(d.dir)["tokenizer"]
+      return t["vocab_size"], f"data.dir={d.dir!r} ({t['kind']} tokenizer)"
+  except (prepare.DataError, mixture.MixtureError) as e:
+    raise ConfigError(str(e)) from None
+  return tokenizer.VOCAB_SIZE, "the default corpus (byte tokenizer)"
+
+
 def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   """Check the whole config against itself and the devices the run will use (a list: their
   count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
@@ -469,6 +494,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _choice(cfg, "model.remat", REMAT_POLICIES)
   _choice(cfg, "model.attention", ATTENTION_IMPLS)
   _choice(cfg, "model.rope_scaling.type", ROPE_SCALING_TYPES)
+  data_vocab, data_name = _data_vocab(cfg)
+  if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
+    m.vocab_size = -(-data_vocab // 128) * 128
   for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
     _need(m[key] >= 1, f"model.{key}={m[key]}: must be positive")
   _need(m.num_heads % m.num_kv_heads == 0,
@@ -478,9 +506,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
         f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
         "set model.head_dim")
   _need(head_dim % 2 == 0, f"model head dim {head_dim} must be even for RoPE")
-  from data.tokenizer import VOCAB_SIZE  # noqa: PLC0415
-  _need(m.vocab_size >= VOCAB_SIZE,
-        f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {VOCAB_SIZE} ids")
+  _need(m.vocab_size >= data_vocab,
+        f"model.vocab_size={m.vocab_size} is smaller than the {data_vocab} token ids of "
+        f"{data_name}; use model.vocab_size=0 to take the vocabulary from the data")
 
   tensor, fsdp = sizes["tensor"], sizes["fsdp"]
   for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -41,7 +42,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from data import pipeline
+from data import mixture, pipeline
 from data.prepare import ensure_default_corpus, read_meta
 from models.llama import flops_per_token, param_counts
 from optim import BatchRamp, derive
@@ -109,13 +110,17 @@ class Run:
     self.ramp = BatchRamp.from_config(d)
     self.compiled_steps: dict = {}  # (micro-batches, measures noise) -> compiled train step
     self.compile_count = 0
-    self.data_dir = d.dir or ensure_default_corpus()
+    # One source (data.dir or the default corpus) or a weighted mixture (data.mixture).
+    self.sources = mixture.parse(d.mixture) if d.mixture else (
+        mixture.Source("data", d.dir or ensure_default_corpus()),)
+    self.data_dir = self.sources[0].dir
     self.data_meta = read_meta(self.data_dir)
     # This process reads the rows its devices hold (any mesh device order works).
     self.local_rows = process_rows(self.batch_sharding, (1, self.micro_rows, d.seq_len), 1)
     self.train_spec = pipeline.StreamSpec(
         self.data_dir, "train", d.seq_len, self.micro_rows, seed=cfg.seed,
-        row_ids=self.local_rows, prefetch=d.prefetch)
+        row_ids=self.local_rows, prefetch=d.prefetch,
+        mixture=self.sources if d.mixture else ())
     self.writer = None
     self.checkpointer = None
 
@@ -141,20 +146,32 @@ class Run:
         *self.batch_sharding.spec[1:]))
     fn = jax.jit(make_eval_step(self.spec), in_shardings=(self.shardings.params, flat),
                  out_shardings=replicated(self.mesh))
-    host = pipeline.take(
-        pipeline.StreamSpec(self.data_dir, "validation", self.cfg.data.seq_len, self.micro_rows,
+    hosts = [pipeline.take(
+        pipeline.StreamSpec(src.dir, "validation", self.cfg.data.seq_len, self.micro_rows,
                             shuffle=False, row_ids=self.local_rows),
-        self.cfg.eval_steps)
+        self.cfg.eval_steps) for src in self.sources]
+    # Bits per byte = nats per predicted token / ln 2 x predicted tokens / UTF-8 bytes of the
+    # validation split (counted at preparation): comparable across tokenizers.
+    bits = [(lambda v: v["targets"] / v["bytes"] / math.log(2))(
+        read_meta(src.dir)["splits"]["validation"]) for src in self.sources]
 
-    def evaluate(params) -> float:
-      loss_sum, tokens = 0.0, 0.0
+    def evaluate(params) -> dict[str, float]:
+      """eval_loss and eval_bpb (token-weighted over mixture sources), and per source
+      eval_loss/NAME and eval_bpb/NAME when there are several."""
+      row, total, total_bpb = {}, 0.0, 0.0
       with jax.set_mesh(self.mesh):
-        for mb in host:
-          batch = {k: assemble(mb[k], self.local_rows, flat, (self.micro_rows, mb[k].shape[1]))
-                   for k in pipeline.BATCH_KEYS}
-          s, n = jax.device_get(fn(params, batch))
-          loss_sum, tokens = loss_sum + float(s), tokens + float(n)
-      return loss_sum / max(tokens, 1.0)
+        for src, host, to_bits in zip(self.sources, hosts, bits):
+          loss_sum, tokens = 0.0, 0.0
+          for mb in host:
+            batch = {k: assemble(mb[k], self.local_rows, flat, (self.micro_rows, mb[k].shape[1]))
+                     for k in pipeline.BATCH_KEYS}
+            s, n = jax.device_get(fn(params, batch))
+            loss_sum, tokens = loss_sum + float(s), tokens + float(n)
+          loss = loss_sum / max(tokens, 1.0)
+          if len(self.sources) > 1:
+            row[f"eval_loss/{src.name}"], row[f"eval_bpb/{src.name}"] = loss, loss * to_bits
+          total, total_bpb = total + src.weight * loss, total_bpb + src.weight * loss * to_bits
+      return {"eval_loss": total, "eval_bpb": total_bpb, **row}
 
     return evaluate
 
@@ -339,10 +356,10 @@ class Run:
 
   def _evaluate(self, evaluate, state, step: int) -> None:
     with self.timer.paused():
-      row = {"eval_loss": evaluate(state.params)}
+      row = evaluate(state.params)
       ema = find_ema(state.opt_state, like=state.params)
       if ema is not None:
-        row["eval_loss_ema"] = evaluate(ema)
+        row["eval_loss_ema"] = evaluate(ema)["eval_loss"]
     self.writer.write(step, row)
     self.last_metrics.update(row)
     self._stop_check(step, row)

@@ -1,0 +1,150 @@
+"""Where documents come from: text files, JSONL, Parquet, Hugging Face datasets.
+
+Inputs are turned into *units* of work (`Unit`): a group of small files, one large file, or one
+shard of a Hugging Face dataset. `data.prepare` tokenizes units in parallel and writes one set of
+output shards per unit, so an interrupted preparation redoes only the units it had not finished.
+`documents(unit, text_field)` yields (key, text) pairs; the key (file path + position) decides the
+document's split.
+
+  * `.txt` / `.md` / `.py` (and any other file): the whole file is one document.
+  * `.jsonl`: one document per line, its text in `text_field`.
+  * `.parquet`: one document per row of column `text_field` (needs `pyarrow`: the `data` extra).
+  * a directory written by `datasets.Dataset.save_to_disk` (it holds `dataset_info.json` or
+    `dataset_dict.json`), or `hf:NAME[:CONFIG][@SPLIT]` for `datasets.load_dataset` (needs the
+    `datasets` package; loading by name may download unless the dataset is in the HF cache).
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".parquet")
+UNIT_BYTES = (1 << 20, 256 << 20)  # bounds on the input bytes grouped into one unit
+HF_ROWS_PER_UNIT = 100_000
+
+
+class SourceError(ValueError):
+  """Inputs that cannot be read (reported in one line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  kind: str  # "files" | "hf"
+  paths: tuple[str, ...] = ()  # kind "files"
+  dataset: str = ""  # kind "hf": a save_to_disk dir or "hf:NAME[:CONFIG][@SPLIT]"
+  shard: int = 0
+  num_shards: int = 1
+  root: str = ""  # keys of files are relative to this (stable across machines)
+
+
+def _is_hf_dir(path: str) -> bool:
+  return os.path.isdir(path) and any(
+      os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json"))
+
+
+def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
+  """(sorted files, HF datasets) named by files, directories, globs and hf: names."""
+  paths, datasets = [], []
+  for item in inputs:
+    if item.startswith("hf:") or _is_hf_dir(item):
+      datasets.append(item)
+    elif os.path.isdir(item):
+      paths += [p for p in glob.glob(os.path.join(item, "**", "*"), recursive=True)
+                if p.endswith(TEXT_SUFFIXES) and os.path.isfile(p)]
+    elif os.path.isfile(item):
+      paths.append(item)
+    else:
+      matched = glob.glob(item)
+      if not matched:
+        raise SourceError(f"data.prepare: {item!r} does not exist")
+      paths += matched
+  return sorted(set(paths)), datasets
+
+
+def group_files(paths: list[str], root: str = "") -> list[Unit]:
+  """Consecutive files grouped into units of about total/16 bytes (within UNIT_BYTES)."""
+  sizes = [os.path.getsize(p) for p in paths]
+  target = min(max(sum(sizes) // 16, UNIT_BYTES[0]), UNIT_BYTES[1])
+  units, group, size = [], [], 0
+  for path, n in zip(paths, sizes):
+    group.append(path)
+    size += n
+    if size >= target:
+      units.append(Unit("files", tuple(group), root=root))
+      group, size = [], 0
+  if group:
+    units.append(Unit("files", tuple(group), root=root))
+  return units
+
+
+def _load_hf(name: str):
+  try:
+    import datasets  # noqa: PLC0415
+  except ImportError:
+    raise SourceError(f"{name!r} is a Hugging Face dataset; install the `datasets` package "
+                      "(pip install 'scaletrain[datasets]')") from None
+  if name.startswith("hf:"):
+    spec, _, split = name[3:].partition("@")
+    path, _, config = spec.partition(":")
+    ds = datasets.load_dataset(path, config or None, split=split or "train")
+  else:
+    ds = datasets.load_from_disk(name)
+  if isinstance(ds, datasets.DatasetDict):
+    ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
+  return ds
+
+
+def hf_units(name: str) -> list[Unit]:
+  n = len(_load_hf(name))
+  shards = max(1, -(-n // HF_ROWS_PER_UNIT))
+  return [Unit("hf", dataset=name, shard=i, num_shards=shards) for i in range(shards)]
+
+
+def _missing_field(where: str, field: str, fields) -> SourceError:
+  return SourceError(f"{where}: no field {field!r} (fields: {sorted(fields)}); set --text_field")
+
+
+def documents(unit: Unit, text_field: str) -> Iterator[tuple[str, str]]:
+  """(key, text) of every document of a unit, in a fixed order."""
+  if unit.kind == "hf":
+    ds = _load_hf(unit.dataset).shard(unit.num_shards, unit.shard, contiguous=True)
+    if text_field not in ds.column_names:
+      raise _missing_field(unit.dataset, text_field, ds.column_names)
+    for i, text in enumerate(ds[text_field]):
+      yield f"{unit.dataset}#{unit.shard}:{i}", text
+    return
+  for path in unit.paths:
+    key = os.path.relpath(path, unit.root) if unit.root else path
+    if path.endswith(".jsonl"):
+      with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f):
+          if line.strip():
+            record = json.loads(line)
+            if text_field not in record:
+              raise _missing_field(f"{path}:{lineno + 1}", text_field, record)
+            yield f"{key}:{lineno}", record[text_field]
+    elif path.endswith(".parquet"):
+      yield from _parquet_documents(path, key, text_field)
+    else:
+      with open(path, encoding="utf-8", errors="replace") as f:
+        yield key, f.read()
+
+
+def _parquet_documents(path: str, key: str, text_field: str) -> Iterator[tuple[str, str]]:
+  try:
+    import pyarrow.parquet as pq  # noqa: PLC0415
+  except ImportError:
+    raise SourceError(f"{path} is Parquet; install pyarrow (pip install 'scaletrain[data]')") \
+        from None
+  f = pq.ParquetFile(path)
+  if text_field not in f.schema_arrow.names:
+    raise _missing_field(path, text_field, f.schema_arrow.names)
+  row = 0
+  for batch in f.iter_batches(columns=[text_field], batch_size=4096):
+    for text in batch.column(0).to_pylist():
+      if text is not None:
+        yield f"{key}:{row}", text
+      row += 1
