@@ -57,7 +57,10 @@ def reference(data_dir):
 def test_sharded_step_equals_single_device(reference, mesh_cfg, devices):
   cfg, batches, ref_losses, ref_params = reference
   losses, params = _run(cfg, mesh_cfg, batches)
-  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+  # Measured: at most 3.1e-7 relative (jax 0.10.2, CPU); `pytest -s` prints it (README quotes it).
+  worst = np.max(np.abs(losses - ref_losses) / np.abs(ref_losses))
+  print(f"\n{mesh_cfg}: worst relative loss difference to one device {worst:.2g}")
+  np.testing.assert_allclose(losses, ref_losses, rtol=5e-7)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                params, ref_params)
   assert ref_losses[-1] < ref_losses[0]  # it trains
