@@ -3,7 +3,9 @@
 The state is a plain pytree: the step, the parameters as a nested dict of arrays (NNX's pure
 dict, so paths read like `blocks/attn/wq_EHD`), and the optax state. The model's structure
 (`graphdef`) stays outside; `nnx.merge(graphdef, params)` rebuilds the module inside the step.
-Random numbers are derived as `fold_in(key(seed), step)`, so there is no RNG state to lose.
+Randomness: the parameters are initialised from `seed` and the data order is shuffled from
+`seed` (data/pipeline.py); a train step draws no random numbers (no dropout), so the state
+holds no RNG key and resuming needs none.
 
 Creation never materialises the model on one device: the abstract model gives every
 parameter's logical names, `sharding/rules.py` turns them into NamedShardings, and the
