@@ -147,3 +147,20 @@ def test_rope_scaling_config_key():
   cfg.model.rope_scaling.type = "yarn"
   with pytest.raises(ConfigError, match="model.rope_scaling.type='yarn'"):
     validate(cfg, 8)
+
+
+def test_init_from_mismatch_names_the_override(tmp_path, mesh):
+  """A converted model's rope_theta / rope scaling differ from the run config: shapes agree,
+  so the check must come from the saved model config."""
+  import dataclasses
+  from models.llama import ModelConfig, RopeScaling
+  from trainer.inference import init_from_mismatch
+  make_hf_model(tmp_path / "hf", "gqa_llama3_untied")
+  cfg = ModelConfig.from_config(convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "o"),
+                                                mesh=mesh))
+  src = str(tmp_path / "o")
+  assert init_from_mismatch(src, cfg) is None
+  msg = init_from_mismatch(src, dataclasses.replace(cfg, rope_theta=10_000.0))
+  assert "model.rope_theta=500000.0" in msg and "--config.model.rope_theta=500000.0" in msg
+  msg = init_from_mismatch(src, dataclasses.replace(cfg, rope_scaling=RopeScaling()))
+  assert "--config.model.rope_scaling.type=llama3" in msg
