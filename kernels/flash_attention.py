@@ -19,7 +19,9 @@ powers of two are zero-padded here, and padded keys are masked by index inside t
 The kernel is written for the GPU (Triton) lowering: power-of-two tiles of at least 16, refs
 read with `pl.ds` slices, loops as `lax.fori_loop` with bounds that skip fully masked tiles.
 On CPU it runs with `interpret=True` (the default there); on TPU the model's dispatcher uses
-jax's splash attention instead (`kernels/splash.py`).
+jax's splash attention instead (`kernels/splash.py`). It has been compiled for GPUs but not yet
+run on one, so the model uses it only when asked by name (`model.attention=flash`; `auto` on
+GPU is cuDNN's or XLA's attention, models/attention.py).
 
 Two levels of API:
   * `flash_attention(q, k, v, ...)`: differentiable (`jax.custom_vjp`), optionally also
@@ -65,7 +67,8 @@ _MIN_TILE = 16  # Triton's tl.dot needs every tile dimension >= 16
 class BlockSizes:
   """Tile sizes (powers of two, >= 16). Forward: a program per `block_q` queries, looping over
   `block_k` keys. Backward: dQ by `block_q_bwd` query tiles, dK/dV by `block_k_bwd` key tiles.
-  The defaults suit head dims up to 128 on current GPUs; tune per model and device."""
+  The defaults are common Triton flash-attention tiles, not tuned or timed here (the kernel has
+  not run on a GPU; tests check them numerically, interpreted); tune per model and device."""
   block_q: int = 128
   block_k: int = 64
   block_q_bwd: int = 64

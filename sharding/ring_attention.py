@@ -20,8 +20,10 @@ device i holds the keys of device j = (i - s) mod N and:
   s = 0   its own block: ordinary causal attention on the local order (local causal = global);
   j < i   all its queries see the first key chunk (chunk j), none the second: q x kv[:half];
   j > i   only its second query chunk (2N-1-i) sees keys, all of them: q[half:] x kv.
-Every step is the same amount of work on every device (half a block pair), so no device waits:
-max/min attention FLOPs per device is 1 (`ring_work` counts it; see bench/attention_memory.py).
+Every step is the same amount of work on every device (half a block pair after step 0), so no
+device waits: max/min attention work per device is 1.000, where contiguous blocks on the same
+schedule give 2-15x at N = 2-8 (`ring_work` counts the pairs from the bounds each step passes
+to its blocks and the flash kernel's tile loop; tests/test_ring_attention.py checks both).
 
 Where the token reordering happens. A permutation of the sequence axis is communication, so it
 should not be paid per layer: `layout="zigzag"` says the caller's arrays are already in zig-zag
