@@ -91,9 +91,6 @@ def test_profile_window_stops_when_the_run_ends_inside_it(tmp_path):
   assert glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
 
 
-@pytest.mark.skipif("ProfileWindow" not in open(os.path.join(
-    os.path.dirname(__file__), "..", "trainer", "loop.py")).read(),
-    reason="trainer/loop.py does not call trainer.profiling.ProfileWindow yet")
 def test_training_run_writes_the_profile_window(tmp_path):
   from trainer.loop import Run
   workdir = str(tmp_path / "run")

@@ -54,6 +54,7 @@ from sharding.mesh import make_mesh, replicated
 from trainer.checkpoint import Checkpointer, first_line, load_params
 from trainer.decisions import Decider, MetricsWindow, StopSignals, agree_any
 from trainer.metrics import MetricsWriter, machine_peak_flops
+from trainer.profiling import ProfileWindow
 from trainer.program import Program
 from trainer.state import init_state
 from trainer.step import make_eval_step
@@ -274,7 +275,8 @@ class Run:
     compile_seconds = time.perf_counter() - t0
     evaluate = self._eval_fn() if cfg.eval_every else None
     self.flops_token = flops_per_token(self.model_cfg, cfg.data.seq_len)["total"]
-    self.peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
+    self.peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device,
+                                                cfg.model.dtype)
     self.log(f"compiled train step in {compile_seconds:.1f}s; {self.flops_token / 1e6:.2f} "
              f"MFLOPs per token; peak {self.peak / 1e12:.3g} TFLOP/s ({peak_source})")
     if start >= cfg.steps:
@@ -289,10 +291,13 @@ class Run:
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
-    with jax.set_mesh(self.mesh):
+    profile = ProfileWindow(cfg.trainer.profile_steps, self.workdir, log=self.log)
+    with jax.set_mesh(self.mesh), contextlib.closing(profile):
       while step < cfg.steps:
+        profile.before_step(step + 1)
         state, metrics = self._dispatch(state, train_iter, step, decider.measures_noise(step + 1))
         step += 1
+        profile.after_step(step, metrics)
         decision = decider.after(step)
         window.add(step, metrics, decision.log)
         if deferred is not None:
