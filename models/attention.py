@@ -16,13 +16,17 @@
 Why `auto` never picks our Pallas kernel on GPU: it has been compiled for GPUs (Triton lowering
 in tests/test_flash_attention.py, H100 compiles in bench/attention_memory.py) but never *run*
 on one; every numerical check runs it interpreted on CPU. Until a GPU run has checked it against
-the reference, the default on GPU is a path that jax and NVIDIA run in production: cuDNN's
-fused attention when its constraints hold (jax 0.10.2, `jax/_src/cudnn/fused_attention_stablehlo.py`:
-q/k/v fp16 or bf16, never fp32; head dim a multiple of 8 and <= 128, 256 only on Hopper+ as
-seen by the local GPU, so 128 is what an ahead-of-time compile may rely on; grouped-query heads
-supported; packed documents only as a mask, which cuDNN takes as an additive [B, 1, S, S] bias,
-and in training with a bias both lengths must be even), otherwise XLA's attention. `flash`
-stays available by name (and as ring attention's blocks only by name, see
+the reference, the GPU default is a path jax and NVIDIA run in production: cuDNN's fused
+attention where its constraints hold, otherwise XLA's attention. The constraints (jax 0.10.2,
+`jax/_src/cudnn/fused_attention_stablehlo.py`, and jax's own cuDNN attention tests):
+  * an Ampere or newer GPU (compute capability >= 8.0: not Colab's T4 or a V100), CUDA 12 (the
+    `gpu` extra; jax's tests skip cuDNN attention on CUDA 13);
+  * q/k/v fp16 or bf16, never fp32;
+  * head dim a multiple of 8 and <= 128 (256 on Hopper+, but jax checks that on the local GPU,
+    so 128 is what an ahead-of-time compile may rely on);
+  * grouped-query heads are supported; packed documents only as a mask, which cuDNN adds as a
+    [B, 1, S, S] bias, and in training with a bias both lengths must be even.
+`flash` stays available by name (and as ring attention's blocks, by name, see
 sharding/ring_attention.py).
 
 Packed documents are kept apart by segment ids: a query attends only to keys of its own segment
@@ -74,10 +78,13 @@ def cudnn_applies(dtype, head_dim: int, seq_len: int | None = None) -> bool:
 
 
 def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
-                head_dim: int | None = None, seq_len: int | None = None) -> str:
+                head_dim: int | None = None, seq_len: int | None = None,
+                gpu_capability: float | None = None) -> str:
   """The implementation `impl` stands for on `platform` ("cpu", "gpu", "tpu") with a mesh
   `sequence` axis of that size, for q/k/v of `dtype` and `head_dim` (the one place the choice
-  is made; see the module docstring for why GPU's default is cudnn or xla, not flash). Without
+  is made; see the module docstring for why GPU's default is cudnn or xla, not flash).
+  gpu_capability: the GPU's compute capability when known (None: an ahead-of-time target,
+  assumed recent); cuDNN's flash attention needs >= 8.0. Without
   dtype and head_dim (not known yet), `auto` on GPU is "cudnn" when the caller cannot tell:
   `attention` decides again with the real arrays."""
   if impl not in IMPLS:
@@ -87,6 +94,8 @@ def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
     if sequence > 1:
       return "ring"
     if platform == "gpu":
+      if gpu_capability is not None and gpu_capability < 8.0:
+        return "xla"
       if dtype is None or head_dim is None:
         return "cudnn"
       return "cudnn" if cudnn_applies(dtype, head_dim, seq_len) else "xla"
@@ -101,8 +110,19 @@ def resolve_impl(impl: str, mesh=None, *, dtype=None, head_dim: int | None = Non
   """The implementation `impl` stands for under `mesh` (default: the current mesh)."""
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   sequence = 1 if mesh.empty else mesh.shape.get("sequence", 1)
-  return choose_impl(impl, platform=mesh_platform(mesh), sequence=sequence, dtype=dtype,
-                     head_dim=head_dim, seq_len=seq_len)
+  platform = mesh_platform(mesh)
+  return choose_impl(impl, platform=platform, sequence=sequence, dtype=dtype,
+                     head_dim=head_dim, seq_len=seq_len,
+                     gpu_capability=_gpu_capability(mesh) if platform == "gpu" else None)
+
+
+def _gpu_capability(mesh) -> float | None:
+  """The compute capability of the GPUs a program is for: the local GPU's, or None for an
+  ahead-of-time target (its abstract device does not say)."""
+  if not mesh.empty and getattr(mesh, "abstract_device", None) is not None:
+    return None
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  return float(capability) if capability else None
 
 
 def sequence_layout(impl: str, mesh=None) -> str:

@@ -303,8 +303,9 @@ def test_splash_lowers_for_tpu():
 
 
 def test_auto_attention_choice():
-  """`auto` on GPU is cuDNN's fused attention where its constraints hold (fp16/bf16, head dim a
-  multiple of 8 up to 128, even length with a segment mask), else xla: never our Pallas
+  """`auto` on GPU is cuDNN's fused attention where its constraints hold (Ampere or newer,
+  fp16/bf16, head dim a multiple of 8 up to 128, even length with a segment mask), else xla:
+  never our Pallas
   kernel, which has not run on a GPU yet; `flash` stays available by name."""
   gpu = dict(platform="gpu", seq_len=2048)
   assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=128, **gpu) == "cudnn"
@@ -314,6 +315,9 @@ def test_auto_attention_choice():
   assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=36, **gpu) == "xla"
   assert choose_impl("auto", platform="gpu", dtype=jnp.bfloat16, head_dim=64,
                      seq_len=2047) == "xla"
+  assert choose_impl("auto", dtype=jnp.float16, head_dim=64, gpu_capability=7.5, **gpu) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, gpu_capability=9.0,
+                     **gpu) == "cudnn"
   assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, sequence=4, **gpu) == "ring"
   assert choose_impl("ring", dtype=jnp.bfloat16, head_dim=64, **gpu) == "cudnn"  # nothing to ring
   assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, **gpu) == "flash"
