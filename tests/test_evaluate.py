@@ -90,11 +90,13 @@ def test_whole_split_matches_document_by_document(run, tmp_path):
 
 def test_generate_from_a_training_run_with_text(run, capsys):
   workdir, _ = run
-  assert generate_cli.main(["--checkpoint", workdir, "--prompt", "the quick", "--prompt", "a",
-                            "--max_new_tokens", "5", "--temperature", "0.7", "--top_k", "20",
-                            "--seed", "3"]) == 0
+  args = ["--checkpoint", workdir, "--prompt", "the quick", "--prompt", "a",
+          "--max_new_tokens", "5", "--temperature", "0.7", "--top_k", "20", "--seed", "3"]
+  assert generate_cli.main(args) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[-2].startswith("'the quick' -> ") and lines[-1].startswith("'a' -> ")
+  assert generate_cli.main(args + ["--ema"]) == 0  # the EMA weights sample other text
+  assert capsys.readouterr().out.strip().splitlines()[-2:] != lines[-2:]
 
 
 def test_evaluate_refuses_unknown_split(run, capsys):

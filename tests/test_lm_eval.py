@@ -63,11 +63,8 @@ def test_generate_until_stops_at_the_stop_string(lm):
   assert cut == full[:full.index(stop)]
 
 
-def test_harness_runs_local_tasks(lm, tmp_path, monkeypatch):
-  import lm_eval
-  from lm_eval.tasks import TaskManager
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def write_tasks(tmp_path):
+  """Three task YAMLs over a local jsonl file: multiple choice, rolling perplexity, generation."""
   docs = [{"question": f"{a} + {b} =", "choices": [f" {a + b}", f" {a + b + 1}"], "answer": 0,
            "text": f"{a} plus {b} is {a + b}."} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
   data = tmp_path / "docs.jsonl"
@@ -86,6 +83,19 @@ def test_harness_runs_local_tasks(lm, tmp_path, monkeypatch):
       "task: local_gen\n" + common + "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
       "doc_to_target: '{{choices[0]}}'\ngeneration_kwargs:\n  until: ['\\n']\n"
       "  max_gen_toks: 4\nmetric_list:\n  - metric: exact_match\n")
+  return docs
+
+
+@pytest.fixture
+def offline(monkeypatch):
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_harness_runs_local_tasks(lm, tmp_path, offline):
+  import lm_eval
+  from lm_eval.tasks import TaskManager
+  docs = write_tasks(tmp_path)
   results = lm_eval.simple_evaluate(
       model=lm, tasks=["local_mc", "local_ppl", "local_gen"],
       task_manager=TaskManager(include_path=str(tmp_path)), bootstrap_iters=0,
@@ -97,3 +107,13 @@ def test_harness_runs_local_tasks(lm, tmp_path, monkeypatch):
       np.mean([int(np.argmax(ll) == 0) for ll in lls]))
   assert results["local_ppl"]["bits_per_byte,none"] > 0
   assert "exact_match,none" in results["local_gen"]
+
+
+def test_harness_cli_with_the_registered_model(lm, tmp_path, offline, capsys):
+  from tools import lm_eval_adapter
+  write_tasks(tmp_path)
+  lm_eval_adapter.main(["--model_args", f"checkpoint={lm.checkpoint},max_length=32",
+                        "--batch_size", "4",
+                        "--tasks", "local_mc", "--include_path", str(tmp_path)])
+  out = capsys.readouterr().out
+  assert "local_mc" in out and "acc" in out

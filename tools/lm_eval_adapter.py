@@ -42,6 +42,7 @@ class ScaletrainLM(LM):
   def __init__(self, checkpoint: str, batch_size: int | str = 8, max_length: int | str = 0,
                ema: bool | str = False, mesh=None, **_):
     super().__init__()
+    self.checkpoint = checkpoint
     from tools.convert import mesh_from_args  # noqa: PLC0415
     from trainer.inference import restore_params, source_config, source_tokenizer  # noqa: PLC0415
     step_dir, config = source_config(checkpoint)
