@@ -107,6 +107,7 @@ CLIS = {
     "tools.batch_sweep": lambda extra: batch_sweep.main(
         ["--config", TINY, "--batch_sizes", "8", "--target_loss", "3", *extra]),
     "bench/throughput.py": lambda extra: _bench("throughput")(["--config", TINY, *extra]),
+    "bench/baseline.py": lambda extra: _bench("baseline")(["--config", TINY, *extra]),
 }
 
 
@@ -120,8 +121,8 @@ CLIS = {
      "--config.KEY=VALUE"),
 ])
 def test_every_cli_rejects_a_bad_override_the_same_way(cli, extra, message, capsys):
-  if cli == "bench/throughput.py" and extra == ["--steps=3"]:
-    extra = ["--warmup=3"]  # throughput has a --steps option of its own
+  if cli.startswith("bench/") and extra == ["--steps=3"]:
+    extra = ["--warmup=3"]  # the benches have a --steps option of their own
     message = message.replace("--steps=3", "--warmup=3")
   assert CLIS[cli](extra) == 2
   assert one_line(capsys.readouterr().err) == message
