@@ -82,7 +82,7 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
   training, the tools and the ahead-of-time compiles.
 
   One slice: `jax.make_mesh` (it orders devices for the chips' interconnect). It defaults to
-  Explicit axes, which breaks `with_sharding_constraint`, so Auto is passed (see DESIGN.md).
+  Explicit axes, which breaks `with_sharding_constraint`, so Auto is passed.
   Several slices (devices with more than one `slice_index`, which `jax.make_mesh` refuses):
   `mesh_utils.create_hybrid_device_mesh`, jax's public builder for them; each axis is
   `mesh.dcn_<axis>` blocks of one slice's `mesh.<axis>` devices, so an axis whose DCN size is 1
