@@ -158,7 +158,17 @@ def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
   missing = [r for r in spec.local_rows if r not in by_row]
   if missing:
     raise DataError(f"the saved data state lacks rows {missing}")
-  return {"parents": [by_row[r] for r in spec.local_rows]}
+  return {"parents": [_from_json(by_row[r]) for r in spec.local_rows]}
+
+
+def _from_json(row_state: dict) -> dict:
+  """A row stream's state as grain wrote it. JSON turns the packer's "no remainder" slices
+  (-1, -1) into a list, which grain would read as a remainder (a wrong batch after a restore at
+  a document boundary that falls exactly on a sequence boundary): make them tuples again."""
+  slices = row_state.get("remainder_slices")
+  if slices is None:
+    return row_state
+  return {**row_state, "remainder_slices": {k: tuple(v) for k, v in slices.items()}}
 
 
 def take(spec: StreamSpec, n: int) -> list[dict[str, np.ndarray]]:
