@@ -284,6 +284,7 @@ def ensure_default_corpus(data_dir: str = "") -> str:
 def prepare_files(out_dir: str, inputs: list[str], *, text_field: str = "text",
                   validation_fraction: float = 0.01, tokenizer: str = "byte",
                   workers: int = 1) -> str:
+  _refuse_existing(out_dir)
   paths, datasets = sources.expand(inputs)
   if not paths and not datasets:
     raise DataError(f"data.prepare: no input files found in {inputs}")
@@ -298,6 +299,11 @@ def prepare_files(out_dir: str, inputs: list[str], *, text_field: str = "text",
             "fingerprint": h.hexdigest()[:16]}
   return prepare(out_dir, units, source=source, tokenizer=tokenizer, text_field=text_field,
                  validation_fraction=validation_fraction, workers=workers)
+
+
+def _refuse_existing(out_dir: str) -> None:
+  if os.path.exists(os.path.join(out_dir, "meta.json")):
+    raise DataError(f"{out_dir} already holds prepared data; remove it or choose another --out")
 
 
 def read_meta(data_dir: str) -> dict:
@@ -349,6 +355,7 @@ def main(argv=None):
     else:
       if not args.out:
         parser.error("--out is required with a tokenizer other than byte")
+      _refuse_existing(args.out)
       out = prepare_stdlib(args.out, tokenizer=tok, workers=args.workers)
   except (DataError, SourceError, TokenizerError) as e:
     raise SystemExit(f"error: {e}") from None

@@ -36,6 +36,8 @@ def test_txt_and_jsonl_with_a_text_field(tmp_path):
     prepare.main(["--out", str(tmp_path / "x"), str(tmp_path)])
   out = prepare.prepare_files(str(tmp_path / "p"), [str(tmp_path)], text_field="content")
   assert _all_texts(out) == sorted(texts)
+  with pytest.raises(SystemExit, match="already holds prepared data"):
+    prepare.main(["--out", out, "--text_field", "content", str(tmp_path / "a.txt")])
   meta = prepare.read_meta(out)
   total = sum(meta["splits"][s]["bytes"] for s in prepare.SPLITS)
   assert total == sum(len(t.encode()) for t in texts)
