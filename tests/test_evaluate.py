@@ -8,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 
-from data import tokenizer
 from data import prepare
 from tests.conftest import tiny_config
 from tools import evaluate as evaluate_cli
@@ -36,13 +35,10 @@ def test_packed_rows_predict_every_token_but_the_first_once():
 
 def make_data(out_dir, texts):
   """A small prepared byte-level dataset with a validation split."""
-  if hasattr(prepare, "prepare_files"):
-    src = os.path.join(os.path.dirname(out_dir), "docs.jsonl")
-    with open(src, "w") as f:
-      f.write("\n".join(json.dumps({"text": t}) for t in texts))
-    return prepare.prepare_files(out_dir, [src], validation_fraction=0.3)
-  docs = [tokenizer.encode(t) for t in texts]  # data/ before its prepare_files API
-  return prepare.write_prepared(out_dir, {"train": docs, "validation": docs[:20]}, {})
+  src = os.path.join(os.path.dirname(out_dir), "docs.jsonl")
+  with open(src, "w") as f:
+    f.write("\n".join(json.dumps({"text": t}) for t in texts))
+  return prepare.prepare_files(out_dir, [src], validation_fraction=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +100,9 @@ def test_evaluate_refuses_unknown_split(run, capsys):
   with pytest.raises(SystemExit) as e:
     evaluate_cli.main(["--checkpoint", workdir, "--split", "test"])
   assert e.value.code == 2 and "--split test" in capsys.readouterr().err
+
+
+def test_run_data_dir_of_a_mixture_run_is_its_first_source():
+  from trainer.inference import run_data_dir
+  assert run_data_dir({"dir": "", "mixture": "code=/d/a:0.7,prose=/d/b:0.3"}) == "/d/a"
+  assert run_data_dir({"dir": "/d/c", "mixture": ""}) == "/d/c"

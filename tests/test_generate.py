@@ -98,8 +98,6 @@ def test_cli_prompt_ids_prints_generated_ids(converted, greedy, capsys):
   assert lines[-1] == ",".join(map(str, expected))
 
 
-@pytest.mark.skipif(not hasattr(__import__("data.tokenizer").tokenizer, "from_path"),
-                    reason="data.tokenizer.from_path (Hugging Face tokenizers) not available")
 def test_cli_text_prompt_uses_the_converted_tokenizer_and_to_hf_copies_it(converted, greedy,
                                                                           capsys, tmp_path):
   _, src, mesh = converted

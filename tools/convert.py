@@ -86,20 +86,11 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
 
 def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
   """Special ids and tokenizer-file dir of a training run's data (byte tokenizer: no files)."""
-  from data import tokenizer  # noqa: PLC0415
-  from data.prepare import read_meta  # noqa: PLC0415
-  data_dir = config["data"].get("dir") or ""
-  if not data_dir:
-    from data.prepare import ensure_default_corpus  # noqa: PLC0415
-    data_dir = ensure_default_corpus()
-  if hasattr(tokenizer, "load_tokenizer"):
-    tok = tokenizer.load_tokenizer(data_dir)
-    files = tok.files()
-    return ({"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
-            os.path.dirname(files[0]) if files else None)
-  meta = read_meta(data_dir)
-  return {"bos_id": meta.get("bos_id"), "eos_id": meta.get("eos_id"),
-          "pad_id": tokenizer.PAD_ID}, None
+  from trainer.inference import data_tokenizer, run_data_dir  # noqa: PLC0415
+  tok = data_tokenizer(run_data_dir(config["data"]))
+  files = tok.files()
+  return ({"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
+          os.path.dirname(files[0]) if files else None)
 
 
 def main(argv: list[str]) -> int:

@@ -33,22 +33,21 @@ def main(argv: list[str]) -> int:
   if bad:
     parser.error(f"unrecognized arguments: {' '.join(bad)}")
 
-  from data.prepare import DataError, ensure_default_corpus, read_meta  # noqa: PLC0415
+  from data.prepare import DataError, read_meta  # noqa: PLC0415
   from sharding.mesh import data_parallel_size  # noqa: PLC0415
   from tools.convert import mesh_from_args  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer.evaluation import evaluate_split  # noqa: PLC0415
-  from trainer.inference import data_tokenizer, restore_with_ema, source_config  # noqa: PLC0415
+  from trainer.inference import (  # noqa: PLC0415
+      data_tokenizer, restore_with_ema, run_data_dir, source_config)
 
   try:
     mesh = mesh_from_args([r[len("--mesh."):] for r in rest])
     _, config = source_config(args.checkpoint)
     run_data = config.get("data", {})
-    data_dir = args.data or run_data.get("dir") or ""
-    if not data_dir:
-      if "data" not in config:
-        parser.error(f"{args.checkpoint} is not a training run: give --data DIR")
-      data_dir = ensure_default_corpus()
+    if not args.data and "data" not in config:
+      parser.error(f"{args.checkpoint} is not a training run: give --data DIR")
+    data_dir = args.data or run_data_dir(run_data)
     meta = read_meta(data_dir)
     if args.split not in meta["splits"]:
       parser.error(f"--split {args.split}: {data_dir} has {', '.join(meta['splits'])}")

@@ -146,56 +146,38 @@ def tokenizer_dir(step_dir: str, config: dict) -> str | None:
   return None
 
 
-class _ByteTokenizer:
-  """The module-level byte tokenizer functions behind the Tokenizer interface's methods (used
-  until `data.tokenizer.load_tokenizer` exists)."""
-  kind = "byte"
-
-  def __init__(self):
-    from data import tokenizer  # noqa: PLC0415
-    self._t = tokenizer
-    self.vocab_size, self.bos_id, self.eos_id = tokenizer.VOCAB_SIZE, tokenizer.BOS_ID, \
-        tokenizer.EOS_ID
-    self.pad_id = tokenizer.PAD_ID
-
-  def encode(self, text, *, bos=True, eos=True):
-    return self._t.encode(text, bos=bos, eos=eos)
-
-  def decode(self, ids):
-    return self._t.decode(ids)
-
-  def files(self):
-    return []
-
-
 def source_tokenizer(step_dir: str, config: dict):
   """The tokenizer of a source, or None if it has none: a converted dir's tokenizer files
-  (`data.tokenizer.from_path`), or a training run's data dir (`data.tokenizer.load_tokenizer`,
-  the byte tokenizer for byte-level data)."""
+  (`data.tokenizer.from_path`), or a training run's data (`data.tokenizer.load_tokenizer` of
+  its data dir, the first mixture source, or the default corpus)."""
   from data import tokenizer  # noqa: PLC0415
   files = tokenizer_dir(step_dir, config)
   if files:
-    if not hasattr(tokenizer, "from_path"):
-      return None
     try:
       return tokenizer.from_path(files)
     except ValueError as e:  # the tokenizer module's errors (TokenizerError)
       raise CheckpointError(f"{step_dir}: its tokenizer cannot be read ({e})") from None
   if "data" not in config:
     return None
-  data_dir = config["data"].get("dir") or ""
-  if not data_dir:
-    from data.prepare import ensure_default_corpus  # noqa: PLC0415
-    data_dir = ensure_default_corpus()
-  return data_tokenizer(data_dir)
+  return data_tokenizer(run_data_dir(config["data"]))
+
+
+def run_data_dir(data: dict) -> str:
+  """A training run's prepared data dir: data.dir, the first data.mixture source (they share a
+  tokenizer), or the embedded default corpus."""
+  if data.get("dir"):
+    return data["dir"]
+  if data.get("mixture"):
+    from data import mixture  # noqa: PLC0415
+    return mixture.parse(data["mixture"])[0].dir
+  from data.prepare import ensure_default_corpus  # noqa: PLC0415
+  return ensure_default_corpus()
 
 
 def data_tokenizer(data_dir: str):
   """The tokenizer a prepared data dir was made with."""
   from data import tokenizer  # noqa: PLC0415
-  if hasattr(tokenizer, "load_tokenizer"):
-    return tokenizer.load_tokenizer(data_dir)
-  return _ByteTokenizer()
+  return tokenizer.load_tokenizer(data_dir)
 
 
 # Model fields that change what a set of weights computes; a source converted or trained with
