@@ -39,7 +39,7 @@ from optim.ema import ema_params
 from optim.ramp import BatchRamp
 from optim.scaling import Hyperparameters, derive
 from optim.schedules import build_schedule
-from optim.transforms import scale_by_layerwise_trust_ratio
+from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion")
 
@@ -108,37 +108,40 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None):
 
 
 def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransformationExtraArgs:
-  """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA."""
+  """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA.
+
+  Every optimizer ends in `scale_by_learning_rate_at(schedule)` (the trainer's step drives the
+  schedule) with the weight decay added just before it, so decay is multiplied by the learning
+  rate everywhere (as in optax.adamw); for LAMB/LARS it is also scaled by the trust ratio, as in
+  their papers."""
   wd = hp.weight_decay
+  decay = optax.add_decayed_weights(wd, mask=m["decay"])
+  lr = scale_by_learning_rate_at(schedule)
   name = cfg.name
-  if name == "adamw":
-    tx = optax.adamw(schedule, b1=cfg.b1, b2=hp.b2, eps=cfg.eps, weight_decay=wd,
-                     mask=m["decay"])
+  if name == "adamw":  # = optax.adamw, same state
+    tx = optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps), decay, lr)
   elif name == "lamb":
     tx = optax.chain(
-        optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps),
-        optax.add_decayed_weights(wd, mask=m["decay"]),
-        scale_by_layerwise_trust_ratio(m["trust_ratio"], m["stacked"]),
-        optax.scale_by_learning_rate(schedule),
-    )
+        optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps), decay,
+        scale_by_layerwise_trust_ratio(m["trust_ratio"], m["stacked"],
+                                       trust_coefficient=hp.trust_coefficient), lr)
   elif name == "lars":
     tx = optax.chain(
-        optax.add_decayed_weights(wd, mask=m["decay"]),
+        decay,
         scale_by_layerwise_trust_ratio(m["trust_ratio"], m["stacked"],
-                                       trust_coefficient=cfg.trust_coefficient, eps=cfg.eps),
-        optax.scale_by_learning_rate(schedule),
-        optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov),
-    )
-  elif name == "sgd":
-    tx = optax.chain(
-        optax.add_decayed_weights(wd, mask=m["decay"]),
-        optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
-    )
+                                       trust_coefficient=hp.trust_coefficient, eps=cfg.eps),
+        lr, optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov))
+  elif name == "sgd":  # L2 decay added to the gradient (before momentum), times the lr
+    momentum = optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov) if cfg.momentum else \
+        optax.identity()
+    tx = optax.chain(decay, optax.chain(momentum, lr))  # = decay + optax.sgd, same state
   elif name == "adafactor":
-    tx = optax.adafactor(schedule, multiply_by_parameter_scale=False,
-                         weight_decay_rate=wd or None, weight_decay_mask=m["decay"])
-  elif name == "lion":
-    tx = optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=wd, mask=m["decay"])
+    # optax.adafactor adds its decay after the learning rate (w -= lr * u + wd * w); here it
+    # is AdamW's decoupled decay, w -= lr * (u + wd * w). No parameter-scale multiplication,
+    # so `learning_rate` is an absolute step as for Adam; updates clipped to block RMS 1.
+    tx = optax.chain(optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0), decay, lr)
+  elif name == "lion":  # = optax.lion, same state
+    tx = optax.chain(optax.scale_by_lion(b1=cfg.b1, b2=hp.b2), decay, lr)
   else:
     raise ValueError(f"optim.name={name!r}: choose from {OPTIMIZERS}")
   if float(cfg.clip_norm) > 0:

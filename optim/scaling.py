@@ -18,8 +18,8 @@ weight decay, `optim.weight_decay_rule`
   timescale  keep AdamW's timescale tau = B / (lr * lambda * D) fixed (Bergsma et al. 2025,
              "Power Lines: Scaling Laws for Weight Decay and Batch Size in LLM Pre-training"):
              lambda' = lambda * k * lr / lr'. D (tokens of the run) is the same at both batches.
-             It needs a decay multiplied by the learning rate, as optax's adamw, lion and our
-             sgd apply it (LAMB/LARS rescale the step per layer; Adafactor does not multiply).
+             It needs a decay multiplied by the learning rate and nothing else (adamw, lion,
+             sgd, adafactor; LAMB/LARS rescale the step per layer by their trust ratio).
 
 Adam beta2, `optim.b2_rule`
   constant   b2
@@ -31,6 +31,14 @@ model EMA decay, `optim.ema_rule`
   constant   rho
   half_life  rho ** k (Busbridge et al. 2023, "How to Scale Your EMA"), to be used with the
              optimizer's own rule for the learning rate.
+
+Each optimizer's own defaults. `optim.learning_rate`, `weight_decay`, `b2` and
+`trust_coefficient` left at their "unset" values (0, -1, 0, 0) take the optimizer's default
+from `OPTIMIZER_DEFAULTS` (the papers' values, at the scale of the default tiny model); a value
+the config sets is used as stated. Weight decay means the same for every optimizer: it is added
+to the update before the learning rate scales it (w -= lr * (u + wd * w), optax.adamw's
+convention), so lr * wd is the per-step shrink factor; LAMB and LARS also scale it by their
+trust ratio, as in their papers.
 
 `derive` is the one place these formulas live: the optimizer factory builds each batch size's
 optimizer from it, and the trainer prints and logs what it returns.
@@ -45,8 +53,38 @@ WEIGHT_DECAY_RULES = ("constant", "timescale")
 B2_RULES = ("constant", "half_life")
 EMA_RULES = ("constant", "half_life")
 
+# The optimizers' own defaults, used for the keys a config leaves unset (see `stated`).
+OPTIMIZER_DEFAULTS = {
+    # Loshchilov & Hutter 2019; b2 0.95 as in LLM practice (GPT-3, Llama)
+    "adamw": dict(learning_rate=3e-3, weight_decay=0.1, b2=0.95, trust_coefficient=1.0),
+    # You et al. 2019: b2 0.999, decay 0.01, trust ratio ||w|| / ||r|| (coefficient 1), so
+    # lr is each layer's relative step
+    "lamb": dict(learning_rate=3e-2, weight_decay=0.01, b2=0.999, trust_coefficient=1.0),
+    # You, Gitman & Ginsburg 2017: trust coefficient 0.001, decay 5e-4, lr on the scale of 1
+    "lars": dict(learning_rate=2.0, weight_decay=5e-4, b2=0.95, trust_coefficient=1e-3),
+    # momentum SGD (Sutskever et al. 2013); L2 decay 1e-4
+    "sgd": dict(learning_rate=0.1, weight_decay=1e-4, b2=0.95, trust_coefficient=1.0),
+    # Shazeer & Stern 2018 with an absolute step (no parameter scaling), AdamW's lr and decay
+    "adafactor": dict(learning_rate=3e-3, weight_decay=0.1, b2=0.95, trust_coefficient=1.0),
+    # Chen et al. 2023: b2 0.99; lr 3x smaller and decay 3x larger than AdamW's (the paper:
+    # 3-10x), so that lr * wd, the per-step shrink, is AdamW's
+    "lion": dict(learning_rate=1e-3, weight_decay=0.3, b2=0.99, trust_coefficient=1.0),
+}
+UNSET = {"learning_rate": 0.0, "weight_decay": -1.0, "b2": 0.0, "trust_coefficient": 0.0}
+
+
+def stated(cfg) -> dict:
+  """{key: (value, "set" | "default")} of the keys with per-optimizer defaults."""
+  defaults = OPTIMIZER_DEFAULTS[cfg.name]
+  out = {}
+  for key, unset in UNSET.items():
+    value = float(cfg.get(key, unset))
+    out[key] = (defaults[key], "default") if value == unset else (value, "set")
+  return out
+
+
 # Which optimizers each non-trivial rule makes sense for (checked by trainer/config.py).
-TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd")  # decay multiplied by the learning rate
+TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor")  # decay multiplied by the learning rate
 B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment
 
 
@@ -87,6 +125,7 @@ class Hyperparameters:
   weight_decay: float
   b2: float
   ema_decay: float
+  trust_coefficient: float = 1.0  # LARS / LAMB (not batch-dependent)
   reference: "Hyperparameters | None" = None  # the stated values (at the reference batch)
 
   @property
@@ -96,7 +135,8 @@ class Hyperparameters:
   def as_dict(self) -> dict:
     return {"batch_size": self.batch_size, "reference_batch_size": self.reference_batch_size,
             "learning_rate": self.learning_rate, "weight_decay": self.weight_decay,
-            "b2": self.b2, "ema_decay": self.ema_decay}
+            "b2": self.b2, "ema_decay": self.ema_decay,
+            "trust_coefficient": self.trust_coefficient}
 
 
 def derive(cfg, batch_size: int | None, reference_batch_size: int | None = None
@@ -108,37 +148,48 @@ def derive(cfg, batch_size: int | None, reference_batch_size: int | None = None
   """
   ref = int(cfg.get("reference_batch_size", 0)) or reference_batch_size or batch_size
   batch = batch_size or ref
-  stated = Hyperparameters(
+  given = {k: v for k, (v, _) in stated(cfg).items()}
+  stated_hp = Hyperparameters(
       batch_size=ref or 1, reference_batch_size=ref or 1,
-      learning_rate=float(cfg.learning_rate), weight_decay=float(cfg.weight_decay),
-      b2=float(cfg.b2), ema_decay=float(cfg.get("ema_decay", 0.0)))
+      learning_rate=given["learning_rate"], weight_decay=given["weight_decay"],
+      b2=given["b2"], ema_decay=float(cfg.get("ema_decay", 0.0)),
+      trust_coefficient=given["trust_coefficient"])
   if not ref or batch == ref:
-    return dataclasses.replace(stated, reference=stated)
+    return dataclasses.replace(stated_hp, reference=stated_hp)
   k = batch / ref
-  lr = stated.learning_rate * lr_factor(cfg.get("lr_rule", "none"), k)
+  lr = stated_hp.learning_rate * lr_factor(cfg.get("lr_rule", "none"), k)
   return Hyperparameters(
       batch_size=batch, reference_batch_size=ref, learning_rate=lr,
       weight_decay=scaled_weight_decay(cfg.get("weight_decay_rule", "constant"),
-                                       stated.weight_decay, k, lr / stated.learning_rate),
-      b2=scaled_decay_rate(cfg.get("b2_rule", "constant"), stated.b2, k),
-      ema_decay=scaled_decay_rate(cfg.get("ema_rule", "constant"), stated.ema_decay, k),
-      reference=stated)
+                                       stated_hp.weight_decay, k, lr / stated_hp.learning_rate),
+      b2=scaled_decay_rate(cfg.get("b2_rule", "constant"), stated_hp.b2, k),
+      ema_decay=scaled_decay_rate(cfg.get("ema_rule", "constant"), stated_hp.ema_decay, k),
+      trust_coefficient=stated_hp.trust_coefficient, reference=stated_hp)
 
 
 def describe(cfg, hp: Hyperparameters) -> str:
   """One line: what the rules made of the stated values at this batch."""
   ref = hp.reference or hp
-  head = (f"hyperparameters at batch {hp.batch_size} (reference {hp.reference_batch_size}, "
-          f"x{hp.ratio:.4g}):")
+  head = (f"{cfg.name} hyperparameters at batch {hp.batch_size} (reference "
+          f"{hp.reference_batch_size}, x{hp.ratio:.4g}):")
+  source = stated(cfg)
 
-  def item(name, rule, a, b):
-    return f"{name} {a:.4g}" if a == b else f"{name} {a:.4g} -> {b:.4g} ({rule})"
+  def item(name, rule, a, b, key=None):
+    text = f"{name} {a:.4g}" if a == b else f"{name} {a:.4g} -> {b:.4g} ({rule})"
+    if key is not None and source[key][1] == "default":
+      text += f" [{cfg.name} default]"
+    return text
 
-  parts = [item("lr", cfg.get("lr_rule", "none"), ref.learning_rate, hp.learning_rate),
+  parts = [item("lr", cfg.get("lr_rule", "none"), ref.learning_rate, hp.learning_rate,
+                "learning_rate"),
            item("weight_decay", cfg.get("weight_decay_rule", "constant"), ref.weight_decay,
-                hp.weight_decay)]
+                hp.weight_decay, "weight_decay")]
+  if cfg.name in B2_OPTIMIZERS or cfg.name == "lion":
+    parts.append(item("b2", cfg.get("b2_rule", "constant"), ref.b2, hp.b2, "b2"))
+  if cfg.name in ("lamb", "lars"):
+    parts.append(item("trust_coefficient", "", hp.trust_coefficient, hp.trust_coefficient,
+                      "trust_coefficient"))
   if cfg.name in B2_OPTIMIZERS:
-    parts.append(item("b2", cfg.get("b2_rule", "constant"), ref.b2, hp.b2))
     if hp.b2 < float(cfg.b1) ** 2:
       # |m / sqrt(v)| <= (1 - b1) / sqrt(1 - b2) * sum_k (b1 / sqrt(b2))^k: finite iff b1^2 < b2
       parts.append(f"WARNING b2 < b1^2 = {float(cfg.b1) ** 2:.4g}: Adam's per-step update "

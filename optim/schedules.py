@@ -77,10 +77,14 @@ def build_schedule(cfg, total_steps: int, ramp: BatchRamp | None = None, *,
   """Schedule (a function of the optimizer's step count) from the `optim` config block.
 
   `total_steps` is the horizon when no `decay_*` key is set; `ramp` converts between units
-  (needed for units other than steps and for the power schedule); `peak` replaces
-  `cfg.learning_rate` (the batch-size rules' value); `batch_size` is the power law's beta.
+  (needed for units other than steps and for the power schedule); `peak` replaces the stated
+  learning rate (the batch-size rules' value); `batch_size` is the power law's beta. The count
+  the trainer passes is its step counter, skipped steps included (trainer/step.py).
   """
-  peak = float(cfg.learning_rate) if peak is None else float(peak)
+  if peak is None:  # the stated rate, or the optimizer's default when the config leaves it unset
+    from optim.scaling import stated  # noqa: PLC0415
+    peak = stated(cfg)["learning_rate"][0]
+  peak = float(peak)
   unit = cfg.get("schedule_unit", "steps")
   if unit != "steps" and ramp is None:
     raise ValueError(f"optim.schedule_unit={unit!r} needs the data config (batch, seq_len)")

@@ -40,3 +40,28 @@ def scale_by_layerwise_trust_ratio(mask, stacked, *, trust_coefficient: float = 
     return jax.tree.map(scale, updates, params, mask, stacked), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def scale_by_learning_rate_at(schedule) -> optax.GradientTransformationExtraArgs:
+  """`optax.scale_by_learning_rate(schedule)` whose clock can be given: `update(..., step=n)`
+  scales by -schedule(n).
+
+  The trainer passes its own step counter (`TrainState.step`, which also counts skipped steps),
+  so the learning rate an update uses is a pure function of the step, like the batch ramp and
+  the data position (trainer/step.py, "One clock"). Without `step` (a plain optax call) it is
+  optax's: the number of updates this state has seen. The state is optax's
+  `ScaleByScheduleState`, so optimizer states keep optax's structure.
+  """
+
+  def init(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None, *, step=None, **extra):
+    del params, extra
+    count = state.count if step is None else step
+    lr = schedule(count)
+    updates = jax.tree.map(lambda u: (-jnp.asarray(lr, u.dtype) * u), updates)
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformationExtraArgs(init, update)

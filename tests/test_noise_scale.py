@@ -1,5 +1,6 @@
 """Gradient noise scale (McCandlish et al. 2018): the two-batch estimator, its EMA on a problem
-whose answer is known, and the train step's wiring of the small and big batches."""
+whose answer is known, the train step's wiring of the small and big batches, and the plain
+(non-measuring) step of a run with the meter being exactly the step of a run without it."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer, noise_scale
 from sharding import batch_sharding, make_mesh, replicated
+from trainer.program import Program
 from trainer.state import ModelSpec, init_state, state_shardings
 from trainer.step import loss_sums, make_train_step
 
@@ -81,7 +83,9 @@ def _one_step(cfg, batch, mesh, spec):
   tx, schedule = build_optimizer(cfg.optim, spec.logical_names, cfg.steps, cfg.data)
   shardings = state_shardings(spec, tx)
   bsh = batch_sharding(mesh, microbatched=True)
-  step = jax.jit(make_train_step(spec, tx, schedule), in_shardings=(shardings, bsh),
+  measure = cfg.optim.noise_scale_every > 0
+  step = jax.jit(make_train_step(spec, tx, schedule, measure_noise=measure),
+                 in_shardings=(shardings, bsh),
                  out_shardings=(shardings, replicated(mesh)))
   state = init_state(spec, tx)
   with jax.set_mesh(mesh):
@@ -117,3 +121,35 @@ def test_step_without_accumulation_measures_two_halves(step_setup):
   assert metrics["noise_trace"] == pytest.approx(trace, rel=1e-3)
   assert metrics["noise_scale_tokens"] == pytest.approx(trace / g_sq, rel=1e-3)
   assert metrics["noise_scale"] == pytest.approx(trace / g_sq * 8 / total, rel=1e-3)
+
+
+def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
+  """With optim.noise_scale_every > 0 the steps that do not log the noise scale run
+  `Program.compile(measure_noise=False)`: bit for bit the step of a run without the meter (no
+  half-batch split), leaving the meter's state as it was; the measuring step updates it."""
+  _, batch, mesh, _ = step_setup
+  def steps(cfg, measure_noise):
+    program = Program(cfg, mesh)
+    step = program.compile(measure_noise=measure_noise)
+    state = init_state(program.spec, program.tx)
+    meter0 = jax.device_get(noise_scale.find_state(state.opt_state))
+    out = []
+    with jax.set_mesh(mesh):
+      for _ in range(2):
+        state, metrics = step(state, {k: jax.device_put(v, program.batch_sharding)
+                                      for k, v in batch.items()})
+        out.append(jax.device_get(metrics))
+    return out, jax.device_get(state), meter0
+
+  metered = tiny_config(**{"mesh.data": 2, "optim.noise_scale_every": 10})
+  off, off_state, _ = steps(tiny_config(**{"mesh.data": 2}), False)
+  plain, plain_state, meter0 = steps(metered, False)
+  for a, b in zip(off, plain):
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert "noise_scale" not in b
+  jax.tree.map(np.testing.assert_array_equal, plain_state.params, off_state.params)
+  assert noise_scale.find_state(plain_state.opt_state) == meter0  # untouched
+  measured, measured_state, _ = steps(metered, True)
+  assert float(noise_scale.find_state(measured_state.opt_state).weight) > 0
+  assert np.isfinite(measured[-1]["noise_g_sq"])
+  assert measured[0]["loss"] == pytest.approx(off[0]["loss"], rel=1e-6)

@@ -192,3 +192,35 @@ def test_update_at_another_batch_uses_its_hyperparameters():
   new = optax.apply_updates(params, big)
   want = jax.tree.map(lambda p, n: 0.5 ** 4 * p + (1 - 0.5 ** 4) * n, params, new)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), find_ema(s32), want)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "lars", "sgd", "adafactor", "lion"])
+def test_weight_decay_is_multiplied_by_the_learning_rate(name):
+  """Zero gradients: the update of a decayed matrix is -lr * wd * w, also for Adafactor (optax's
+  own adafactor gives -wd * w); LAMB/LARS scale it by their trust ratio ||w|| / ||wd w||, so
+  theirs is -lr * w. (Unjitted: XLA:CPU at optimisation level 0 turns Adafactor's
+  0 * rsqrt(1e-30) into NaN.)"""
+  params = _bias_params()
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  tx, _ = build_optimizer(_optim(name=name, learning_rate=0.1, schedule="constant",
+                                 warmup_steps=0, weight_decay=0.5, clip_norm=0.0,
+                                 momentum=0.0, trust_coefficient=1.0),
+                          BIAS_NAMES, 10)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  decay = 1.0 if name in ("lamb", "lars") else 0.5
+  np.testing.assert_allclose(updates["w_EF"], -0.1 * decay * params["w_EF"], rtol=1e-5)
+
+
+def test_the_trainers_step_drives_the_schedule():
+  """`update(..., step=n)` applies the schedule at n whatever the optimizer's own count (which
+  a skipped step does not advance); without `step`, optax's count."""
+  params, grads = _params(), _params(seed=1)
+  cfg = _optim(name="sgd", learning_rate=1.0, schedule="linear", warmup_steps=0, decay_steps=10,
+               min_lr_ratio=0.0, weight_decay=0.0, clip_norm=0.0, momentum=0.0)
+  tx, schedule = build_optimizer(cfg, NAMES, 10)
+  state = tx.init(params)
+  at7, _ = tx.update(grads, state, params, step=7)
+  at0, _ = tx.update(grads, state, params)
+  np.testing.assert_allclose(at7["lm_head_EV"], -0.3 * grads["lm_head_EV"], rtol=1e-5)
+  np.testing.assert_allclose(at0["lm_head_EV"], -1.0 * grads["lm_head_EV"], rtol=1e-5)
+  assert float(schedule(7)) == pytest.approx(0.3)

@@ -1,5 +1,6 @@
 """Batch-size ramp: the step <-> tokens arithmetic at its boundaries, one compile per stage size,
-each stage's own hyperparameters, and an exact resume across a stage boundary."""
+each stage's own hyperparameters, an exact resume across a stage boundary, and one clock: a
+skipped step uses up its batch, its ramp slot and its learning-rate slot."""
 import jax
 import numpy as np
 import pytest
@@ -61,10 +62,12 @@ def straight(tmp_path_factory, data_dir):
 
 
 def test_one_compile_per_stage_size(straight):
-  """Stages of 2, 3, then 2 micro-batches: two compilations, the third stage reuses the first."""
+  """Stages of 2, 3, then 2 micro-batches, each step measuring the noise scale or not: four
+  compilations, the third stage reuses the first's."""
   run, _ = straight
   assert run.ramp.start_steps == (0, 5, 8)
-  assert run.compile_count == 2 and sorted(run.compiled_steps) == [2, 3]
+  assert run.compile_count == 4
+  assert sorted(run.compiled_steps) == [(2, False), (2, True), (3, False), (3, True)]
 
 
 def test_each_stage_uses_its_batch_and_hyperparameters(straight):
@@ -93,7 +96,7 @@ def test_resume_across_a_stage_boundary_is_exact(straight, tmp_path):
   assert first.status == "done"
   resumed = Run(tiny_config(steps=10, **RAMP), str(tmp_path))
   assert resumed.train().status == "done"
-  assert resumed.compile_count == 2
+  assert resumed.compile_count == 4
   want, got = metric_rows(straight_dir), metric_rows(tmp_path)
   for step in range(6, 11):
     for key in ("loss", "grad_norm", "learning_rate", "noise_scale", "param_norm"):
@@ -108,3 +111,26 @@ def _all_rows(workdir):
   import json  # noqa: PLC0415
   with open(workdir / "metrics.jsonl") as f:
     return [json.loads(line) for line in f]
+
+
+def test_a_skipped_step_uses_up_its_schedule_slot(tmp_path):
+  """Token-unit schedule under a ramp (batch 8 for steps 1-4, 16 from step 5), step 4 poisoned
+  (skipped): the update of step 5 uses the schedule at step index 4 at batch 16, not the slot
+  the skipped step left unused. With plain SGD the update is lr * gradient, so the update/grad
+  norm ratio shows the rate the optimizer really applied."""
+  cfg = tiny_config(steps=6, **{
+      "data.micro_batch_size": 8, "data.global_batch_size": 16, "data.batch_ramp": "8:0,16:1024",
+      "optim.schedule_unit": "tokens", "optim.schedule": "linear", "optim.warmup_steps": 0,
+      "optim.warmup_tokens": 4096, "optim.decay_steps": 0, "optim.decay_tokens": 20000,
+      "optim.name": "sgd", "optim.momentum": 0.0, "optim.weight_decay": 0.0,
+      "optim.clip_norm": 0.0, "optim.learning_rate": 0.5, "trainer.debug_nan_at_step": 4})
+  run = Run(cfg, str(tmp_path))
+  assert run.train().status == "done"
+  rows = metric_rows(tmp_path)
+  assert run.ramp.start_steps == (0, 4) and rows[4]["skipped"] == 1
+  for step in (3, 5, 6):  # the step's own slot: step index step - 1, that step's batch
+    want = float(run.program.schedule.at(run.ramp.batch_at(step - 1))(step - 1))
+    assert rows[step]["learning_rate"] == pytest.approx(want, rel=1e-6), step
+    assert rows[step]["update_norm"] / rows[step]["grad_norm"] == pytest.approx(want, rel=1e-4)
+  # tokens seen before step index 4: 4 x 8 x 32 = 1024, skipped batch included -> lr 0.5/4
+  assert rows[5]["learning_rate"] == pytest.approx(0.5 * 1024 / 4096, rel=1e-6)

@@ -22,7 +22,7 @@ def test_nan_skip_policy_drops_the_update(tmp_path):
   rows = metric_rows(tmp_path)
   assert rows[3]["skipped"] == 1 and rows[3]["nonfinite"] == 1 and not np.isfinite(rows[3]["loss"])
   assert rows[3]["param_norm"] == rows[2]["param_norm"], "the bad update must not be applied"
-  assert rows[4]["learning_rate"] == rows[3]["learning_rate"], "the optimizer count skips it"
+  assert rows[4]["learning_rate"] < rows[3]["learning_rate"], "one clock: step 3 used its slot"
   assert all(np.isfinite(rows[s]["loss"]) and rows[s]["skipped"] == 0 for s in (4, 5, 6))
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_config
 from optim import BatchRamp, build_schedule, derive
-from optim.scaling import describe
+from optim.scaling import OPTIMIZER_DEFAULTS, describe
 from trainer.config import ConfigError, default_config, validate
 
 
@@ -26,9 +26,34 @@ def test_defaults_change_nothing():
   cfg = _optim(lr_rule="sqrt", weight_decay_rule="timescale", b2_rule="half_life",
                ema_rule="half_life", ema_decay=0.999)
   hp = derive(cfg, 256, 256)
-  assert (hp.learning_rate, hp.weight_decay, hp.b2, hp.ema_decay) == (
-      cfg.learning_rate, cfg.weight_decay, cfg.b2, 0.999)
-  assert derive(_optim(reference_batch_size=64), 256, 256).learning_rate == cfg.learning_rate
+  assert (hp.learning_rate, hp.weight_decay, hp.b2, hp.ema_decay) == (3e-3, 0.1, 0.95, 0.999)
+  assert derive(_optim(reference_batch_size=64), 256, 256).learning_rate == 3e-3
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZER_DEFAULTS))
+def test_unset_keys_take_the_optimizers_own_defaults(name):
+  """learning_rate 0, weight_decay -1, b2 0, trust_coefficient 0 mean "the optimizer's default";
+  a value the config states is used as stated; the start-up line says which is which."""
+  own = OPTIMIZER_DEFAULTS[name]
+  hp = derive(_optim(name=name), 16)
+  assert (hp.learning_rate, hp.weight_decay, hp.b2, hp.trust_coefficient) == (
+      own["learning_rate"], own["weight_decay"], own["b2"], own["trust_coefficient"])
+  cfg = _optim(name=name, learning_rate=0.25, weight_decay=0.0, b2=0.5, trust_coefficient=0.5)
+  hp = derive(cfg, 16)
+  assert (hp.learning_rate, hp.weight_decay, hp.b2, hp.trust_coefficient) == (0.25, 0, 0.5, 0.5)
+  assert f"lr 0.003 [{name} default]" not in describe(cfg, hp)
+  line = describe(_optim(name=name, weight_decay=0.0), derive(_optim(name=name), 16))
+  assert f"lr {own['learning_rate']:.4g} [{name} default]" in line, line
+  assert "weight_decay 0 [" not in line
+
+
+def test_lion_and_lars_defaults_are_the_papers():
+  assert OPTIMIZER_DEFAULTS["lion"]["b2"] == 0.99  # Chen et al. 2023
+  lion, adamw = OPTIMIZER_DEFAULTS["lion"], OPTIMIZER_DEFAULTS["adamw"]
+  assert 3 <= adamw["learning_rate"] / lion["learning_rate"] <= 10
+  assert lion["learning_rate"] * lion["weight_decay"] == pytest.approx(
+      adamw["learning_rate"] * adamw["weight_decay"])  # the same per-step shrink
+  assert OPTIMIZER_DEFAULTS["lars"]["trust_coefficient"] == 1e-3  # You et al. 2017
 
 
 @pytest.mark.parametrize("rule,k,factor", [

@@ -68,11 +68,20 @@ def default_config() -> ml_collections.ConfigDict:
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
-      name="adamw", learning_rate=3e-3, schedule="cosine", warmup_steps=20,
+      # adamw | lamb | lars | sgd | adafactor | lion (optim/factory.py). Keys marked (*) left
+      # at their "unset" value take the named optimizer's own default (OPTIMIZER_DEFAULTS in
+      # optim/scaling.py; printed in the "hyperparameters at batch" line at start).
+      name="adamw", schedule="cosine", warmup_steps=20,
+      learning_rate=0.0,  # (*) 0 = default: adamw 3e-3, lamb 3e-2, lars 2, sgd 0.1,
+      #                     adafactor 3e-3, lion 1e-3
+      weight_decay=-1.0,  # (*) -1 = default: adamw 0.1, lamb 0.01, lars 5e-4, sgd 1e-4,
+      #                     adafactor 0.1, lion 0.3. Always w -= lr * (update + wd * w).
+      b2=0.0,  # (*) 0 = default: adamw 0.95, lamb 0.999, lion 0.99 (others have none)
+      trust_coefficient=0.0,  # (*) 0 = default: lars 0.001, lamb 1
       decay_steps=0,  # schedule horizon; 0 = `steps`
       min_lr_ratio=0.1, wsd_decay_fraction=0.2, wsd_decay_shape="sqrt",
-      b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, decay_embeddings=False, clip_norm=1.0,
-      momentum=0.9, nesterov=False, trust_coefficient=0.001,
+      b1=0.9, eps=1e-8, decay_embeddings=False, clip_norm=1.0,
+      momentum=0.9, nesterov=False,
       # Batch-size-aware hyperparameters (optim/scaling.py): the values above are stated at
       # reference_batch_size sequences (0 = data.global_batch_size) and moved to the run's batch
       # by these rules.
@@ -552,14 +561,19 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _choice(cfg, "optim.name", OPTIMIZERS)
   _choice(cfg, "optim.schedule", SCHEDULES)
   _choice(cfg, "optim.wsd_decay_shape", WSD_SHAPES)
-  _need(o.learning_rate > 0, f"optim.learning_rate={o.learning_rate}: must be positive")
+  _need(o.learning_rate >= 0,
+        f"optim.learning_rate={o.learning_rate}: must be positive (0 = the optimizer's default)")
   _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
   _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
   _need(0 < o.wsd_decay_fraction <= 1,
         f"optim.wsd_decay_fraction={o.wsd_decay_fraction}: must be in (0, 1]")
   for key in ("b1", "b2", "momentum"):
     _need(0 <= o[key] < 1, f"optim.{key}={o[key]}: must be in [0, 1)")
-  _need(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
+  _need(o.weight_decay >= 0 or o.weight_decay == -1,
+        f"optim.weight_decay={o.weight_decay}: must be >= 0 (-1 = the optimizer's default)")
+  _need(o.trust_coefficient >= 0,
+        f"optim.trust_coefficient={o.trust_coefficient}: must be > 0 (0 = the optimizer's "
+        "default)")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
   _check_batch_science(cfg, dp)
 

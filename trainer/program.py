@@ -43,21 +43,26 @@ class Program:
     return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, np.int32), sharding=self.batch_sharding)
             for k in BATCH_KEYS}
 
-  def jitted_step(self):
+  def jitted_step(self, *, measure_noise: bool = False):
+    """The jitted train step; with `measure_noise` the variant that measures the gradient noise
+    scale (trainer/step.py), else the plain step (the meter's state passes through)."""
     return jax.jit(make_train_step(self.spec, self.tx, self.schedule,
-                                   GuardConfig.from_config(self.cfg.trainer)),
+                                   GuardConfig.from_config(self.cfg.trainer),
+                                   measure_noise=measure_noise),
                    in_shardings=(self.shardings, self.batch_sharding),
                    out_shardings=(self.shardings, replicated(self.mesh)),
                    donate_argnums=0)
 
-  def lower(self, num_micro: int | None = None):
+  def lower(self, num_micro: int | None = None, *, measure_noise: bool = False):
     # The abstract arguments are built outside the mesh context: `abstract_state` traces the
     # optimizer's init, which must not try to place anything on the (possibly compile-only,
     # e.g. TPU topology) devices of the mesh.
     args = self.abstract_state(), self.abstract_batch(num_micro)
     with jax.set_mesh(self.mesh):
-      return self.jitted_step().lower(*args)
+      return self.jitted_step(measure_noise=measure_noise).lower(*args)
 
-  def compile(self, num_micro: int | None = None):
-    """AOT-compile the train step for the state/batch shapes (no data needed)."""
-    return self.lower(num_micro).compile()
+  def compile(self, num_micro: int | None = None, *, measure_noise: bool = False):
+    """AOT-compile the train step for the state/batch shapes (no data needed): the plain step,
+    or with `measure_noise` the one that measures the gradient noise scale (the loop runs it
+    on the steps that log it)."""
+    return self.lower(num_micro, measure_noise=measure_noise).compile()

@@ -13,6 +13,7 @@ initialiser is jitted with those as `out_shardings`, so each device computes onl
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import flax
@@ -72,16 +73,50 @@ class ModelSpec:
 
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
-  """NamedShardings of the whole TrainState: optimizer moments follow their parameters."""
+  """NamedShardings of the whole TrainState, the optimizer state's derived from its own shapes.
+
+  Each optimizer-state leaf that lives under a parameter's path (Adam's moments, Adafactor's
+  factored statistics, the parameter EMA, ...) is matched to that parameter: a leaf of the
+  parameter's shape takes its sharding (under FSDP, moments are sharded like the weights); a
+  leaf that keeps some of the parameter's dimensions (Adafactor's row and column statistics of a
+  [layers, E, F] matrix are [layers, E] and [layers, F]) is sharded along the dimensions it keeps,
+  as the parameter is along them. Everything else (counts, scalars, Adafactor's placeholder
+  [1] leaves of unfactored parameters) is replicated.
+  """
   replicated = NamedSharding(spec.mesh, P())
   abstract_opt = jax.eval_shape(tx.init, spec.abstract_params)
-  opt_shardings = optax.tree_utils.tree_map_params(
-      tx, lambda _, sharding: sharding, abstract_opt, spec.param_shardings,
-      transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+  params = {tuple(path): (leaf.shape, sharding.spec) for (path, leaf), sharding in zip(
+      jax.tree_util.tree_leaves_with_path(spec.abstract_params),
+      jax.tree.leaves(spec.param_shardings))}
+
+  def shard(path, leaf):
+    trail = len(path)
+    while trail and isinstance(path[trail - 1], jax.tree_util.DictKey):
+      trail -= 1
+    match = params.get(tuple(path[trail:]))
+    if match is None or not leaf.shape:
+      return replicated
+    spec_ = _kept_dims_spec(leaf.shape, *match)
+    return replicated if spec_ is None else NamedSharding(spec.mesh, spec_)
+
+  opt_shardings = jax.tree_util.tree_map_with_path(shard, abstract_opt)
   guard = jax.tree.map(lambda _: replicated, init_guard())
   return TrainState(step=replicated, params=spec.param_shardings, opt_state=opt_shardings,
                     guard=guard)
+
+
+def _kept_dims_spec(shape, param_shape, param_spec) -> P | None:
+  """The PartitionSpec of an array whose dimensions are some of a parameter's, in order (the
+  parameter's spec on those dimensions); None when no such choice exists or two choices give
+  different specs (e.g. a square matrix's row and column statistics)."""
+  entries = tuple(param_spec) + (None,) * (len(param_shape) - len(tuple(param_spec)))
+  if tuple(shape) == tuple(param_shape):
+    return P(*entries)
+  found = set()
+  for kept in itertools.combinations(range(len(param_shape)), len(shape)):
+    if all(param_shape[k] == n for k, n in zip(kept, shape)):
+      found.add(tuple(entries[k] for k in kept))
+  return P(*found.pop()) if len(found) == 1 else None
 
 
 def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:

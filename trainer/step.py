@@ -5,15 +5,23 @@ over the micro-batches, summing the token-weighted loss and its gradient, then d
 number of target tokens of the whole batch, so the update is the same whatever M is (exact
 gradient accumulation). M = 1 is the ordinary step.
 
-Gradient noise scale. When the optimizer carries the noise-scale meter (`optim.noise_scale_every`
-> 0; McCandlish et al. 2018, `optim/noise_scale.py`), the step also measures the squared norm of
-each micro-batch's mean gradient inside the scan (free: the scan computes those gradients
-anyway) and hands the meter their mean, their harmonic-mean token count, and the squared norm
-and token count of the whole batch. A step without accumulation (M = 1) then runs as two
-micro-batches of interleaved half rows (rows 0, 2, 4, ... and 1, 3, 5, ...: each device keeps its
-own rows), the same update up to float rounding. The metrics carry the smoothed estimates:
-`noise_scale` (B_simple in sequences), `noise_scale_tokens`, `noise_g_sq` (|G|^2) and
-`noise_trace` (tr Sigma per token).
+Gradient noise scale (McCandlish et al. 2018, `optim/noise_scale.py`). The step comes in two
+compiled variants (`make_train_step(..., measure_noise=)`, `Program.compile`). The plain one is
+the ordinary step: with the meter in the optimizer (`optim.noise_scale_every` > 0) its state
+just passes through. The measuring one, which the loop runs only on the steps that log the
+noise scale (every `noise_scale_every`-th), also measures the squared norm of each
+micro-batch's mean gradient inside the scan (free: the scan computes those gradients anyway)
+and hands the meter their mean, their harmonic-mean token count, and the squared norm and token
+count of the whole batch. A measuring step without accumulation (M = 1) runs as two
+micro-batches of interleaved half rows (rows 0, 2, 4, ... and 1, 3, 5, ...: each device keeps
+its own rows), the same update up to float rounding at half the matmul batch; so the meter
+costs that once every N steps, and nothing on the other steps. The metrics of a measuring step
+carry the smoothed estimates: `noise_scale` (B_simple in sequences), `noise_scale_tokens`,
+`noise_g_sq` (|G|^2) and `noise_trace` (tr Sigma per token).
+
+Accumulation. The gradient sum over micro-batches is float32 whatever `model.param_dtype`, and
+constrained to the parameters' shardings (under FSDP it stays sharded); the optimizer receives
+the mean gradient cast back to the parameters' dtype.
 
 Batch size. The step tells the optimizer the batch it has (`update(..., batch_size=B)`, B known
 from the batch's static shape), so a batch-size ramp's stages each use their own derived
@@ -24,6 +32,15 @@ optimizer state stay as they were, `skipped` counts it, and the loop decides (po
 `stop`) whether to go on. Optionally a loss spike is treated the same way: a loss more than
 `spike_zscore` standard deviations above an exponential moving average of recent losses (time
 constant `spike_window` steps; armed after one window of good steps).
+
+One clock. The step counter (`TrainState.step`) is the only clock: a skipped step consumes its
+batch, its batch-ramp slot and its learning-rate schedule slot; only its update is not applied.
+The learning rate of the update made at step n (0-based) is the schedule at n, whatever was
+skipped before (the trainer passes `step=state.step` to the optimizer, which reads its schedule
+there; `optim/transforms.py`), so the learning rate, the ramp's stage and the tokens seen are
+pure functions of the step and a resumed run cannot drift. Counts that belong to the optimizer's
+own statistics stay its own: Adam's bias correction (and Adafactor's decay) count the updates
+actually applied, since they correct moving averages that skipped steps did not feed.
 """
 from __future__ import annotations
 
@@ -84,59 +101,88 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
   return bad, finite, spike, new_guard
 
 
-def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
-                    schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig()):
-  """step(state, batch[M, B, S]) -> (state, metrics)."""
+def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
+  """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
+  in float32 sharded like the parameters, noise-meter sums or None).
 
-  def grads_of(params, micro_batch):
+  M = 1 is one plain backward pass. M > 1 scans over the micro-batches; the running gradient
+  sum is float32 whatever the parameters' dtype (a bf16 sum would round away each addend's low
+  bits, and more of them the more micro-batches) and is constrained to the parameters'
+  shardings, so under FSDP the accumulator stays sharded like the parameters. With
+  `measure_noise` the scan also sums each micro-batch's |mean gradient|^2 and 1 / its tokens.
+  """
+
+  def grads_of(micro_batch):
     (loss_sum, tokens), grads = jax.value_and_grad(
         lambda p: loss_sums(spec, p, micro_batch), has_aux=True)(params)
     return loss_sum, tokens, grads
 
+  num_micro = jax.tree.leaves(batch)[0].shape[0]
+  f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+  shard = lambda tree: jax.lax.with_sharding_constraint(tree, spec.param_shardings)
+  if num_micro == 1 and not measure_noise:
+    loss_sum, tokens, grads = grads_of(jax.tree.map(lambda x: x[0], batch))
+    return loss_sum, tokens, f32(grads), None
+
+  def accumulate(carry, micro_batch):
+    loss_sum, tokens, grads = grads_of(micro_batch)
+    out = (loss_sum, tokens, f32(grads))
+    if measure_noise:  # |mean gradient of this micro-batch|^2 and 1 / its tokens
+      t = jnp.maximum(tokens, 1.0)
+      out += (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
+    carry = jax.tree.map(jnp.add, carry, out)
+    return (*carry[:2], shard(carry[2]), *carry[3:]), None
+
+  zero = jnp.zeros((), jnp.float32)
+  zeros = (zero, zero, shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
+  if measure_noise:
+    zeros += (zero, zero)
+  carry, _ = jax.lax.scan(accumulate, zeros, batch)
+  return carry[0], carry[1], carry[2], (carry[3:] if measure_noise else None)
+
+
+def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
+                    schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
+                    measure_noise: bool = False):
+  """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
+  the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
+  and the meter's state passes through unchanged."""
+  if measure_noise and noise_scale.find_state(jax.eval_shape(
+      tx.init, spec.abstract_params)) is None:
+    raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
+                     "(optim.noise_scale_every > 0)")
+
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
     batch_size = num_micro * rows
-    measure = noise_scale.find_state(state.opt_state) is not None
-    if measure and num_micro == 1:
+    if measure_noise and num_micro == 1:
       batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
-    if num_micro == 1:
-      loss_sum, tokens, grad_sum = grads_of(state.params, jax.tree.map(lambda x: x[0], batch))
-    else:
-      def accumulate(carry, micro_batch):
-        loss_sum, tokens, grads = grads_of(state.params, micro_batch)
-        out = (loss_sum, tokens, grads)
-        if measure:  # |mean gradient of this micro-batch|^2 and 1 / its tokens
-          t = jnp.maximum(tokens, 1.0)
-          out += (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
-        return jax.tree.map(jnp.add, carry, out), None
-
-      zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-               jax.tree.map(jnp.zeros_like, state.params))
-      if measure:
-        zeros += (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-      carry, _ = jax.lax.scan(accumulate, zeros, batch)
-      loss_sum, tokens, grad_sum = carry[:3]
+    loss_sum, tokens, grad_sum, noise_sums = grad_sums(spec, state.params, batch,
+                                                       measure_noise=measure_noise)
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
       grad_sum = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grad_sum)
     denom = jnp.maximum(tokens, 1.0)
     loss = loss_sum / denom
-    grads = jax.tree.map(lambda g: g / denom, grad_sum)
+    # the optimizer sees gradients in the parameters' dtype (its state keeps that dtype)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, state.params)
     grad_norm = optax.tree.norm(grads)
     bad, finite, spike, guard = _judge(state.guard, loss, grad_norm, guard_cfg)
 
     extra = {}
     if isinstance(tx, optax.GradientTransformationExtraArgs):
-      extra["batch_size"] = batch_size
-      if measure:
-        sq_small_sum, inv_tokens_sum = carry[3:]
+      # One clock: the schedule is read at the step counter, skipped steps included.
+      extra.update(batch_size=batch_size, step=state.step)
+      if measure_noise:
+        sq_small_sum, inv_tokens_sum = noise_sums
         extra["noise_sample"] = noise_scale.Sample(
             sq_norm_small=sq_small_sum / num_micro, sq_norm_big=grad_norm * grad_norm,
             b_small=num_micro / inv_tokens_sum, b_big=denom)
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
-    # A bad step changes nothing but the step counter (its batch is consumed) and the guard.
+    # A bad step changes nothing but the step counter (its batch and its schedule slot are
+    # consumed) and the guard.
     keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(bad, o, n), new, old)
     params = keep_old(params, state.params)
     opt_state = keep_old(opt_state, state.opt_state)
@@ -146,14 +192,13 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
         "grad_norm": grad_norm,
         "update_norm": jnp.where(bad, 0.0, optax.tree.norm(updates)),
         "param_norm": optax.tree.norm(params),
-        # the rate this update used: the optimizer's own count skips bad steps
-        "learning_rate": jnp.asarray(lr_at(state.step - state.guard["skipped"]), jnp.float32),
+        "learning_rate": jnp.asarray(lr_at(state.step), jnp.float32),  # what this update used
         "target_tokens": tokens,
         "skipped": bad.astype(jnp.int32),
         "nonfinite": (~finite).astype(jnp.int32),
         "spike": spike.astype(jnp.int32),
     }
-    if measure:
+    if measure_noise:
       noise = noise_scale.readout(noise_scale.find_state(opt_state))
       metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,
                      noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
