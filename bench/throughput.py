@@ -3,7 +3,10 @@
     python bench/throughput.py --config configs/lm_tiny.py [--steps 20] [--config.a.b=v ...]
 
 Builds the real train step (same code path as train.py), feeds it real batches from the data
-pipeline, and times `--steps` steps after two warm-up steps. Prints the median step time,
+pipeline, and times `--steps` steps after two warm-up steps. `--noise-every N` turns on the
+gradient-noise-scale meter as a run with `--config.optim.noise_scale_every=N` has it: the
+measuring step on every Nth step, the plain step otherwise (compare the mean step time with and
+without). Prints the median step time,
 tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this same process and
 (b) the configured/known peak, so the ratio is honest on any machine.
 """
@@ -24,9 +27,14 @@ def main(argv=None):
   from trainer.config import CliParser, ConfigError, load_from_cli  # noqa: PLC0415
   parser = CliParser("bench/throughput.py", __doc__)
   parser.add_argument("--steps", type=int, default=20)
+  parser.add_argument("--noise-every", type=int, default=0, metavar="N",
+                      help="run the gradient-noise-scale meter as a run with "
+                      "optim.noise_scale_every=N does: the measuring step on every Nth step")
   import jax  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, rest = parser.parse_known_args(argv)
+    if args.noise_every:  # the meter in the optimizer, as in a run that logs the noise scale
+      rest = [*rest, f"--config.optim.noise_scale_every={args.noise_every}"]
     cfg = load_from_cli(args.config, rest, devices=jax.devices())
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -41,6 +49,7 @@ def main(argv=None):
     run = Run(cfg, workdir)
     t0 = time.perf_counter()
     step = run.program.compile()
+    measuring = run.program.compile(measure_noise=True) if args.noise_every else None
     compile_s = time.perf_counter() - t0
     state = init_state(run.spec, run.tx)
     it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.train_spec))
@@ -50,12 +59,13 @@ def main(argv=None):
     with jax.set_mesh(run.mesh):
       for i in range(args.steps + 2):
         t = time.perf_counter()
-        state, metrics = step(state, batches[i % len(batches)])
+        measure = bool(args.noise_every) and (i + 1) % args.noise_every == 0
+        state, metrics = (measuring if measure else step)(state, batches[i % len(batches)])
         jax.block_until_ready(metrics)
         if i >= 2:
           times.append(time.perf_counter() - t)
   matmul_peak = measure_matmul_peak(n=1024, repeats=10)
-  table_peak, source = machine_peak_flops(cfg.trainer.peak_flops_per_device)
+  table_peak, source = machine_peak_flops(cfg.trainer.peak_flops_per_device, cfg.model.dtype)
   step_s = statistics.median(times)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
   fpt = flops_per_token(run.model_cfg, cfg.data.seq_len)["total"]
@@ -68,7 +78,11 @@ def main(argv=None):
         f"(training, causal attention)")
   print(f"compile           {compile_s:.1f} s")
   print(f"step time         median {step_s * 1e3:.1f} ms over {len(times)} steps "
-        f"(min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})")
+        f"(mean {statistics.mean(times) * 1e3:.1f}, min {min(times) * 1e3:.1f}, "
+        f"max {max(times) * 1e3:.1f})")
+  if args.noise_every:
+    print(f"noise scale       measured on every {args.noise_every}th step (the mean includes "
+          "those steps)")
   print(f"tokens/s          {tps:,.0f}")
   print(f"model FLOP/s      {tps * fpt / 1e9:.2f} GFLOP/s")
   print(f"matmul peak       {matmul_peak / 1e9:.2f} GFLOP/s (fp32 1024^3, measured now)")
