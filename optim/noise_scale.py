@@ -13,15 +13,21 @@ estimates of both terms (`estimate`):
 Single-step estimates are noisy (the |G|^2 one is often negative), so each is smoothed by an
 exponential moving average and the ratio is taken afterwards, as the paper does. The ratio of
 averages is biased upward when the |G|^2 average is itself noisy, so the average must span
-enough examples: `optim.noise_scale_ema` is the per-step coefficient at the reference batch,
-and at batch B it is rho ** (B / B_ref), the same number of examples at every batch.
+enough examples: `optim.noise_scale_ema` is the coefficient per measurement at the reference
+batch, and at batch B it is rho ** (B / B_ref), the same number of examples at every batch.
+
+When it is measured: only on the steps that log it (every `optim.noise_scale_every`-th). The
+trainer compiles a measuring variant of the train step beside the plain one
+(`Program.compile(measure_noise=True)`); every other step is exactly the step of a run without
+the meter, and the meter's state passes through it unchanged. So the EMA below advances once
+per measurement, and `noise_scale_ema` is its coefficient per measurement.
 
 Where the two batch sizes come from (trainer/step.py): the big one is the whole global batch;
 the small one is each accumulation micro-batch, whose gradient the scan computes anyway, so
 the measurement costs one squared norm per micro-batch. The small-batch value is the mean of
 |G_b|^2 over the micro-batches, with b their harmonic-mean size (so unequal token counts stay
-unbiased). Without accumulation the step splits its batch into two interleaved halves for the
-same purpose. Batch sizes are counted in target tokens (the loss is a token mean), so the
+unbiased). Without accumulation the measuring step splits its batch into two interleaved halves
+for the same purpose (half the matmul batch on that step only). Batch sizes are counted in target tokens (the loss is a token mean), so the
 estimate is B_noise in tokens; the trainer also reports it in sequences.
 
 The meter is an optax transformation that changes nothing: it sits first in the optimizer

@@ -96,8 +96,9 @@ def default_config() -> ml_collections.ConfigDict:
       schedule_unit="steps",  # steps | examples | tokens
       warmup_examples=0, warmup_tokens=0, decay_examples=0, decay_tokens=0,
       power_a=4.6, power_b=-0.51,  # schedule="power": lr = min(lr, batch * a * tokens^b)
-      # Gradient noise scale (optim/noise_scale.py): measured every step, logged every N (0 = off);
-      # its EMA coefficient per step at reference_batch_size (** (B/B_ref) at batch B).
+      # Gradient noise scale (optim/noise_scale.py): measured and logged every N steps (0 = off;
+      # the other steps are the plain step); its EMA coefficient per measurement at
+      # reference_batch_size (** (B/B_ref) at batch B).
       noise_scale_every=0, noise_scale_ema=0.95))
 
   c.checkpoint = ml_collections.ConfigDict(dict(
