@@ -5,6 +5,7 @@ show; the other mistakes go through `train.main` in this process. Every CLI that
 `--config.KEY=VALUE` parses it with the one parser (`trainer.config.parse_overrides`), so a bad
 override reads the same everywhere.
 """
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -125,4 +126,23 @@ def test_every_cli_rejects_a_bad_override_the_same_way(cli, extra, message, caps
     extra = ["--warmup=3"]  # the benches have a --steps option of their own
     message = message.replace("--steps=3", "--warmup=3")
   assert CLIS[cli](extra) == 2
+  assert one_line(capsys.readouterr().err) == message
+
+
+@pytest.mark.parametrize("tool", ["convert", "generate", "evaluate"])
+@pytest.mark.parametrize("extra,message", [
+    (["--config.mesh.dat=2"], "error: --config.mesh.dat: unknown key 'mesh.dat'; did you mean "
+     "'mesh.data'?"),
+    (["--config.steps=3"], "error: --config.steps: this tool takes only --config.mesh.* "
+     "overrides"),
+    (["--mesh.data=2"], "error: unknown argument '--mesh.data=2'; config overrides are "
+     "--config.KEY=VALUE"),
+])
+def test_model_tools_take_mesh_overrides_like_train(tool, extra, message, tmp_path, capsys):
+  """tools.convert / generate / evaluate pick their mesh with train.py's override parser."""
+  module = importlib.import_module(f"tools.{tool}")
+  args = {"convert": ["to-hf", str(tmp_path), "--out", str(tmp_path / "out")],
+          "generate": ["--checkpoint", str(tmp_path), "--prompt_ids", "1,2"],
+          "evaluate": ["--checkpoint", str(tmp_path)]}[tool]
+  assert module.main(args + extra) == 2
   assert one_line(capsys.readouterr().err) == message

@@ -90,8 +90,8 @@ def test_cli_prompt_ids_prints_generated_ids(converted, greedy, capsys):
   _, src, _ = converted
   code = generate_cli.main(["--checkpoint", src, "--prompt_ids", "5,17,33,2,9,60,11",
                             "--max_new_tokens", str(NEW), "--temperature", "0",
-                            "--mesh.fsdp=2", "--mesh.tensor=2", "--mesh.expert=2",
-                            "--mesh.data=1"])
+                            "--config.mesh.fsdp=2", "--config.mesh.tensor=2",
+                            "--config.mesh.expert=2", "--config.mesh.data=1"])
   assert code == 0
   lines = capsys.readouterr().out.strip().splitlines()
   expected = greedy.generate([PROMPTS[0]], NEW)[0]

@@ -8,7 +8,8 @@ model-*.safetensors with an index; GQA, tied or untied embeddings, rope_theta, L
 rope_scaling) into a converted dir (trainer/inference.py) that `checkpoint.init_from`,
 `tools.generate` and `tools.evaluate` accept; tokenizer files in HF_DIR are copied along.
 Each tensor goes straight from the memory-mapped file to its shards on the mesh
-(`--mesh.fsdp=-1` style overrides pick the mesh; default: all devices on `data`).
+(`--config.mesh.fsdp=-1` style overrides pick the mesh, as in train.py; default: all devices on
+`data`).
 
 `to-hf` writes config.json + safetensors (+ the tokenizer files the source has) from a
 training workdir (its newest checkpoint), a step dir or a converted dir, for
@@ -16,7 +17,6 @@ training workdir (its newest checkpoint), a step dir or a converted dir, for
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,17 +24,17 @@ import sys
 from trainer import platforms
 
 
-def mesh_from_args(values: list[str]):
-  """A mesh from `--mesh.AXIS=N` overrides (the run config's mesh block, validated the same)."""
+def mesh_from_overrides(overrides: list[tuple[str, str]]):
+  """The mesh given by `--config.mesh.KEY=VALUE` overrides: the run config's mesh keys, parsed
+  and checked by the same code as train.py's (`trainer.config`); other keys are refused."""
   from sharding.mesh import make_mesh  # noqa: PLC0415
-  from trainer.config import default_config  # noqa: PLC0415
-  mesh_cfg = default_config().mesh
-  for item in values:
-    key, _, value = item.partition("=")
-    if key not in mesh_cfg:
-      raise SystemExit(f"error: --mesh.{key}: unknown mesh axis (use {', '.join(mesh_cfg)})")
-    mesh_cfg[key] = int(value)
-  return make_mesh(mesh_cfg)
+  from trainer.config import ConfigError, apply_override, default_config  # noqa: PLC0415
+  cfg = default_config()
+  for key, text in overrides:
+    if not key.startswith("mesh."):
+      raise ConfigError(f"--config.{key}: this tool takes only --config.mesh.* overrides")
+    apply_override(cfg, key, text)
+  return make_mesh(cfg.mesh)
 
 
 def from_hf(hf_dir: str, out_dir: str, *, param_dtype: str | None = None, mesh=None) -> dict:
@@ -51,7 +51,7 @@ def from_hf(hf_dir: str, out_dir: str, *, param_dtype: str | None = None, mesh=N
   with open(path) as f:
     hf_cfg = json.load(f)
   cfg = model_config_from_hf(hf_cfg, param_dtype=param_dtype)
-  mesh = mesh or mesh_from_args([])
+  mesh = mesh or mesh_from_overrides([])
   spec = ModelSpec(cfg, mesh, seed=0)
   with jax.set_mesh(mesh):
     params = load_hf_params(hf_dir, cfg, spec.abstract_params)
@@ -69,7 +69,7 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
   from trainer.checkpoint import resolve_step_dir  # noqa: PLC0415
   from trainer.inference import copy_tokenizer, restore_params, tokenizer_dir  # noqa: PLC0415
 
-  mesh = mesh or mesh_from_args([])
+  mesh = mesh or mesh_from_overrides([])
   spec, params, config, _ = restore_params(src, mesh)
   hf_meta = config.get("hf", {})
   special = {"bos_id": hf_meta.get("bos_token_id"), "eos_id": hf_meta.get("eos_token_id"),
@@ -95,29 +95,27 @@ def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
 
 def main(argv: list[str]) -> int:
   platforms.choose()
-  parser = argparse.ArgumentParser(prog="python -m tools.convert", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  from models.hf import ConvertError  # noqa: PLC0415
+  from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  parser = CliParser("python -m tools.convert", __doc__, config=False)
   sub = parser.add_subparsers(dest="cmd", required=True)
-  a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir")
+  a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir", config=False)
   a.add_argument("hf_dir")
   a.add_argument("--out", required=True)
   a.add_argument("--param_dtype", choices=("float32", "bfloat16"), default=None,
                  help="dtype of the converted parameters (default: the checkpoint's)")
-  b = sub.add_parser("to-hf", help="workdir / converted dir -> Hugging Face Llama dir")
+  b = sub.add_parser("to-hf", help="workdir / converted dir -> Hugging Face Llama dir",
+                     config=False)
   b.add_argument("src")
   b.add_argument("--out", required=True)
   b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                  help="dtype of the written tensors (default: the parameters')")
   b.add_argument("--max_shard_gb", type=float, default=5.0)
-  args, rest = parser.parse_known_args(argv)
-  bad = [r for r in rest if not r.startswith("--mesh.")]
-  if bad:
-    parser.error(f"unrecognized arguments: {' '.join(bad)}")
-
-  from models.hf import ConvertError  # noqa: PLC0415
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   try:
-    mesh = mesh_from_args([r[len("--mesh."):] for r in rest])
+    args, overrides = parser.parse(argv)
+    mesh = mesh_from_overrides(overrides)
     if args.cmd == "from-hf":
       cfg = from_hf(args.hf_dir, args.out, param_dtype=args.param_dtype, mesh=mesh)
       print(f"converted {args.hf_dir} -> {args.out}")
@@ -126,7 +124,7 @@ def main(argv: list[str]) -> int:
       files = to_hf(args.src, args.out, dtype=args.dtype,
                     max_shard_bytes=int(args.max_shard_gb * (1 << 30)), mesh=mesh)
       print(f"wrote {args.out}: {', '.join(files)}")
-  except (ConvertError, CheckpointError) as e:
+  except (ConfigError, MeshError, ConvertError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   return 0

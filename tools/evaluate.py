@@ -1,7 +1,7 @@
 """Loss, perplexity and bits per byte of a model over a whole data split (trainer/evaluation.py).
 
     python -m tools.evaluate --checkpoint SRC --data DIR [--split validation] \
-        [--seq_len 128] [--batch_size 16] [--mesh.AXIS=N ...]
+        [--seq_len 128] [--batch_size 16] [--config.mesh.AXIS=N ...]
 
 SRC is a training workdir (newest checkpoint), a step dir, or a converted dir. --data defaults
 to the training run's data dir and --seq_len to its sequence length. When the checkpoint kept a
@@ -10,7 +10,6 @@ Prints one line per weight set and writes them as JSON with --json PATH.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -19,8 +18,9 @@ from trainer import platforms
 
 def main(argv: list[str]) -> int:
   platforms.choose()
-  parser = argparse.ArgumentParser(prog="python -m tools.evaluate", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  parser = CliParser("python -m tools.evaluate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--data", default="", help="prepared data dir (default: the run's)")
   parser.add_argument("--split", default="validation")
@@ -28,21 +28,22 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--batch_size", type=int, default=0,
                       help="rows per batch; 0: 4 per data-parallel device")
   parser.add_argument("--json", default="", help="also write the results to this file")
-  args, rest = parser.parse_known_args(argv)
-  bad = [r for r in rest if not r.startswith("--mesh.")]
-  if bad:
-    parser.error(f"unrecognized arguments: {' '.join(bad)}")
+  try:
+    args, overrides = parser.parse(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
   from data.prepare import DataError, read_meta  # noqa: PLC0415
   from sharding.mesh import data_parallel_size  # noqa: PLC0415
-  from tools.convert import mesh_from_args  # noqa: PLC0415
+  from tools.convert import mesh_from_overrides  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer.evaluation import evaluate_split  # noqa: PLC0415
   from trainer.inference import (  # noqa: PLC0415
       data_tokenizer, restore_with_ema, run_data_dir, source_config)
 
   try:
-    mesh = mesh_from_args([r[len("--mesh."):] for r in rest])
+    mesh = mesh_from_overrides(overrides)
     _, config = source_config(args.checkpoint)
     run_data = config.get("data", {})
     if not args.data and "data" not in config:
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     if meta.get("vocab_size", 0) > spec.cfg.vocab_size:
       parser.error(f"{data_dir} has vocab_size {meta['vocab_size']}, more than the model's "
                    f"{spec.cfg.vocab_size}: it was tokenized for another model")
-  except (CheckpointError, DataError) as e:
+  except (CheckpointError, DataError, ConfigError, MeshError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   tok = data_tokenizer(data_dir)

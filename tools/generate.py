@@ -11,11 +11,10 @@ SRC is a training workdir (newest checkpoint), a step dir, or a converted dir
 data's, or the tokenizer files a converted model came with). For each prompt it prints the
 generated text, and with --prompt_ids one more line: the generated ids, comma-separated.
 --temperature 0 is greedy. `--ema` uses the parameter EMA when the checkpoint has one; the
-mesh is all devices on `data` unless `--mesh.AXIS=N` says otherwise.
+mesh is all devices on `data` unless `--config.mesh.AXIS=N` says otherwise.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from trainer import platforms
@@ -23,8 +22,9 @@ from trainer import platforms
 
 def main(argv: list[str]) -> int:
   platforms.choose()
-  parser = argparse.ArgumentParser(prog="python -m tools.generate", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  parser = CliParser("python -m tools.generate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--prompt", action="append", default=[])
   parser.add_argument("--prompt_ids", action="append", default=[])
@@ -34,24 +34,25 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--top_p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--ema", action="store_true")
-  args, rest = parser.parse_known_args(argv)
-  bad = [r for r in rest if not r.startswith("--mesh.")]
-  if bad:
-    parser.error(f"unrecognized arguments: {' '.join(bad)}")
-  if bool(args.prompt) == bool(args.prompt_ids):
-    parser.error("give --prompt TEXT or --prompt_ids 1,2,3 (either may repeat), not both")
-  if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 \
-      or args.top_k < 0:
-    parser.error("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1, "
-                 "--top_k >= 0")
+  try:
+    args, overrides = parser.parse(argv)
+    if bool(args.prompt) == bool(args.prompt_ids):
+      parser.error("give --prompt TEXT or --prompt_ids 1,2,3 (either may repeat), not both")
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 \
+        or args.top_k < 0:
+      parser.error("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1, "
+                   "--top_k >= 0")
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
   from models.decode import Generator  # noqa: PLC0415
-  from tools.convert import mesh_from_args  # noqa: PLC0415
+  from tools.convert import mesh_from_overrides  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer.inference import restore_params, source_config, source_tokenizer  # noqa: PLC0415
 
   try:
-    mesh = mesh_from_args([r[len("--mesh."):] for r in rest])
+    mesh = mesh_from_overrides(overrides)
     step_dir, config = source_config(args.checkpoint)
     tok = source_tokenizer(step_dir, config)
     if args.prompt_ids:
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
     vocab = spec.cfg.vocab_size
     if any(not 0 <= t < vocab for p in prompts for t in p):
       parser.error(f"prompt ids must be in [0, {vocab}) (model.vocab_size)")
-  except CheckpointError as e:
+  except (CheckpointError, ConfigError, MeshError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   eos = tok.eos_id if tok is not None else config.get("hf", {}).get("eos_token_id")

@@ -43,13 +43,13 @@ class ScaletrainLM(LM):
                ema: bool | str = False, mesh=None, **_):
     super().__init__()
     self.checkpoint = checkpoint
-    from tools.convert import mesh_from_args  # noqa: PLC0415
+    from tools.convert import mesh_from_overrides  # noqa: PLC0415
     from trainer.inference import restore_params, source_config, source_tokenizer  # noqa: PLC0415
     step_dir, config = source_config(checkpoint)
     self.tok = source_tokenizer(step_dir, config)
     if self.tok is None:
       raise ValueError(f"{checkpoint} has no tokenizer; lm-eval requests are text")
-    self.mesh = mesh or mesh_from_args([])
+    self.mesh = mesh or mesh_from_overrides([])
     self.spec, self.params, _, _ = restore_params(checkpoint, self.mesh,
                                                   ema=str(ema).lower() in ("1", "true"))
     self.batch_size = int(batch_size)
