@@ -7,7 +7,14 @@
   adafactor  Shazeer & Stern 2018 (factored second moments), with the parameter-scale
              multiplication off so that `learning_rate` is an absolute step as for Adam
   lion   Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (sign of an
-         interpolated momentum; decay multiplied by the learning rate as in AdamW)
+         interpolated momentum)
+
+Weight decay means the same for all six: it is added to the update before the learning rate
+scales it, w -= lr * (u + wd * w) (optax.adamw's convention; for LAMB/LARS inside the trust
+ratio, as in their papers). Each has its own defaults for the learning rate, decay, b2 and
+trust coefficient, used when the config leaves them unset (`OPTIMIZER_DEFAULTS`,
+optim/scaling.py). The learning rate is read from the schedule at the step the trainer passes
+(`update(..., step=n)`, optim/transforms.py), so skipped steps do not shift the schedule.
 
 Masks come from the parameters' logical axis names (what the model annotates anyway):
 a parameter is a *matrix* when it has at least two axes besides the stacked `layers` axis;
