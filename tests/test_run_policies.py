@@ -84,6 +84,10 @@ def test_init_from_loads_parameters_only(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
                jax.device_get(want.params))
   assert not np.any(jax.device_get(state.opt_state[1][0].mu["embed_VE"])), "fresh optimizer"
-  with pytest.raises(CheckpointError, match="does not fit this model"):
+  with pytest.raises(CheckpointError, match="model.d_model=32, the config has 64"):
     Run(tiny_config(**{"checkpoint.init_from": str(source), "model.d_model": 64}),
         str(tmp_path / "bad")).train()
+  # Same shapes, another model: named with the override that fixes it.
+  with pytest.raises(CheckpointError, match="run with --config.model.rope_theta=10000.0"):
+    Run(tiny_config(**{"checkpoint.init_from": str(source), "model.rope_theta": 5e5}),
+        str(tmp_path / "rope")).train()

@@ -51,8 +51,9 @@ from optim.ema import find_ema
 from optim.scaling import describe as describe_hyperparameters
 from sharding.batch import assemble, process_rows
 from sharding.mesh import make_mesh, replicated
-from trainer.checkpoint import Checkpointer, first_line, load_params
+from trainer.checkpoint import CheckpointError, Checkpointer, first_line, load_params
 from trainer.decisions import Decider, MetricsWindow, StopSignals, agree_any
+from trainer.inference import init_from_mismatch
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.profiling import ProfileWindow
 from trainer.program import Program
@@ -213,6 +214,10 @@ class Run:
     if restored is not None:
       return restored
     if self.cfg.checkpoint.init_from:
+      # Shapes alone miss a different rope_theta / rope scaling / norm eps: name it.
+      reason = init_from_mismatch(self.cfg.checkpoint.init_from, self.model_cfg)
+      if reason:
+        raise CheckpointError(reason)
       params, source = load_params(self.cfg.checkpoint.init_from, self.spec.abstract_params)
       self.log(f"initialised parameters from {source} (optimizer state and data start fresh)")
       return init_state(self.spec, self.tx, params), make_iterator(), None
@@ -257,6 +262,9 @@ class Run:
              f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
              f"({self.data_meta['splits']['train']['tokens']:,} train tokens) from "
              f"{self.data_dir}")
+    if len(self.sources) > 1:
+      self.log("mixture (token weights): " + ", ".join(
+          f"{s.name}={s.dir}:{s.weight:g}" for s in self.sources))
     start = int(jax.device_get(state.step))
     if resumed_at is not None:
       self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
