@@ -182,8 +182,7 @@ class Run:
     or not (each variant compiled on first use)."""
     key = (num_micro, measure_noise)
     if key not in self.compiled_steps:
-      extra = {"measure_noise": True} if measure_noise else {}  # TEMP until Program has the kw
-      self.compiled_steps[key] = self.program.compile(num_micro, **extra)
+      self.compiled_steps[key] = self.program.compile(num_micro, measure_noise=measure_noise)
       self.compile_count += 1
     return self.compiled_steps[key]
 
