@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from models.attention import IMPLS, attention, sequence_layout
+from models.cross_entropy import chunked_cross_entropy
 from sharding.ring_attention import zigzag
 from sharding.rules import constrain
 
@@ -61,6 +63,7 @@ class ModelConfig:
   remat: str = "none"
   attention: str = "xla"
   ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
+  logits_chunk: int = 0  # loss over this many positions at a time (0: the whole [B, S, V])
   init_std: float = 0.02
   rope_scaling: RopeScaling = RopeScaling()
 
@@ -228,6 +231,11 @@ class Transformer(nnx.Module):
                                (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
   def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
+    return self.logits(self.hidden(tokens_BS, positions_BS, segment_ids_BS))
+
+  def hidden(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
+    """tokens -> final-normed hidden states [B, S, E] in the input's token order (what the LM
+    head reads: `logits`, or the chunked loss of `models/cross_entropy.py`)."""
     cfg = self.cfg
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
@@ -253,7 +261,7 @@ class Transformer(nnx.Module):
     x_BSE = self.final_norm(x_BSE)
     if reorder:
       x_BSE = zigzag(x_BSE, inverse=True)
-    return self.logits(x_BSE)
+    return x_BSE
 
   def embed(self, tokens_BS):
     # Gather from a table that FSDP has all-gathered (like every weight before use) and that is
@@ -264,14 +272,30 @@ class Transformer(nnx.Module):
     x_BSE = jnp.take(table_VE, tokens_BS, axis=0).astype(DTYPES[self.cfg.dtype])
     return constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
 
+  def head(self):
+    """The LM head [E, V]: the transposed embedding when tied, else its own matrix."""
+    return self.embed_VE[...].T if self.cfg.tie_embeddings else self.lm_head_EV[...]
+
   def logits(self, x_BSE):
-    """Final-normed hidden states -> fp32 logits (the tied or separate LM head)."""
-    cfg = self.cfg
-    head_EV = self.embed_VE[...].T if cfg.tie_embeddings else self.lm_head_EV[...]
-    logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE.astype(DTYPES[cfg.dtype]),
-                            head_EV.astype(DTYPES[cfg.dtype]),
+    """Final-normed hidden states -> fp32 logits [B, S, V]."""
+    dt = DTYPES[self.cfg.dtype]
+    logits_BSV = jnp.einsum("bse,ev->bsv", x_BSE.astype(dt), self.head().astype(dt),
                             preferred_element_type=jnp.float32)
     return constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
+
+  def loss_sums(self, tokens_BS, positions_BS, segment_ids_BS, targets_BS, mask_BS):
+    """(sum of token cross-entropies where `mask_BS`, number of such tokens), fp32. With
+    `logits_chunk` the head and the loss run that many positions at a time and the [B, S, V]
+    logits never exist (`models/cross_entropy.py`); the same sum to fp32 rounding."""
+    mask_BS = mask_BS.astype(jnp.float32)
+    x_BSE = self.hidden(tokens_BS, positions_BS, segment_ids_BS)
+    if self.cfg.logits_chunk:
+      total = chunked_cross_entropy(x_BSE, self.head(), targets_BS, mask_BS,
+                                    chunk=self.cfg.logits_chunk, dtype=DTYPES[self.cfg.dtype])
+    else:
+      losses_BS = optax.softmax_cross_entropy_with_integer_labels(self.logits(x_BSE), targets_BS)
+      total = jnp.sum(losses_BS * mask_BS)
+    return total, jnp.sum(mask_BS)
 
 
 # ----------------------------------------------------------------------------------------------

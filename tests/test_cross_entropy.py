@@ -57,3 +57,53 @@ def test_compiled_step_holds_one_chunk_of_logits():
   logits = B * S * V * 4
   assert full >= 2 * logits, (full, logits)
   assert chunked < 3.2 * logits / 8, (chunked, logits)
+
+
+# ----------------------------------------------------------------------------------------------
+# In the model and the train step (`model.logits_chunk`).
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_training_with_logits_chunk_equals_full_logits(tmp_path, tied):
+  """Same losses, gradient norms and updates step by step on a mesh whose `tensor` axis splits
+  the vocabulary and whose `sequence` axis splits the chunks' positions."""
+  from conftest import metric_rows, tiny_config
+  from trainer.loop import Run
+
+  def run(chunk):
+    cfg = tiny_config(**{"steps": 3, "model.logits_chunk": chunk, "model.tie_embeddings": tied,
+                         "mesh.data": 1, "mesh.fsdp": 2, "mesh.tensor": 2, "mesh.sequence": 2})
+    Run(cfg, str(tmp_path / f"c{chunk}")).train()
+    return metric_rows(tmp_path / f"c{chunk}")
+
+  full, chunked = run(0), run(8)
+  for step in (1, 2, 3):
+    for key in ("loss", "grad_norm", "update_norm", "param_norm"):
+      np.testing.assert_allclose(chunked[step][key], full[step][key], rtol=2e-6, err_msg=key)
+
+
+def test_logits_chunk_is_validated():
+  from conftest import tiny_config
+  from trainer.config import ConfigError, validate
+  with pytest.raises(ConfigError, match=r"model.logits_chunk=5 must divide data.seq_len=32"):
+    validate(tiny_config(**{"model.logits_chunk": 5}), 8)
+  with pytest.raises(ConfigError, match=r"multiple of mesh.sequence=4"):
+    validate(tiny_config(**{"model.logits_chunk": 2, "mesh.data": 2, "mesh.sequence": 4}), 8)
+
+
+def test_train_step_memory_with_a_large_vocabulary():
+  """The compiled train step at V = 32k: chunking the loss removes the full-size logits."""
+  import jax as jax_
+  from conftest import tiny_config
+  from sharding.mesh import make_mesh
+  from trainer.program import Program
+
+  def temp(chunk):
+    cfg = tiny_config(**{"model.vocab_size": 32768, "model.logits_chunk": chunk,
+                         "data.seq_len": 128, "mesh.data": 1})
+    program = Program(cfg, make_mesh(cfg.mesh, jax_.devices()[:1]))
+    return program.compile().memory_analysis().temp_size_in_bytes
+
+  logits = 8 * 128 * 32768 * 4  # one [B, S, V] fp32 array
+  full, chunked = temp(0), temp(16)
+  assert full > 2 * logits and chunked < full - 1.5 * logits, (full, chunked, logits)

@@ -47,6 +47,9 @@ def default_config() -> ml_collections.ConfigDict:
       # ring attention: one ring per chunk of a device's kv heads, for less memory in flight
       # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
       ring_head_chunks=1,
+      # the LM head and loss over this many sequence positions at a time, so the [B, S, V]
+      # logits never exist (models/cross_entropy.py; for large vocabularies); 0 = all at once
+      logits_chunk=0,
       # RoPE frequency scaling: "none" or "llama3" (Llama 3.1 context extension; the other
       # fields are its parameters, as in a Hugging Face config's `rope_scaling`)
       rope_scaling=ml_collections.ConfigDict(dict(
@@ -556,6 +559,12 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           f"model.ring_head_chunks={m.ring_head_chunks} does not divide the {local_kv_heads} kv "
           f"heads per device (model.num_kv_heads={m.num_kv_heads} / mesh.tensor={tensor}); use "
           f"a divisor of {local_kv_heads}")
+  if m.logits_chunk:
+    seq_shards = sizes["sequence"]
+    _need(m.logits_chunk > 0 and d.seq_len % m.logits_chunk == 0
+          and m.logits_chunk % seq_shards == 0,
+          f"model.logits_chunk={m.logits_chunk} must divide data.seq_len={d.seq_len} and be a "
+          f"multiple of mesh.sequence={seq_shards} (0 = no chunking)")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
 
   o = cfg.optim

@@ -71,11 +71,8 @@ class GuardConfig:
 
 def loss_sums(spec: ModelSpec, params, batch) -> tuple[jax.Array, jax.Array]:
   """(sum of token cross-entropies over the batch, number of target tokens), in fp32."""
-  model = spec.model(params)
-  logits_BSV = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-  losses_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, batch["targets"])
-  mask_BS = batch["loss_mask"].astype(jnp.float32)
-  return jnp.sum(losses_BS * mask_BS), jnp.sum(mask_BS)
+  return spec.model(params).loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"],
+                                      batch["targets"], batch["loss_mask"])
 
 
 def _judge(guard, loss, grad_norm, cfg: GuardConfig):
