@@ -22,8 +22,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def plain_step(model_cfg, optim_cfg, seed: int):
-  """(params, opt_state, step) of the baseline: jit + optax, no framework."""
+def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
+  """(params, opt_state, step) of the baseline: jit + optax, no framework; `hp` are the run's
+  derived AdamW hyperparameters (`optim.derive`), so both steps do the same arithmetic."""
   import jax  # noqa: PLC0415
   import optax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
@@ -32,9 +33,9 @@ def plain_step(model_cfg, optim_cfg, seed: int):
 
   graphdef, params = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(params=seed)))
   params = nnx.to_pure_dict(params)
-  tx = optax.chain(optax.clip_by_global_norm(optim_cfg.clip_norm),
-                   optax.adamw(optim_cfg.learning_rate, b1=optim_cfg.b1, b2=optim_cfg.b2,
-                               weight_decay=optim_cfg.weight_decay))
+  tx = optax.chain(optax.clip_by_global_norm(clip_norm),
+                   optax.adamw(hp.learning_rate, b1=b1, b2=hp.b2,
+                               weight_decay=hp.weight_decay))
 
   def loss_fn(params, inputs, targets):
     model = nnx.merge(graphdef, params)
@@ -55,6 +56,7 @@ def run(cfg, *, rounds: int, steps: int) -> dict:
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
+  from optim import derive  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
   from trainer.program import Program  # noqa: PLC0415
   from trainer.state import init_state  # noqa: PLC0415
@@ -62,7 +64,9 @@ def run(cfg, *, rounds: int, steps: int) -> dict:
   program = Program(cfg, make_mesh(cfg.mesh))
   ours = program.compile()
   state = init_state(program.spec, program.tx)
-  params, opt_state, plain = plain_step(program.model_cfg, cfg.optim, cfg.seed)
+  hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
+  params, opt_state, plain = plain_step(program.model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm,
+                                        cfg.seed)
 
   d = cfg.data
   rng = np.random.default_rng(0)
@@ -116,6 +120,9 @@ def main(argv=None):
     cfg = load_from_cli(args.config, rest)
     cfg.mesh.update(data=1, fsdp=1, tensor=1, sequence=1, expert=1)  # one device
     validate(cfg, 1)
+    if cfg.optim.name != "adamw":
+      raise ConfigError(f"optim.name={cfg.optim.name!r}: the baseline is an AdamW step; "
+                        "run with --config.optim.name=adamw")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

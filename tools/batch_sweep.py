@@ -158,6 +158,7 @@ def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
 def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
   """One training at `batch_size`, stopped at the target; returns what it measured."""
   from optim import derive  # noqa: PLC0415
+  from optim.scaling import stated  # noqa: PLC0415
   from trainer.config import validate  # noqa: PLC0415
   from trainer.loop import Run  # noqa: PLC0415
   import jax  # noqa: PLC0415
@@ -166,7 +167,8 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   micro = args.micro_batch_size
   cfg.data.global_batch_size = batch_size
   cfg.data.micro_batch_size = micro if micro < batch_size else 0
-  cfg.optim.learning_rate = base_cfg.optim.learning_rate * lr_multiplier
+  # The stated rate, or the optimizer's own default when the config leaves it unset.
+  cfg.optim.learning_rate = stated(base_cfg.optim)["learning_rate"][0] * lr_multiplier
   cfg.steps = max(1, math.ceil(args.max_examples / batch_size))
   cfg.eval_every = max(1, round(args.eval_examples / batch_size))
   cfg.eval_steps = max(1, math.ceil(args.eval_sequences / micro))
