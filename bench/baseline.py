@@ -12,7 +12,6 @@ ours/baseline throughput: >= 1.0 means the framework's features cost nothing.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import statistics

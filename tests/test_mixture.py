@@ -137,20 +137,14 @@ def test_run_on_a_mixture_reports_each_source(sources, tmp_path):
 def test_mixture_run_resumes_exactly_from_two_processes_on_one(sources, tmp_path):
   """Real processes: a mixture run saved by 2 processes x 4 devices continues on 1 process x 8
   devices with the same losses as an uninterrupted single-process run."""
-  import subprocess  # noqa: PLC0415
-  import sys  # noqa: PLC0415
-
   from conftest import losses  # noqa: PLC0415
-  from test_multihost import MODEL_ARGS, ROOT, TINY, launch_beside_reference  # noqa: PLC0415
+  from test_multihost import MODEL_ARGS, launch_beside_reference, run_single  # noqa: PLC0415
 
   args = MODEL_ARGS + [f"--config.data.mixture=a={sources['a']}:0.6,b={sources['b']}:0.4",
                        "--config.model.vocab_size=0"]
   multi, single = tmp_path / "multi", tmp_path / "single"
   launch_beside_reference(multi, single, args + ["--config.steps=2"], args + ["--config.steps=4"])
-  alone = subprocess.run(
-      [sys.executable, "train.py", "--config", TINY, "--workdir", str(multi), *args,
-       "--config.steps=4"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+  alone = run_single(multi, args + ["--config.steps=4"])
   assert "checkpoints/2" in alone.stdout
   got, want = losses(multi), losses(single)
   assert sorted(got) == sorted(want) == [1, 2, 3, 4]

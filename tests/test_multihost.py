@@ -82,6 +82,15 @@ def assert_ok(results) -> None:
     assert code == 0, stdout[-2000:] + stderr[-3000:]
 
 
+def run_single(workdir, args) -> subprocess.CompletedProcess:
+  """train.py as one process with the test's 8 devices; it must succeed."""
+  proc = subprocess.run(
+      [sys.executable, "train.py", "--config", TINY, "--workdir", str(workdir), *args],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  return proc
+
+
 def launch_beside_reference(workdir, reference_workdir, args, reference_args):
   """Launch 2 processes x 4 devices (`args`) while one process with the test's 8 devices runs
   `reference_args` in `reference_workdir`; both must succeed. -> the 2 processes' results."""
@@ -248,10 +257,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
   assert "resumed from" in resumed[0][1] and "checkpoints/4" in resumed[0][1]
 
   # One process (8 devices) continues the 2-process run from its step-6 checkpoint.
-  alone = subprocess.run(
-      [sys.executable, "train.py", "--config", TINY, "--workdir", str(multi), *MODEL_ARGS,
-       "--config.steps=8"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+  alone = run_single(multi, MODEL_ARGS + ["--config.steps=8"])
   assert "checkpoints/6" in alone.stdout
 
   got, want = losses(multi), losses(single)
