@@ -89,12 +89,15 @@ class BatchSchedule:
     return self.at(None)(count)
 
 
-def build_optimizer(cfg, param_names: Any, total_steps: int, data=None):
+def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
+                    ramp: BatchRamp | None = None):
   """Returns (tx, schedule). `param_names` maps each param to its logical axis names; `data`
   (the `data` config block) gives the global batch, sequence length and batch ramp: without it
-  the rules and every unit but steps are unavailable, and the hyperparameters are as stated."""
+  the rules and every unit but steps are unavailable, and the hyperparameters are as stated.
+  `ramp`: the run's own ramp object, shared with the trainer (the batch autopilot grows it)."""
   m = masks(param_names, decay_embeddings=bool(cfg.decay_embeddings))
-  ramp = BatchRamp.from_config(data) if data is not None else None
+  if ramp is None and data is not None:
+    ramp = BatchRamp.from_config(data)
   default_batch = data.global_batch_size if data is not None else None
 
   @functools.lru_cache(maxsize=None)

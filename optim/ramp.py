@@ -58,6 +58,9 @@ class BatchRamp:
 
   def __init__(self, stages: list[tuple[int, int]], seq_len: int):
     self.seq_len = int(seq_len)
+    self._set_stages(stages)
+
+  def _set_stages(self, stages: list[tuple[int, int]]) -> None:
     self.batches = tuple(int(b) for b, _ in stages)
     self.start_tokens = tuple(int(t) for _, t in stages)
     # First step of each stage, and the examples seen before it.
@@ -77,11 +80,30 @@ class BatchRamp:
 
   @classmethod
   def from_config(cls, data_cfg) -> "BatchRamp":
-    """The ramp of a `data` config block (one stage of `global_batch_size` without a ramp)."""
+    """The ramp of a `data` config block (one stage of `global_batch_size` without a ramp).
+    Under `batch_ramp = "auto"` it starts as that one stage and grows by `add_stage` as the
+    run decides (`optim/autopilot.py`)."""
     text = data_cfg.get("batch_ramp", "") if hasattr(data_cfg, "get") else ""
-    if text:
+    if text and text != "auto":
       return cls(parse_ramp(text), data_cfg.seq_len)
     return cls.constant(data_cfg.global_batch_size, data_cfg.seq_len)
+
+  def add_stage(self, batch: int, start_step: int) -> None:
+    """Append a stage of `batch` sequences from step index `start_step` (0-based, after the
+    last stage's start), in place: the steps before it keep their batches, so everything this
+    ramp said about them stays true. The autopilot grows a run's ramp this way; the object is
+    the one the schedules read (through `clock`) when a stage's step is compiled, and a step
+    of a given batch is compiled only once its stage exists."""
+    start_step = int(start_step)
+    if start_step <= self.start_steps[-1]:
+      raise ValueError(f"a new stage must start after step {self.start_steps[-1]}, "
+                       f"not at {start_step}")
+    stages = list(zip(self.batches, self.start_tokens))
+    self._set_stages(stages + [(int(batch), self.tokens_before(start_step))])
+
+  def stages_by_step(self) -> list[tuple[int, int]]:
+    """[(first step index, batch)] of every stage."""
+    return list(zip(self.start_steps, self.batches))
 
   @property
   def is_constant(self) -> bool:

@@ -182,7 +182,8 @@ class Checkpointer:
         self.directory, options=self._options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "data": DataStateHandler(),
-                       "config": ocp.JsonCheckpointHandler()})
+                       "config": ocp.JsonCheckpointHandler(),
+                       "autopilot": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -198,12 +199,14 @@ class Checkpointer:
     self.manager.check_for_errors()
 
   def save(self, step: int, state, data_iterator, data_spec: pipeline.StreamSpec,
-           config: dict) -> None:
-    """Start saving (async unless configured otherwise). Raises on storage errors."""
+           config: dict, autopilot: dict | None = None) -> None:
+    """Start saving (async unless configured otherwise). Raises on storage errors.
+    `autopilot`: the batch autopilot's decisions (JSON, `optim/autopilot.py`), if it runs."""
+    extra = {} if autopilot is None else {"autopilot": ocp.args.JsonSave(autopilot)}
     self.manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         data=DataStateSave(data_iterator, data_spec),
-        config=ocp.args.JsonSave(config),
+        config=ocp.args.JsonSave(config), **extra,
     ), force=True)
 
   def wait(self) -> None:
@@ -221,12 +224,19 @@ class Checkpointer:
   # Reading
 
   def saved_config(self, step: int) -> dict:
-    path = os.path.join(self.directory, str(step), "config", "metadata")
+    return self._saved_json(step, "config") or {}
+
+  def saved_autopilot(self, step: int) -> dict | None:
+    """The batch autopilot's state saved with checkpoint `step`, or None if it has none."""
+    return self._saved_json(step, "autopilot")
+
+  def _saved_json(self, step: int, item: str) -> dict | None:
+    path = os.path.join(self.directory, str(step), item, "metadata")
     try:
       with open(path) as f:
         return json.load(f)
     except (OSError, ValueError):
-      return {}
+      return None
 
   def check_compatible(self, step: int, abstract_state, config: dict) -> None:
     """Raise CheckpointError if checkpoint `step` was written by an incompatible config."""

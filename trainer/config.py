@@ -67,7 +67,17 @@ def default_config() -> ml_collections.ConfigDict:
       prefetch=2,  # micro-batches prepared ahead in a background thread
       # Batch-size ramp: "BATCH:START_TOKENS,..." e.g. "64:0,256:2000000,1024:8000000"; the last
       # stage is global_batch_size; needs micro_batch_size (optim/ramp.py). "" = no ramp.
+      # "auto": the batch autopilot (optim/autopilot.py) grows the batch from global_batch_size
+      # by `factor` up to `max` when the measured noise scale says so (needs
+      # optim.noise_scale_every, and schedule lengths in the schedule's own unit).
       batch_ramp="",
+      batch_auto=ml_collections.ConfigDict(dict(
+          max=0,  # the largest batch: global_batch_size x factor^k
+          factor=2,
+          trigger="noise_scale",  # noise_scale: B_simple > margin x batch | norm_test (eta)
+          margin=2.0, eta=0.8,
+          patience=2,  # measurements in a row the trigger must hold
+      )),
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
@@ -434,7 +444,7 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
   _need(0 < o.noise_scale_ema < 1, f"optim.noise_scale_ema={o.noise_scale_ema}: must be in (0, 1)")
   micro = d.micro_batch_size or d.global_batch_size
   batches = [d.global_batch_size]
-  if d.batch_ramp:
+  if d.batch_ramp and d.batch_ramp != "auto":
     try:
       stages = parse_ramp(d.batch_ramp)
     except ValueError as e:
@@ -449,11 +459,42 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
           f"data.batch_ramp ends at {stages[-1][0]} sequences but data.global_batch_size="
           f"{d.global_batch_size}; the last stage is the global batch")
     batches = [b for b, _ in stages]
+  if d.batch_ramp == "auto":
+    batches = _check_autopilot(cfg, micro)
   if o.noise_scale_every and micro in batches:
     _need(micro % (2 * dp) == 0,
           f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
           f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
           f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
+
+
+def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
+  """data.batch_auto.* (optim/autopilot.py); returns the batches it may choose."""
+  from optim.autopilot import AutoConfig, check  # noqa: PLC0415
+  o, d = cfg.optim, cfg.data
+  _need(d.micro_batch_size > 0, "data.batch_ramp='auto' needs data.micro_batch_size: every "
+        "batch is a number of micro-batches of that fixed shape")
+  _need(o.noise_scale_every > 0, "data.batch_ramp='auto' follows the gradient noise scale: set "
+        "optim.noise_scale_every (e.g. 10), the steps between measurements")
+  reason = check(d, micro)
+  _need(reason is None, reason or "")
+  # Lengths in another unit than the schedule's are converted through the ramp when the
+  # optimizer is built, before the autopilot has decided anything: refuse them.
+  unit = o.schedule_unit
+  other = [f"optim.{w}_{u}={o[f'{w}_{u}']}" for w in ("warmup", "decay")
+           for u in ("steps", "examples", "tokens")
+           if o[f"{w}_{u}"] > 0 and (u == "steps") != (unit == "steps")]
+  _need(not other, f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: "
+        f"{other[0] if other else ''} would be converted through a batch not yet known; "
+        f"give lengths in {unit} "
+        "(tokens recommended: the schedule then keeps its shape in tokens as the batch grows)")
+  _need(unit == "steps" or o.decay_examples > 0 or o.decay_tokens > 0 or
+        o.schedule in ("constant", "rsqrt"),
+        f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: set the horizon as "
+        f"optim.decay_{unit} (the default, `steps`, depends on the batches still to be chosen)")
+  _need(o.schedule != "power" or unit != "steps", "data.batch_ramp='auto' with "
+        "optim.schedule='power': set optim.schedule_unit='tokens' (the power law reads tokens)")
+  return AutoConfig.from_config(d).sizes()
 
 
 def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:

@@ -25,6 +25,17 @@ compiles the train step once per distinct number of micro-batches and keeps it
 hyperparameters the batch-size rules derive (`optim/scaling.py`), and writes them to
 metrics.jsonl as `{"event": "hyperparameters", "hparams/learning_rate": ...}` rows.
 
+Batch autopilot (`data.batch_ramp = "auto"`, `optim/autopilot.py`). The ramp starts as one
+stage of `data.global_batch_size` and grows as the run goes: the rows of the steps that measure
+the noise scale are fed to the autopilot when the loop reads them back (at most one step late),
+and a growth decided from step n's row starts at step n + 2, before which that row has always
+been read. The new stage is added to the run's one ramp object, which the schedules' clocks
+read when its step is compiled (once per batch size: the batch never shrinks). Each decision is
+logged ("batch 8 -> 16 from step 42: B_simple=... > 2 x 8 ...") and written to metrics.jsonl as
+an `{"event": "batch_change", ...}` row with its new hyperparameters; the decisions are saved in
+every checkpoint (item `autopilot`) and replayed on resume, so a resumed run follows the same
+batch sequence bit for bit.
+
 With `optim.noise_scale_every` the gradient noise scale is logged every that many steps; with
 `optim.ema_decay` every evaluation also scores the averaged parameters (`eval_loss_ema`).
 """
@@ -45,8 +56,9 @@ import numpy as np
 from data import mixture, pipeline
 from data.prepare import ensure_default_corpus, read_meta
 from models.llama import flops_per_token, param_counts
-from optim import BatchRamp, derive
+from optim import derive
 from optim import schedules as schedules_lib
+from optim.autopilot import AutoConfig, Autopilot
 from optim.ema import find_ema
 from optim.scaling import describe as describe_hyperparameters
 from sharding.batch import assemble, process_rows
@@ -109,7 +121,9 @@ class Run:
     self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
 
     d = cfg.data
-    self.ramp = BatchRamp.from_config(d)
+    self.ramp = p.ramp  # the run's one ramp, shared with the schedules
+    self.autopilot = Autopilot(AutoConfig.from_config(d), self.ramp) \
+        if d.batch_ramp == "auto" else None
     self.compiled_steps: dict = {}  # (micro-batches, measures noise) -> compiled train step
     self.compile_count = 0
     # One source (data.dir or the default corpus) or a weighted mixture (data.mixture).
@@ -189,15 +203,37 @@ class Run:
   def _log_batch_science(self, step: int) -> None:
     """Print the derived hyperparameters once per batch size, and log them as event rows."""
     cfg = self.cfg
+    if self.autopilot is not None:
+      a = self.autopilot.cfg
+      self.log(f"batch autopilot: {' -> '.join(map(str, a.sizes()))} sequences, x{a.factor} "
+               + (f"when B_simple > {a.margin:g} x batch" if a.trigger == "noise_scale" else
+                  f"when the norm test fails (eta={a.eta:g})")
+               + f" at {a.patience} measurement(s) in a row (every "
+               f"{cfg.optim.noise_scale_every} steps); decided so far: "
+               + ("; ".join(c.describe() for c in self.autopilot.changes) or "none"))
     if not self.ramp.is_constant:
       self.log(self.ramp.describe())
     for batch in dict.fromkeys(self.ramp.batches):
-      hp = derive(cfg.optim, batch, cfg.data.global_batch_size)
-      self.log(describe_hyperparameters(cfg.optim, hp))
-      row = {f"hparams/{k}": v for k, v in hp.as_dict().items()}  # apart from the metrics
-      self.writer.write(step, {"event": "hyperparameters", **row}, console=False)
+      self._log_hyperparameters(step, batch)
     if cfg.optim.schedule_unit != "steps" or not self.ramp.is_constant:
       self.log(schedules_lib.describe(cfg.optim, cfg.steps, self.ramp))
+
+  def _log_hyperparameters(self, step: int, batch: int) -> None:
+    hp = derive(self.cfg.optim, batch, self.cfg.data.global_batch_size)
+    self.log(describe_hyperparameters(self.cfg.optim, hp))
+    row = {f"hparams/{k}": v for k, v in hp.as_dict().items()}  # apart from the metrics
+    self.writer.write(step, {"event": "hyperparameters", **row}, console=False)
+
+  def _steer(self, step: int, host: dict) -> None:
+    """Feed a measuring step's row to the batch autopilot; log the change it decides."""
+    change = self.autopilot.observe(step, host)
+    if change is None:
+      return
+    self.log(change.describe())
+    self.writer.write(step, {"event": "batch_change", "batch": change.batch,
+                             "old_batch": change.old, "from_step": change.step,
+                             "reason": change.reason}, console=False)
+    self._log_hyperparameters(step, change.batch)
 
   def _stop_check(self, step: int, row: dict) -> None:
     if self.stop_when is not None and self.stop_reason is None:
@@ -211,6 +247,13 @@ class Run:
         self.program.abstract_state(), self.train_spec, self.cfg.to_dict(),
         allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
     if restored is not None:
+      if self.autopilot is not None:
+        saved = checkpointer.saved_autopilot(restored[2])
+        if saved is None:
+          self.log(f"checkpoint {restored[2]} has no batch autopilot state: the autopilot "
+                   f"starts at batch {self.ramp.batch_at(0)} from here")
+        else:
+          self.autopilot.load_state_dict(saved)
       return restored
     if self.cfg.checkpoint.init_from:
       # Shapes alone miss a different rope_theta / rope scaling / norm eps: name it.
@@ -294,7 +337,8 @@ class Run:
     self.last_metrics = {}
     self._stage = None  # the batch ramp's stage of the last step dispatched
     window = MetricsWindow()
-    save = _Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log)
+    save = _Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
+                  autopilot=self.autopilot)
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
@@ -383,7 +427,7 @@ class Run:
     for step, host, log in window.read(upto):
       if log:
         batch = self.ramp.batch_at(step - 1)
-        if not self.ramp.is_constant:
+        if not self.ramp.is_constant or self.autopilot is not None:
           host["batch_size"] = batch
         self.timer.annotate(host, batch * cfg.data.seq_len, self.flops_token, self.peak)
       if log or host["skipped"]:
@@ -391,6 +435,8 @@ class Run:
         self.writer.advance(0, loss=host["loss"])
         self.last_metrics = host
         self._stop_check(step, host)
+      if log and self.autopilot is not None and "noise_scale" in host:
+        self._steer(step, host)
       if not host["skipped"]:
         continue
       kind = "non-finite loss/gradient" if host["nonfinite"] else "loss spike"
@@ -408,9 +454,11 @@ class _Saver:
   """Starts checkpoints; a failing storage is reported once per streak (earlier checkpoints stay
   readable). With several processes, a save counts as written only if it was on all of them."""
 
-  def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log):
+  def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
+               autopilot=None):
     self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
     self.timer, self.decider, self.log = timer, decider, log
+    self.autopilot = autopilot
     self.failing = False
     self.last_step = None
 
@@ -422,7 +470,8 @@ class _Saver:
         failed_step = self.last_step  # a background write of the previous save may have failed
         ckpt.check_for_errors()
         failed_step = step
-        ckpt.save(step, state, train_iter, self.data_spec, self.config)
+        ckpt.save(step, state, train_iter, self.data_spec, self.config,
+                  autopilot=None if self.autopilot is None else self.autopilot.state_dict())
         self.last_step = step
         if blocking:
           ckpt.wait()

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from data.pipeline import BATCH_KEYS
 from models.llama import ModelConfig
-from optim import build_optimizer
+from optim import BatchRamp, build_optimizer
 from sharding.mesh import batch_sharding, replicated
 from trainer.state import ModelSpec, abstract_state, state_shardings
 from trainer.step import GuardConfig, make_train_step
@@ -29,8 +29,10 @@ class Program:
     self.num_micro = d.global_batch_size // self.micro_rows
     self.model_cfg = ModelConfig.from_config(cfg.model)
     self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed)
+    # One ramp per run, shared by the schedules and the loop (the batch autopilot grows it).
+    self.ramp = BatchRamp.from_config(d)
     self.tx, self.schedule = build_optimizer(cfg.optim, self.spec.logical_names, cfg.steps,
-                                             cfg.data)
+                                             cfg.data, ramp=self.ramp)
     self.shardings = state_shardings(self.spec, self.tx)
     self.batch_sharding = batch_sharding(mesh, microbatched=True)
 

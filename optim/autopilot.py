@@ -1,0 +1,174 @@
+"""Batch-size autopilot (`data.batch_ramp = "auto"`): the global batch follows the measured
+gradient noise scale, growing by a factor when the noise says a bigger batch would pay.
+
+Why. McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training") show that the
+critical batch, below which a bigger batch buys proportionally fewer steps and above which it
+buys hardly any, is predicted by the simple noise scale B_simple = tr(Sigma) / |G|^2, and that
+it grows as the loss falls; their Sec. 5 and GPT-3 grow the batch during training by hand.
+Critical and optimal batches grow with the tokens seen ("How Does Critical Batch Size Scale in
+Pre-training?", Zhang et al. 2024; "How to Set the Batch Size for Large-Scale Pre-training?";
+"Time Transfer" / Power Lines, Bergsma et al. 2025), so a batch fixed at the start is too small
+later or too large early. AdAdaGrad (Lau et al. 2024, "AdAdaGrad: Adaptive Batch Size Schemes
+for Adaptive Gradient Methods") grows the batch of Adam-type methods by the norm test of Byrd
+et al. 2012 ("Sample size selection in optimization methods for machine learning").
+
+The rule (`Autopilot.observe`), evaluated at every step that measures the noise scale
+(`optim.noise_scale_every`), on replicated metrics only, so every process decides the same:
+
+  trigger "noise_scale": the smoothed B_simple in sequences (the meter's EMA, `noise_scale`)
+      exceeds `margin` x the current batch;
+  trigger "norm_test":   the norm test, Var[g_B] > eta^2 |g_B|^2 for the step's mean gradient
+      g_B over its T target tokens, with Var[g_B] = tr(Sigma) / T from the meter's smoothed
+      per-token tr(Sigma) (`noise_trace`) and |g_B| the step's own gradient norm
+      (`grad_norm`, before clipping). It needs nothing the meter does not already compute. As
+      E|g_B|^2 = |G|^2 + tr(Sigma)/T, it fires when B_simple > B eta^2 / (1 - eta^2): the same
+      statistic as the first trigger with the denominator taken from the current step instead
+      of the smoothed |G|^2 (always positive, noisier), margin = eta^2 / (1 - eta^2).
+
+  When the trigger holds at `patience` measurements in a row, the batch is multiplied by
+  `factor` (capped at `max`); it never shrinks. A measurement at step n (1-based) is read
+  back by the loop before step n + 2 is dispatched (a log step's row is read while the next
+  step runs), so the new batch applies from step n + 2 (`DELAY`): fixed by the step count,
+  the same on every run and every process.
+
+Every batch is `global_batch_size x factor^k` sequences, a whole number of the fixed
+micro-batch shape, so each size compiles once and the stream of micro-batches (the data order)
+is that of a fixed batch. The decisions (step -> batch) are the ramp's stages; they and the
+rule's streak are saved with every checkpoint (`state_dict`), so a resumed run rebuilds the same
+ramp and follows the same batch sequence.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from optim.ramp import BatchRamp
+
+TRIGGERS = ("noise_scale", "norm_test")
+DELAY = 2  # a measurement at step n (1-based) changes the batch from step n + DELAY
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoConfig:
+  """`data.batch_auto.*`: the rule's parameters (see the module docstring)."""
+  start: int  # data.global_batch_size: the first (smallest) batch
+  max: int
+  factor: int = 2
+  trigger: str = "noise_scale"
+  margin: float = 2.0
+  eta: float = 0.8
+  patience: int = 2
+
+  @classmethod
+  def from_config(cls, data_cfg) -> "AutoConfig":
+    a = data_cfg.batch_auto
+    return cls(start=int(data_cfg.global_batch_size), max=int(a.max), factor=int(a.factor),
+               trigger=str(a.trigger), margin=float(a.margin), eta=float(a.eta),
+               patience=int(a.patience))
+
+  def sizes(self) -> list[int]:
+    """Every batch the autopilot can choose, smallest first."""
+    out = [self.start]
+    while out[-1] < self.max:
+      out.append(min(out[-1] * self.factor, self.max))
+    return out
+
+
+def check(data_cfg, micro_rows: int) -> str | None:
+  """Why `data.batch_auto.*` is not usable, in one line naming the key, or None."""
+  a, start = data_cfg.batch_auto, int(data_cfg.global_batch_size)
+  if a.trigger not in TRIGGERS:
+    return f"data.batch_auto.trigger={a.trigger!r}: choose one of {', '.join(TRIGGERS)}"
+  if int(a.factor) < 2:
+    return f"data.batch_auto.factor={a.factor}: must be an integer >= 2"
+  if int(a.max) <= start:
+    return (f"data.batch_auto.max={a.max} must exceed data.global_batch_size={start} "
+            "(the autopilot's first batch)")
+  k = round(math.log(int(a.max) / start, int(a.factor)))
+  if start * int(a.factor) ** k != int(a.max):
+    return (f"data.batch_auto.max={a.max} is not data.global_batch_size={start} x "
+            f"factor={a.factor}^k; e.g. {start * int(a.factor) ** max(k, 1)}")
+  if start % micro_rows:
+    return (f"data.global_batch_size={start} is not a multiple of the micro-batch "
+            f"({micro_rows} rows)")
+  if not float(a.margin) > 0:
+    return f"data.batch_auto.margin={a.margin}: must be > 0"
+  if not 0 < float(a.eta) < 1:
+    return f"data.batch_auto.eta={a.eta}: must be in (0, 1)"
+  if int(a.patience) < 1:
+    return f"data.batch_auto.patience={a.patience}: must be >= 1"
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+  """A decision: from step `step` (1-based) the batch is `batch` (was `old`)."""
+  step: int
+  batch: int
+  old: int
+  measured_at: int
+  reason: str
+
+  def describe(self) -> str:
+    return (f"batch {self.old} -> {self.batch} from step {self.step}: {self.reason} at step "
+            f"{self.measured_at}")
+
+
+class Autopilot:
+  """The rule, its state (the streak) and the ramp it grows (`ramp`, shared with the schedules
+  and the loop: the loop reads every step's batch from it)."""
+
+  def __init__(self, cfg: AutoConfig, ramp: BatchRamp):
+    self.cfg, self.ramp = cfg, ramp
+    self.streak = 0
+    self.changes: list[Change] = []
+
+  def statistic(self, row: dict, batch: int) -> tuple[bool, str]:
+    """(fires, why) for one measuring step's metrics at batch `batch`."""
+    c = self.cfg
+    if c.trigger == "noise_scale":
+      b = float(row.get("noise_scale", math.nan))
+      fires = b > c.margin * batch  # False for NaN (the meter's |G|^2 not yet positive)
+      return fires, f"B_simple={b:.4g} {'>' if fires else '<='} {c.margin:g} x {batch}"
+    trace, tokens = float(row["noise_trace"]), float(row["target_tokens"])
+    ratio = trace / (max(tokens, 1.0) * float(row["grad_norm"]) ** 2)
+    fires = ratio > c.eta ** 2
+    return fires, (f"norm test tr(Sigma)/(T |g|^2)={ratio:.4g} {'>' if fires else '<='} "
+                   f"eta^2={c.eta ** 2:.4g}")
+
+  def observe(self, step: int, row: dict) -> Change | None:
+    """Feed the metrics of measuring step `step` (1-based); returns the change it causes.
+    Skipped steps are ignored (their update was not applied)."""
+    if row.get("skipped"):
+      return None
+    batch = self.ramp.batch_at(step - 1)
+    if batch >= self.cfg.max:
+      return None
+    fires, why = self.statistic(row, batch)
+    self.streak = self.streak + 1 if fires else 0
+    if self.streak < self.cfg.patience:
+      return None
+    self.streak = 0
+    new = min(batch * self.cfg.factor, self.cfg.max)
+    reason = why + (f" ({self.cfg.patience} measurements in a row)"
+                    if self.cfg.patience > 1 else "")
+    change = Change(step + DELAY, new, batch, step, reason)
+    self.ramp.add_stage(new, change.step - 1)
+    self.changes.append(change)
+    return change
+
+  # ---------------------------------------------------------------------------------------------
+  # Checkpointed state: JSON
+
+  def state_dict(self) -> dict:
+    return {"streak": self.streak, "changes": [dataclasses.asdict(c) for c in self.changes]}
+
+  def load_state_dict(self, state: dict) -> None:
+    """Replay the saved decisions onto the (fresh, one-stage) ramp."""
+    if self.changes or len(self.ramp.batches) != 1:
+      raise ValueError("load_state_dict needs a fresh autopilot")
+    self.streak = int(state["streak"])
+    for c in state["changes"]:
+      change = Change(**c)
+      self.ramp.add_stage(change.batch, change.step - 1)
+      self.changes.append(change)

@@ -1,0 +1,150 @@
+"""Batch autopilot (`data.batch_ramp = "auto"`, optim/autopilot.py): the rule on given
+measurements, its config checks, and a run that grows its batch from the measured noise scale,
+compiles each size once, logs why, and resumes bit for bit across a decision."""
+import json
+import math
+
+import pytest
+
+from conftest import metric_rows, tiny_config
+from optim import BatchRamp
+from optim.autopilot import DELAY, AutoConfig, Autopilot
+from trainer.config import ConfigError, validate
+from trainer.loop import Run
+
+
+def _pilot(**kw):
+  cfg = AutoConfig(**{"start": 8, "max": 32, "factor": 2, "margin": 2.0, "patience": 2, **kw})
+  return Autopilot(cfg, BatchRamp.constant(cfg.start, seq_len=4))
+
+
+def _feed(pilot, values, every=5):
+  """Noise-scale measurements at steps every, 2 every, ...; returns the changes."""
+  out = []
+  for i, b in enumerate(values):
+    change = pilot.observe(every * (i + 1), {"noise_scale": b, "skipped": 0})
+    if change is not None:
+      out.append((change.measured_at, change.step, change.old, change.batch))
+  return out
+
+
+def test_rule_grows_after_patience_and_never_past_max():
+  pilot = _pilot()
+  # 17 > 2 x 8 twice in a row at steps 15, 20 -> 16 from step 22; NaN and a dip reset the
+  # streak; 40 > 2 x 16 at 35, 40 -> 32 from 42; then at the cap nothing more.
+  changes = _feed(pilot, [20, math.nan, 17, 17, 20, 30, 40, 40, 99, 99, 99])
+  assert changes == [(20, 20 + DELAY, 8, 16), (40, 40 + DELAY, 16, 32)]
+  assert pilot.ramp.stages_by_step() == [(0, 8), (21, 16), (41, 32)]
+  assert [pilot.ramp.batch_at(s) for s in (20, 21, 40, 41, 10**6)] == [8, 16, 16, 32, 32]
+  assert pilot.ramp.tokens_before(41) == (21 * 8 + 20 * 16) * 4  # tokens stay exact
+  assert "B_simple=17 > 2 x 8 (2 measurements in a row)" in pilot.changes[0].describe()
+  # a skipped step's row is ignored; a change needs `patience` rows above the margin
+  assert _feed(_pilot(patience=1), [1, 1, 17.0]) == [(15, 17, 8, 16)]
+  skipped = _pilot(patience=1)
+  assert skipped.observe(5, {"noise_scale": 99, "skipped": 1}) is None
+
+
+def test_norm_test_trigger():
+  """Var[g_B] = tr(Sigma)/T against eta^2 |g_B|^2 (T target tokens of the step)."""
+  pilot = _pilot(trigger="norm_test", eta=0.5, patience=1)
+  row = {"noise_trace": 100.0, "target_tokens": 1000.0, "grad_norm": 0.5, "skipped": 0}
+  assert pilot.observe(5, row) is not None  # 100 / (1000 * 0.25) = 0.4 > 0.25
+  row["grad_norm"] = 0.7  # 100 / (1000 * 0.49) = 0.204 < 0.25
+  assert pilot.observe(10, row) is None and pilot.streak == 0
+
+
+def test_state_round_trip_replays_the_ramp():
+  pilot = _pilot(patience=1)
+  _feed(pilot, [17, 1, 40])
+  again = _pilot(patience=1)
+  again.load_state_dict(json.loads(json.dumps(pilot.state_dict())))
+  assert again.ramp.stages_by_step() == pilot.ramp.stages_by_step() == [(0, 8), (6, 16),
+                                                                           (16, 32)]
+  assert again.changes == pilot.changes
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"optim.noise_scale_every": 0}, "set optim.noise_scale_every"),
+    ({"data.batch_auto.max": 48}, "is not data.global_batch_size=16 x factor=2^k"),
+    ({"data.batch_auto.max": 16}, "must exceed data.global_batch_size=16"),
+    ({"data.batch_auto.trigger": "loss"}, "data.batch_auto.trigger='loss'"),
+    ({"data.micro_batch_size": 0}, "needs data.micro_batch_size"),
+    ({"optim.warmup_tokens": 0, "optim.warmup_steps": 5}, "optim.warmup_steps=5 would be converted through a batch not yet known"),
+    ({"optim.decay_tokens": 0}, "set the horizon as optim.decay_tokens"),
+])
+def test_config_errors(overrides, needle):
+  import jax  # noqa: PLC0415
+  cfg = tiny_config(**{**AUTO, **overrides})
+  with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("^", r"\^")):
+    validate(cfg, jax.devices())
+
+
+# ------------------------------------------------------------------------------------------------
+# A run: micro-batches of 8 rows, start at 16 (2 micro-batches), max 64; the noise scale is
+# measured every 2 steps and a margin of 0.01 makes the measured B_simple (~1-8 sequences here)
+# trigger every time: 16 -> 32 from step 4 (measured at 2), 32 -> 64 from step 6 (measured at 4).
+
+AUTO = {"data.micro_batch_size": 8, "data.global_batch_size": 16, "data.batch_ramp": "auto",
+        "data.batch_auto.max": 64, "data.batch_auto.margin": 0.01,
+        "data.batch_auto.patience": 1, "optim.noise_scale_every": 2,
+        "optim.schedule_unit": "tokens", "optim.warmup_steps": 0, "optim.decay_steps": 0,
+        "optim.warmup_tokens": 1024, "optim.decay_tokens": 40000, "optim.lr_rule": "sqrt",
+        "optim.b2_rule": "half_life", "optim.ema_decay": 0.9, "checkpoint.every_steps": 0}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, data_dir):
+  workdir = tmp_path_factory.mktemp("auto_straight")
+  run = Run(tiny_config(steps=8, **AUTO), str(workdir))
+  assert run.train().status == "done"
+  return run, workdir
+
+
+def _all_rows(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+def test_run_grows_its_batch_and_compiles_each_size_once(straight, capsys):
+  run, workdir = straight
+  rows = metric_rows(workdir)
+  assert [rows[s]["batch_size"] for s in range(1, 9)] == [16] * 3 + [32] * 2 + [64] * 3
+  assert run.ramp.stages_by_step() == [(0, 16), (3, 32), (5, 64)]
+  # each size once (plain and measuring variants): log2(64 / 16) + 1 = 3 sizes
+  assert sorted({m for m, _ in run.compiled_steps}) == [2, 4, 8]
+  assert run.compile_count <= 2 * (math.log2(64 / 16) + 1)
+  events = [r for r in _all_rows(workdir) if r.get("event") == "batch_change"]
+  assert [(e["step"], e["old_batch"], e["batch"], e["from_step"]) for e in events] == [
+      (2, 16, 32, 4), (4, 32, 64, 6)]
+  b = rows[2]["noise_scale"]
+  assert events[0]["reason"] == f"B_simple={b:.4g} > 0.01 x 16"
+  # each stage re-derives its hyperparameters (sqrt lr rule, b2 half-life)
+  hp = {e["hparams/batch_size"]: e for e in _all_rows(workdir) if e.get("event") ==
+        "hyperparameters"}
+  assert sorted(hp) == [16, 32, 64]
+  assert hp[64]["hparams/learning_rate"] == pytest.approx(2 * hp[16]["hparams/learning_rate"])
+  assert hp[32]["hparams/b2"] == pytest.approx(hp[16]["hparams/b2"] ** 2)
+  # the token schedule reads the tokens really seen: step 6 (index 5) starts after
+  # 3 x 16 + 2 x 32 sequences of 32 tokens
+  sched = run.program.schedule.at(64)
+  assert rows[6]["learning_rate"] == pytest.approx(float(sched(5)), rel=1e-6)
+  assert run.ramp.tokens_before(5) == (3 * 16 + 2 * 32) * 32
+
+
+@pytest.mark.parametrize("stop", [3, 5])
+def test_resume_replays_the_decisions_exactly(straight, tmp_path, stop):
+  """Stop after step 3 (a decision taken at step 2 is pending: it starts at step 4) or 5
+  (stage 32 running, 64 pending from step 6), restart to step 8: the same batches, losses
+  bit for bit, the same evaluation of the EMA."""
+  _, straight_dir = straight
+  first = Run(tiny_config(steps=stop, **AUTO), str(tmp_path))
+  assert first.train().status == "done"
+  resumed = Run(tiny_config(steps=8, **AUTO), str(tmp_path))
+  assert resumed.train().status == "done"
+  assert resumed.ramp.stages_by_step() == [(0, 16), (3, 32), (5, 64)]
+  want, got = metric_rows(straight_dir), metric_rows(tmp_path)
+  for step in range(stop + 1, 9):
+    for key in ("loss", "grad_norm", "learning_rate", "param_norm", "batch_size",
+                "noise_scale"):
+      if key in want[step]:
+        assert got[step][key] == want[step][key], (step, key)
