@@ -30,7 +30,30 @@ def process_rows(sharding: Sharding, global_shape: tuple[int, ...], row_axis: in
 
 def assemble(local: np.ndarray, local_rows: Sequence[int], sharding: Sharding,
              global_shape: tuple[int, ...], row_axis: int = 0) -> jax.Array:
-  """A global array from this process's rows (`local` holds `local_rows` along `row_axis`)."""
+  """A global array from this process's rows (`local` holds `local_rows`, in any order, along
+  `row_axis`; every other axis is whole).
+
+  One process holding every row: one `jax.device_put` (XLA splits it onto the devices). Several
+  processes: `jax.make_array_from_process_local_data`, which maps the process's device blocks,
+  in increasing row order, onto consecutive rows of `local` (ours too); a sharding whose blocks do
+  not tile that way (jax refuses it as non-uniform) is assembled device by device instead."""
+  if len(local_rows) != local.shape[row_axis]:
+    raise ValueError(f"{local.shape[row_axis]} local rows for {len(local_rows)} row ids")
+  if any(a > b for a, b in zip(local_rows, local_rows[1:])):  # put them in increasing order
+    order = np.argsort(local_rows, kind="stable")
+    local, local_rows = np.take(local, order, axis=row_axis), [local_rows[i] for i in order]
+  if sharding.is_fully_addressable:
+    if tuple(local_rows) != tuple(range(global_shape[row_axis])):
+      raise ValueError(f"one process holds every row, got rows {tuple(local_rows)}")
+    return jax.device_put(local, sharding)
+  try:
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+  except ValueError:
+    return _assemble_per_device(local, local_rows, sharding, global_shape, row_axis)
+
+
+def _assemble_per_device(local: np.ndarray, local_rows: Sequence[int], sharding: Sharding,
+                         global_shape: tuple[int, ...], row_axis: int) -> jax.Array:
   position = {row: i for i, row in enumerate(local_rows)}
   pieces = []
   for device, index in sharding.addressable_devices_indices_map(global_shape).items():

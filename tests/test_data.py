@@ -152,6 +152,7 @@ def test_rows_follow_the_sharding_in_any_device_order(data_dir, devices):
   from jax.sharding import PartitionSpec as P  # noqa: PLC0415
 
   from sharding import assemble, process_rows  # noqa: PLC0415
+  from sharding.batch import _assemble_per_device  # noqa: PLC0415
 
   order = np.random.default_rng(0).permutation(8)
   mesh = Mesh(np.array(jax.devices())[order].reshape(4, 2), ("data", "tensor"))
@@ -163,10 +164,15 @@ def test_rows_follow_the_sharding_in_any_device_order(data_dir, devices):
   # Feed the rows in reverse: `assemble` places each row by its global index.
   reverse = tuple(reversed(rows))
   got = assemble(batch["inputs"][list(reverse)], reverse, sharding, shape)
-  np.testing.assert_array_equal(np.asarray(got), batch["inputs"])
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
-    shard = next(s for s in got.addressable_shards if s.device == device)
-    np.testing.assert_array_equal(np.asarray(shard.data), batch["inputs"][index])
+  # The device-by-device path (for shardings jax.make_array_from_process_local_data refuses).
+  by_device = _assemble_per_device(batch["inputs"][list(reverse)], reverse, sharding, shape, 0)
+  for array in (got, by_device):
+    np.testing.assert_array_equal(np.asarray(array), batch["inputs"])
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+      shard = next(s for s in array.addressable_shards if s.device == device)
+      np.testing.assert_array_equal(np.asarray(shard.data), batch["inputs"][index])
+  with pytest.raises(ValueError, match="one process holds every row"):
+    assemble(batch["inputs"][:4], rows[:4], sharding, shape)
 
 
 def test_resume_at_an_exact_document_boundary(tmp_path):

@@ -1,0 +1,179 @@
+"""Input pipeline throughput against the train step's consumption, for a config on this machine.
+
+    python bench/pipeline.py --config configs/lm_125m.py [--devices 8] [--steps 20]
+    python bench/pipeline.py --config configs/lm_125m.py --step-tokens-per-s 400000
+
+Times the data path a run takes for every step, alone: this process's row streams
+(`data.pipeline.dataset` with the run's `StreamSpec`: the config's rows, sequence length,
+prefetch, mixture) producing a step's micro-batches, and `Run.global_batch` assembling them into
+the global [micro-batches, rows, seq_len] arrays on the mesh (blocked until they are on the
+devices). `--devices N` runs on N fake CPU devices (XLA_FLAGS is set before jax is imported), so
+the mesh and the per-device split are those of an N-device run.
+
+Then it measures the train step's tokens/s for the same model and sequence length on this
+machine (compiled as train.py compiles it): a full lm_125m step takes many minutes on a CPU, so
+the step is timed at a smaller global batch (`--step-batch`, default the smallest the mesh
+allows) and its tokens/s is taken as the step's rate (a CPU step is compute-bound: tokens/s
+hardly changes with the batch). `--step-tokens-per-s` compares against a given rate instead (a
+target accelerator's, e.g. from `python -m tools.aot`'s roofline) and skips the measurement.
+Prints both rates, their ratio, and the target: the pipeline should produce at least 20x what
+the step consumes, so that input never stalls a step (a run reports the wait per step as
+`data_wait_ms`).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TARGET_RATIO = 20.0
+
+
+def _devices_from_argv(argv: list[str]) -> int:
+  for i, a in enumerate(argv):
+    if a == "--devices" and i + 1 < len(argv):
+      return int(argv[i + 1])
+    if a.startswith("--devices="):
+      return int(a.split("=", 1)[1])
+  return 0
+
+
+def synthetic_corpus(out_dir: str, doc_tokens: int, documents: int = 4000) -> str:
+  """A prepared (byte-tokenized) directory of random-letter documents of about `doc_tokens`
+  tokens: web-text-like document lengths, where a row stream packs several per sequence."""
+  import json  # noqa: PLC0415
+
+  import numpy as np  # noqa: PLC0415
+
+  from data.prepare import prepare_files  # noqa: PLC0415
+  rng = np.random.default_rng(0)
+  letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
+  os.makedirs(out_dir + "-src")
+  src = os.path.join(out_dir + "-src", "docs.jsonl")
+  with open(src, "w") as f:
+    for n in rng.integers(max(1, doc_tokens // 2), doc_tokens * 3 // 2 + 1, size=documents):
+      f.write(json.dumps({"text": rng.choice(letters, size=int(n) - 2).tobytes().decode()}) + "\n")
+  return prepare_files(out_dir, [src])
+
+
+def time_pipeline(run, steps: int, warmup: int = 2) -> dict:
+  """Seconds per step of the pipeline alone: drawing a step's micro-batches (`host`) and
+  assembling the global arrays on the devices (`assemble`); medians over `steps` steps."""
+  import jax  # noqa: PLC0415
+
+  from data import pipeline  # noqa: PLC0415
+  it = iter(pipeline.dataset(run.train_spec))
+  host, assemble, total = [], [], []
+  for i in range(steps + warmup):
+    t0 = time.perf_counter()
+    micro = [next(it) for _ in range(run.num_micro)]
+    t1 = time.perf_counter()
+    jax.block_until_ready(run.global_batch(micro))
+    t2 = time.perf_counter()
+    if i >= warmup:
+      host.append(t1 - t0)
+      assemble.append(t2 - t1)
+      total.append(t2 - t0)
+  return {"host": statistics.median(host), "assemble": statistics.median(assemble),
+          "total": statistics.median(total), "mean": statistics.mean(total)}
+
+
+def time_train_step(cfg, batch: int, steps: int = 2) -> tuple[float, int]:
+  """(median seconds, tokens) of the config's train step at global batch `batch`."""
+  import jax  # noqa: PLC0415
+
+  from data import pipeline  # noqa: PLC0415
+  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.state import init_state  # noqa: PLC0415
+  cfg = cfg.copy_and_resolve_references()
+  cfg.data.global_batch_size = batch
+  cfg.data.micro_batch_size = batch
+  cfg.data.batch_ramp = ""
+  with tempfile.TemporaryDirectory() as workdir:
+    run = Run(cfg, workdir)
+    step = run.program.compile()
+    state = init_state(run.spec, run.tx)
+    it = iter(pipeline.dataset(run.train_spec))
+    batch_arrays = run.global_batch([next(it) for _ in range(run.num_micro)])
+    times = []
+    with jax.set_mesh(run.mesh):
+      for i in range(steps + 1):
+        t = time.perf_counter()
+        state, metrics = step(state, batch_arrays)
+        jax.block_until_ready(metrics)
+        if i >= 1:
+          times.append(time.perf_counter() - t)
+  return statistics.median(times), batch * cfg.data.seq_len
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  devices = _devices_from_argv(argv)
+  if devices:  # before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()
+  from trainer.config import CliParser, ConfigError, load_from_cli  # noqa: PLC0415
+  parser = CliParser("bench/pipeline.py", __doc__)
+  parser.add_argument("--devices", type=int, default=0,
+                      help="run on this many fake CPU devices (0 = the machine's devices)")
+  parser.add_argument("--steps", type=int, default=20, help="pipeline steps timed")
+  parser.add_argument("--step-batch", type=int, default=0,
+                      help="global batch at which the train step is timed (0 = the smallest "
+                      "the mesh allows)")
+  parser.add_argument("--doc-tokens", type=int, default=0,
+                      help="read a synthetic corpus of documents of about this many tokens "
+                      "(uniform in [n/2, 3n/2]) instead of the config's data (0 = the config's)")
+  parser.add_argument("--step-tokens-per-s", type=float, default=0.0,
+                      help="compare against this train-step rate instead of measuring one")
+  import jax  # noqa: PLC0415
+  try:
+    args, rest = parser.parse_known_args(argv)
+    cfg = load_from_cli(args.config, rest, devices=jax.devices())
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+  from trainer.loop import Run  # noqa: PLC0415
+  d = cfg.data
+  tokens = d.global_batch_size * d.seq_len
+  with tempfile.TemporaryDirectory() as workdir:
+    if args.doc_tokens:
+      d.dir, d.mixture = synthetic_corpus(os.path.join(workdir, "corpus"), args.doc_tokens), ""
+    run = Run(cfg, workdir)
+    mesh = " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1) or "1 device"
+    t = time_pipeline(run, args.steps)
+    rows = len(run.local_rows)
+  pipe_tps = tokens / t["total"]
+  print(f"config            {args.config} {' '.join(rest)}".rstrip())
+  print(f"devices           {jax.device_count()} x {jax.devices()[0].device_kind}; mesh {mesh}")
+  print(f"step              {d.global_batch_size} x {d.seq_len} tokens = {run.num_micro} "
+        f"micro-batches of {run.micro_rows} rows ({rows} rows read by this process); "
+        f"prefetch={d.prefetch}")
+  print(f"pipeline          {t['total'] * 1e3:.1f} ms/step median over {args.steps} steps (mean "
+        f"{t['mean'] * 1e3:.1f}): rows {t['host'] * 1e3:.1f} ms + global arrays "
+        f"{t['assemble'] * 1e3:.1f} ms")
+  print(f"pipeline tokens/s {pipe_tps:,.0f}")
+  if args.step_tokens_per_s:
+    step_tps, how = args.step_tokens_per_s, "given"
+  else:
+    from sharding.mesh import data_parallel_size  # noqa: PLC0415
+    batch = args.step_batch or data_parallel_size(dict(run.mesh.shape))
+    seconds, step_tokens = time_train_step(cfg, batch)
+    step_tps = step_tokens / seconds
+    how = f"measured: {seconds:.2f} s for a step of {batch} x {d.seq_len} tokens"
+  print(f"train step tok/s  {step_tps:,.0f} ({how})")
+  ratio = pipe_tps / step_tps
+  print(f"ratio             {ratio:,.1f}x the step's consumption (target >= {TARGET_RATIO:.0f}x: "
+        f"{'met' if ratio >= TARGET_RATIO else 'NOT met'})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
