@@ -5,6 +5,7 @@ the module is skipped with the reason. One compile of the tiny model, shared by 
 through the TPU attention path (splash attention, a Mosaic kernel); a deliberately oversized
 config must fail with the one-line message that names the knob to turn.
 """
+import dataclasses
 import json
 import os
 
@@ -18,6 +19,7 @@ from models.llama import ModelConfig, flops_per_token
 from tools import aot
 from trainer import loop
 from trainer.config import ConfigError, load, validate
+from trainer.metrics import known_hbm_bandwidth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -53,6 +55,7 @@ def test_topology_devices(target):
   assert len(target.devices) == 4 and target.platform == "tpu" and target.hosts == 1
   assert "v5 lite" in target.kind
   assert target.hbm_bytes == 16 * 2**30 and target.peak_flops == 197e12
+  assert target.hbm_bandwidth == 819e9
 
 
 def test_tpu_attention_kernel_is_in_the_program(report):
@@ -77,6 +80,39 @@ def test_flops_and_step_time_come_from_the_model(report):
   assert row.startswith("| lm_tiny | 0.5")
   assert row.split(" | ", 2)[2].startswith("v5e:2x2 (4 x TPU v5 lite) | data=2 fsdp=2 |")
   assert json.loads(json.dumps(report.to_json()))["total_bytes"] == report.total_bytes
+
+
+def test_roofline_from_the_compiled_cost_analysis(report, capsys):
+  """compute = executed FLOPs at the bf16 peak; memory = XLA's bytes accessed per chip at the
+  HBM bandwidth; the bound is the larger, and the MFU ceiling follows from it."""
+  assert report.hbm_bandwidth == 819e9 and report.xla_bytes > report.state_bytes
+  assert report.compute_seconds == pytest.approx(report.step_seconds / report.remat_mfu_bound)
+  assert report.memory_seconds == pytest.approx(report.xla_bytes / 819e9)
+  assert report.roofline_seconds == max(report.compute_seconds, report.memory_seconds)
+  assert report.roofline_mfu == pytest.approx(report.step_seconds / report.roofline_seconds)
+  # lm_tiny is tiny: its step is bound by memory traffic, not by the MXUs.
+  assert report.memory_seconds > report.compute_seconds and report.roofline_mfu < 1
+  line = report.lines()[-1]
+  assert line.startswith("  roofline: compute ") and "(memory-bound), MFU <= " in line
+  assert f"{report.roofline_mfu:.0%}" in line
+  # A program with (almost) no memory traffic is compute-bound at the remat ceiling.
+  light = dataclasses.replace(report, xla_bytes=1.0, remat_mfu_bound=0.75)
+  assert light.roofline_seconds == light.compute_seconds
+  assert light.roofline_mfu == pytest.approx(0.75)
+  assert "(compute-bound), MFU <= 75%" in light.roofline_line()
+  unknown = dataclasses.replace(report, hbm_bandwidth=None)
+  assert unknown.roofline_seconds == unknown.compute_seconds
+  assert "memory unknown (no HBM bandwidth known" in unknown.roofline_line()
+  data = json.loads(json.dumps(report.to_json()))
+  assert data["roofline_seconds"] == pytest.approx(report.roofline_seconds)
+
+
+def test_hbm_bandwidth_table():
+  assert known_hbm_bandwidth("TPU v5 lite") == 819e9
+  assert known_hbm_bandwidth("TPU v5") == 2765e9  # v5p
+  assert known_hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+  assert known_hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12
+  assert known_hbm_bandwidth("cpu") is None
 
 
 def test_remat_bound():

@@ -19,7 +19,14 @@ aliased to the donated inputs, and their sum against the chip's HBM; the step's 
 model's own count, `models.llama.flops_per_token`: XLA's `cost_analysis()` counts a scanned layer
 once and Pallas kernels not at all, so its number is shown for information only); and the step
 time at 100% MFU on the chip's bf16 peak, a lower bound, with the bound that rematerialisation
-puts on MFU. A program that does not fit fails with one line naming the knob to turn (exit 2).
+puts on MFU; and the roofline: the step cannot be faster than its executed FLOPs (the model's
+plus what rematerialisation recomputes) at the chip's bf16 peak, nor than its HBM traffic at
+the chip's bandwidth (`trainer.metrics.HBM_BANDWIDTH`). The traffic is XLA's `bytes accessed`,
+which, like its FLOPs, counts the body of a loop (the scanned layers, the micro-batch loop) once:
+the memory time printed is therefore a floor, and so is the bound, max(compute, memory), from
+which the MFU ceiling follows (model FLOPs / (bound x chips x peak)). Compare configs with it
+before paying for hardware. A program that does not fit fails with one line naming the knob to
+turn (exit 2).
 
 Topologies: `v4:2x2x1`, `v5:2x2x1` (v5p), `v5e:2x2`, `v6e:4x4`, ... (libtpu's names: chip
 version, then chips along each axis; v4 and v5p run one megacore device per chip, as on real
@@ -50,7 +57,12 @@ from models.llama import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import DCN_AXES, data_parallel_size, make_mesh, num_slices  # noqa: E402
 from trainer.config import CliParser, ConfigError, load, validate  # noqa: E402
 from trainer.distributed import libtpu_available  # noqa: E402
-from trainer.metrics import GiB, known_hbm_bytes, known_peak_flops  # noqa: E402
+from trainer.metrics import (  # noqa: E402
+    GiB,
+    known_hbm_bandwidth,
+    known_hbm_bytes,
+    known_peak_flops,
+)
 from trainer.program import Program  # noqa: E402
 
 EXIT_USER_ERROR = 2
@@ -100,6 +112,10 @@ class Target:
   @property
   def peak_flops(self) -> float | None:
     return known_peak_flops(self.kind)
+
+  @property
+  def hbm_bandwidth(self) -> float | None:
+    return known_hbm_bandwidth(self.kind)
 
 
 @contextlib.contextmanager
@@ -228,7 +244,9 @@ class Report:
   hbm_bytes: float | None
   model_flops: float  # per optimizer step, all chips (models.llama.flops_per_token)
   xla_flops: float | None  # per chip, as cost_analysis() counts them (information only)
+  xla_bytes: float | None  # per chip, cost_analysis()'s "bytes accessed" (loop bodies once)
   peak_flops: float | None  # per chip, bf16
+  hbm_bandwidth: float | None  # per chip, bytes/s
   tokens_per_step: int
   remat_mfu_bound: float  # MFU ceiling from recomputation alone
 
@@ -242,6 +260,49 @@ class Report:
     if not self.peak_flops:
       return None
     return self.model_flops / (self.chips * self.peak_flops)
+
+  @property
+  def compute_seconds(self) -> float | None:
+    """Executed FLOPs (model + recomputation) at the bf16 peak of every chip."""
+    if not self.peak_flops:
+      return None
+    return self.model_flops / self.remat_mfu_bound / (self.chips * self.peak_flops)
+
+  @property
+  def memory_seconds(self) -> float | None:
+    """A chip's HBM traffic at its bandwidth; a floor (XLA counts loop bodies once)."""
+    if not self.hbm_bandwidth or not self.xla_bytes:
+      return None
+    return self.xla_bytes / self.hbm_bandwidth
+
+  @property
+  def roofline_seconds(self) -> float | None:
+    """The roofline lower bound on the step time: max(compute, memory)."""
+    times = [t for t in (self.compute_seconds, self.memory_seconds) if t]
+    return max(times) if self.compute_seconds else None
+
+  @property
+  def roofline_mfu(self) -> float | None:
+    """The highest MFU the step can reach: model FLOPs over the bound at the chips' peak."""
+    bound = self.roofline_seconds
+    return self.model_flops / (bound * self.chips * self.peak_flops) if bound else None
+
+  def roofline_line(self) -> str:
+    if not self.roofline_seconds:
+      return f"  roofline: no peak FLOP/s known for {self.device_kind}"
+    ms = lambda t: f"{t * 1e3:,.1f} ms"
+    if self.memory_seconds:
+      memory = (f"memory {ms(self.memory_seconds)} ({self.xla_bytes / 1e9:,.1f} GB per chip at "
+                f"{self.hbm_bandwidth / 1e9:,.0f} GB/s; XLA's bytes accessed, loop bodies once: "
+                "a floor)")
+    else:
+      memory = (f"memory unknown (no HBM bandwidth known for {self.device_kind})"
+                if self.xla_bytes else "memory unknown (XLA reported no bytes accessed)")
+    bound = "memory" if self.roofline_seconds > self.compute_seconds else "compute"
+    return (f"  roofline: compute {ms(self.compute_seconds)} (executed FLOPs at "
+            f"{self.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip), {memory} -> step >= "
+            f"{ms(self.roofline_seconds)} ({bound}-bound), MFU <= {self.roofline_mfu:.0%}, "
+            f"<= {self.tokens_per_step / self.roofline_seconds:,.0f} tokens/s")
 
   def lines(self) -> list[str]:
     gib = lambda b: f"{b / GiB:.2f} GiB"
@@ -269,6 +330,7 @@ class Report:
           f"{self.step_seconds * 1e3:,.1f} ms, {self.tokens_per_step / self.step_seconds:,.0f} "
           f"tokens/s; rematerialisation caps MFU at {self.remat_mfu_bound:.0%}, so expect "
           f">= {self.step_seconds / self.remat_mfu_bound * 1e3:,.1f} ms")
+    out.append(self.roofline_line())
     return out
 
   def markdown_row(self) -> str:
@@ -281,7 +343,9 @@ class Report:
 
   def to_json(self) -> dict:
     d = dataclasses.asdict(self)
-    d.update(total_bytes=self.total_bytes, step_seconds=self.step_seconds)
+    d.update(total_bytes=self.total_bytes, step_seconds=self.step_seconds,
+             compute_seconds=self.compute_seconds, memory_seconds=self.memory_seconds,
+             roofline_seconds=self.roofline_seconds, roofline_mfu=self.roofline_mfu)
     return d
 
 
@@ -427,6 +491,7 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   xla_flops = float(cost.get("flops", 0.0)) if isinstance(cost, dict) else None
+  xla_bytes = float(cost.get("bytes accessed", 0.0)) if isinstance(cost, dict) else None
   text = compiled.as_text() or ""
   kernel_calls = sum(text.count(f'custom_call_target="{name}"') for name in KERNEL_CALLS)
   model_cfg = program.model_cfg
@@ -442,7 +507,8 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
       output_bytes=max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
       code_bytes=get("generated_code_size_in_bytes"), hbm_bytes=target.hbm_bytes,
       model_flops=flops_per_token(model_cfg, seq)["total"] * tokens, xla_flops=xla_flops,
-      peak_flops=target.peak_flops, tokens_per_step=tokens,
+      xla_bytes=xla_bytes or None, peak_flops=target.peak_flops,
+      hbm_bandwidth=target.hbm_bandwidth, tokens_per_step=tokens,
       remat_mfu_bound=remat_mfu_bound(model_cfg, seq))
 
 

@@ -96,6 +96,35 @@ HBM_BYTES = (
 )
 
 
+# HBM bandwidth per device as JAX sees it, bytes/s, from the vendors' spec sheets (Google Cloud's
+# TPU system-architecture pages; NVIDIA's product data sheets, SXM parts unless named). The
+# roofline in `tools/aot.py` divides a step's memory traffic by it.
+HBM_BANDWIDTH = (
+    ("TPU v6", 1640e9),  # Trillium / v6e
+    ("TPU v5p", 2765e9),
+    ("TPU v5 lite", 819e9),  # v5e
+    ("TPU v5e", 819e9),
+    ("TPU v5", 2765e9),  # what JAX calls v5p
+    ("TPU v4", 1200e9),
+    ("TPU v3", 450e9),  # 900 per chip of 2 cores
+    ("TPU v2", 350e9),  # 700 per chip of 2 cores
+    ("H200", 4.8e12),
+    ("H100", 3.35e12),  # SXM ("H100 80GB HBM3")
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("A100-SXM4-40GB", 1.555e12),
+    ("A100-PCIE-40GB", 1.555e12),
+    ("A100", 2.039e12),  # 80 GB SXM
+    ("L40S", 864e9),
+    ("L40", 864e9),
+    ("L4", 300e9),
+    ("A10G", 600e9),
+    ("A10", 600e9),
+    ("V100", 900e9),
+    ("T4", 320e9),
+)
+
+
 def _words(text: str) -> tuple[str, ...]:
   return tuple(re.findall(r"[a-z0-9]+", text.lower()))
 
@@ -142,6 +171,11 @@ def known_peak_flops(device_kind: str, dtype="bfloat16",
 
 def known_hbm_bytes(device_kind: str) -> float | None:
   return match_device_kind(HBM_BYTES, device_kind)
+
+
+def known_hbm_bandwidth(device_kind: str) -> float | None:
+  """HBM bytes/s of one device (`HBM_BANDWIDTH`); None when the kind is not in the table."""
+  return match_device_kind(HBM_BANDWIDTH, device_kind)
 
 
 def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
