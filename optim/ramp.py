@@ -13,6 +13,10 @@ function of the step: the stage of step n, and the examples and tokens before it
 alone (`BatchRamp.batch_at`, `examples_before`). The trainer realises a stage's batch as more
 or fewer accumulated micro-batches of one fixed shape, so nothing in the data order or the
 compiled micro-batch changes; a run without a ramp is a one-stage ramp.
+
+Under the batch autopilot (`data.batch_ramp = "auto"`, `optim/autopilot.py`) the ramp starts as
+one stage and the run appends stages as it decides (`add_stage`): still a pure function of the
+step given those decisions, which checkpoints save.
 """
 from __future__ import annotations
 

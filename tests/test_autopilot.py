@@ -131,7 +131,7 @@ def test_run_grows_its_batch_and_compiles_each_size_once(straight, capsys):
   assert run.ramp.tokens_before(5) == (3 * 16 + 2 * 32) * 32
 
 
-@pytest.mark.parametrize("stop", [3, 5])
+@pytest.mark.parametrize("stop", [3, pytest.param(5, marks=pytest.mark.slow)])
 def test_resume_replays_the_decisions_exactly(straight, tmp_path, stop):
   """Stop after step 3 (a decision taken at step 2 is pending: it starts at step 4) or 5
   (stage 32 running, 64 pending from step 6), restart to step 8: the same batches, losses
@@ -148,3 +148,20 @@ def test_resume_replays_the_decisions_exactly(straight, tmp_path, stop):
                 "noise_scale"):
       if key in want[step]:
         assert got[step][key] == want[step][key], (step, key)
+
+
+def test_norm_test_trigger_in_a_run(tmp_path, data_dir):
+  """trigger='norm_test' with the default patience (2): measurements at steps 2 and 4 both fail
+  the test at eta = 0.05, so the batch doubles from step 6; the event says why."""
+  cfg = tiny_config(steps=6, **{**AUTO, "data.batch_auto.trigger": "norm_test",
+                                "data.batch_auto.eta": 0.05, "data.batch_auto.patience": 2})
+  run = Run(cfg, str(tmp_path))
+  assert run.train().status == "done"
+  rows = metric_rows(tmp_path)
+  assert [rows[s]["batch_size"] for s in range(1, 7)] == [16] * 5 + [32]
+  (event,) = [r for r in _all_rows(tmp_path) if r.get("event") == "batch_change"]
+  r = rows[4]
+  ratio = r["noise_trace"] / (r["target_tokens"] * r["grad_norm"] ** 2)
+  assert event["step"] == 4 and event["from_step"] == 6
+  assert event["reason"] == (f"norm test tr(Sigma)/(T |g|^2)={ratio:.4g} > eta^2=0.0025 "
+                             "(2 measurements in a row)")
