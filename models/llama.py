@@ -7,6 +7,27 @@ mesh); activations are constrained at block boundaries.
 
 Shape suffixes: B batch, S sequence, E embed (d_model), H query heads, K kv heads, D head dim,
 F mlp width, V vocab, L layers.
+
+Parametrization (`parametrization`): "sp" is the standard one (every weight N(0, init_std^2),
+the residual-output projections wo and w_down N(0, init_std^2 / 2L), attention 1/sqrt(D)).
+"mup" is the Maximal Update Parametrization for Adam-type optimizers (Yang et al. 2022,
+"Tensor Programs V", Table 3 in its multiplier form, as the `mup` package's MuReadout/MuAdam),
+relative to a base width: with m = d_model / base_width (every hidden width -- heads x head dim,
+mlp_dim -- is assumed to scale with d_model by the same m),
+
+  hidden matrices (wq wk wv wo w_gate w_up w_down): init std / sqrt(m) (variance ~ 1/fan_in),
+      Adam learning rate x 1/m (`width_multiplier`, applied by optim/factory.py);
+  input embedding: init and learning rate unchanged (constant in width);
+  output (LM head, or the tied embedding used as head): init and learning rate unchanged, the
+      head multiplied by 1/m inside `head()` (so both the full logits and the chunked loss see
+      it); with the 1/m the effective head has init variance ~ 1/fan_in^2 and Adam step ~ 1/m;
+  attention logits: q.k * sqrt(D_base) / D instead of q.k / sqrt(D) (1/D scaling, equal to SP's
+      at the base head dim D_base = base_width / num_heads, or D when head_dim is set), applied
+      by multiplying the queries by sqrt(D_base / D) before the attention dispatcher, so every
+      implementation (xla, cudnn, flash, splash, ring) and decoding honour it unchanged;
+  norm scales: init and learning rate unchanged.
+
+At m = 1 every multiplier is skipped, so muP at its base width is SP bit for bit.
 """
 from __future__ import annotations
 
@@ -30,6 +51,7 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 ATTENTION_IMPLS = IMPLS  # xla, flash, splash, ring, auto: see models/attention.py
+PARAMETRIZATIONS = ("sp", "mup")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_SCALING_TYPES = ("none", "llama3")
 
@@ -65,6 +87,8 @@ class ModelConfig:
   ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
   logits_chunk: int = 0  # loss over this many positions at a time (0: the whole [B, S, V])
   init_std: float = 0.02
+  parametrization: str = "sp"  # "sp" or "mup" (module docstring)
+  base_width: int = 0  # muP's base d_model (0: d_model itself, m = 1)
   rope_scaling: RopeScaling = RopeScaling()
 
   @classmethod
@@ -83,6 +107,28 @@ class ModelConfig:
   @property
   def dim_per_head(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def width_multiplier(self) -> float:
+    """muP's m = d_model / base_width; 1.0 under SP (the optimizer divides the learning rate
+    of hidden matrices by it, optim/factory.py)."""
+    if self.parametrization != "mup" or not self.base_width:
+      return 1.0
+    return self.d_model / self.base_width
+
+  @property
+  def hidden_init_std(self) -> float:
+    """Init std of hidden matrices: init_std, divided by sqrt(m) under muP."""
+    m = self.width_multiplier
+    return self.init_std if m == 1.0 else self.init_std / m ** 0.5
+
+  @property
+  def query_multiplier(self) -> float:
+    """Factor on the queries turning the kernels' 1/sqrt(D) into muP's sqrt(D_base)/D."""
+    if self.width_multiplier == 1.0 or self.head_dim:
+      return 1.0
+    base_head_dim = self.base_width / self.num_heads
+    return (base_head_dim / self.dim_per_head) ** 0.5
 
 
 def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
@@ -139,8 +185,8 @@ class Attention(nnx.Module):
     self.cfg = cfg
     E, H, K, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
     pdt = DTYPES[cfg.param_dtype]
-    init = nnx.initializers.normal(cfg.init_std)
-    out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+    init = nnx.initializers.normal(cfg.hidden_init_std)
+    out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
     self.wq_EHD = _param(rngs, init, (E, H, D), ("embed", "heads", "head_dim"), pdt)
     self.wk_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
     self.wv_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
@@ -152,6 +198,8 @@ class Attention(nnx.Module):
     dt = DTYPES[cfg.dtype]
     x_BSE = x_BSE.astype(dt)
     q_BSHD = jnp.einsum("bse,ehd->bshd", x_BSE, self.wq_EHD[...].astype(dt))
+    if cfg.query_multiplier != 1.0:  # muP's 1/D attention (module docstring)
+      q_BSHD = q_BSHD * jnp.asarray(cfg.query_multiplier, dt)
     k_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wk_EKD[...].astype(dt))
     v_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wv_EKD[...].astype(dt))
     q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
@@ -181,8 +229,8 @@ class MLP(nnx.Module):
     self.cfg = cfg
     E, F = cfg.d_model, cfg.mlp_dim
     pdt = DTYPES[cfg.param_dtype]
-    init = nnx.initializers.normal(cfg.init_std)
-    out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+    init = nnx.initializers.normal(cfg.hidden_init_std)
+    out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
     self.w_gate_EF = _param(rngs, init, (E, F), ("embed", "mlp"), pdt)
     self.w_up_EF = _param(rngs, init, (E, F), ("embed", "mlp"), pdt)
     self.w_down_FE = _param(rngs, out_init, (F, E), ("mlp", "embed"), pdt)
@@ -273,8 +321,11 @@ class Transformer(nnx.Module):
     return constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
 
   def head(self):
-    """The LM head [E, V]: the transposed embedding when tied, else its own matrix."""
-    return self.embed_VE[...].T if self.cfg.tie_embeddings else self.lm_head_EV[...]
+    """The LM head [E, V]: the transposed embedding when tied, else its own matrix; under muP
+    times 1/m (the output multiplier; read by `logits` and by the chunked loss)."""
+    w_EV = self.embed_VE[...].T if self.cfg.tie_embeddings else self.lm_head_EV[...]
+    m = self.cfg.width_multiplier
+    return w_EV if m == 1.0 else w_EV * jnp.asarray(1.0 / m, w_EV.dtype)
 
   def logits(self, x_BSE):
     """Final-normed hidden states -> fp32 logits [B, S, V]."""

@@ -22,6 +22,18 @@ norm scales and biases are not. Weight decay and the LAMB/LARS trust ratio apply
 only; input embedding tables (first non-layer axis `vocab`, by the convention in
 `sharding/rules.py`) are also spared weight decay unless `optim.decay_embeddings`.
 
+muP (models/llama.py, `model.parametrization="mup"`). `width_multiplier` m > 1 multiplies the
+update of every *hidden* matrix (a matrix without a `vocab` axis: attention and MLP weights,
+not the embedding or the LM head) by 1/m after the learning rate (and the weight decay inside
+it), i.e. a per-parameter learning rate lr/m, the Adam rule of Tensor Programs V. It is derived
+for optimizers whose per-coordinate step does not depend on the gradient's scale: adamw,
+adafactor, lion (`MUP_OPTIMIZERS`; trainer/config.py refuses the others). LAMB and LARS's trust
+ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
+whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
+change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
+is untested here, so they are refused rather than guessed. SGD's muP rule differs (lr ~ m for
+vector-like parameters) and is not implemented.
+
 Batch size. Hyperparameters are stated at a reference batch and derived for the batch a step
 actually has (`optim/scaling.py`). The transformation returned here is one optax
 transformation for every batch size: `update(..., batch_size=B)` applies the optimizer built
@@ -39,6 +51,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optim import noise_scale
@@ -49,6 +62,7 @@ from optim.schedules import build_schedule
 from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion")
+MUP_OPTIMIZERS = ("adamw", "adafactor", "lion")  # scale-invariant steps: muP's Adam rule
 
 
 def _is_names(x) -> bool:
@@ -60,7 +74,8 @@ def _core_axes(names):
 
 
 def masks(param_names: Any, *, decay_embeddings: bool = False) -> dict[str, Any]:
-  """Trees of bools with the params' structure: `decay`, `trust_ratio`, `stacked`."""
+  """Trees of bools with the params' structure: `decay`, `trust_ratio`, `stacked`, `hidden`
+  (matrices without a `vocab` axis: muP's hidden weights)."""
   def matrix(names):
     return len(_core_axes(names)) >= 2
 
@@ -71,8 +86,30 @@ def masks(param_names: Any, *, decay_embeddings: bool = False) -> dict[str, Any]
   def stacked(names):
     return bool(names) and names[0] == "layers"
 
+  def hidden(names):
+    return matrix(names) and "vocab" not in names
+
   tree = lambda f: jax.tree.map(f, param_names, is_leaf=_is_names)
-  return {"decay": tree(decay), "trust_ratio": tree(matrix), "stacked": tree(stacked)}
+  return {"decay": tree(decay), "trust_ratio": tree(matrix), "stacked": tree(stacked),
+          "hidden": tree(hidden)}
+
+
+def lr_multipliers(param_names: Any, width_multiplier: float = 1.0) -> Any:
+  """Per-parameter learning-rate multipliers (floats, the params' structure): 1/m on hidden
+  matrices (muP with width multiplier m), 1 elsewhere."""
+  hidden = masks(param_names)["hidden"]
+  return jax.tree.map(lambda h: 1.0 / width_multiplier if h else 1.0, hidden)
+
+
+def scale_by_multipliers(multipliers: Any) -> optax.GradientTransformation:
+  """Multiplies each update by its (Python float) multiplier; 1.0 leaves it untouched."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    scale = lambda u, k: u if k == 1.0 else u * jnp.asarray(k, u.dtype)
+    return jax.tree.map(scale, updates, multipliers), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 class BatchSchedule:
@@ -90,12 +127,18 @@ class BatchSchedule:
 
 
 def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
-                    ramp: BatchRamp | None = None):
+                    width_multiplier: float = 1.0, ramp: BatchRamp | None = None):
   """Returns (tx, schedule). `param_names` maps each param to its logical axis names; `data`
   (the `data` config block) gives the global batch, sequence length and batch ramp: without it
   the rules and every unit but steps are unavailable, and the hyperparameters are as stated.
+  `width_multiplier`: muP's m (`ModelConfig.width_multiplier`); hidden matrices step lr/m.
   `ramp`: the run's own ramp object, shared with the trainer (the batch autopilot grows it)."""
   m = masks(param_names, decay_embeddings=bool(cfg.decay_embeddings))
+  if width_multiplier != 1.0:
+    if cfg.name not in MUP_OPTIMIZERS:
+      raise ValueError(f"muP learning-rate multipliers are defined for {MUP_OPTIMIZERS}, "
+                       f"not optim.name={cfg.name!r}")
+    m["lr_multipliers"] = lr_multipliers(param_names, width_multiplier)
   if ramp is None and data is not None:
     ramp = BatchRamp.from_config(data)
   default_batch = data.global_batch_size if data is not None else None
@@ -154,6 +197,8 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransform
     tx = optax.chain(optax.scale_by_lion(b1=cfg.b1, b2=hp.b2), decay, lr)
   else:
     raise ValueError(f"optim.name={name!r}: choose from {OPTIMIZERS}")
+  if "lr_multipliers" in m:  # muP: per-parameter learning rates (module docstring)
+    tx = optax.chain(tx, scale_by_multipliers(m["lr_multipliers"]))
   if float(cfg.clip_norm) > 0:
     tx = optax.chain(optax.clip_by_global_norm(float(cfg.clip_norm)), tx)
   if int(cfg.get("noise_scale_every", 0)) > 0:

@@ -50,6 +50,10 @@ def default_config() -> ml_collections.ConfigDict:
       # the LM head and loss over this many sequence positions at a time, so the [B, S, V]
       # logits never exist (models/cross_entropy.py; for large vocabularies); 0 = all at once
       logits_chunk=0,
+      # "sp" (standard) or "mup" (Maximal Update Parametrization for Adam-type optimizers:
+      # init, multipliers and per-parameter learning rates relative to base_width, the d_model
+      # at which muP equals SP; 0 = d_model itself; models/llama.py)
+      parametrization="sp", base_width=0,
       # RoPE frequency scaling: "none" or "llama3" (Llama 3.1 context extension; the other
       # fields are its parameters, as in a Hugging Face config's `rope_scaling`)
       rope_scaling=ml_collections.ConfigDict(dict(
@@ -523,8 +527,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   """Check the whole config against itself and the devices the run will use (a list: their
   count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
   from models.llama import (  # noqa: PLC0415
-      ATTENTION_IMPLS, DTYPES, REMAT_POLICIES, ROPE_SCALING_TYPES)
+      ATTENTION_IMPLS, DTYPES, PARAMETRIZATIONS, REMAT_POLICIES, ROPE_SCALING_TYPES)
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
+  from optim.factory import MUP_OPTIMIZERS  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
   for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
@@ -548,6 +553,16 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _choice(cfg, "model.remat", REMAT_POLICIES)
   _choice(cfg, "model.attention", ATTENTION_IMPLS)
   _choice(cfg, "model.rope_scaling.type", ROPE_SCALING_TYPES)
+  _choice(cfg, "model.parametrization", PARAMETRIZATIONS)
+  _need(m.base_width >= 0, f"model.base_width={m.base_width}: must be >= 0 (0 = d_model)")
+  if m.parametrization == "mup" and m.base_width:
+    _need(m.head_dim or m.base_width % m.num_heads == 0,
+          f"model.base_width={m.base_width} is not divisible by model.num_heads={m.num_heads} "
+          "(muP's base head dim); use a multiple of it or set model.head_dim")
+    _need(m.base_width == m.d_model or cfg.optim.name in MUP_OPTIMIZERS,
+          f"model.parametrization='mup' sets learning rates for Adam-type optimizers "
+          f"({', '.join(MUP_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; use one of them "
+          "or model.parametrization='sp'")
   data_vocab, data_name = _data_vocab(cfg)
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
     m.vocab_size = -(-data_vocab // 128) * 128

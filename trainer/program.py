@@ -31,8 +31,9 @@ class Program:
     self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed)
     # One ramp per run, shared by the schedules and the loop (the batch autopilot grows it).
     self.ramp = BatchRamp.from_config(d)
-    self.tx, self.schedule = build_optimizer(cfg.optim, self.spec.logical_names, cfg.steps,
-                                             cfg.data, ramp=self.ramp)
+    self.tx, self.schedule = build_optimizer(
+        cfg.optim, self.spec.logical_names, cfg.steps, cfg.data,
+        width_multiplier=self.model_cfg.width_multiplier, ramp=self.ramp)
     self.shardings = state_shardings(self.spec, self.tx)
     self.batch_sharding = batch_sharding(mesh, microbatched=True)
 

@@ -1,0 +1,281 @@
+"""muP coordinate check (Tensor Programs V, Sec. 5 / Fig. 5): activation size per layer after a
+few Adam steps, across widths, under SP and muP.
+
+    python -m tools.coord_check [--widths 32,64,128,256] [--base_width 32] [--steps 8] \\
+        [--lr 0.01] [--out runs/coord_check]
+
+For each parametrization and width d_model (num_heads fixed, so the head dim grows with width;
+mlp_dim = 3 d_model) the same Llama model (models/llama.py) is initialised with the same seed,
+trained for `--steps` steps of AdamW at a constant learning rate (optim/factory.py, with muP's
+per-parameter learning rates) on the same batches of the embedded corpus, and after every step
+the mean absolute coordinate of each layer's output on one fixed batch is recorded: the
+embedding, every block's residual stream, and the logits. Under muP these should stay flat in
+width (each coordinate moves by O(1) however wide the model); under SP, with Adam's
+width-independent per-coordinate step, the hidden and output activations grow with width.
+The summary is the slope of log(activation) against log(width) at the last step per layer.
+
+Outputs in `--out`: `coord_check.csv` (parametrization, width, step, layer, mean |x|) and
+`coord_check.png` (activation vs width, one panel per parametrization, one line per layer at
+the last step; needs matplotlib, the `tools` extra). Deterministic on a given machine: fixed
+seeds, fixed data, no shuffling.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """The shared setting of every run of a width sweep."""
+  base_width: int = 32
+  num_layers: int = 2
+  num_heads: int = 4
+  seq_len: int = 64
+  batch_size: int = 16
+  init_std: float = 0.02
+  seed: int = 0
+  b2: float = 0.99
+
+
+def corpus_tokens(num_tokens: int) -> np.ndarray:
+  """The first `num_tokens` byte tokens of the embedded corpus's training files, in sorted path
+  order (data/corpus.py; nothing downloaded, the same on every machine with this Python)."""
+  from data import corpus, tokenizer  # noqa: PLC0415
+  root = corpus.stdlib_root()
+  parts, have = [], 0
+  for rel in corpus.stdlib_files(root):
+    if corpus.split_of(rel) != "train":
+      continue
+    with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
+      ids = tokenizer.encode(f.read()).astype(np.int32)
+    parts.append(ids)
+    have += len(ids)
+    if have >= num_tokens:
+      break
+  return np.concatenate(parts)[:num_tokens]
+
+
+def batches(setup: Setup, steps: int) -> np.ndarray:
+  """[steps + 1, B, S + 1] token windows: one per training step, then the fixed probe batch."""
+  rows = (steps + 1) * setup.batch_size
+  tokens = corpus_tokens(rows * (setup.seq_len + 1))
+  return tokens.reshape(steps + 1, setup.batch_size, setup.seq_len + 1)
+
+
+def model_config(setup: Setup, width: int, parametrization: str):
+  from data.tokenizer import VOCAB_SIZE  # noqa: PLC0415
+  from models.llama import ModelConfig  # noqa: PLC0415
+  return ModelConfig(vocab_size=VOCAB_SIZE, d_model=width, num_layers=setup.num_layers,
+                     num_heads=setup.num_heads, num_kv_heads=setup.num_heads,
+                     mlp_dim=3 * width, init_std=setup.init_std,
+                     parametrization=parametrization, base_width=setup.base_width)
+
+
+def optim_config(setup: Setup, lr: float):
+  from trainer.config import default_config  # noqa: PLC0415
+  o = default_config().optim
+  o.update(name="adamw", learning_rate=lr, b2=setup.b2, schedule="constant", warmup_steps=0,
+           weight_decay=0.0, clip_norm=0.0)
+  return o
+
+
+def activations(model, tokens_BS) -> dict[str, "jax.Array"]:  # noqa: F821
+  """Mean |x| of the embedding, of each block's output (residual stream) and of the logits."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from models.llama import Block  # noqa: PLC0415
+  cfg = model.cfg
+  positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+  x_BSE = model.embed(tokens_BS)
+  out = {"embed": jnp.mean(jnp.abs(x_BSE))}
+  one_block = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
+  stacked = nnx.state(model.blocks)
+  for i in range(cfg.num_layers):
+    block = nnx.merge(one_block, jax.tree.map(lambda a, i=i: a[i], stacked))
+    x_BSE = block(x_BSE, positions_BS, None)
+    out[f"block{i}"] = jnp.mean(jnp.abs(x_BSE))
+  out["logits"] = jnp.mean(jnp.abs(model.logits(model.final_norm(x_BSE))))
+  return out
+
+
+def train(setup: Setup, width: int, parametrization: str, lrs, data: np.ndarray, *,
+          probe: bool = True) -> list[dict]:
+  """Trains one model per learning rate in `lrs` on `data[:-1]` (one batch per step) and returns
+  per rate {"loss": [per step], "acts": [at init, then after every step: {layer: mean |x|} on
+  the probe batch data[-1]]} (acts empty without `probe`).
+
+  The optimizer is the project's (`build_optimizer` with muP's width multiplier), built once at
+  learning rate 1 with a constant schedule and no weight decay; each run multiplies its update
+  by its rate, which is exactly AdamW at that rate in this setting and lets all rates share one
+  compiled step."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from models.llama import Transformer  # noqa: PLC0415
+  from optim import build_optimizer  # noqa: PLC0415
+  from trainer.state import _logical_names  # noqa: PLC0415
+
+  mcfg = model_config(setup, width, parametrization)
+  graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(setup.seed)))
+  tx, _ = build_optimizer(optim_config(setup, 1.0), _logical_names(state), len(data) - 1,
+                          width_multiplier=mcfg.width_multiplier)
+
+  def loss_fn(params, window_BS):
+    m = nnx.merge(graphdef, params)
+    tokens, targets = window_BS[:, :-1], window_BS[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    total, count = m.loss_sums(tokens, positions, None, targets, jnp.ones_like(tokens))
+    return total / count
+
+  @jax.jit
+  def step(params, opt_state, window_BS, n, lr):
+    loss, grads = jax.value_and_grad(loss_fn)(params, window_BS)
+    updates, opt_state = tx.update(grads, opt_state, params, step=n)
+    return jax.tree.map(lambda p, u: p + lr * u, params, updates), opt_state, loss
+
+  @jax.jit
+  def measure(params, window_BS):
+    return activations(nnx.merge(graphdef, params), window_BS[:, :-1])
+
+  results = []
+  for lr in lrs:
+    params = nnx.to_pure_dict(state)
+    opt_state = tx.init(params)
+    losses, acts = [], []
+    if probe:
+      acts.append({k: float(v) for k, v in measure(params, data[-1]).items()})
+    for n in range(len(data) - 1):
+      params, opt_state, loss = step(params, opt_state, data[n], jnp.int32(n), jnp.float32(lr))
+      losses.append(float(loss))
+      if probe:
+        acts.append({k: float(v) for k, v in measure(params, data[-1]).items()})
+    results.append({"loss": losses, "acts": acts})
+  return results
+
+
+def slope(widths, values) -> float:
+  """Least-squares slope of log(value) against log(width): 0 is flat, 1 is linear growth."""
+  return float(np.polyfit(np.log(widths), np.log(values), 1)[0])
+
+
+def coord_check(setup: Setup, widths, steps: int, lr: float,
+                parametrizations=("sp", "mup")) -> list[dict]:
+  """Rows {parametrization, width, step, layer, value} (step 0 = at init)."""
+  data = batches(setup, steps)
+  rows = []
+  for par in parametrizations:
+    for width in widths:
+      result, = train(setup, width, par, [lr], data)
+      for t, acts in enumerate(result["acts"]):
+        rows.extend({"parametrization": par, "width": width, "step": t, "layer": k, "value": v}
+                    for k, v in acts.items())
+  return rows
+
+
+def slopes(rows: list[dict], step: int | None = None) -> dict[tuple[str, str], float]:
+  """{(parametrization, layer): slope over widths} at `step` (default: the last)."""
+  step = max(r["step"] for r in rows) if step is None else step
+  out = {}
+  for par in sorted({r["parametrization"] for r in rows}):
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+      pts = sorted((r["width"], r["value"]) for r in rows
+                   if r["parametrization"] == par and r["layer"] == layer and r["step"] == step)
+      if pts:
+        out[(par, layer)] = slope([w for w, _ in pts], [v for _, v in pts])
+  return out
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=["parametrization", "width", "step", "layer", "value"])
+    w.writeheader()
+    w.writerows(rows)
+
+
+def plot(path: str, rows: list[dict], title: str) -> bool:
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  last = max(r["step"] for r in rows)
+  pars = sorted({r["parametrization"] for r in rows}, reverse=True)  # sp, mup
+  layers = list(dict.fromkeys(r["layer"] for r in rows))
+  fig, axes = plt.subplots(1, len(pars), figsize=(5.5 * len(pars), 4.2), sharey=True)
+  axes = np.atleast_1d(axes)
+  s = slopes(rows)
+  for ax, par in zip(axes, pars):
+    for layer in layers:
+      pts = sorted((r["width"], r["value"]) for r in rows if r["parametrization"] == par
+                   and r["layer"] == layer and r["step"] == last)
+      ax.plot([w for w, _ in pts], [v for _, v in pts], "o-",
+              label=f"{layer} (slope {s[(par, layer)]:+.2f})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("width d_model")
+    ax.set_title(f"{par.upper()}: after {last} Adam steps")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel("mean |activation|")
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def parse_args(argv):
+  import argparse  # noqa: PLC0415
+  p = argparse.ArgumentParser("python -m tools.coord_check", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--widths", default="32,64,128,256")
+  p.add_argument("--base_width", type=int, default=32)
+  p.add_argument("--steps", type=int, default=8)
+  p.add_argument("--lr", type=float, default=0.01)
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--out", default=os.path.join("runs", "coord_check"))
+  args = p.parse_args(argv)
+  try:
+    args.widths = sorted({int(w) for w in args.widths.split(",") if w})
+  except ValueError:
+    p.error(f"--widths takes comma-separated integers, not {args.widths!r}")
+  bad = [w for w in args.widths + [args.base_width] if w < 4 or w % 4]
+  if bad or args.steps < 1 or len(args.widths) < 2:
+    p.error("--widths needs at least two multiples of num_heads=4 (and --base_width one), "
+            "--steps >= 1")
+  return args
+
+
+def main(argv: list[str]) -> int:
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()
+  args = parse_args(argv)
+  setup = Setup(base_width=args.base_width, num_layers=args.layers)
+  os.makedirs(args.out, exist_ok=True)
+  t0 = time.perf_counter()
+  rows = coord_check(setup, args.widths, args.steps, args.lr)
+  write_csv(os.path.join(args.out, "coord_check.csv"), rows)
+  png = os.path.join(args.out, "coord_check.png")
+  plotted = plot(png, rows, f"coordinate check: AdamW lr {args.lr:g}, base width "
+                 f"{args.base_width}, {args.layers} layers, batch {setup.batch_size}x"
+                 f"{setup.seq_len} tokens of the embedded corpus")
+  print(f"[coord_check] mean |x| slope vs width (log-log) after {args.steps} steps:")
+  print(f"[coord_check] {'layer':8s} {'sp':>7s} {'mup':>7s}")
+  s = slopes(rows)
+  for layer in dict.fromkeys(r["layer"] for r in rows):
+    print(f"[coord_check] {layer:8s} {s[('sp', layer)]:+7.2f} {s[('mup', layer)]:+7.2f}")
+  print(f"[coord_check] {time.perf_counter() - t0:.0f}s; wrote {args.out}/coord_check.csv"
+        + (f", {png}" if plotted else " (no plot: pip install -e '.[tools]')"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

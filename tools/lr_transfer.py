@@ -1,0 +1,188 @@
+"""muP learning-rate transfer (Tensor Programs V, Fig. 1): training loss over a learning-rate x
+width grid under SP and muP; where is the best learning rate at each width?
+
+    python -m tools.lr_transfer [--widths 32,64,128] [--lrs 2^-12,...,2^-5] \\
+        [--base_width 32] [--steps 100] [--out runs/lr_transfer]
+
+Every run is the setting of tools/coord_check.py (the same Llama model, num_heads fixed,
+mlp_dim = 3 d_model, AdamW at a constant learning rate through the project's optimizer factory
+with muP's per-parameter rates, the same batches of the embedded corpus in the same order, the
+same seed; all rates of a width share one compiled step) trained for `--steps` steps; its score is the mean training loss over the last
+`--tail` steps (every run sees the same batches there, so the scores are comparable and the
+average removes batch-to-batch jitter). The best learning rate of a width is the grid point
+with the lowest score, refined by a parabola through it and its two neighbours in log(lr)
+(reported only when the minimum is inside the grid). Under SP the best rate should fall as
+the width grows (roughly like 1/width for hidden weights under Adam); under muP it should stay
+put, and wider should be better at every rate.
+
+Outputs in `--out`: `lr_transfer.csv` (parametrization, width, lr, score, final loss, seconds per run),
+`lr_transfer.png` (score vs lr, one panel per parametrization, one line per width, the best
+rates marked; needs matplotlib, the `tools` extra). Deterministic on a given machine.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from tools.coord_check import Setup, batches, train
+
+
+def parse_lr(text: str) -> float:
+  """'3e-3' or '2^-8'."""
+  if "^" in text:
+    base, exp = text.split("^")
+    return float(base) ** float(exp)
+  return float(text)
+
+
+def best_lr(lrs, scores) -> tuple[float, bool]:
+  """(best learning rate, inside the grid?): the grid argmin, refined by a parabola in log(lr)
+  through it and its neighbours when it is not at an end of the grid. NaN scores lose."""
+  lrs = np.asarray(lrs, float)
+  scores = np.where(np.isfinite(scores), scores, np.inf)
+  i = int(np.argmin(scores))
+  if i == 0 or i == len(lrs) - 1 or not np.all(np.isfinite(scores[i - 1:i + 2])):
+    return float(lrs[i]), False
+  x, y = np.log(lrs[i - 1:i + 2]), scores[i - 1:i + 2]
+  a, b, _ = np.polyfit(x, y, 2)
+  if a <= 0:
+    return float(lrs[i]), True
+  return float(np.exp(np.clip(-b / (2 * a), x[0], x[2]))), True
+
+
+def sweep(setup: Setup, widths, lrs, steps: int, tail: int,
+          parametrizations=("sp", "mup"), log=print) -> list[dict]:
+  data = batches(setup, steps)  # the last window (coord_check's probe batch) goes unused
+  rows = []
+  for par in parametrizations:
+    for width in widths:
+      t0 = time.perf_counter()
+      results = train(setup, width, par, lrs, data, probe=False)
+      seconds = round((time.perf_counter() - t0) / len(lrs), 2)
+      for lr, result in zip(lrs, results):
+        losses = np.asarray(result["loss"])
+        score = float(np.mean(losses[-tail:]))
+        rows.append({"parametrization": par, "width": width, "lr": lr,
+                     "score": score if math.isfinite(score) else float("nan"),
+                     "final_loss": float(losses[-1]), "seconds": seconds})
+        log(f"[lr_transfer] {par:3s} width {width:4d} lr {lr:.3g}: loss {score:.4f}")
+      log(f"[lr_transfer] {par:3s} width {width:4d}: {seconds * len(lrs):.0f}s")
+  return rows
+
+
+def optima(rows: list[dict]) -> dict[tuple[str, int], tuple[float, bool]]:
+  out = {}
+  for par in dict.fromkeys(r["parametrization"] for r in rows):
+    for width in sorted({r["width"] for r in rows}):
+      pts = sorted((r["lr"], r["score"]) for r in rows
+                   if r["parametrization"] == par and r["width"] == width)
+      out[(par, width)] = best_lr([p[0] for p in pts], [p[1] for p in pts])
+  return out
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+  with open(path, "w", newline="") as f:
+    w = csv.DictWriter(f, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+
+
+def plot(path: str, rows: list[dict], title: str) -> bool:
+  try:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  pars = list(dict.fromkeys(r["parametrization"] for r in rows))
+  widths = sorted({r["width"] for r in rows})
+  best = optima(rows)
+  finite = [r["score"] for r in rows if math.isfinite(r["score"])]
+  lo = min(finite)
+  hi = min(max(finite), lo + 2.0)
+  fig, axes = plt.subplots(1, len(pars), figsize=(5.5 * len(pars), 4.2), sharey=True)
+  axes = np.atleast_1d(axes)
+  colors = plt.cm.viridis(np.linspace(0, 0.9, len(widths)))
+  for ax, par in zip(axes, pars):
+    for color, width in zip(colors, widths):
+      pts = sorted((r["lr"], r["score"]) for r in rows
+                   if r["parametrization"] == par and r["width"] == width)
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, ms=4,
+              label=f"width {width}")
+      lr, inside = best[(par, width)]
+      ax.axvline(lr, color=color, ls="--" if inside else ":", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(lo - 0.05, hi)
+    ax.set_xlabel("learning rate (AdamW)")
+    ax.set_title(f"{par.upper()} (dashed: best lr per width)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel("training loss (mean of the last steps)")
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def parse_args(argv):
+  import argparse  # noqa: PLC0415
+  p = argparse.ArgumentParser("python -m tools.lr_transfer", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--widths", default="32,64,128")
+  p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
+                 help="comma-separated learning rates (3e-3 or 2^-8)")
+  p.add_argument("--base_width", type=int, default=32)
+  p.add_argument("--steps", type=int, default=100)
+  p.add_argument("--tail", type=int, default=20, help="score = mean loss of the last steps")
+  p.add_argument("--layers", type=int, default=2)
+  p.add_argument("--out", default=os.path.join("runs", "lr_transfer"))
+  args = p.parse_args(argv)
+  try:
+    args.widths = sorted({int(w) for w in args.widths.split(",") if w})
+    args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})
+  except ValueError as e:
+    p.error(f"--widths / --lrs take comma-separated numbers ({e})")
+  bad = [w for w in args.widths + [args.base_width] if w < 4 or w % 4]
+  if bad or len(args.widths) < 2 or len(args.lrs) < 3 or not 1 <= args.tail <= args.steps:
+    p.error("--widths needs at least two multiples of num_heads=4, --lrs at least three "
+            "rates, 1 <= --tail <= --steps")
+  return args
+
+
+def main(argv: list[str]) -> int:
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()
+  args = parse_args(argv)
+  setup = Setup(base_width=args.base_width, num_layers=args.layers)
+  os.makedirs(args.out, exist_ok=True)
+  t0 = time.perf_counter()
+  rows = sweep(setup, args.widths, args.lrs, args.steps, args.tail)
+  write_csv(os.path.join(args.out, "lr_transfer.csv"), rows)
+  png = os.path.join(args.out, "lr_transfer.png")
+  plotted = plot(png, rows, f"lr transfer: {args.steps} AdamW steps, base width "
+                 f"{args.base_width}, {args.layers} layers, batch {setup.batch_size}x"
+                 f"{setup.seq_len} tokens of the embedded corpus")
+  best = optima(rows)
+  print("[lr_transfer] width  best lr SP  best lr muP  (loss at it SP / muP)")
+  for width in args.widths:
+    cells = []
+    for par in ("sp", "mup"):
+      lr, inside = best[(par, width)]
+      cells.append(f"{lr:.3g}{'' if inside else ' (edge)'}")
+    low = [min(r["score"] for r in rows if r["parametrization"] == par and r["width"] == width)
+           for par in ("sp", "mup")]
+    print(f"[lr_transfer] {width:5d}  {cells[0]:>10s}  {cells[1]:>11s}  "
+          f"({low[0]:.4f} / {low[1]:.4f})")
+  print(f"[lr_transfer] {time.perf_counter() - t0:.0f}s; wrote {args.out}/lr_transfer.csv"
+        + (f", {png}" if plotted else " (no plot: pip install -e '.[tools]')"))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
