@@ -92,8 +92,8 @@ def test_roofline_from_the_compiled_cost_analysis(report, capsys):
   assert report.roofline_mfu == pytest.approx(report.step_seconds / report.roofline_seconds)
   # lm_tiny is tiny: its step is bound by memory traffic, not by the MXUs.
   assert report.memory_seconds > report.compute_seconds and report.roofline_mfu < 1
-  line = report.lines()[-1]
-  assert line.startswith("  roofline: compute ") and "(memory-bound), MFU <= " in line
+  line = report.roofline_line()
+  assert line in report.lines() and line.startswith("  roofline: compute ") and "(memory-bound), MFU <= " in line
   assert f"{report.roofline_mfu:.0%}" in line
   # A program with (almost) no memory traffic is compute-bound at the remat ceiling.
   light = dataclasses.replace(report, xla_bytes=1.0, remat_mfu_bound=0.75)
@@ -105,6 +105,14 @@ def test_roofline_from_the_compiled_cost_analysis(report, capsys):
   assert "memory unknown (no HBM bandwidth known" in unknown.roofline_line()
   data = json.loads(json.dumps(report.to_json()))
   assert data["roofline_seconds"] == pytest.approx(report.roofline_seconds)
+  # The estimate scales XLA's bytes by its undercount of the FLOPs it sees (splash attention's
+  # run inside the kernel, so they are left out).
+  assert report.kernel_flops > 0
+  visible = (report.model_flops / report.remat_mfu_bound - report.kernel_flops) / 4
+  scale = max(visible / report.xla_flops, 1.0)
+  assert report.estimated_bytes == pytest.approx(report.xla_bytes * scale)
+  assert report.lines()[-1].startswith(f"  estimate with loop bodies scaled ({scale:.1f}x")
+  assert data["estimated_bytes"] == pytest.approx(report.estimated_bytes)
 
 
 def test_hbm_bandwidth_table():
