@@ -8,7 +8,9 @@ Times the data path a run takes for every step, alone: this process's row stream
 prefetch, mixture) producing a step's micro-batches, and `Run.global_batch` assembling them into
 the global [micro-batches, rows, seq_len] arrays on the mesh (blocked until they are on the
 devices). `--devices N` runs on N fake CPU devices (XLA_FLAGS is set before jax is imported), so
-the mesh and the per-device split are those of an N-device run.
+the mesh and the per-device split are those of an N-device run. The default corpus (the Python
+standard library, ~16k tokens per document) is cheap to pack; `--doc-tokens 1000` reads synthetic
+documents of web-text length instead, where the row streams pack several per sequence.
 
 Then it measures the train step's tokens/s for the same model and sequence length on this
 machine (compiled as train.py compiles it): a full lm_125m step takes many minutes on a CPU, so
