@@ -1,7 +1,7 @@
 """muP learning-rate transfer (Tensor Programs V, Fig. 1): training loss over a learning-rate x
 width grid under SP and muP; where is the best learning rate at each width?
 
-    python -m tools.lr_transfer [--widths 32,64,128] [--lrs 2^-12,...,2^-5] \\
+    python -m tools.lr_transfer [--widths 32,64,128,256] [--lrs 2^-12,...,2^-5] \\
         [--base_width 32] [--steps 100] [--out runs/lr_transfer]
 
 Every run is the setting of tools/coord_check.py (the same Llama model, num_heads fixed,
@@ -134,7 +134,7 @@ def parse_args(argv):
   import argparse  # noqa: PLC0415
   p = argparse.ArgumentParser("python -m tools.lr_transfer", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--widths", default="32,64,128")
+  p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
                  help="comma-separated learning rates (3e-3 or 2^-8)")
   p.add_argument("--base_width", type=int, default=32)
