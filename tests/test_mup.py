@@ -137,3 +137,14 @@ def test_coordinate_check_flat_under_mup_growing_under_sp():
   # At init (step 0) both are flat: the difference comes from the updates.
   s0 = coord_check.slopes(rows, step=0)
   assert abs(s0[("mup", "block0")]) < 0.25 and abs(s0[("sp", "block0")]) < 0.25, s0
+
+
+def test_mup_model_off_its_base_width_is_not_exported_to_hf(tmp_path):
+  """Hugging Face's Llama cannot carry muP's multipliers: to-hf refuses in one line."""
+  from models.hf import ConvertError
+  from tools import convert
+  from trainer.loop import Run
+  Run(tiny_config(**{"steps": 1, "checkpoint.every_steps": 1, "model.parametrization": "mup",
+                     "model.base_width": 16}), str(tmp_path / "run")).train()
+  with pytest.raises(ConvertError, match="muP model at width multiplier 2 .* cannot be exported"):
+    convert.to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))

@@ -69,8 +69,14 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
   from trainer.checkpoint import resolve_step_dir  # noqa: PLC0415
   from trainer.inference import copy_tokenizer, restore_params, tokenizer_dir  # noqa: PLC0415
 
+  from models.hf import ConvertError  # noqa: PLC0415
   mesh = mesh or mesh_from_overrides([])
   spec, params, config, _ = restore_params(src, mesh)
+  if spec.cfg.width_multiplier != 1.0:
+    # Hugging Face's Llama has no output or query multipliers to carry muP's 1/m and 1/D.
+    raise ConvertError(f"{src}: a muP model at width multiplier {spec.cfg.width_multiplier:g} "
+                       "(model.parametrization='mup', d_model != base_width) cannot be exported "
+                       "to the Hugging Face Llama layout; export a model at its base width")
   hf_meta = config.get("hf", {})
   special = {"bos_id": hf_meta.get("bos_token_id"), "eos_id": hf_meta.get("eos_token_id"),
              "pad_id": hf_meta.get("pad_token_id")}
