@@ -146,3 +146,13 @@ def test_model_tools_take_mesh_overrides_like_train(tool, extra, message, tmp_pa
           "evaluate": ["--checkpoint", str(tmp_path)]}[tool]
   assert module.main(args + extra) == 2
   assert one_line(capsys.readouterr().err) == message
+
+
+@pytest.mark.parametrize("tool", ["coord_check", "lr_transfer"])
+def test_mup_tools_report_mistakes_in_one_line(tool, capsys):
+  module = importlib.import_module(f"tools.{tool}")
+  assert module.main(["--widths", "3,x"]) == 2
+  assert one_line(capsys.readouterr().err).startswith("error: --widths")
+  assert module.main(["--config.steps=3"]) == 2
+  assert one_line(capsys.readouterr().err) == (
+      f"error: this tool takes no --config.* overrides (python -m tools.{tool} --help)")

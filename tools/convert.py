@@ -105,7 +105,7 @@ def main(argv: list[str]) -> int:
   from sharding.mesh import MeshError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer.config import CliParser, ConfigError  # noqa: PLC0415
-  parser = CliParser("python -m tools.convert", __doc__, config=False)
+  parser = CliParser("-m tools.convert", __doc__, config=False)
   sub = parser.add_subparsers(dest="cmd", required=True)
   a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir", config=False)
   a.add_argument("hf_dir")

@@ -233,16 +233,17 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
 
 
 def parse_args(argv):
-  import argparse  # noqa: PLC0415
-  p = argparse.ArgumentParser("python -m tools.coord_check", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  from trainer.config import CliParser  # noqa: PLC0415
+  p = CliParser("-m tools.coord_check", __doc__, config=False)
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--base_width", type=int, default=32)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--lr", type=float, default=0.01)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--out", default=os.path.join("runs", "coord_check"))
-  args = p.parse_args(argv)
+  args, overrides = p.parse(argv)
+  if overrides:
+    p.error("this tool takes no --config.* overrides")
   try:
     args.widths = sorted({int(w) for w in args.widths.split(",") if w})
   except ValueError:
@@ -257,7 +258,12 @@ def parse_args(argv):
 def main(argv: list[str]) -> int:
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  args = parse_args(argv)
+  from trainer.config import ConfigError  # noqa: PLC0415
+  try:
+    args = parse_args(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   setup = Setup(base_width=args.base_width, num_layers=args.layers)
   os.makedirs(args.out, exist_ok=True)
   t0 = time.perf_counter()

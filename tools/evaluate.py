@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
   platforms.choose()
   from sharding.mesh import MeshError  # noqa: PLC0415
   from trainer.config import CliParser, ConfigError  # noqa: PLC0415
-  parser = CliParser("python -m tools.evaluate", __doc__, config=False)
+  parser = CliParser("-m tools.evaluate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--data", default="", help="prepared data dir (default: the run's)")
   parser.add_argument("--split", default="validation")

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
   platforms.choose()
   from sharding.mesh import MeshError  # noqa: PLC0415
   from trainer.config import CliParser, ConfigError  # noqa: PLC0415
-  parser = CliParser("python -m tools.generate", __doc__, config=False)
+  parser = CliParser("-m tools.generate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--prompt", action="append", default=[])
   parser.add_argument("--prompt_ids", action="append", default=[])

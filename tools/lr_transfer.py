@@ -131,9 +131,8 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
 
 
 def parse_args(argv):
-  import argparse  # noqa: PLC0415
-  p = argparse.ArgumentParser("python -m tools.lr_transfer", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  from trainer.config import CliParser  # noqa: PLC0415
+  p = CliParser("-m tools.lr_transfer", __doc__, config=False)
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
                  help="comma-separated learning rates (3e-3 or 2^-8)")
@@ -142,7 +141,9 @@ def parse_args(argv):
   p.add_argument("--tail", type=int, default=20, help="score = mean loss of the last steps")
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--out", default=os.path.join("runs", "lr_transfer"))
-  args = p.parse_args(argv)
+  args, overrides = p.parse(argv)
+  if overrides:
+    p.error("this tool takes no --config.* overrides")
   try:
     args.widths = sorted({int(w) for w in args.widths.split(",") if w})
     args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})
@@ -158,7 +159,12 @@ def parse_args(argv):
 def main(argv: list[str]) -> int:
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  args = parse_args(argv)
+  from trainer.config import ConfigError  # noqa: PLC0415
+  try:
+    args = parse_args(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   setup = Setup(base_width=args.base_width, num_layers=args.layers)
   os.makedirs(args.out, exist_ok=True)
   t0 = time.perf_counter()
