@@ -27,7 +27,8 @@ EXIT_CONFIG_ERROR = 2
 
 def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
   """--config FILE, --workdir DIR, and --config.a.b=v (or --config.a.b v) overrides."""
-  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("train.py", __doc__)
   parser.add_argument("--workdir", required=True, metavar="DIR",
                       help="run directory: checkpoints, metrics.jsonl; rerun to resume")
@@ -63,7 +64,8 @@ def main(argv: list[str]) -> int:
   from data.prepare import DataError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer import distributed  # noqa: PLC0415
-  from trainer.config import ConfigError, load, validate  # noqa: PLC0415
+  from trainer.cli import load  # noqa: PLC0415
+  from trainer.config import ConfigError, validate  # noqa: PLC0415
 
   try:
     config_path, workdir, overrides = parse_args(argv)

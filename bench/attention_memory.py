@@ -167,7 +167,8 @@ def longest_fitting(impl: str, n: int, budget: int, granule: int) -> int:
 
 
 def main(argv=None):
-  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/attention_memory.py", __doc__, config=False)
   parser.add_argument("--seq", default="2048,4096,8192,16384")
   parser.add_argument("--devices", default="2,4,8")

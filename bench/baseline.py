@@ -109,7 +109,8 @@ def run(cfg, *, rounds: int, steps: int) -> dict:
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import CliParser, ConfigError, load_from_cli, validate  # noqa: PLC0415
+  from trainer.cli import CliParser, load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError, validate  # noqa: PLC0415
   parser = CliParser("bench/baseline.py", __doc__)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=10)

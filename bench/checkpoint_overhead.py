@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/checkpoint_overhead.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=60, help="steps per overhead measurement")
   parser.add_argument("--saves", type=int, default=5, help="saves per blocking measurement")

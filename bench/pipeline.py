@@ -121,7 +121,8 @@ def main(argv=None):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import CliParser, ConfigError, load_from_cli  # noqa: PLC0415
+  from trainer.cli import CliParser, load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/pipeline.py", __doc__)
   parser.add_argument("--devices", type=int, default=0,
                       help="run on this many fake CPU devices (0 = the machine's devices)")

@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import CliParser, ConfigError, load_from_cli  # noqa: PLC0415
+  from trainer.cli import CliParser, load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/throughput.py", __doc__)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--noise-every", type=int, default=0, metavar="N",

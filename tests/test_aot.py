@@ -18,7 +18,8 @@ from conftest import override
 from models.llama import ModelConfig, flops_per_token
 from tools import aot
 from trainer import loop
-from trainer.config import ConfigError, load, validate
+from trainer.cli import load
+from trainer.config import ConfigError, validate
 from trainer.metrics import known_hbm_bandwidth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,7 +2,7 @@
 
 train.py runs as a real process where stray output (a traceback, library start-up noise) could
 show; the other mistakes go through `train.main` in this process. Every CLI that takes
-`--config.KEY=VALUE` parses it with the one parser (`trainer.config.parse_overrides`), so a bad
+`--config.KEY=VALUE` parses it with the one parser (`trainer.cli.parse_overrides`), so a bad
 override reads the same everywhere.
 """
 import importlib

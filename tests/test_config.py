@@ -6,7 +6,8 @@ import sys
 import pytest
 
 import train
-from trainer.config import ConfigError, default_config, load
+from trainer.cli import load
+from trainer.config import ConfigError, default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")

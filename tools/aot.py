@@ -58,7 +58,8 @@ from jax.sharding import Mesh  # noqa: E402
 from models.attention import resolve_impl  # noqa: E402
 from models.llama import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import DCN_AXES, data_parallel_size, make_mesh, num_slices  # noqa: E402
-from trainer.config import CliParser, ConfigError, load, validate  # noqa: E402
+from trainer.cli import CliParser, load  # noqa: E402
+from trainer.config import ConfigError, validate  # noqa: E402
 from trainer.distributed import libtpu_available  # noqa: E402
 from trainer.metrics import (  # noqa: E402
     GiB,

@@ -311,7 +311,7 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
 
 def parse_args(argv):
   """(options, config overrides, config name); a mistake is a one-line ConfigError."""
-  from trainer.config import CliParser  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
   p = CliParser("-m tools.batch_sweep", __doc__)
   p.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32,64")
   p.add_argument("--target_loss", type=float, required=True, help="validation loss to reach")
@@ -344,7 +344,8 @@ def parse_args(argv):
 def main(argv: list[str]) -> int:
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import ConfigError, load  # noqa: PLC0415
+  from trainer.cli import load  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args, overrides, name = parse_args(argv)
     cfg = load(args.config, overrides)

@@ -26,9 +26,10 @@ from trainer import platforms
 
 def mesh_from_overrides(overrides: list[tuple[str, str]]):
   """The mesh given by `--config.mesh.KEY=VALUE` overrides: the run config's mesh keys, parsed
-  and checked by the same code as train.py's (`trainer.config`); other keys are refused."""
+  and checked by the same code as train.py's (`trainer.cli`); other keys are refused."""
   from sharding.mesh import make_mesh  # noqa: PLC0415
-  from trainer.config import ConfigError, apply_override, default_config  # noqa: PLC0415
+  from trainer.cli import apply_override  # noqa: PLC0415
+  from trainer.config import ConfigError, default_config  # noqa: PLC0415
   cfg = default_config()
   for key, text in overrides:
     if not key.startswith("mesh."):
@@ -104,7 +105,8 @@ def main(argv: list[str]) -> int:
   from models.hf import ConvertError  # noqa: PLC0415
   from sharding.mesh import MeshError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
-  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("-m tools.convert", __doc__, config=False)
   sub = parser.add_subparsers(dest="cmd", required=True)
   a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir", config=False)

@@ -233,7 +233,7 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
 
 
 def parse_args(argv):
-  from trainer.config import CliParser  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
   p = CliParser("-m tools.coord_check", __doc__, config=False)
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--base_width", type=int, default=32)

@@ -23,7 +23,8 @@ from trainer import platforms
 def main(argv: list[str]) -> int:
   platforms.choose()
   from sharding.mesh import MeshError  # noqa: PLC0415
-  from trainer.config import CliParser, ConfigError  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("-m tools.generate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--prompt", action="append", default=[])

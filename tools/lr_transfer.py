@@ -131,7 +131,7 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
 
 
 def parse_args(argv):
-  from trainer.config import CliParser  # noqa: PLC0415
+  from trainer.cli import CliParser  # noqa: PLC0415
   p = CliParser("-m tools.lr_transfer", __doc__, config=False)
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
