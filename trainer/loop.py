@@ -508,21 +508,20 @@ class _StepTimer:
   def step_dispatched(self):
     self.steps += 1
 
-  @contextlib.contextmanager
   def paused(self):
-    t = time.perf_counter()
-    try:
-      yield
-    finally:
-      self.excluded += time.perf_counter() - t
+    """Time that is not step time (compiling, saving, evaluating)."""
+    return self._adding_to("excluded")
+
+  def waiting_for_data(self):
+    return self._adding_to("data_wait")
 
   @contextlib.contextmanager
-  def waiting_for_data(self):
+  def _adding_to(self, total: str):
     t = time.perf_counter()
     try:
       yield
     finally:
-      self.data_wait += time.perf_counter() - t
+      setattr(self, total, getattr(self, total) + time.perf_counter() - t)
 
   def annotate(self, host: dict, tokens_per_step: int, flops_token: float, peak: float) -> dict:
     now = time.perf_counter()
