@@ -36,7 +36,6 @@ needs matplotlib, the `tools` extra), and each run's workdir under `runs/`.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -46,6 +45,8 @@ import sys
 import time
 
 import numpy as np
+
+from tools import figures
 
 # ------------------------------------------------------------------------------------------------
 # Analysis (no jax: importable and testable on its own)
@@ -245,23 +246,16 @@ def summarise(results: list[Result]) -> tuple[list[Result], Fit | None, dict]:
 
 
 def write_csv(path: str, results: list[Result]) -> None:
-  fields = [f.name for f in dataclasses.fields(Result)]
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=fields)
-    w.writeheader()
-    for r in results:
-      w.writerow(dataclasses.asdict(r))
+  figures.write_csv(path, [dataclasses.asdict(r) for r in results],
+                    [f.name for f in dataclasses.fields(Result)])
 
 
 def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None,
          summary: dict, target: float, title: str) -> bool:
   """Two panels: steps to target vs batch with the fit; B_simple over training. False if
   matplotlib is missing."""
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
+  plt = figures.pyplot()
+  if plt is None:
     return False
   if not chosen:
     return False
@@ -298,10 +292,7 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
           ylabel="B_simple (sequences)", title="gradient noise scale during training (dots: "
           "at target)")
   ax2.legend(fontsize=7, ncol=2)
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.save(fig, path, title)
   return True
 
 
@@ -401,7 +392,7 @@ def main(argv: list[str]) -> int:
     print(f"[sweep] measured B_simple at the target: median {summary['b_simple_median']:.1f} "
           f"sequences (range {lo:.1f}-{hi:.1f})")
   print(f"[sweep] wrote {args.out}/batch_sweep.csv, batch_sweep.json"
-        + (f", {args.plot}" if plotted else " (no plot: pip install -e '.[tools]')"))
+        + (f", {args.plot}" if plotted else figures.NO_PLOT))
   return 0
 
 

@@ -21,13 +21,14 @@ seeds, fixed data, no shuffling.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import os
 import sys
 import time
 
 import numpy as np
+
+from tools import figures
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,19 +193,9 @@ def slopes(rows: list[dict], step: int | None = None) -> dict[tuple[str, str], f
   return out
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=["parametrization", "width", "step", "layer", "value"])
-    w.writeheader()
-    w.writerows(rows)
-
-
 def plot(path: str, rows: list[dict], title: str) -> bool:
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
+  plt = figures.pyplot()
+  if plt is None:
     return False
   last = max(r["step"] for r in rows)
   pars = sorted({r["parametrization"] for r in rows}, reverse=True)  # sp, mup
@@ -225,22 +216,25 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
   axes[0].set_ylabel("mean |activation|")
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.save(fig, path, title)
   return True
 
 
-def parse_args(argv):
+def sweep_parser(prog: str, doc: str, *, steps: int, out: str):
+  """The options of every width sweep (this tool and tools.lr_transfer)."""
   from trainer.cli import CliParser  # noqa: PLC0415
-  p = CliParser("-m tools.coord_check", __doc__, config=False)
+  p = CliParser(prog, doc, config=False)
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--base_width", type=int, default=32)
-  p.add_argument("--steps", type=int, default=8)
-  p.add_argument("--lr", type=float, default=0.01)
+  p.add_argument("--steps", type=int, default=steps)
   p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--out", default=os.path.join("runs", "coord_check"))
+  p.add_argument("--out", default=out)
+  return p
+
+
+def parse_sweep_args(p, argv):
+  """Parse; --widths becomes a sorted list of at least two multiples of num_heads=4 (and
+  --base_width one), --steps >= 1, and no --config.* overrides. A mistake is one ConfigError."""
   args, overrides = p.parse(argv)
   if overrides:
     p.error("this tool takes no --config.* overrides")
@@ -255,7 +249,9 @@ def parse_args(argv):
   return args
 
 
-def main(argv: list[str]) -> int:
+def start(parse_args, argv):
+  """(args, Setup, start time) of a width sweep, its --out created; None after printing a
+  command-line mistake in one line (the caller exits with 2)."""
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
   from trainer.config import ConfigError  # noqa: PLC0415
@@ -263,12 +259,25 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
-  setup = Setup(base_width=args.base_width, num_layers=args.layers)
+    return None
   os.makedirs(args.out, exist_ok=True)
-  t0 = time.perf_counter()
+  return args, Setup(base_width=args.base_width, num_layers=args.layers), time.perf_counter()
+
+
+def parse_args(argv):
+  p = sweep_parser("-m tools.coord_check", __doc__, steps=8,
+                   out=os.path.join("runs", "coord_check"))
+  p.add_argument("--lr", type=float, default=0.01)
+  return parse_sweep_args(p, argv)
+
+
+def main(argv: list[str]) -> int:
+  started = start(parse_args, argv)
+  if started is None:
+    return 2
+  args, setup, t0 = started
   rows = coord_check(setup, args.widths, args.steps, args.lr)
-  write_csv(os.path.join(args.out, "coord_check.csv"), rows)
+  figures.write_csv(os.path.join(args.out, "coord_check.csv"), rows)
   png = os.path.join(args.out, "coord_check.png")
   plotted = plot(png, rows, f"coordinate check: AdamW lr {args.lr:g}, base width "
                  f"{args.base_width}, {args.layers} layers, batch {setup.batch_size}x"
@@ -279,7 +288,7 @@ def main(argv: list[str]) -> int:
   for layer in dict.fromkeys(r["layer"] for r in rows):
     print(f"[coord_check] {layer:8s} {s[('sp', layer)]:+7.2f} {s[('mup', layer)]:+7.2f}")
   print(f"[coord_check] {time.perf_counter() - t0:.0f}s; wrote {args.out}/coord_check.csv"
-        + (f", {png}" if plotted else " (no plot: pip install -e '.[tools]')"))
+        + (f", {png}" if plotted else figures.NO_PLOT))
   return 0
 
 

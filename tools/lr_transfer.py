@@ -21,7 +21,6 @@ rates marked; needs matplotlib, the `tools` extra). Deterministic on a given mac
 """
 from __future__ import annotations
 
-import csv
 import math
 import os
 import sys
@@ -29,7 +28,8 @@ import time
 
 import numpy as np
 
-from tools.coord_check import Setup, batches, train
+from tools import figures
+from tools.coord_check import Setup, batches, parse_sweep_args, start, sweep_parser, train
 
 
 def parse_lr(text: str) -> float:
@@ -85,19 +85,9 @@ def optima(rows: list[dict]) -> dict[tuple[str, int], tuple[float, bool]]:
   return out
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
-  with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=list(rows[0]))
-    w.writeheader()
-    w.writerows(rows)
-
-
 def plot(path: str, rows: list[dict], title: str) -> bool:
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
+  plt = figures.pyplot()
+  if plt is None:
     return False
   pars = list(dict.fromkeys(r["parametrization"] for r in rows))
   widths = sorted({r["width"] for r in rows})
@@ -123,53 +113,33 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   axes[0].set_ylabel("training loss (mean of the last steps)")
-  fig.suptitle(title, fontsize=10)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  figures.save(fig, path, title)
   return True
 
 
 def parse_args(argv):
-  from trainer.cli import CliParser  # noqa: PLC0415
-  p = CliParser("-m tools.lr_transfer", __doc__, config=False)
-  p.add_argument("--widths", default="32,64,128,256")
+  p = sweep_parser("-m tools.lr_transfer", __doc__, steps=100,
+                   out=os.path.join("runs", "lr_transfer"))
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
                  help="comma-separated learning rates (3e-3 or 2^-8)")
-  p.add_argument("--base_width", type=int, default=32)
-  p.add_argument("--steps", type=int, default=100)
   p.add_argument("--tail", type=int, default=20, help="score = mean loss of the last steps")
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--out", default=os.path.join("runs", "lr_transfer"))
-  args, overrides = p.parse(argv)
-  if overrides:
-    p.error("this tool takes no --config.* overrides")
+  args = parse_sweep_args(p, argv)
   try:
-    args.widths = sorted({int(w) for w in args.widths.split(",") if w})
     args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})
   except ValueError as e:
-    p.error(f"--widths / --lrs take comma-separated numbers ({e})")
-  bad = [w for w in args.widths + [args.base_width] if w < 4 or w % 4]
-  if bad or len(args.widths) < 2 or len(args.lrs) < 3 or not 1 <= args.tail <= args.steps:
-    p.error("--widths needs at least two multiples of num_heads=4, --lrs at least three "
-            "rates, 1 <= --tail <= --steps")
+    p.error(f"--lrs takes comma-separated numbers ({e})")
+  if len(args.lrs) < 3 or not 1 <= args.tail <= args.steps:
+    p.error("--lrs needs at least three rates, and 1 <= --tail <= --steps")
   return args
 
 
 def main(argv: list[str]) -> int:
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
-  try:
-    args = parse_args(argv)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
+  started = start(parse_args, argv)
+  if started is None:
     return 2
-  setup = Setup(base_width=args.base_width, num_layers=args.layers)
-  os.makedirs(args.out, exist_ok=True)
-  t0 = time.perf_counter()
+  args, setup, t0 = started
   rows = sweep(setup, args.widths, args.lrs, args.steps, args.tail)
-  write_csv(os.path.join(args.out, "lr_transfer.csv"), rows)
+  figures.write_csv(os.path.join(args.out, "lr_transfer.csv"), rows)
   png = os.path.join(args.out, "lr_transfer.png")
   plotted = plot(png, rows, f"lr transfer: {args.steps} AdamW steps, base width "
                  f"{args.base_width}, {args.layers} layers, batch {setup.batch_size}x"
@@ -186,7 +156,7 @@ def main(argv: list[str]) -> int:
     print(f"[lr_transfer] {width:5d}  {cells[0]:>10s}  {cells[1]:>11s}  "
           f"({low[0]:.4f} / {low[1]:.4f})")
   print(f"[lr_transfer] {time.perf_counter() - t0:.0f}s; wrote {args.out}/lr_transfer.csv"
-        + (f", {png}" if plotted else " (no plot: pip install -e '.[tools]')"))
+        + (f", {png}" if plotted else figures.NO_PLOT))
   return 0
 
 
