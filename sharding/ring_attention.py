@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -101,87 +100,14 @@ from kernels.flash_attention import _setup as _flash_setup
 from kernels.flash_attention import backward as flash_backward
 from kernels.flash_attention import forward as flash_forward
 from sharding.mesh import mesh_platform
+from sharding.ring_blocks import (block_backward, block_forward, merge, seq_slice, then_zeros,
+                                  zeros_then)
 from sharding.rules import BATCH_AXES
+from sharding.zigzag import current_mesh, split_axes, zigzag_local, zigzag_order
+from sharding.zigzag import zigzag  # noqa: F401  TODO(lead): import from sharding.zigzag in models/
 
 LAYOUTS = ("contiguous", "zigzag")
 BLOCK_IMPLS = ("auto", "flash", "jnp")
-
-
-# ----------------------------------------------------------------------------------------------
-# The zig-zag layout.
-
-
-def zigzag_order(seq_len: int, n: int) -> np.ndarray:
-  """Token indices in zig-zag order: position p of the reordered sequence holds token order[p]."""
-  if seq_len % (2 * n):
-    raise ValueError(f"zig-zag layout: sequence length {seq_len} is not a multiple of "
-                     f"2 x {n} devices")
-  chunks = np.arange(seq_len).reshape(2 * n, seq_len // (2 * n))
-  return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
-
-
-def _zigzag_moves(n: int):
-  """For each (source slot a, destination slot b): the ppermute pairs moving chunk 2d + a of
-  device d (natural layout) to slot b of the device that holds it in the zig-zag layout."""
-  moves = {}
-  for a in (0, 1):
-    for b in (0, 1):
-      pairs = []
-      for d in range(n):
-        chunk = 2 * d + a
-        owner, slot = (chunk, 0) if chunk < n else (2 * n - 1 - chunk, 1)
-        if slot == b:
-          pairs.append((d, owner))
-      if pairs:
-        moves[a, b] = pairs
-  return moves
-
-
-def _zigzag_local(x, axis: str, n: int, inverse: bool = False):
-  """Inside shard_map: the local block [B, L, ...] of the natural layout -> of the zig-zag one
-  (or back). Each chunk moves once, by ppermute; a slot receives exactly one chunk."""
-  if n == 1:
-    return x
-  half = x.shape[1] // 2
-  slots = (x[:, :half], x[:, half:])
-  out = [None, None]
-  for (a, b), pairs in _zigzag_moves(n).items():
-    src, dst = (b, a) if inverse else (a, b)
-    perm = [(t, s) for s, t in pairs] if inverse else pairs
-    moved = lax.ppermute(slots[src], axis, perm)
-    out[dst] = moved if out[dst] is None else out[dst] + moved  # the other pairs send zeros
-  return jnp.concatenate(out, axis=1)
-
-
-def split_axes(mesh, names, size: int):
-  """The mesh axes among `names` (of size > 1) to split an array dimension of `size` over, as
-  a PartitionSpec entry; None when there are none or they do not divide `size`."""
-  axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-  total = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-  if not axes or size % total:
-    return None
-  return axes[0] if len(axes) == 1 else axes
-
-
-def _resolve_mesh(mesh):
-  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  if mesh.empty:
-    raise ValueError("ring attention needs a mesh: pass mesh= or call under jax.set_mesh(mesh)")
-  return mesh
-
-
-def zigzag(x, *, mesh=None, axis: str = "sequence", inverse: bool = False,
-           batch_axes=BATCH_AXES):
-  """Reorder the sequence axis (axis 1) of a global array [B, S, ...] sharded over `axis` into
-  the zig-zag layout (or back with `inverse=True`), by ppermutes inside shard_map."""
-  mesh = _resolve_mesh(mesh)
-  n = mesh.shape[axis]
-  zigzag_order(x.shape[1], n)  # validates the length
-  if n == 1:
-    return x
-  spec = P(split_axes(mesh, batch_axes, x.shape[0]), axis)
-  return jax.shard_map(functools.partial(_zigzag_local, axis=axis, n=n, inverse=inverse),
-                       mesh=mesh, in_specs=spec, out_specs=spec)(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,115 +125,6 @@ class _RingConfig:
   interpret: bool | None
   kv_chunk: int  # jnp: keys per scan step (scores are [S/N, kv_chunk] at a time)
   head_chunks: int = 1  # the ring runs once per chunk of kv heads (see `ring_attention`)
-
-
-def _kv_chunks(k, v, seg_k, chunk: int):
-  """Keys cut into chunks for `lax.scan`: (k, v, segment ids, first key index) per chunk."""
-  T = k.shape[1]
-  c = T if T <= chunk else math.gcd(T, chunk)
-  split = lambda x: None if x is None else jnp.moveaxis(
-      x.reshape(x.shape[0], T // c, c, *x.shape[2:]), 1, 0)
-  return c, (split(k), split(v), split(seg_k), jnp.arange(0, T, c))
-
-
-def _jnp_scores(q_BSKGD, k_BCKD, seg_q, seg_k, start, causal, scale):
-  """Scaled scores [B, K, G, S, C] of one key chunk (starting at key `start`), masked to -inf."""
-  s = jnp.einsum("bskgd,bckd->bkgsc", q_BSKGD, k_BCKD, preferred_element_type=jnp.float32)
-  s = s * scale
-  S, C = s.shape[-2:]
-  mask = None
-  if causal:
-    mask = jnp.arange(S)[:, None] >= start + jnp.arange(C)[None, :]
-  if seg_q is not None:
-    same = (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]  # [B, 1, 1, S, C]
-    mask = same if mask is None else mask & same
-  return s if mask is None else jnp.where(mask, s, -jnp.inf)
-
-
-def _jnp_fwd(q, k, v, seg_q, seg_k, causal, scale, chunk):
-  """One block in jnp, keys in chunks with the online softmax (Rabe & Staats 2021,
-  "Self-attention Does Not Need O(n^2) Memory"): scores are [S, chunk], never [S, T]."""
-  B, S, H, D = q.shape
-  K = k.shape[2]
-  q_BSKGD = q.reshape(B, S, K, H // K, D)
-  _, chunks = _kv_chunks(k, v, seg_k, chunk)
-
-  def body(carry, xs):
-    acc_BSKGD, m_BKGS, l_BKGS = carry
-    k_c, v_c, seg_c, start = xs
-    s = _jnp_scores(q_BSKGD, k_c, seg_q, seg_c, start, causal, scale)
-    m_new = jnp.maximum(m_BKGS, jnp.max(s, axis=-1))
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp(s - m_use[..., None])
-    alpha = jnp.exp(m_BKGS - m_use)
-    l_BKGS = alpha * l_BKGS + jnp.sum(p, axis=-1)
-    pv = jnp.einsum("bkgsc,bckd->bskgd", p.astype(v.dtype), v_c,
-                    preferred_element_type=jnp.float32)
-    acc_BSKGD = acc_BSKGD * jnp.moveaxis(alpha, 3, 1)[..., None] + pv
-    return (acc_BSKGD, m_new, l_BKGS), None
-
-  lse_shape = jnp.zeros_like(q_BSKGD[..., 0], jnp.float32).transpose(0, 2, 3, 1)  # [B,K,G,S]
-  init = (jnp.zeros_like(q_BSKGD, jnp.float32), jnp.full_like(lse_shape, -jnp.inf), lse_shape)
-  (acc, m, l), _ = lax.scan(body, init, chunks)
-  l_safe = jnp.where(l == 0.0, 1.0, l)
-  o_BSKGD = acc / jnp.moveaxis(l_safe, 3, 1)[..., None]
-  lse_BKGS = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(l_safe))
-  return o_BSKGD.reshape(B, S, H, D), lse_BKGS.reshape(B, H, S)
-
-
-def _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, scale, chunk):
-  """Gradients of one block in jnp, one key chunk at a time: dq accumulates, dk/dv per chunk."""
-  B, S, H, D = q.shape
-  T, K = k.shape[1], k.shape[2]
-  G = H // K
-  q_BSKGD = q.reshape(B, S, K, G, D)
-  do_BSKGD = do.astype(q.dtype).reshape(B, S, K, G, D)
-  lse_BKGS, delta_BKGS = lse.reshape(B, K, G, S), delta.reshape(B, K, G, S)
-  _, chunks = _kv_chunks(k, v, seg_k, chunk)
-
-  def body(dq_BSKGD, xs):
-    k_c, v_c, seg_c, start = xs
-    s = _jnp_scores(q_BSKGD, k_c, seg_q, seg_c, start, causal, scale)
-    p = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - lse_BKGS[..., None]))
-    dp = jnp.einsum("bskgd,bckd->bkgsc", do_BSKGD, v_c, preferred_element_type=jnp.float32)
-    ds = p * (dp - delta_BKGS[..., None])
-    dq_BSKGD = dq_BSKGD + jnp.einsum("bkgsc,bckd->bskgd", ds.astype(k.dtype), k_c,
-                                     preferred_element_type=jnp.float32) * scale
-    dk = jnp.einsum("bkgsc,bskgd->bckd", ds.astype(q.dtype), q_BSKGD,
-                    preferred_element_type=jnp.float32) * scale
-    dv = jnp.einsum("bkgsc,bskgd->bckd", p.astype(do.dtype), do_BSKGD,
-                    preferred_element_type=jnp.float32)
-    return dq_BSKGD, (dk, dv)
-
-  dq, (dk, dv) = lax.scan(body, jnp.zeros_like(q_BSKGD, jnp.float32), chunks)
-  unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, T, K, D)
-  return dq.reshape(B, S, H, D), unchunk(dk), unchunk(dv)
-
-
-def _merge(o_BSHD, lse_BHS, ob_BSHD, lseb_BHS):
-  """Exact merge of attention over two disjoint key sets from their log-sum-exps."""
-  top = jnp.maximum(lse_BHS, lseb_BHS)
-  top = jnp.where(top == -jnp.inf, 0.0, top)
-  w, wb = jnp.exp(lse_BHS - top), jnp.exp(lseb_BHS - top)
-  total = w + wb
-  safe = jnp.where(total == 0.0, 1.0, total)
-  to_BSH1 = lambda x: jnp.swapaxes(x / safe, 1, 2)[..., None]
-  o_BSHD = o_BSHD * to_BSH1(w) + ob_BSHD * to_BSH1(wb)
-  return o_BSHD, jnp.where(total == 0.0, -jnp.inf, top + jnp.log(safe))
-
-
-def _zeros_then(x_BS):
-  """[B, S, ...] -> [B, 2S, ...]: the block is the second half, the first is zeros."""
-  return jnp.concatenate([jnp.zeros_like(x_BS), x_BS], axis=1)
-
-
-def _then_zeros(x_BS):
-  return jnp.concatenate([x_BS, jnp.zeros_like(x_BS)], axis=1)
-
-
-def _slice(x, sl):
-  """Sequence slice of an optional [B, S, ...] array."""
-  return None if x is None else x[:, sl]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,11 +237,11 @@ def _flash_ring_bwd(cfg: _RingConfig, q, k, v, seg, o, lse, do):
 
 
 def _jnp_block_fwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, causal):
-  return _jnp_fwd(q, k, v, seg_q, seg_k, causal, cfg.scale, cfg.kv_chunk)
+  return block_forward(q, k, v, seg_q, seg_k, causal, cfg.scale, cfg.kv_chunk)
 
 
 def _jnp_block_bwd(cfg: _RingConfig, q, k, v, seg_q, seg_k, do, lse, delta, causal):
-  return _jnp_bwd(q, k, v, seg_q, seg_k, do, lse, delta, causal, cfg.scale, cfg.kv_chunk)
+  return block_backward(q, k, v, seg_q, seg_k, do, lse, delta, causal, cfg.scale, cfg.kv_chunk)
 
 
 def _jnp_ring_fwd(cfg: _RingConfig, q, k, v, seg):
@@ -438,18 +255,18 @@ def _jnp_ring_fwd(cfg: _RingConfig, q, k, v, seg):
   def step(s, o, lse, kv):
     k, v, seg_k = kv
     if not cfg.causal:
-      return _merge(o, lse, *_jnp_block_fwd(cfg, q, k, v, seg, seg_k, False))
+      return merge(o, lse, *_jnp_block_fwd(cfg, q, k, v, seg, seg_k, False))
 
     def kv_first_half():  # keys of an earlier device: only its first chunk is visible
-      return _jnp_block_fwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), False)
+      return _jnp_block_fwd(cfg, q, k[:, lo], v[:, lo], seg, seq_slice(seg_k, lo), False)
 
     def q_second_half():  # keys of a later device: only our second chunk sees them
-      ob, lseb = _jnp_block_fwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, False)
-      return _zeros_then(ob), jnp.concatenate([jnp.full_like(lseb, -jnp.inf), lseb], axis=2)
+      ob, lseb = _jnp_block_fwd(cfg, q[:, hi], k, v, seq_slice(seg, hi), seg_k, False)
+      return zeros_then(ob), jnp.concatenate([jnp.full_like(lseb, -jnp.inf), lseb], axis=2)
 
     # The merge stays outside the branches, so it updates the accumulator in place.
     first_half_of_keys = _visible(cfg, i, s, 2 * half)[1] == half
-    return _merge(o, lse, *lax.cond(first_half_of_keys, kv_first_half, q_second_half))
+    return merge(o, lse, *lax.cond(first_half_of_keys, kv_first_half, q_second_half))
 
   kv = (k, v, seg)
   o, lse = _jnp_block_fwd(cfg, q, k, v, seg, seg, cfg.causal)  # step 0: our own keys
@@ -480,14 +297,14 @@ def _jnp_ring_bwd(cfg: _RingConfig, q, k, v, seg, o, lse, do):
       return _jnp_block_bwd(cfg, q, k, v, seg, seg_k, do, lse, delta, False)
 
     def kv_first_half():
-      dq, dk, dv = _jnp_block_bwd(cfg, q, k[:, lo], v[:, lo], seg, _slice(seg_k, lo), do, lse,
+      dq, dk, dv = _jnp_block_bwd(cfg, q, k[:, lo], v[:, lo], seg, seq_slice(seg_k, lo), do, lse,
                                   delta, False)
-      return dq, _then_zeros(dk), _then_zeros(dv)
+      return dq, then_zeros(dk), then_zeros(dv)
 
     def q_second_half():
-      dq, dk, dv = _jnp_block_bwd(cfg, q[:, hi], k, v, _slice(seg, hi), seg_k, do[:, hi],
+      dq, dk, dv = _jnp_block_bwd(cfg, q[:, hi], k, v, seq_slice(seg, hi), seg_k, do[:, hi],
                                   lse[:, :, hi], delta[:, :, hi], False)
-      return _zeros_then(dq), dk, dv
+      return zeros_then(dq), dk, dv
 
     return lax.cond(_visible(cfg, i, s, 2 * half)[1] == half, kv_first_half, q_second_half)
 
@@ -590,7 +407,7 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
   the module docstring) for c x more, smaller ring messages. The device's kv heads (after the
   `head_axis` split) must divide by it.
   """
-  mesh = _resolve_mesh(mesh)
+  mesh = current_mesh(mesh)
   if layout not in LAYOUTS:
     raise ValueError(f"ring attention: layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
   B, S, H, D = q_BSHD.shape
@@ -616,9 +433,9 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
 
   def local(q, k, v, seg):
     if reorder:
-      q, k, v, seg = (None if x is None else _zigzag_local(x, axis, n) for x in (q, k, v, seg))
+      q, k, v, seg = (None if x is None else zigzag_local(x, axis, n) for x in (q, k, v, seg))
     out = _ring(q, k, v, seg, cfg)
-    return _zigzag_local(out, axis, n, inverse=True) if reorder else out
+    return zigzag_local(out, axis, n, inverse=True) if reorder else out
 
   # Pallas calls do not track varying mesh axes yet (the interpreter's grid loop rejects them),
   # so the type check is on for the jnp blocks only.
