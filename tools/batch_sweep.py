@@ -40,7 +40,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 
@@ -145,29 +144,30 @@ class Result:
   seconds: float
   workdir: str
   best: bool = False
-
-
-def read_rows(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  final_batch: int = 0  # the batch of the last stage (the start batch unless it grew)
 
 
 def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
   return [(r["step"], r["noise_scale"]) for r in rows if "noise_scale" in r]
 
 
+def read_rows(workdir: str) -> list[dict]:
+  from experiments.common import read_rows as read  # noqa: PLC0415
+  return read(workdir)
+
+
 def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
-  """One training at `batch_size`, stopped at the target; returns what it measured."""
+  """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
+  grow it), stopped at the target or after `args.max_examples`; returns what it measured.
+  Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
+  from experiments.common import eval_curve, target_stop, to_target, train  # noqa: PLC0415
   from optim import derive  # noqa: PLC0415
   from optim.scaling import stated  # noqa: PLC0415
-  from trainer.config import validate  # noqa: PLC0415
-  from trainer.loop import Run  # noqa: PLC0415
-  import jax  # noqa: PLC0415
 
   cfg = base_cfg.copy_and_resolve_references()
   micro = args.micro_batch_size
   cfg.data.global_batch_size = batch_size
-  cfg.data.micro_batch_size = micro if micro < batch_size else 0
+  cfg.data.micro_batch_size = micro if micro < batch_size or cfg.data.batch_ramp else 0
   # The stated rate, or the optimizer's own default when the config leaves it unset.
   cfg.optim.learning_rate = stated(base_cfg.optim)["learning_rate"][0] * lr_multiplier
   cfg.steps = max(1, math.ceil(args.max_examples / batch_size))
@@ -176,40 +176,26 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.optim.noise_scale_every = max(1, cfg.eval_every // 2)
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
-  validate(cfg, jax.devices())
-  if os.path.exists(workdir):
-    shutil.rmtree(workdir)  # the sweep owns its run directories: always a fresh start
 
-  target, half = args.target_loss, args.smooth_examples / 2
-  evals: list[tuple[float, float]] = []  # (examples seen, eval loss)
-
-  def stop_when(step, row):
-    if "eval_loss" not in row:
-      return None
-    evals.append((step * batch_size, row["eval_loss"]))
-    low = [x for x, y in smooth(evals, half) if y <= target]
-    return f"smoothed eval loss <= {target} at {low[0]:,.0f} examples" if low else None
-
-  t0 = time.perf_counter()
-  result = Run(cfg, workdir, stop_when=stop_when).train()
-  seconds = time.perf_counter() - t0
-  shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
-  rows = read_rows(workdir)
-  curve = smooth([(r["step"] * batch_size, r["eval_loss"]) for r in rows if "eval_loss" in r],
-                 half)
-  examples = crossing(curve, target)
-  if examples is not None and examples == curve[0][0]:
+  target = args.target_loss
+  stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
+                                 args.max_examples)
+  trained = train(cfg, workdir, stop=stop)
+  rows, ramp = trained.rows, trained.ramp
+  reached = to_target(eval_curve(rows, ramp), ramp, target, args.smooth_examples)
+  first = smooth(eval_curve(rows, ramp), args.smooth_examples / 2)
+  if reached is not None and first and reached.examples == first[0][0]:
     print(f"[sweep] warning: batch {batch_size} was below the target at its first smoothed "
-          f"point ({examples:,.0f} examples): the target is too easy to resolve", flush=True)
-  steps = None if examples is None else examples / batch_size
+          f"point ({reached.examples:,.0f} examples): the target is too easy to resolve",
+          flush=True)
+  steps = None if reached is None else reached.steps
   hp = derive(cfg.optim, batch_size, batch_size)
   noise = interpolate(noise_curve(rows), steps) if steps is not None else None
-  final = [r["eval_loss"] for r in rows if "eval_loss" in r]
   return Result(batch_size, lr_multiplier, hp.learning_rate, steps,
-                None if steps is None else steps * batch_size,
-                None if steps is None else steps * batch_size * cfg.data.seq_len,
-                noise, max(1, batch_size // micro), final[-1] if final else None, result.step,
-                seconds, workdir)
+                None if reached is None else reached.examples,
+                None if reached is None else reached.tokens,
+                noise, max(1, batch_size // micro), trained.final_eval, trained.steps_run,
+                trained.seconds, workdir, final_batch=ramp.batches[-1])
 
 
 MIN_MICRO_BATCHES = 4  # runs whose noise scale the summary trusts (if there are any)

@@ -1,0 +1,234 @@
+"""Batch autopilot vs fixed batches: tokens and optimizer steps to a target validation loss.
+
+    python -m experiments.autopilot_vs_fixed [--batch_sizes 8,16,32,64,128,256] \\
+        [--margins 2,1] [--targets 2.7,2.6,2.45] [--out docs/autopilot_vs_fixed]
+
+The claim tested (issue 12; McCandlish et al. 2018, Sec. 5): a batch that follows the gradient
+noise scale needs about as few tokens as the smallest fixed batch and about as few steps as the
+large ones, because the critical batch grows as the loss falls.
+
+Setup: configs/sweep_tiny.py (0.16M-parameter Llama, sequences of 64 bytes of the embedded
+corpus; AdamW stated at batch 16, lr 3e-3 and b2 0.99, moved to every batch by the square-root
+lr rule and the b2 half-life rule; constant rate after a warmup of 16,384 tokens; schedule in
+tokens, as the autopilot needs). Every run reads the same micro-batches of 8 rows in the same
+order and is evaluated on the same 64 validation sequences. Each fixed batch B runs through
+`tools.batch_sweep.run_one` (evaluated every 256 / B steps; the target crossing is interpolated
+on the eval curve averaged over 1,024 examples; noise scale measured every other evaluation).
+The autopilot (`data.batch_ramp="auto"`) starts at the smallest batch, doubles up to the
+largest when the smoothed B_simple exceeds `margin` x the batch at 2 measurements in a row
+(`data.batch_auto.*` defaults but the margin: 2 is the default, 1 puts the batch at B_simple),
+and is evaluated every 128 examples of its first batch (every 16 steps, so 512 examples apart
+at batch 32), its noise measured every 8 steps. Its examples, tokens and steps at the target
+come from its record: the ramp rebuilt from its `batch_change` events (experiments/common.py).
+A run stops at the lowest of `--targets` or after `--max_examples` (80,000 sequences); the
+higher targets are read from the same runs' records.
+
+Measured runtime: see the README section "Autopilot vs fixed batches" (the command prints it).
+Outputs: OUT.csv (one row per run and target), OUT.png (steps vs tokens to each target; the
+autopilot's batch and B_simple over training). Deterministic on a given machine (fixed seeds and data order).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from experiments import common
+from tools import batch_sweep, figures
+
+
+def parse(argv):
+  p = common.parser("autopilot_vs_fixed", __doc__)
+  p.add_argument("--batch_sizes", default="8,16,32,64,128,256", help="fixed batches")
+  p.add_argument("--margins", default="2,1", help="one autopilot run per margin")
+  p.add_argument("--targets", default="2.7,2.6,2.45",
+                 help="validation losses; runs stop at the lowest, the others are read from "
+                      "the same runs' records")
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--max_examples", type=int, default=80_000)
+  p.add_argument("--eval_examples", type=int, default=256)
+  p.add_argument("--eval_sequences", type=int, default=64)
+  p.add_argument("--smooth_examples", type=int, default=1024)
+  args, overrides = p.parse(argv)
+  try:
+    args.batch_sizes, args.margins = common.ints(args.batch_sizes), common.floats(args.margins)
+    args.targets = sorted(common.floats(args.targets), reverse=True)
+  except ValueError as e:
+    p.error(f"--batch_sizes / --margins / --targets take comma-separated numbers ({e})")
+  if not args.targets:
+    p.error("--targets needs at least one loss")
+  args.target_loss = args.targets[-1]  # what tools.batch_sweep.run_one stops at
+  if len(args.batch_sizes) < 2 or any(b % args.micro_batch_size for b in args.batch_sizes):
+    p.error(f"--batch_sizes needs two or more multiples of --micro_batch_size="
+            f"{args.micro_batch_size}")
+  return args, overrides
+
+
+def in_tokens(cfg, max_examples: int) -> None:
+  """The config's warmup and horizon in tokens (the autopilot's unit; the same curve for a fixed
+  batch): warmup_examples / warmup_steps become warmup_tokens."""
+  o, seq = cfg.optim, cfg.data.seq_len
+  if not o.warmup_tokens:
+    examples = o.warmup_examples or o.warmup_steps * cfg.data.global_batch_size
+    o.warmup_tokens = int(examples * seq)
+  o.warmup_steps = o.warmup_examples = 0
+  o.decay_steps = o.decay_examples = 0
+  o.decay_tokens = o.decay_tokens or int(max_examples * seq)
+  o.schedule_unit = "tokens"
+
+
+def experiment(args, cfg) -> list[dict]:
+  in_tokens(cfg, args.max_examples)
+  cfg.data.batch_ramp = ""
+  runs = []  # (name, kind, margin, tools.batch_sweep.Result)
+  for batch in args.batch_sizes:
+    r = batch_sweep.run_one(cfg, batch, 1.0, args, os.path.join(args.workdir, f"fixed_b{batch}"))
+    runs.append((f"B={batch}", "fixed", None, r))
+    report(runs[-1])
+  auto_args = argparse.Namespace(**{**vars(args), "eval_examples": args.eval_examples // 2})
+  for margin in args.margins:
+    auto = cfg.copy_and_resolve_references()
+    auto.data.batch_ramp = "auto"
+    auto.data.batch_auto.update(max=args.batch_sizes[-1], margin=margin)
+    r = batch_sweep.run_one(auto, args.batch_sizes[0], 1.0, auto_args,
+                            os.path.join(args.workdir, f"auto_m{margin:g}"))
+    runs.append((f"auto m={margin:g}", "auto", margin, r))
+    report(runs[-1])
+  rows = [row for run in runs for row in at_targets(*run, args.targets, args.smooth_examples,
+                                                    cfg.data.seq_len)]
+  common.write(args, rows)
+  for target in args.targets:
+    print(f"[autopilot] to eval loss {target}:")
+    print(common.table([r for r in rows if r["target"] == target], COLUMNS, "autopilot"))
+    for line in verdict([r for r in rows if r["target"] == target]):
+      print(f"[autopilot]   {line}")
+  plotted = plot(args.out + ".png", rows, runs, args.targets, cfg.data.seq_len)
+  print(f"[autopilot] wrote {args.out}.csv" + (f", {args.out}.png" if plotted
+                                                else figures.NO_PLOT))
+  return rows
+
+
+COLUMNS = [("run", "run", "s"), ("batch_at_target", "batch then", "d"),
+           ("steps", "steps", ".1f"), ("tokens", "tokens", ",.0f"),
+           ("examples", "sequences", ",.0f"), ("noise_scale", "B_simple", ".1f")]
+
+
+def at_targets(name: str, kind: str, margin: float | None, r: batch_sweep.Result,
+               targets: list[float], smooth_examples: float, seq_len: int) -> list[dict]:
+  """One row per target: where the run's smoothed eval curve crossed it, in examples, tokens and
+  steps of the run's own record (its batch changes), the batch it had then, and B_simple."""
+  rows = common.read_rows(r.workdir)
+  ramp = common.ramp_from_rows(rows, r.batch_size, seq_len)
+  curve = common.eval_curve(rows, ramp)
+  out = []
+  for target in targets:
+    hit = common.to_target(curve, ramp, target, smooth_examples)
+    out.append({
+        "run": name, "kind": kind, "margin": margin, "target": target,
+        "start_batch": r.batch_size, "learning_rate": r.learning_rate,
+        "steps": None if hit is None else hit.steps,
+        "examples": None if hit is None else hit.examples,
+        "tokens": None if hit is None else hit.tokens,
+        "batch_at_target": None if hit is None else ramp.batch_at(int(hit.steps)),
+        "noise_scale": None if hit is None else batch_sweep.interpolate(
+            batch_sweep.noise_curve(rows), hit.steps),
+        "final_batch": ramp.batches[-1], "steps_run": r.steps_run,
+        "final_eval_loss": r.final_eval_loss, "seconds": r.seconds})
+  return out
+
+
+def report(run) -> None:
+  name, _, _, r = run
+  where = (f"lowest target at step {r.steps:.1f}, {r.tokens:,.0f} tokens" if r.steps
+           else f"lowest target not reached in {r.steps_run} steps")
+  print(f"[autopilot] {name} (last batch {r.final_batch}): {where}; {r.seconds:.0f}s",
+        flush=True)
+
+
+def verdict(rows: list[dict]) -> list[str]:
+  """Each autopilot run's tokens and steps as multiples of the best fixed batch's (which), at
+  one target."""
+  fixed = [r for r in rows if r["kind"] == "fixed" and r["steps"] is not None]
+  if not fixed:
+    return ["no fixed batch reached the target"]
+  few_tokens = min(fixed, key=lambda r: r["tokens"])
+  few_steps = min(fixed, key=lambda r: r["steps"])
+  out = []
+  for r in rows:
+    if r["kind"] != "auto":
+      continue
+    if r["steps"] is None:
+      out.append(f"{r['run']}: did not reach the target")
+      continue
+    out.append(f"{r['run']}: {r['tokens'] / few_tokens['tokens']:.2f}x the tokens of the most "
+               f"frugal fixed batch ({few_tokens['run']}), {r['steps'] / few_steps['steps']:.2f}x "
+               f"the steps of the fastest ({few_steps['run']})")
+  return out
+
+
+def plot(path: str, rows: list[dict], runs, targets: list[float], seq_len: int) -> bool:
+  plt = figures.pyplot()
+  if plt is None:
+    return False
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+  markers, labelled = "*Pd^v", set()
+  for j, target in enumerate(targets):
+    color = f"C{j}"
+    fixed = [r for r in rows if r["target"] == target and r["kind"] == "fixed"
+             and r["steps"] is not None]
+    ax1.plot([r["tokens"] for r in fixed], [r["steps"] for r in fixed], "o-", c=color, ms=4,
+             label=f"fixed batches, eval loss {target}")
+    for r in fixed:
+      ax1.annotate(str(r["start_batch"]), (r["tokens"], r["steps"]), fontsize=7, color=color,
+                   textcoords="offset points", xytext=(3, 3))
+    autos = [r for r in rows if r["target"] == target and r["kind"] == "auto"
+             and r["steps"] is not None]
+    for r in autos:
+      i = sorted({x["margin"] for x in rows if x["kind"] == "auto"}).index(
+          r["margin"])
+      ax1.plot([r["tokens"]], [r["steps"]], markers[i % len(markers)], ms=11, c=color,
+               mec="k", mew=0.6, label=None if i in labelled else
+               f"autopilot, margin {r['margin']:g} (colour: target)")
+      labelled.add(i)
+  missing = sorted({r["start_batch"] for r in rows if r["kind"] == "fixed" and r["steps"] is None
+                    and r["target"] == targets[-1]})
+  ax1.set(xscale="log", yscale="log", xlabel="tokens to target", ylabel="steps to target",
+          title="steps vs tokens to the target (labels: fixed batch)"
+          + (f"\nnot reached at {targets[-1]}: B = {', '.join(map(str, missing))}" if missing
+             else ""))
+  ticker = plt.matplotlib.ticker
+  for axis in (ax1.xaxis, ax1.yaxis):
+    axis.set_major_formatter(ticker.ScalarFormatter())
+    axis.set_minor_formatter(ticker.NullFormatter())
+  ax1.legend(fontsize=7)
+  for i, (name, kind, margin, r) in enumerate(x for x in runs if x[1] == "auto"):
+    color = f"C{i + len(targets)}"
+    run_rows = common.read_rows(r.workdir)
+    ramp = common.ramp_from_rows(run_rows, r.batch_size, seq_len)
+    steps = range(0, r.steps_run + 1)
+    ax2.step([ramp.tokens_before(s) for s in steps], [ramp.batch_at(s) for s in steps],
+             where="post", c=color, lw=2, label=f"batch, margin {margin:g}")
+    noise = [(ramp.tokens_before(x["step"]), x["noise_scale"]) for x in run_rows
+             if "noise_scale" in x]
+    if noise:
+      ax2.plot(*zip(*noise), c=color, lw=0.8, alpha=0.7, ls="--",
+               label=f"smoothed B_simple, margin {margin:g}")
+    for target in targets:
+      hit = [x for x in rows if x["run"] == name and x["target"] == target and x["tokens"]]
+      if hit:
+        ax2.axvline(hit[0]["tokens"], c=color, lw=0.6, ls=":")
+  ax2.set(yscale="log", xlabel="tokens seen", ylabel="sequences",
+          title="the autopilot's batch and B_simple (dotted: targets reached)")
+  ax2.yaxis.set_major_formatter(ticker.ScalarFormatter())
+  ax2.yaxis.set_minor_formatter(ticker.NullFormatter())
+  ax2.legend(fontsize=7)
+  figures.save(fig, path, "Batch autopilot vs fixed batches (sweep_tiny, embedded corpus)")
+  return True
+
+
+def main(argv: list[str]) -> int:
+  return common.main("autopilot", parse, experiment, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

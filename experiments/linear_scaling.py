@@ -1,0 +1,150 @@
+"""Linear scaling + warmup (Goyal et al. 2017): SGD with momentum, loss at a fixed token budget
+across batch sizes, with the linear learning-rate rule and warmup, the rule without warmup, and
+no rule.
+
+    python -m experiments.linear_scaling [--batch_sizes 8,16,32,64,128,256] \\
+        [--examples 16384] [--lr 0.15] [--out docs/linear_scaling]
+
+Goyal et al.'s claim: with lr = k x lr_ref at k x the reference batch and a gradual warmup, the
+loss after a fixed number of epochs is the same at every batch up to a limit (8k images for
+ResNet-50), beyond which it degrades; without warmup the rule fails early in training at large
+k; without the rule (the same lr everywhere) large batches train too slowly. McCandlish et al.
+2018 place the limit at the critical batch: above it, k times fewer steps cannot do the same
+work however the rate is set.
+
+Setup: the model and data of configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the
+embedded corpus, micro-batches of 8 rows, the same data order at every batch). SGD, momentum
+0.9, L2 weight decay 1e-4 (the optimizer's defaults), no gradient clipping (as Goyal et al.).
+The rate is stated at the smallest batch (`--lr`, the reference batch) and moved by
+`optim.lr_rule` (optim/scaling.py): `linear` in the first two arms, `none` in the third.
+Schedule in examples: warmup over the first `--warmup_fraction` of the budget (from 0 to the
+rule's rate, the same examples at every batch, as Goyal's 5 epochs), then cosine decay to 0.1x
+at the budget; the "no warmup" arm starts at the full rate. Each batch trains `--examples`
+sequences (the same data) and is scored by its final validation loss on 128 sequences; a run
+whose loss goes non-finite keeps its last finite evaluation and is marked diverged (the
+trainer's default `nonfinite_policy=skip` skips such updates). Arms that coincide (both
+warmup arms at the reference batch) run once.
+
+Measured runtime: see the README section "Linear scaling + warmup" (the command prints it).
+Outputs: OUT.csv (one row per arm and batch), OUT.png (final loss vs batch for the three arms;
+the eval curves of the linear + warmup arm). Deterministic on a given machine.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from experiments import common
+from tools import figures
+
+ARMS = (("linear + warmup", "linear", True), ("linear, no warmup", "linear", False),
+        ("no rule (same lr)", "none", True))
+
+
+def parse(argv):
+  p = common.parser("linear_scaling", __doc__)
+  p.add_argument("--batch_sizes", default="8,16,32,64,128,256")
+  p.add_argument("--examples", type=int, default=16384, help="training sequences per run")
+  p.add_argument("--lr", type=float, default=0.15, help="SGD rate at the smallest batch")
+  p.add_argument("--warmup_fraction", type=float, default=1 / 16)
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--evals", type=int, default=8, help="evaluations per run")
+  p.add_argument("--eval_sequences", type=int, default=128)
+  args, overrides = p.parse(argv)
+  try:
+    args.batch_sizes = common.ints(args.batch_sizes)
+  except ValueError as e:
+    p.error(f"--batch_sizes takes comma-separated integers ({e})")
+  return args, overrides
+
+
+def arm_config(base, args, batch: int, rule: str, warmup: bool):
+  cfg = common.at_budget(base, batch, args.examples, micro=args.micro_batch_size,
+                         evals=args.evals, eval_sequences=args.eval_sequences)
+  o = cfg.optim
+  o.update(name="sgd", learning_rate=args.lr, weight_decay=-1.0, momentum=0.9, nesterov=False,
+           clip_norm=0.0, reference_batch_size=args.batch_sizes[0], lr_rule=rule,
+           b2_rule="constant", weight_decay_rule="constant", ema_decay=0.0, schedule="cosine",
+           schedule_unit="examples", warmup_steps=0, warmup_tokens=0, decay_steps=0,
+           decay_tokens=0, decay_examples=args.examples,
+           warmup_examples=round(args.examples * args.warmup_fraction) if warmup else 0)
+  return cfg
+
+
+def experiment(args, cfg) -> list[dict]:
+  from optim import derive  # noqa: PLC0415
+  rows, curves, done = [], {}, {}
+  for batch in args.batch_sizes:
+    for name, rule, warmup in ARMS:
+      c = arm_config(cfg, args, batch, rule, warmup)
+      key = (batch, derive(c.optim, batch).learning_rate, c.optim.warmup_examples)
+      if key in done:  # the same run as another arm's (the reference batch)
+        row = {**done[key], "arm": name}
+      else:
+        slug = f"b{batch}_{rule}_{'warmup' if warmup else 'nowarmup'}"
+        t = common.train(c, os.path.join(args.workdir, slug))
+        curve = common.eval_curve(t.rows, t.ramp)
+        finite = [(x, y) for x, y in curve if math.isfinite(y)]
+        diverged = len(finite) < len(curve) or any(
+            y > curve[0][1] + 1 for _, y in finite[1:]) if curve else True
+        row = {"arm": name, "batch_size": batch, "lr_rule": rule,
+               "learning_rate": derive(c.optim, batch).learning_rate,
+               "warmup_examples": c.optim.warmup_examples, "steps": t.steps_run,
+               "examples": t.ramp.examples_before(t.steps_run),
+               "final_eval_loss": finite[-1][1] if finite else math.nan,
+               "diverged": diverged, "seconds": t.seconds}
+        done[key] = row
+        curves[(name, batch)] = curve
+      rows.append(row)
+      print(f"[linear] {name:18s} batch {batch:4d}: lr {row['learning_rate']:.3g}, final eval "
+            f"{row['final_eval_loss']:.4f}" + (" (diverged)" if row["diverged"] else "")
+            + f"; {row['seconds']:.0f}s", flush=True)
+  common.write(args, rows)
+  print(common.table(rows, COLUMNS, "linear"))
+  plotted = plot(args.out + ".png", rows, curves, args)
+  print(f"[linear] wrote {args.out}.csv" + (f", {args.out}.png" if plotted else figures.NO_PLOT))
+  return rows
+
+
+COLUMNS = [("arm", "arm", "s"), ("batch_size", "batch", "d"), ("learning_rate", "lr", ".3g"),
+           ("steps", "steps", "d"), ("final_eval_loss", "final eval loss", ".4f"),
+           ("diverged", "diverged", "")]
+
+
+def plot(path: str, rows: list[dict], curves: dict, args) -> bool:
+  plt = figures.pyplot()
+  if plt is None:
+    return False
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
+  for i, (name, _, _) in enumerate(ARMS):
+    arm = [r for r in rows if r["arm"] == name]
+    ax1.plot([r["batch_size"] for r in arm], [r["final_eval_loss"] for r in arm], "o-",
+             c=f"C{i}", label=name)
+    bad = [r for r in arm if r["diverged"]]
+    if bad:
+      ax1.plot([r["batch_size"] for r in bad], [r["final_eval_loss"] for r in bad], "x",
+               c="k", ms=9)
+  finite = [r["final_eval_loss"] for r in rows if math.isfinite(r["final_eval_loss"])]
+  ax1.set(xscale="log", xlabel="batch size (sequences)", ylabel="final eval loss",
+          title=f"SGD-momentum after {args.examples:,} sequences (x: diverged)",
+          ylim=(min(finite) - 0.05, min(max(finite), min(finite) + 2.0) + 0.05))
+  ax1.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
+  ax1.legend(fontsize=8)
+  for j, batch in enumerate(args.batch_sizes):
+    curve = curves.get((ARMS[0][0], batch))
+    if curve:
+      ax2.plot(*zip(*curve), "o-", ms=3, c=f"C{j}", label=f"B={batch}")
+  ax2.set(xlabel="sequences seen", ylabel="eval loss", title="linear + warmup: eval loss",
+          ylim=(min(finite) - 0.05, min(finite) + 1.5))
+  ax2.legend(fontsize=8)
+  figures.save(fig, path, "Linear scaling rule + warmup (Goyal et al. 2017), sweep_tiny model")
+  return True
+
+
+def main(argv: list[str]) -> int:
+  return common.main("linear", parse, experiment, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""experiments/: reading a run's own record (examples seen through its batch changes, the target
+crossing), the autopilot verdict, WSD branching (schedule algebra, and a branch restored from a
+stable run's checkpoint equal to a from-scratch run of its config), and one experiment's command
+end to end."""
+import csv
+import math
+import os
+
+import numpy as np
+import pytest
+
+from conftest import losses, tiny_config
+from experiments import autopilot_vs_fixed, common, large_batch_optimizers, schedules
+
+
+def _record():
+  """A run that started at batch 8, grew to 16 from step 11 and to 32 from step 21 (as the
+  autopilot writes it), evaluated every 10 steps."""
+  rows = [{"step": 10, "loss": 3.0}, {"step": 10, "eval_loss": 3.0},
+          {"step": 9, "event": "batch_change", "batch": 16, "old_batch": 8, "from_step": 11},
+          {"step": 20, "eval_loss": 2.5}, {"step": 20, "event": "hyperparameters"},
+          {"step": 19, "event": "batch_change", "batch": 32, "old_batch": 16, "from_step": 21},
+          {"step": 30, "eval_loss": 2.0}, {"step": 40, "eval_loss": 1.5}]
+  return rows
+
+
+def test_examples_come_from_the_recorded_batch_changes():
+  rows = _record()
+  ramp = common.ramp_from_rows(rows, start_batch=8, seq_len=64)
+  assert ramp.stages_by_step() == [(0, 8), (10, 16), (20, 32)]
+  # 10 x 8, then 10 x 16, then 32 per step (not step x batch of either end)
+  assert common.eval_curve(rows, ramp) == [(80, 3.0), (240, 2.5), (560, 2.0), (880, 1.5)]
+  assert common.train_curve(rows, ramp) == [(80, 3.0)]
+  # a resumed run writing the same decision again changes nothing; a contradiction is an error
+  again = common.ramp_from_rows(rows + [rows[2]], 8, 64)
+  assert again.stages_by_step() == ramp.stages_by_step()
+  with pytest.raises(ValueError, match="is from 8"):
+    common.ramp_from_rows(rows + [{**rows[2], "from_step": 31}], 8, 64)
+
+
+def test_tokens_and_steps_to_target_through_the_ramp():
+  rows = _record()
+  ramp = common.ramp_from_rows(rows, 8, 64)
+  curve = common.eval_curve(rows, ramp)
+  got = common.to_target(curve, ramp, target=2.25, smooth_examples=0)
+  # halfway between 240 and 560 examples: 400, i.e. step 20 + 160 / 32 = 25
+  assert got == common.Reached(examples=400.0, tokens=400.0 * 64, steps=25.0)
+  assert common.to_target(curve, ramp, target=1.0, smooth_examples=0) is None
+  # smoothed over 640 examples (+-320): only 560 has a full window, averaging 2.5, 2.0, 1.5
+  assert common.to_target(curve, ramp, 2.1, smooth_examples=640).examples == 560
+
+
+def test_target_stop_reads_examples_from_the_run():
+  seen = {10: 80, 20: 240, 30: 560}
+  stop = common.target_stop(2.6, 0, seen.__getitem__, max_examples=500)
+  assert stop(10, {"eval_loss": 3.0}) is None
+  assert stop(20, {"eval_loss": 2.5}) == "smoothed eval loss <= 2.6 at 240 examples"
+  stop = common.target_stop(1.0, 0, seen.__getitem__, max_examples=500)
+  assert stop(20, {"loss": 2.0}) is None
+  assert "500 examples seen" in stop(30, {"loss": 2.0})
+
+
+def test_at_targets_reads_every_target_from_one_record(tmp_path):
+  """The autopilot experiment's rows: each target's crossing from the run's own record, with
+  the batch the run had then and B_simple interpolated at that step."""
+  import json  # noqa: PLC0415
+  from tools.batch_sweep import Result  # noqa: PLC0415
+  rows = _record() + [{"step": 10, "noise_scale": 4.0}, {"step": 30, "noise_scale": 8.0}]
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in rows)
+  r = Result(batch_size=8, lr_multiplier=1.0, learning_rate=1e-3, steps=None, examples=None,
+             tokens=None, noise_scale=None, micro_batches=1, final_eval_loss=1.5, steps_run=40,
+             seconds=1.0, workdir=str(tmp_path), final_batch=32)
+  got = autopilot_vs_fixed.at_targets("auto m=1", "auto", 1.0, r, [2.75, 2.25, 1.0], 0, 64)
+  assert [(g["target"], g["steps"], g["examples"], g["batch_at_target"]) for g in got] == [
+      (2.75, 15.0, 160.0, 16), (2.25, 25.0, 400.0, 32), (1.0, None, None, None)]
+  assert got[0]["tokens"] == 160 * 64 and got[1]["noise_scale"] == pytest.approx(7.0)
+  assert {g["final_batch"] for g in got} == {32}
+
+
+def test_verdict_compares_with_the_best_fixed_batches():
+  rows = [{"run": "B=8", "kind": "fixed", "steps": 1000.0, "tokens": 5e5},
+          {"run": "B=64", "kind": "fixed", "steps": 200.0, "tokens": 8e5},
+          {"run": "B=256", "kind": "fixed", "steps": None, "tokens": None},
+          {"run": "auto m=1", "kind": "auto", "steps": 300.0, "tokens": 6e5},
+          {"run": "auto m=2", "kind": "auto", "steps": None, "tokens": None}]
+  assert autopilot_vs_fixed.verdict(rows) == [
+      "auto m=1: 1.20x the tokens of the most frugal fixed batch (B=8), 1.50x the steps of the "
+      "fastest (B=64)", "auto m=2: did not reach the target"]
+
+
+def test_at_budget_trains_the_budget_and_evaluates_at_the_end():
+  cfg = common.at_budget(tiny_config(), 32, 4096, micro=8, evals=3, eval_sequences=20)
+  assert (cfg.steps, cfg.data.global_batch_size, cfg.data.micro_batch_size) == (128, 32, 8)
+  assert cfg.steps % cfg.eval_every == 0 and cfg.steps // cfg.eval_every >= 3
+  assert cfg.eval_steps == 3 and cfg.checkpoint.every_steps == 0
+  with pytest.raises(ValueError, match="multiples"):
+    common.at_budget(tiny_config(), 24, 4096, micro=8, evals=3, eval_sequences=8)
+
+
+def test_branch_schedule_is_the_stable_rate_then_a_decay_over_its_length():
+  """A WSD branch decaying from step 30 over 10 steps: peak at every step before 30 (as the
+  stable run, a constant schedule), then the 1-sqrt decay, reaching min_lr_ratio at 40."""
+  cfg = tiny_config(**{"steps": 40, "optim.schedule_unit": "tokens", "optim.warmup_steps": 0,
+                       "optim.decay_steps": 0, "optim.warmup_tokens": 8 * 32 * 4,
+                       "optim.learning_rate": 1e-2})
+  stable = cfg.copy_and_resolve_references()
+  stable.optim.update(schedule="constant", decay_tokens=10**9)
+  tokens = 8 * 32  # per step
+  points = schedules.branch_points(examples=8 * 50, batch=8, ends=[0.4, 0.8],
+                                   decay_fraction=0.2)
+  assert points == [(10, 10, 20), (30, 10, 40)]
+  schedules.branch_schedule(cfg.optim, 30 * tokens, 10 * tokens)
+  lr = schedules.schedule_values(cfg, 40)
+  assert lr[:30] == schedules.schedule_values(stable, 30)
+  assert lr[29] == pytest.approx(1e-2) and lr[30] == pytest.approx(1e-2)  # decay starts at 30
+  assert lr[31] < lr[30] and lr[39] < 1e-2 * (0.1 + 0.9 * (1 - math.sqrt(0.85)))
+  full = schedules.schedule_values(cfg, 41)[40]
+  assert full == pytest.approx(1e-3, rel=1e-5)
+  assert schedules.power_a(3e-3, 16, 16384.0, -0.51) * 16 * 16384 ** -0.51 == \
+      pytest.approx(3e-3)
+
+
+def test_branch_from_a_checkpoint_equals_a_run_from_scratch(tmp_path, data_dir):
+  """The experiment's branching end to end: a stable run to step 3 (checkpointed), a branch
+  that restores a copy of that checkpoint and decays over 3 steps, against a fresh run of the
+  branch's config: the same losses bit for bit, steps 1-3 in the stable run, 4-6 in the branch."""
+  tokens = 8 * 32
+  base = tiny_config(**{"steps": 6, "optim.schedule_unit": "tokens", "optim.warmup_steps": 0,
+                        "optim.decay_steps": 0, "optim.warmup_tokens": 2 * tokens,
+                        "optim.learning_rate": 1e-2, "checkpoint.every_steps": 0})
+  stable = base.copy_and_resolve_references()
+  stable.optim.update(schedule="constant", decay_tokens=10**9)
+  schedules.train_stable(stable, str(tmp_path / "stable"), [3])
+  branch = base.copy_and_resolve_references()
+  schedules.branch_schedule(branch.optim, 3 * tokens, 3 * tokens)
+  schedules.copy_checkpoint(str(tmp_path / "stable"), 3, str(tmp_path / "branch"))
+  common.train(branch, str(tmp_path / "branch"), fresh=False)
+  common.train(branch, str(tmp_path / "scratch"))
+  stable_l, branch_l, scratch = (losses(tmp_path / d) for d in ("stable", "branch", "scratch"))
+  assert sorted(branch_l) == [4, 5, 6]
+  got = [stable_l[s] for s in (1, 2, 3)] + [branch_l[s] for s in (4, 5, 6)]
+  assert got == [scratch[s] for s in range(1, 7)]
+  assert len(set(got[3:])) == 3
+
+
+def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
+  """The command with a tiny config: LARS at batch 16 and at its reference batch 8, the linear
+  rule doubling the rate; a CSV row per run and the PNG."""
+  config = tmp_path / "tiny.py"
+  config.write_text(
+      "from trainer.config import default_config\n"
+      "def get_config():\n"
+      "  c = default_config()\n"
+      "  c.model.update(vocab_size=512, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,\n"
+      "                 mlp_dim=64)\n"
+      "  c.data.update(global_batch_size=8, seq_len=32, prefetch=0)\n"
+      "  c.trainer.update(peak_flops_per_device=1e9)\n"
+      "  return c\n")
+  out = tmp_path / "out" / "opt"
+  code = large_batch_optimizers.main([
+      "--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",
+      "--optimizers", "lars", "--evals", "2", "--eval_sequences", "8", "--out", str(out),
+      "--workdir", str(tmp_path / "runs")])
+  assert code == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  assert [(r["optimizer"], int(r["batch_size"]), int(r["steps"])) for r in rows] == [
+      ("lars", 16, 4), ("lars", 8, 8)]
+  assert float(rows[0]["learning_rate"]) == pytest.approx(2 * float(rows[1]["learning_rate"]))
+  assert all(np.isfinite(float(r["final_eval_loss"])) for r in rows)
+  assert os.path.getsize(f"{out}.png") > 10_000
+  assert large_batch_optimizers.main(["--config", str(config), "--optimizers", "adam"]) == 2
