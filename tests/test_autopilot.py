@@ -165,3 +165,64 @@ def test_norm_test_trigger_in_a_run(tmp_path, data_dir):
   assert event["step"] == 4 and event["from_step"] == 6
   assert event["reason"] == (f"norm test tr(Sigma)/(T |g|^2)={ratio:.4g} > eta^2=0.0025 "
                              "(2 measurements in a row)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Two real processes (gloo, 4 CPU devices each) against one process with 8 devices.
+
+
+def test_two_processes_decide_the_same_batches_as_one(tmp_path):
+  """data.batch_ramp=auto with micro-batches of 4 rows, 8 -> 32, margin 0.01 (every measurement
+  fires), noise measured every 2 steps: 8 -> 16 from step 4, 16 -> 32 from step 6. Each process
+  decides alone from the replicated metrics; the evidence that process 1 followed the same
+  batches is its own data state (every process writes the position of the rows it reads with
+  each checkpoint, here at steps 2, 4, 6, 8): equal at every checkpoint to the single-process
+  run's position of those rows, which consumed 8, 8, 8, 16, 16, 32, 32, 32 sequences. Losses
+  equal the single process's to rtol 1e-5 (float rounding: the gradient's cross-process
+  all-reduce sums in another order, as in test_multihost)."""
+  from test_multihost import MODEL_ARGS, launch_beside_reference  # noqa: PLC0415
+  args = MODEL_ARGS + [
+      "--config.steps=8", "--config.data.micro_batch_size=4", "--config.data.batch_ramp=auto",
+      "--config.data.batch_auto.max=32", "--config.data.batch_auto.margin=0.01",
+      "--config.data.batch_auto.patience=1", "--config.optim.noise_scale_every=2",
+      "--config.optim.schedule_unit=tokens", "--config.optim.warmup_steps=0",
+      "--config.optim.decay_steps=0", "--config.optim.warmup_tokens=512",
+      "--config.optim.decay_tokens=20000", "--config.checkpoint.keep=10"]
+  multi, single = tmp_path / "multi", tmp_path / "single"
+  results = launch_beside_reference(multi, single, args, args)
+  assert "batch 8 -> 16 from step 4" in results[0][1] and "batch 16 -> 32 from step 6" in \
+      results[0][1]
+  got, want = metric_rows(multi), metric_rows(single)
+  assert [got[s]["batch_size"] for s in range(1, 9)] == [8] * 3 + [16] * 2 + [32] * 3
+  assert [want[s]["batch_size"] for s in range(1, 9)] == [8] * 3 + [16] * 2 + [32] * 3
+  for step in range(1, 9):
+    assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
+
+  def row_states(workdir, step):
+    """{global row: its stream state} from every process's data file of checkpoint `step`."""
+    data = workdir / "checkpoints" / str(step) / "data"
+    out = {}
+    for f in sorted(data.glob("process_*.json")):
+      shard = json.loads(f.read_text())
+      out.update({row: (f.name, state) for row, state in zip(shard["rows"],
+                                                               shard["row_states"])})
+    return out
+
+  for step in (2, 4, 6, 8):
+    mine, ref = row_states(multi, step), row_states(single, step)
+    assert sorted(mine) == sorted(ref) == [0, 1, 2, 3]
+    writers = {name for name, _ in mine.values()}
+    assert writers == {"process_0-of-2.json", "process_1-of-2.json"}, writers
+    for row in ref:
+      assert mine[row][1] == ref[row][1], (step, row, mine[row][0])
+  # The decisions saved with the last checkpoint are the single process's.
+  from trainer.checkpoint import Checkpointer  # noqa: PLC0415
+  decisions = []
+  for workdir in (multi, single):
+    ckpt = Checkpointer(str(workdir / "checkpoints"), keep=10, async_save=False, log=print)
+    try:
+      decisions.append(ckpt.saved_autopilot(8))
+    finally:
+      ckpt.close()
+  assert decisions[0] == decisions[1]
+  assert [(c["step"], c["batch"]) for c in decisions[0]["changes"]] == [(4, 16), (6, 32)]
