@@ -24,8 +24,8 @@ Every run trains `--examples` sequences: a linear warmup over the first 1/8 of t
 examples, so the same data at both batches), then cosine decay to 0.1x; gradient clipping at
 norm 1 (the config's) for all three. Scored by the final validation loss on 128 sequences.
 
-Measured runtime: see the README section "LAMB / LARS vs AdamW at large batch" (the command
-prints it). Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences,
+Measured runtime: 9.4 minutes on 2 CPU cores shared with other jobs (6 trainings of 32,768
+sequences). Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences,
 one panel per batch). Deterministic on a given machine.
 """
 from __future__ import annotations

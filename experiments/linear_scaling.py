@@ -21,8 +21,9 @@ Schedule in examples: warmup over the first `--warmup_fraction` of the budget (f
 rule's rate, the same examples at every batch, as Goyal's 5 epochs), then cosine decay to 0.1x
 at the budget; the "no warmup" arm starts at the full rate. Each batch trains `--examples`
 sequences (the same data) and is scored by its final validation loss on 128 sequences; a run
-whose loss goes non-finite keeps its last finite evaluation and is marked diverged (the
-trainer's default `nonfinite_policy=skip` skips such updates). Arms that coincide (both
+whose loss goes non-finite or far up, or that ends no better than a uniform prediction (ln V),
+is marked diverged; its last finite evaluation is kept (the trainer's default
+`nonfinite_policy=skip` skips non-finite updates). Arms that coincide (both
 warmup arms at the reference batch) run once.
 
 Measured runtime: see the README section "Linear scaling + warmup" (the command prints it).
@@ -86,8 +87,7 @@ def experiment(args, cfg) -> list[dict]:
         t = common.train(c, os.path.join(args.workdir, slug))
         curve = common.eval_curve(t.rows, t.ramp)
         finite = [(x, y) for x, y in curve if math.isfinite(y)]
-        diverged = len(finite) < len(curve) or any(
-            y > curve[0][1] + 1 for _, y in finite[1:]) if curve else True
+        diverged = is_diverged([y for _, y in curve], c.model.vocab_size)
         row = {"arm": name, "batch_size": batch, "lr_rule": rule,
                "learning_rate": derive(c.optim, batch).learning_rate,
                "warmup_examples": c.optim.warmup_examples, "steps": t.steps_run,
@@ -105,6 +105,16 @@ def experiment(args, cfg) -> list[dict]:
   plotted = plot(args.out + ".png", rows, curves, args)
   print(f"[linear] wrote {args.out}.csv" + (f", {args.out}.png" if plotted else figures.NO_PLOT))
   return rows
+
+
+def is_diverged(evals: list[float], vocab_size: int) -> bool:
+  """A run diverged if an evaluation was non-finite or far above the first one, or if it ends
+  no better than a uniform prediction (loss ln V: an overflow the trainer's non-finite
+  policy skipped leaves the model there)."""
+  if not evals:
+    return True
+  return (not all(math.isfinite(y) for y in evals) or any(y > evals[0] + 1 for y in evals)
+          or evals[-1] >= math.log(vocab_size) - 0.05)
 
 
 COLUMNS = [("arm", "arm", "s"), ("batch_size", "batch", "d"), ("learning_rate", "lr", ".3g"),

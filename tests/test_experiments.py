@@ -170,3 +170,11 @@ def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
   assert all(np.isfinite(float(r["final_eval_loss"])) for r in rows)
   assert os.path.getsize(f"{out}.png") > 10_000
   assert large_batch_optimizers.main(["--config", str(config), "--optimizers", "adam"]) == 2
+
+
+def test_divergence_is_flagged():
+  from experiments.linear_scaling import is_diverged  # noqa: PLC0415
+  assert not is_diverged([3.5, 3.0, 2.6], 512)
+  assert is_diverged([3.5, float("nan"), 2.6], 512)
+  assert is_diverged([3.5, 2e5, 6.24], 512)  # blew up, then stuck at ln 512 = 6.238
+  assert is_diverged([6.2383, 6.2383], 512) and is_diverged([], 512)
