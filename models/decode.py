@@ -48,6 +48,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> dict[str, jax.Arra
 
 def forward_with_cache(model: Transformer, tokens_BT, positions_BT, cache):
   """(fp32 logits [B, T, V], updated cache) for new tokens at `positions_BT` (= cache slots)."""
+  if model.cfg.moe.enabled:
+    raise ValueError(f"KV-cache decoding supports dense models only; this model has "
+                     f"model.moe.num_experts={model.cfg.moe.num_experts}")
   B, T = tokens_BT.shape
   S = cache["k"].shape[2]
   rows_B1 = jnp.arange(B)[:, None]

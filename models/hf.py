@@ -46,6 +46,9 @@ class ConvertError(ValueError):
 def _rows(cfg: ModelConfig) -> list[tuple[str, str, str]]:
   """(our path, HF name, kind). kinds: 'copy' (same array), 'linear' ([out,in] -> [in,out]),
   'q'/'kv' ([H*D, E] -> [E, H, D]), 'o' ([E, H*D] -> [H, D, E])."""
+  if cfg.moe.enabled:
+    raise ValueError(f"Hugging Face conversion maps dense Llama models only; this model has "
+                     f"model.moe.num_experts={cfg.moe.num_experts} (no MoE mapping)")
   rows = [("embed_VE", "model.embed_tokens.weight", "copy"),
           ("final_norm/scale", "model.norm.weight", "copy")]
   if not cfg.tie_embeddings:

@@ -41,6 +41,7 @@ from flax import nnx
 
 from models.attention import IMPLS, attention, sequence_layout
 from models.cross_entropy import chunked_cross_entropy
+from models.moe import MoE, MoEConfig
 from sharding.ring_attention import zigzag
 from sharding.rules import constrain
 
@@ -90,6 +91,7 @@ class ModelConfig:
   parametrization: str = "sp"  # "sp" or "mup" (module docstring)
   base_width: int = 0  # muP's base d_model (0: d_model itself, m = 1)
   rope_scaling: RopeScaling = RopeScaling()
+  moe: MoEConfig = MoEConfig()  # mixture of experts (models/moe.py); num_experts 0 = dense
 
   @classmethod
   def from_config(cls, cfg: Any) -> "ModelConfig":
@@ -98,6 +100,8 @@ class ModelConfig:
     values = {k: v for k, v in dict(cfg).items() if k in fields}
     if not isinstance(values.get("rope_scaling", RopeScaling()), RopeScaling):
       values["rope_scaling"] = RopeScaling(**dict(values["rope_scaling"]))
+    if not isinstance(values.get("moe", MoEConfig()), MoEConfig):
+      values["moe"] = MoEConfig(**dict(values["moe"]))
     return cls(**values)
 
   def to_dict(self) -> dict:
@@ -258,6 +262,50 @@ class Block(nnx.Module):
     return constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
 
 
+class MoEBlock(nnx.Module):
+  """A block whose MLP is a mixture of experts (models/moe.py), plus an optional shared expert
+  (a dense SwiGLU every token goes through). Returns (x, router statistics)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
+    self.moe = MoE(cfg, rngs=rngs, dtypes=DTYPES)
+    shared = cfg.moe.shared_dim(cfg.mlp_dim)
+    self.shared_mlp = MLP(dataclasses.replace(cfg, mlp_dim=shared), rngs=rngs) if shared else None
+
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+    x_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS)
+    h_BSE = self.mlp_norm(x_BSE)
+    y_BSE, stats = self.moe(h_BSE)
+    if self.shared_mlp is not None:
+      y_BSE = y_BSE + self.shared_mlp(h_BSE)
+    return constrain(x_BSE + y_BSE, ("act_batch", "act_seq", "act_embed")), stats
+
+
+class MoEGroup(nnx.Module):
+  """`model.moe.every` consecutive layers, the unit the layer scan repeats: every - 1 dense
+  blocks (`dense0`, ...) then one MoE block (`moe`), so model layer i is MoE when
+  (i + 1) % every == 0. Returns (x, the MoE block's statistics)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.num_dense = cfg.moe.every - 1
+    for i in range(self.num_dense):
+      setattr(self, f"dense{i}", Block(cfg, rngs=rngs))
+    self.moe = MoEBlock(cfg, rngs=rngs)
+
+  def __call__(self, x_BSE, positions_BS, segment_ids_BS):
+    for i in range(self.num_dense):
+      x_BSE = getattr(self, f"dense{i}")(x_BSE, positions_BS, segment_ids_BS)
+    return self.moe(x_BSE, positions_BS, segment_ids_BS)
+
+
+def moe_layer_ids(cfg: ModelConfig) -> list[int]:
+  """Model layer indices of the MoE layers (the order of the statistics' leading axis)."""
+  every = cfg.moe.every
+  return [i for i in range(cfg.num_layers) if cfg.moe.enabled and (i + 1) % every == 0]
+
+
 class Transformer(nnx.Module):
   """tokens [B, S] (+ positions, segment ids for packed documents) -> fp32 logits [B, S, V]."""
 
@@ -267,10 +315,14 @@ class Transformer(nnx.Module):
     self.embed_VE = _param(rngs, nnx.initializers.normal(cfg.init_std),
                            (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
 
-    @nnx.split_rngs(splits=cfg.num_layers)
+    # A dense model stacks Blocks; an MoE model stacks groups of `moe.every` layers.
+    unit, repeats = ((MoEGroup, cfg.num_layers // cfg.moe.every) if cfg.moe.enabled
+                     else (Block, cfg.num_layers))
+
+    @nnx.split_rngs(splits=repeats)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make_blocks(rngs):
-      return Block(cfg, rngs=rngs)
+      return unit(cfg, rngs=rngs)
 
     self.blocks = make_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
@@ -281,9 +333,10 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
     return self.logits(self.hidden(tokens_BS, positions_BS, segment_ids_BS))
 
-  def hidden(self, tokens_BS, positions_BS=None, segment_ids_BS=None):
+  def hidden(self, tokens_BS, positions_BS=None, segment_ids_BS=None, *, with_stats=False):
     """tokens -> final-normed hidden states [B, S, E] in the input's token order (what the LM
-    head reads: `logits`, or the chunked loss of `models/cross_entropy.py`)."""
+    head reads: `logits`, or the chunked loss of `models/cross_entropy.py`). `with_stats`:
+    also the MoE layers' router statistics, each with a leading MoE-layer axis ({} if dense)."""
     cfg = self.cfg
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
@@ -298,18 +351,19 @@ class Transformer(nnx.Module):
     policy = REMAT_POLICIES[cfg.remat]
 
     def layer(x_BSE, block):
-      return block(x_BSE, positions_BS, segment_ids_BS)
+      out = block(x_BSE, positions_BS, segment_ids_BS)
+      return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
 
     if cfg.remat != "none":
       layer = nnx.remat(layer, policy=policy, prevent_cse=False)
-    run_layers = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+    run_layers = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
                           transform_metadata={nnx.PARTITION_NAME: "layers"})
-    x_BSE = run_layers(x_BSE, self.blocks)
+    x_BSE, stats = run_layers(x_BSE, self.blocks)
 
     x_BSE = self.final_norm(x_BSE)
     if reorder:
       x_BSE = zigzag(x_BSE, inverse=True)
-    return x_BSE
+    return (x_BSE, stats) if with_stats else x_BSE
 
   def embed(self, tokens_BS):
     # Gather from a table that FSDP has all-gathered (like every weight before use) and that is
@@ -338,46 +392,68 @@ class Transformer(nnx.Module):
     """(sum of token cross-entropies where `mask_BS`, number of such tokens), fp32. With
     `logits_chunk` the head and the loss run that many positions at a time and the [B, S, V]
     logits never exist (`models/cross_entropy.py`); the same sum to fp32 rounding."""
+    return self.loss_and_stats(tokens_BS, positions_BS, segment_ids_BS, targets_BS, mask_BS)[:2]
+
+  def loss_and_stats(self, tokens_BS, positions_BS, segment_ids_BS, targets_BS, mask_BS):
+    """`loss_sums` and the MoE router statistics (`hidden(with_stats=True)`)."""
     mask_BS = mask_BS.astype(jnp.float32)
-    x_BSE = self.hidden(tokens_BS, positions_BS, segment_ids_BS)
+    x_BSE, stats = self.hidden(tokens_BS, positions_BS, segment_ids_BS, with_stats=True)
     if self.cfg.logits_chunk:
       total = chunked_cross_entropy(x_BSE, self.head(), targets_BS, mask_BS,
                                     chunk=self.cfg.logits_chunk, dtype=DTYPES[self.cfg.dtype])
     else:
       losses_BS = optax.softmax_cross_entropy_with_integer_labels(self.logits(x_BSE), targets_BS)
       total = jnp.sum(losses_BS * mask_BS)
-    return total, jnp.sum(mask_BS)
+    return total, jnp.sum(mask_BS), stats
 
 
 # ----------------------------------------------------------------------------------------------
 # Sizes and FLOPs: the model owns its own count.
 
 
+def _ffn_params(cfg: ModelConfig) -> tuple[int, int]:
+  """(feed-forward parameters of all layers, of them those one token uses): the dense MLPs, and
+  of each MoE layer the router, the shared expert and all experts (active: top_k of them)."""
+  E, F, L, moe = cfg.d_model, cfg.mlp_dim, cfg.num_layers, cfg.moe
+  if not moe.enabled:
+    return L * 3 * E * F, L * 3 * E * F
+  n_moe = len(moe_layer_ids(cfg))
+  dense = (L - n_moe) * 3 * E * F
+  common = E * moe.num_experts + 3 * E * moe.shared_dim(F)  # router, shared expert
+  expert = 3 * E * moe.expert_dim(F)
+  return (dense + n_moe * (common + moe.num_experts * expert),
+          dense + n_moe * (common + moe.top_k * expert))
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-  """Parameter counts: total, embedding (input table), and non-embedding."""
-  E, H, K, D, F, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
-                         cfg.mlp_dim, cfg.vocab_size, cfg.num_layers)
-  per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F + 2 * E
+  """Parameter counts: total, embedding (input table), non-embedding, and active (what one token
+  uses: an MoE layer's top_k experts of num_experts; = total for a dense model)."""
+  E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
+                      cfg.vocab_size, cfg.num_layers)
+  ffn, ffn_active = _ffn_params(cfg)
+  per_layer = E * H * D + 2 * E * K * D + H * D * E + 2 * E
   head = 0 if cfg.tie_embeddings else E * V
   embedding = V * E
-  total = embedding + L * per_layer + E + head
-  return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+  total = embedding + L * per_layer + ffn + E + head
+  return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
+          "active": total - ffn + ffn_active}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> dict[str, float]:
   """Training FLOPs per token (forward + backward = 3x forward), by part.
 
   - matmuls: 6 x (parameters that take part in a matmul): q, k, v, o, the three MLP matrices and
-    the logits projection (the input embedding is a gather, not counted);
+    the logits projection (the input embedding is a gather, not counted); of an MoE layer the
+    router, the shared expert and top_k experts (the active parameters, `param_counts`);
   - attention: QK^T and AV, each 2 x S x H x D per token forward; times 3 for training. With
     `causal=True` we count only the unmasked half (the work a causal kernel needs), so
     6 x L x S x H x D; `causal=False` gives the full 12 x L x S x H x D (PaLM's convention).
   Rematerialisation is *not* counted: this is model FLOPs, so MFU stays comparable across remat
   policies.
   """
-  E, H, K, D, F, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
-                         cfg.mlp_dim, cfg.vocab_size, cfg.num_layers)
-  matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E + 3 * E * F) + E * V
+  E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
+                      cfg.vocab_size, cfg.num_layers)
+  matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E) + _ffn_params(cfg)[1] + E * V
   matmuls = 6.0 * matmul_params
   attn = 12.0 * L * seq_len * H * D * (0.5 if causal else 1.0)
   return {"matmuls": matmuls, "attention": attn, "total": matmuls + attn}

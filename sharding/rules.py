@@ -13,6 +13,12 @@ Parameters
   mlp       feed-forward width                    -> tensor (Megatron MLP split)
   norm      RMSNorm scales                        -> replicated
   layers    the stacked (scanned) layer axis      -> replicated
+  experts   the experts of an MoE layer           -> expert (expert parallelism)
+  expert_mlp  an expert's feed-forward width      -> tensor
+The `expert` axis also splits the batch (BATCH_AXES), so expert parallelism is folded over
+data parallelism: attention and dense layers see it as data parallel, the MoE layers exchange
+tokens over it with all-to-all (models/moe_dispatch.py). Expert weights are also sharded over
+`fsdp` on their embed dimension (ZeRO-3 like every weight).
 Activations (prefixed `act_`): batch over every data-parallel axis, sequence over `sequence`,
 heads / mlp / vocab over `tensor` so that they line up with the weights above.
 """
@@ -38,6 +44,8 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    ("experts", "expert"),
+    ("expert_mlp", "tensor"),
     # activations
     ("act_batch", BATCH_AXES),
     ("act_seq", "sequence"),

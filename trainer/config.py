@@ -52,7 +52,17 @@ def default_config() -> ml_collections.ConfigDict:
       # fields are its parameters, as in a Hugging Face config's `rope_scaling`)
       rope_scaling=ml_collections.ConfigDict(dict(
           type="none", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-          original_max_position_embeddings=8192))))
+          original_max_position_embeddings=8192)),
+      # mixture of experts (models/moe.py): num_experts experts of width mlp_dim (0 = the
+      # model's mlp_dim), top_k per token, in every `every`-th layer (1 = all); a shared expert
+      # of that width (True = mlp_dim; 0 = none); capacity per expert and sequence
+      # ceil(capacity_factor * seq_len * top_k / num_experts), assignments beyond it dropped
+      # (0 = dropless); coefficients of the router z-loss and the load-balancing loss, whose
+      # statistics are over the "global" batch (all micro-batches and devices) or each
+      # "micro_batch"; num_experts 0 = a dense model
+      moe=ml_collections.ConfigDict(dict(
+          num_experts=0, top_k=2, mlp_dim=0, every=1, shared_expert=0, capacity_factor=0.0,
+          router_z_loss=1e-3, load_balance_loss=1e-2, balance_scope="global"))))
 
   c.data = ml_collections.ConfigDict(dict(
       dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
@@ -210,6 +220,34 @@ def check_distributed(dist: ml_collections.ConfigDict) -> None:
         f"distributed.coordinator_address={address!r}: expected host:port, e.g. 10.0.0.1:1234")
   _need(dist.initialization_timeout >= 1,
         f"distributed.initialization_timeout={dist.initialization_timeout}: must be >= 1 second")
+
+
+def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
+  """model.moe.*: ranges, and that the experts and their width split over the mesh."""
+  from models.moe import BALANCE_SCOPES  # noqa: PLC0415
+  m, moe = cfg.model, cfg.model.moe
+  _need(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 (0 = dense)")
+  if not moe.num_experts:
+    return
+  _need(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be between 1 "
+        f"and model.moe.num_experts={moe.num_experts}")
+  _need(moe.every >= 1 and m.num_layers % moe.every == 0,
+        f"model.moe.every={moe.every} must be >= 1 and divide model.num_layers={m.num_layers} "
+        "(the layer scan repeats groups of `every` layers)")
+  for key in ("mlp_dim", "shared_expert", "capacity_factor", "router_z_loss",
+              "load_balance_loss"):
+    _need(moe[key] >= 0, f"model.moe.{key}={moe[key]}: must be >= 0")
+  _choice(cfg, "model.moe.balance_scope", BALANCE_SCOPES)
+  expert, tensor = sizes["expert"], sizes["tensor"]
+  _need(moe.num_experts % expert == 0,
+        f"model.moe.num_experts={moe.num_experts} does not split over mesh.expert={expert}; "
+        f"use a mesh.expert that divides {moe.num_experts}")
+  shared = moe.shared_expert
+  widths = {"model.moe.mlp_dim": moe.mlp_dim or m.mlp_dim,
+            "model.moe.shared_expert": (moe.mlp_dim or m.mlp_dim) if shared is True else shared}
+  for key, width in widths.items():
+    _need(width % tensor == 0, f"{key}: width {width} does not split over mesh.tensor={tensor}; "
+          f"use a multiple of {tensor}")
 
 
 def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
@@ -427,6 +465,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           f"model.logits_chunk={m.logits_chunk} must divide data.seq_len={d.seq_len} and be a "
           f"multiple of mesh.sequence={seq_shards} (0 = no chunking)")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
+  _check_moe(cfg, sizes)
 
   o = cfg.optim
   _choice(cfg, "optim.name", OPTIMIZERS)

@@ -210,6 +210,11 @@ def machine_peak_flops(configured_per_device: float = 0.0,
   return measure_matmul_peak(dtype=name), f"measured {name} matmul"
 
 
+# Per-layer MoE router metrics (`moe/L3/load/E5`, models/moe.py `metrics`): written to
+# metrics.jsonl, TensorBoard and wandb, but not to the console line, which keeps the summaries.
+_NOT_ON_CONSOLE = re.compile(r"^moe/L\d+/")
+
+
 def _jsonable(value):
   if isinstance(value, (np.generic, np.ndarray)):
     return value.item()
@@ -258,7 +263,8 @@ class MetricsWriter:
       self._wandb.log({k: v for k, v in row.items()
                        if k != "step" and isinstance(v, (int, float))}, step=int(step))
     if console:
-      text = " ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k != "step")
+      text = " ".join(f"{k}={_fmt(v)}" for k, v in row.items()
+                      if k != "step" and not _NOT_ON_CONSOLE.match(k))
       self.log(f"step {step}: {text}")
 
   def advance(self, steps: int = 1, **postfix) -> None:

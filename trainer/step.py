@@ -23,6 +23,20 @@ Accumulation. The gradient sum over micro-batches is float32 whatever `model.par
 constrained to the parameters' shardings (under FSDP it stays sharded); the optimizer receives
 the mean gradient cast back to the parameters' dtype.
 
+Mixture of experts (`model.moe.*`, models/moe.py). The objective differentiated is
+(sum of token losses) / (target tokens of the whole step) + load_balance_loss x balance +
+router_z_loss x z: each micro-batch adds its loss sum plus the step's token count times its
+share of the weighted auxiliary losses (`moe.aux_losses`), so the division by the step's tokens
+leaves the auxiliary terms exactly weighted. `loss` stays the cross-entropy; the auxiliary
+losses and router statistics are logged as `moe/...` (`moe.metrics`). The global-batch balance
+loss (`balance_scope="global"`) needs each expert's share f of the *whole* step's assignments
+before any micro-batch's backward pass: with one micro-batch it is that micro-batch's own
+(statistics inside one jitted SPMD step already span every data-parallel device); with M > 1
+a forward-only pre-pass over the M micro-batches counts the assignments first (costing one
+more forward pass), and each micro-batch's balance term is N sum_i f_i (its sum of router
+probabilities of expert i) / (the step's tokens), whose sum over micro-batches is exactly
+N sum_i f_i P_i of the global batch: the loss and the gradient do not depend on M.
+
 Batch size. The step tells the optimizer the batch it has (`update(..., batch_size=B)`, B known
 from the batch's static shape), so a batch-size ramp's stages each use their own derived
 hyperparameters (`optim/factory.py`); the logged `learning_rate` is that batch's.
@@ -51,6 +65,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models import moe as moe_lib
+from models.llama import moe_layer_ids
 from optim import noise_scale
 from trainer.state import ModelSpec, TrainState
 
@@ -73,6 +89,22 @@ def loss_sums(spec: ModelSpec, params, batch) -> tuple[jax.Array, jax.Array]:
   """(sum of token cross-entropies over the batch, number of target tokens), in fp32."""
   return spec.model(params).loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"],
                                       batch["targets"], batch["loss_mask"])
+
+
+def _global_fraction(spec: ModelSpec, params, batch):
+  """f [MoE layers, N]: each expert's share of the assignments of all micro-batches of `batch`
+  [M, B, S], from a forward-only pass (no gradient flows through it)."""
+  k = spec.cfg.moe.top_k
+
+  def counts_of(total, micro_batch):
+    _, stats = spec.model(params).hidden(micro_batch["inputs"], micro_batch["positions"],
+                                         micro_batch["segment_ids"], with_stats=True)
+    return total + stats["counts"], stats["tokens"]
+
+  num_layers = len(moe_layer_ids(spec.cfg))
+  zero = jnp.zeros((num_layers, spec.cfg.moe.num_experts), jnp.float32)
+  counts, tokens = jax.lax.scan(counts_of, zero, batch)
+  return jax.lax.stop_gradient(counts / (k * jnp.sum(tokens, axis=0)[:, None]))
 
 
 def _judge(guard, loss, grad_norm, cfg: GuardConfig):
@@ -100,7 +132,9 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
 
 def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
-  in float32 sharded like the parameters, noise-meter sums or None).
+  in float32 sharded like the parameters, noise-meter sums or None, MoE sums or None). The MoE
+  sums are {"stats": router statistics, "aux": auxiliary losses} of the whole step; the gradient
+  includes the weighted auxiliary losses times the step's target tokens (module docstring).
 
   M = 1 is one plain backward pass. M > 1 scans over the micro-batches; the running gradient
   sum is float32 whatever the parameters' dtype (a bf16 sum would round away each addend's low
@@ -109,21 +143,38 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   `measure_noise` the scan also sums each micro-batch's |mean gradient|^2 and 1 / its tokens.
   """
 
-  def grads_of(micro_batch):
-    (loss_sum, tokens), grads = jax.value_and_grad(
-        lambda p: loss_sums(spec, p, micro_batch), has_aux=True)(params)
-    return loss_sum, tokens, grads
-
   num_micro = jax.tree.leaves(batch)[0].shape[0]
+  moe = spec.cfg.moe
+  # The step's target tokens: the MoE auxiliary terms are scaled by it (see the docstring).
+  step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+  fraction = None
+  if moe.enabled and moe.balance_scope == "global" and num_micro > 1:
+    fraction = _global_fraction(spec, params, batch)
+
+  def objective(p, micro_batch):
+    loss_sum, tokens, stats = spec.model(p).loss_and_stats(
+        micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"],
+        micro_batch["targets"], micro_batch["loss_mask"])
+    if not moe.enabled:
+      return loss_sum, (loss_sum, tokens, None)
+    aux = moe_lib.aux_losses(stats, moe, num_micro=num_micro, fraction=fraction)
+    total = loss_sum + step_tokens * moe_lib.aux_objective(aux, moe)
+    return total, (loss_sum, tokens, {"stats": stats, "aux": aux})
+
+  def grads_of(micro_batch):
+    (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(
+        params, micro_batch)
+    return loss_sum, tokens, grads, moe_sums
+
   f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
   shard = lambda tree: jax.lax.with_sharding_constraint(tree, spec.param_shardings)
   if num_micro == 1 and not measure_noise:
-    loss_sum, tokens, grads = grads_of(jax.tree.map(lambda x: x[0], batch))
-    return loss_sum, tokens, f32(grads), None
+    loss_sum, tokens, grads, moe_sums = grads_of(jax.tree.map(lambda x: x[0], batch))
+    return loss_sum, tokens, f32(grads), None, moe_sums
 
   def accumulate(carry, micro_batch):
-    loss_sum, tokens, grads = grads_of(micro_batch)
-    out = (loss_sum, tokens, f32(grads))
+    loss_sum, tokens, grads, moe_sums = grads_of(micro_batch)
+    out = (loss_sum, tokens, f32(grads), moe_sums)
     if measure_noise:  # |mean gradient of this micro-batch|^2 and 1 / its tokens
       t = jnp.maximum(tokens, 1.0)
       out += (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
@@ -131,11 +182,12 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
     return (*carry[:2], shard(carry[2]), *carry[3:]), None
 
   zero = jnp.zeros((), jnp.float32)
-  zeros = (zero, zero, shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)))
+  zeros = (zero, zero, shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
+           moe_lib.zero_sums(moe, len(moe_layer_ids(spec.cfg))) if moe.enabled else None)
   if measure_noise:
     zeros += (zero, zero)
   carry, _ = jax.lax.scan(accumulate, zeros, batch)
-  return carry[0], carry[1], carry[2], (carry[3:] if measure_noise else None)
+  return carry[0], carry[1], carry[2], (carry[4:] if measure_noise else None), carry[3]
 
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
@@ -154,8 +206,8 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     batch_size = num_micro * rows
     if measure_noise and num_micro == 1:
       batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
-    loss_sum, tokens, grad_sum, noise_sums = grad_sums(spec, state.params, batch,
-                                                       measure_noise=measure_noise)
+    loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
+        spec, state.params, batch, measure_noise=measure_noise)
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
@@ -195,6 +247,9 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
         "nonfinite": (~finite).astype(jnp.int32),
         "spike": spike.astype(jnp.int32),
     }
+    if moe_sums is not None:  # router statistics and auxiliary losses (models/moe.py)
+      metrics.update(moe_lib.metrics(moe_sums["stats"], moe_sums["aux"], spec.cfg.moe,
+                                     layer_ids=moe_layer_ids(spec.cfg)))
     if measure_noise:
       noise = noise_scale.readout(noise_scale.find_state(opt_state))
       metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,

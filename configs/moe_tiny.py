@@ -1,0 +1,27 @@
+"""Tiny mixture-of-experts Llama on the embedded stdlib corpus (CPU, about a minute).
+
+    python train.py --config configs/moe_tiny.py --workdir runs/moe_tiny
+
+lm_tiny's shape with every layer's MLP replaced by 8 SwiGLU experts of width 192, top-2 routed
+(each token uses 2 x 192 = 384, lm_tiny's MLP width: the same active size), dropless, with the
+global-batch load-balancing loss and the router z-loss; 1.41M parameters of which 0.53M
+active.
+Runs on 1 device and on 8-device meshes with mesh.expert in {2, 4, 8} (folded with data/fsdp).
+Metrics: `moe/...` in metrics.jsonl and TensorBoard (README "Mixture of experts").
+"""
+from trainer.config import default_config
+
+
+def get_config():
+  c = default_config()
+  c.steps = 200
+  c.model.update(vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 mlp_dim=384)
+  c.model.moe.update(num_experts=8, top_k=2, mlp_dim=192, every=1, capacity_factor=0.0,
+                     router_z_loss=1e-3, load_balance_loss=1e-2, balance_scope="global")
+  c.data.update(global_batch_size=16, seq_len=128)
+  c.optim.update(name="adamw", warmup_steps=20, decay_steps=200)
+  c.log_every = 10
+  c.eval_every = 100
+  c.checkpoint.every_steps = 100
+  return c

@@ -1,0 +1,219 @@
+"""Mixture-of-experts feed-forward layer: a fp32 top-k router and SwiGLU experts.
+
+One MoE layer replaces the dense SwiGLU MLP of a block (`models/llama.py` builds it when
+`model.moe.num_experts` > 0; every `model.moe.every`-th layer is MoE). Per token x:
+
+  router (fp32): logits = x W_r [N], p = softmax(logits); the top-k experts e_1..e_k with weights
+      p_e / sum_j p_{e_j} (renormalised over the chosen k, as Mixtral; with k = 1 the weight is 1);
+  experts: y = sum_j w_j SwiGLU_{e_j}(x), each expert the dense MLP's form
+      (silu(x W_gate) * x W_up) W_down with width `model.moe.mlp_dim`.
+
+Dispatch (`models/moe_dispatch.py`): tokens are sorted by expert and run through grouped
+matmuls, `jax.lax.ragged_dot`, with no token dropped (the default, `capacity_factor` 0), or
+with a capacity of ceil(capacity_factor * S * k / N) assignments per expert and sequence
+(priority: every token's first choice before any second choice, GShard's order); assignments
+over capacity are dropped (their weight is 0, the residual carries the token) and counted.
+Under a mesh the expert computation runs in `shard_map`: each device sorts its own tokens; when
+the `expert` axis splits the experts, the rows go to the device holding their expert by
+`all_to_all` and come back the same way (`moe_dispatch.py`).
+
+Statistics (returned per layer, summed over the layer's tokens; the trainer turns them into the
+auxiliary losses with `aux_losses`, `trainer/step.py`):
+  counts [N]     assignments routed to each expert before dropping (no gradient),
+  prob_sum [N]   sum over tokens of the router probabilities (differentiable),
+  z_sum          sum over tokens of logsumexp(logits)^2 (differentiable; ST-MoE's z-loss),
+  entropy_sum    sum over tokens of the router distribution's entropy, nats (no gradient),
+  dropped        assignments dropped by the capacity (no gradient),
+  tokens         tokens seen.
+
+Auxiliary losses (`aux_losses`), both averaged over the MoE layers:
+  z-loss = mean over tokens of logsumexp(logits)^2 (Zoph et al. 2022);
+  balance = N * sum_i f_i P_i (Switch Transformer / GShard; 1 when balanced) with f_i the
+      fraction of assignments routed to expert i (no gradient) and P_i the mean router
+      probability of expert i. `balance_scope="global"` takes f and P over the global batch (all
+      micro-batches and all data-parallel devices; Qiu et al. 2025, "Demons in the Detail");
+      "micro_batch" over each micro-batch, averaged over micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.moe_dispatch import capacity_keep, expert_ffn
+
+BALANCE_SCOPES = ("global", "micro_batch")
+STAT_KEYS = ("counts", "prob_sum", "z_sum", "entropy_sum", "dropped", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """`model.moe.*` (trainer/config.py documents and validates them)."""
+  num_experts: int = 0  # 0: a dense model
+  top_k: int = 2
+  mlp_dim: int = 0  # width of each expert; 0: model.mlp_dim
+  every: int = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...); 1: all
+  shared_expert: int | bool = 0  # a dense SwiGLU beside the experts: width, True = mlp_dim, 0 off
+  capacity_factor: float = 0.0  # 0: dropless
+  router_z_loss: float = 1e-3  # coefficient
+  load_balance_loss: float = 1e-2  # coefficient
+  balance_scope: str = "global"  # or "micro_batch"
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_experts > 0
+
+  def expert_dim(self, dense_mlp_dim: int) -> int:
+    return self.mlp_dim or dense_mlp_dim
+
+  def shared_dim(self, dense_mlp_dim: int) -> int:
+    """Width of the shared expert (0: none)."""
+    if isinstance(self.shared_expert, bool):
+      return self.expert_dim(dense_mlp_dim) if self.shared_expert else 0
+    return int(self.shared_expert)
+
+  def capacity(self, seq_len: int) -> int:
+    """Assignments each expert takes per sequence (0: dropless)."""
+    if not self.capacity_factor:
+      return 0
+    return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts))
+
+
+def _param(rngs, init, shape, names, dtype) -> nnx.Param:
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
+
+
+class MoE(nnx.Module):
+  """The routed experts of one layer (the shared expert, if any, is the block's `shared_mlp`).
+
+  `cfg` is the model's `ModelConfig` (models/llama.py); its `moe` field configures this layer.
+  Weights: router W_r [E, N] (fp32 always), experts w_gate/w_up [N, E, F], w_down [N, F, E]
+  with logical axes ("experts", "embed", "expert_mlp"), mapped by `sharding/rules.py`.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs, dtypes):
+    self.cfg = cfg
+    m = cfg.moe
+    E, N, F = cfg.d_model, m.num_experts, m.expert_dim(cfg.mlp_dim)
+    pdt = dtypes[cfg.param_dtype]
+    self.compute_dtype = dtypes[cfg.dtype]
+    init = nnx.initializers.normal(cfg.hidden_init_std)
+    out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
+    self.w_router_EN = _param(rngs, init, (E, N), ("embed", None), jnp.float32)
+    self.w_gate_NEF = _param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
+    self.w_up_NEF = _param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
+    self.w_down_NFE = _param(rngs, out_init, (N, F, E), ("experts", "expert_mlp", "embed"), pdt)
+
+  def route(self, x_BSE):
+    """(expert ids [B, S, k], combine weights [B, S, k] fp32, statistics) of the router."""
+    m = self.cfg.moe
+    N, K = m.num_experts, m.top_k
+    logits_BSN = jnp.einsum("bse,en->bsn", x_BSE.astype(jnp.float32),
+                            self.w_router_EN[...].astype(jnp.float32),
+                            precision=jax.lax.Precision.HIGHEST)
+    probs_BSN = jax.nn.softmax(logits_BSN, axis=-1)
+    top_p_BSK, experts_BSK = jax.lax.top_k(probs_BSN, K)
+    weights_BSK = top_p_BSK / jnp.sum(top_p_BSK, axis=-1, keepdims=True)
+    B, S = x_BSE.shape[:2]
+    counts_N = jnp.sum(jax.nn.one_hot(experts_BSK, N, dtype=jnp.float32), axis=(0, 1, 2))
+    capacity = m.capacity(S)
+    if capacity:
+      keep_BSK = capacity_keep(experts_BSK, N, capacity)
+      experts_BSK = jnp.where(keep_BSK, experts_BSK, N)  # N: dropped (routed nowhere)
+      weights_BSK = jnp.where(keep_BSK, weights_BSK, 0.0)
+      dropped = jnp.sum(~keep_BSK).astype(jnp.float32)
+    else:
+      dropped = jnp.zeros((), jnp.float32)
+    lse_BS = jax.nn.logsumexp(logits_BSN, axis=-1)
+    sg_probs = jax.lax.stop_gradient(probs_BSN)
+    stats = {
+        "counts": counts_N,
+        "prob_sum": jnp.sum(probs_BSN, axis=(0, 1)),
+        "z_sum": jnp.sum(lse_BS * lse_BS),
+        "entropy_sum": -jnp.sum(sg_probs * jnp.log(jnp.maximum(sg_probs, 1e-30))),
+        "dropped": dropped,
+        "tokens": jnp.asarray(B * S, jnp.float32),
+    }
+    return experts_BSK, weights_BSK, stats
+
+  def __call__(self, x_BSE):
+    """x [B, S, E] -> (y [B, S, E] in the compute dtype, statistics)."""
+    experts_BSK, weights_BSK, stats = self.route(x_BSE)
+    dt = self.compute_dtype
+    y_BSE = expert_ffn(x_BSE.astype(dt), experts_BSK, weights_BSK,
+                       self.w_gate_NEF[...].astype(dt), self.w_up_NEF[...].astype(dt),
+                       self.w_down_NFE[...].astype(dt),
+                       capacity=self.cfg.moe.capacity(x_BSE.shape[1]))
+    return y_BSE, stats
+
+
+def aux_losses(stats, moe: MoEConfig, *, num_micro: int = 1, fraction=None):
+  """This micro-batch's share of the auxiliary losses: {"balance", "z"}, each a scalar whose sum
+  over the step's `num_micro` equal micro-batches is the step's loss (averaged over MoE layers).
+
+  `stats`: this micro-batch's statistics, each with a leading MoE-layer axis [G, ...].
+  `fraction` [G, N]: f of the global batch (no gradient), needed for `balance_scope="global"`
+  with num_micro > 1 (the trainer's pre-pass); with num_micro = 1 the micro-batch is the global
+  batch and f comes from `stats` itself.
+  """
+  N, K = moe.num_experts, moe.top_k
+  tokens = stats["tokens"]  # [G], equal across layers
+  all_tokens = tokens * num_micro
+  z = jnp.mean(stats["z_sum"] / all_tokens)
+  own_f = stats["counts"] / (K * tokens[:, None])
+  if moe.balance_scope == "micro_batch" or num_micro == 1:
+    per_layer = N * jnp.sum(own_f * stats["prob_sum"] / tokens[:, None], axis=-1)
+    balance = jnp.mean(per_layer) / num_micro
+  else:
+    if fraction is None:
+      raise ValueError("balance_scope='global' with accumulation needs the global fraction")
+    per_layer = N * jnp.sum(jax.lax.stop_gradient(fraction) * stats["prob_sum"], axis=-1)
+    balance = jnp.mean(per_layer / all_tokens)
+  return {"balance": balance, "z": z}
+
+
+def zero_sums(moe: MoEConfig, num_layers: int) -> dict:
+  """Zeros shaped like the {"stats", "aux"} a step sums over its micro-batches."""
+  z = jnp.zeros((num_layers,), jnp.float32)
+  zn = jnp.zeros((num_layers, moe.num_experts), jnp.float32)
+  stats = {k: zn if k in ("counts", "prob_sum") else z for k in STAT_KEYS}
+  return {"stats": stats, "aux": {"balance": jnp.zeros(()), "z": jnp.zeros(())}}
+
+
+def aux_objective(aux, moe: MoEConfig):
+  """The weighted sum of the auxiliary losses that is added to the (mean) training loss."""
+  return moe.load_balance_loss * aux["balance"] + moe.router_z_loss * aux["z"]
+
+
+def metrics(stats, aux, moe: MoEConfig, *, layer_ids) -> dict:
+  """Scalars for metrics.jsonl from the step's summed statistics [G, ...] and aux losses.
+
+  moe/aux_loss: what the auxiliary losses add to the objective (weighted by their coefficients);
+  moe/balance_loss, moe/z_loss: the step's auxiliary losses (unweighted);
+  moe/load_max: max over MoE layers of (largest expert's share / mean share), 1 = balanced;
+  moe/dropped: fraction of assignments dropped by the capacity, all layers;
+  moe/entropy: mean router entropy in nats (log N = uniform);
+  per MoE layer l (model layer index): moe/L{l}/load_max, moe/L{l}/load_min (share / mean),
+  moe/L{l}/dropped, moe/L{l}/entropy, and moe/L{l}/load/E{i}, expert i's share of assignments.
+  """
+  N, K = moe.num_experts, moe.top_k
+  tokens = stats["tokens"]
+  share = stats["counts"] / jnp.maximum(K * tokens[:, None], 1.0)  # [G, N], rows sum to 1
+  rel = share * N
+  dropped = stats["dropped"] / jnp.maximum(K * tokens, 1.0)
+  entropy = stats["entropy_sum"] / jnp.maximum(tokens, 1.0)
+  out = {"moe/aux_loss": aux_objective(aux, moe),
+         "moe/balance_loss": aux["balance"], "moe/z_loss": aux["z"],
+         "moe/load_max": jnp.max(rel), "moe/dropped": jnp.mean(dropped),
+         "moe/entropy": jnp.mean(entropy)}
+  for g, layer in enumerate(layer_ids):
+    out[f"moe/L{layer}/load_max"] = jnp.max(rel[g])
+    out[f"moe/L{layer}/load_min"] = jnp.min(rel[g])
+    out[f"moe/L{layer}/dropped"] = dropped[g]
+    out[f"moe/L{layer}/entropy"] = entropy[g]
+    for i in range(N):
+      out[f"moe/L{layer}/load/E{i}"] = share[g, i]
+  return out

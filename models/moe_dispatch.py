@@ -1,0 +1,136 @@
+"""Token dispatch of the MoE layer: sort by expert, grouped SwiGLU, all-to-all across devices.
+
+`expert_ffn` runs the routed experts on a batch [B, S, E] given each token's k expert ids and
+combine weights. Per device (inside `shard_map` over the whole mesh when one is set; directly
+without one):
+
+  1. the device's T = B_local x S_local tokens are repeated k times and sorted by expert
+     (argsort of the T k expert ids; dropped assignments carry id N and sort last);
+  2. expert parallelism (the experts' `experts` axis sharded over mesh axes of total size
+     ep > 1): the sorted rows are packed into one block per destination device -- the device
+     holding their expert -- and exchanged with `all_to_all`; the receiver sorts what it got by
+     its local expert, computes, and sends the results back with a second `all_to_all`. A block
+     has room for every row that could go to one device: T k rows when dropless (the worst
+     case, so nothing is ever lost; the receive buffer is ep x T k rows), n_local x C x B_local
+     with a capacity C per expert and sequence;
+  3. grouped SwiGLU: dropless, `jax.lax.ragged_dot` over the contiguous groups (XLA's grouped
+     matmul; native on TPU, a masked decomposition on CPU); with a capacity, each expert's rows
+     are scattered into a static [n, rows, E] buffer and multiplied with batched einsums;
+  4. the outputs are unsorted, weighted and summed over the k choices in fp32; a `tensor`
+     split of the expert width is summed with one `psum`.
+
+Expert weights enter `shard_map` sharded only over their expert axes (and `tensor` on the
+width): an FSDP-sharded embed dimension is all-gathered on the way in, as for every weight.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sharding.rules import logical_to_spec
+
+
+def capacity_keep(experts_BSK, num_experts: int, capacity: int):
+  """[B, S, k] bool: whether each assignment fits its expert's capacity in its sequence.
+  Priority: all first choices in sequence order, then all second choices, and so on."""
+  B, S, K = experts_BSK.shape
+  flat_BA = experts_BSK.transpose(0, 2, 1).reshape(B, K * S)  # k-major
+  onehot_BAN = jax.nn.one_hot(flat_BA, num_experts, dtype=jnp.int32)
+  position_BA = jnp.sum((jnp.cumsum(onehot_BAN, axis=1) - 1) * onehot_BAN, axis=-1)
+  return (position_BA < capacity).reshape(B, K, S).transpose(0, 2, 1)
+
+
+def _group_sizes(expert_R, n: int):
+  return jnp.sum(jax.nn.one_hot(expert_R, n, dtype=jnp.int32), axis=0)
+
+
+def grouped_swiglu(x_RE, expert_R, n: int, w_gate_nEF, w_up_nEF, w_down_nFE, rows: int):
+  """SwiGLU of rows sorted by expert (`expert_R` ascending; id n = no expert, output 0).
+  `rows` = 0: ragged_dot over the groups; > 0: each expert's rows in a [n, rows, E] buffer."""
+  sizes_n = _group_sizes(expert_R, n)
+  if not rows:
+    gate_RF = jax.lax.ragged_dot(x_RE, w_gate_nEF, sizes_n)
+    up_RF = jax.lax.ragged_dot(x_RE, w_up_nEF, sizes_n)
+    return jax.lax.ragged_dot(jax.nn.silu(gate_RF) * up_RF, w_down_nFE, sizes_n)
+  R, E = x_RE.shape
+  starts_n = jnp.cumsum(sizes_n) - sizes_n
+  rank_R = jnp.arange(R) - starts_n[jnp.minimum(expert_R, n - 1)]
+  slot_R = jnp.where(expert_R < n, expert_R * rows + rank_R, n * rows)  # n * rows: no slot
+  buf_nCE = jnp.zeros((n * rows, E), x_RE.dtype).at[slot_R].set(x_RE, mode="drop")
+  buf_nCE = buf_nCE.reshape(n, rows, E)
+  gate = jnp.einsum("nce,nef->ncf", buf_nCE, w_gate_nEF)
+  up = jnp.einsum("nce,nef->ncf", buf_nCE, w_up_nEF)
+  out_nCE = jnp.einsum("ncf,nfe->nce", jax.nn.silu(gate) * up, w_down_nFE)
+  return out_nCE.reshape(n * rows, E).at[slot_R].get(mode="fill", fill_value=0)
+
+
+def _exchange(x_AE, expert_A, w_gate, w_up, w_down, *, num_experts, rows, axes, ep):
+  """Step 2 of the module docstring: rows to the devices of their experts and back."""
+  A, E = x_AE.shape
+  n_local = num_experts // ep
+  R = n_local * rows if rows else A  # room per destination
+  dest_A = expert_A // n_local  # ep for dropped assignments
+  counts = jnp.sum(jax.nn.one_hot(dest_A, ep, dtype=jnp.int32), axis=0)
+  starts = jnp.cumsum(counts) - counts
+  slot_A = jnp.where(dest_A < ep, dest_A * R + jnp.arange(A) - starts[jnp.minimum(dest_A, ep - 1)],
+                     ep * R)
+  send_x = jnp.zeros((ep * R, E), x_AE.dtype).at[slot_A].set(x_AE, mode="drop")
+  send_e = jnp.full((ep * R,), n_local, jnp.int32).at[slot_A].set(
+      (expert_A % n_local).astype(jnp.int32), mode="drop")
+  recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)
+  recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True)
+  order = jnp.argsort(recv_e, stable=True)
+  y = grouped_swiglu(recv_x[order], recv_e[order], n_local, w_gate, w_up, w_down, rows * ep)
+  y_back = jax.lax.all_to_all(y[jnp.argsort(order)], axes, 0, 0, tiled=True)
+  return y_back.at[slot_A].get(mode="fill", fill_value=0)
+
+
+def _local_ffn(x_BSE, experts_BSK, weights_BSK, w_gate, w_up, w_down, *, num_experts, capacity,
+               expert_axes, ep, tensor_axes):
+  B, S, E = x_BSE.shape
+  K = experts_BSK.shape[-1]
+  T = B * S
+  expert_A = experts_BSK.reshape(T * K)
+  order_A = jnp.argsort(expert_A, stable=True)
+  x_AE = x_BSE.reshape(T, E)[order_A // K]
+  rows = capacity * B  # per-sequence capacity bounds a device's rows per expert
+  if ep == 1:
+    y_AE = grouped_swiglu(x_AE, expert_A[order_A], num_experts, w_gate, w_up, w_down, rows)
+  else:
+    y_AE = _exchange(x_AE, expert_A[order_A], w_gate, w_up, w_down, num_experts=num_experts,
+                     rows=rows, axes=expert_axes, ep=ep)
+  y_TKE = y_AE[jnp.argsort(order_A)].reshape(T, K, E).astype(jnp.float32)
+  y_TE = jnp.einsum("tke,tk->te", y_TKE, weights_BSK.reshape(T, K).astype(jnp.float32))
+  if tensor_axes:
+    y_TE = jax.lax.psum(y_TE, tensor_axes)
+  return y_TE.astype(x_BSE.dtype).reshape(B, S, E)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def expert_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE, *,
+               capacity: int = 0):
+  """The routed experts' output [B, S, E] (module docstring). `experts_BSK` = N marks a dropped
+  assignment; `capacity` (per expert and sequence) > 0 selects the static-buffer path."""
+  num_experts = w_gate_NEF.shape[0]
+  mesh = jax.sharding.get_abstract_mesh()
+  kw = dict(num_experts=num_experts, capacity=capacity)
+  if mesh.empty:
+    return _local_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE,
+                      expert_axes=(), ep=1, tensor_axes=(), **kw)
+  tokens = logical_to_spec(("act_batch", "act_seq", None))
+  w_in = logical_to_spec(("experts", None, "expert_mlp"))
+  w_out = logical_to_spec(("experts", "expert_mlp", None))
+  expert_axes = tuple(a for a in _axes(w_in[0]) if mesh.shape[a] > 1)
+  tensor_axes = _axes(w_in[2])  # psum even over a size-1 axis: the output is then invariant
+  fn = functools.partial(_local_ffn, expert_axes=expert_axes,
+                         ep=math.prod(mesh.shape[a] for a in expert_axes),
+                         tensor_axes=tensor_axes, **kw)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                       out_specs=tokens)(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF,
+                                         w_down_NFE)
