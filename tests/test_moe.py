@@ -71,11 +71,18 @@ def test_dropless_equals_capacity_when_ample_and_drops_are_counted():
 
 
 def test_capacity_priority_is_first_choices_first():
-  experts = jnp.array([[[0, 1], [0, 1], [1, 0]]])  # [B=1, S=3, k=2]
-  keep = capacity_keep(experts, 2, 2)
-  # expert 0: first choices at s=0,1 fill it, so s=2's second choice is dropped; expert 1:
-  # s=2's first choice, then s=0's second choice; s=1's second choice is dropped.
-  np.testing.assert_array_equal(keep[0], [[True, True], [True, False], [True, False]])
+  """Against a plain loop: per sequence, first choices in order, then second choices."""
+  B, S, K, N, capacity = 3, 16, 2, 4, 5
+  experts = np.asarray(jax.random.randint(jax.random.key(0), (B, S, K), 0, N))
+  expected = np.zeros((B, S, K), bool)
+  for b in range(B):
+    used = [0] * N
+    for k in range(K):
+      for s in range(S):
+        e = experts[b, s, k]
+        expected[b, s, k] = used[e] < capacity
+        used[e] += 1
+  np.testing.assert_array_equal(capacity_keep(jnp.asarray(experts), N, capacity), expected)
 
 
 def test_param_counts_total_and_active():
@@ -157,7 +164,7 @@ def test_config_errors_are_one_line_exit_2(override, needle, tmp_path, capsys):
 
 E2E = {"steps": 4, "log_every": 1, "eval_every": 0, "checkpoint.every_steps": 2,
        "model.d_model": 32, "data.seq_len": 32, "model.moe.capacity_factor": 1.0,
-       "model.moe.every": 2}
+       "model.moe.every": 2, "model.moe.shared_expert": 16}
 
 
 def test_train_py_moe_tiny_and_resume(tmp_path):
