@@ -300,7 +300,9 @@ class Run:
              f"({jax.process_count()} process(es)); mesh "
              + " ".join(f"{k}={v}" for k, v in self.mesh.shape.items()))
     self.log(f"model: {counts['total'] / 1e6:.2f}M params "
-             f"({counts['non_embedding'] / 1e6:.2f}M non-embedding); "
+             f"({counts['non_embedding'] / 1e6:.2f}M non-embedding"
+             + (f", {counts['active'] / 1e6:.2f}M active per token" if counts["active"] !=
+                counts["total"] else "") + "); "
              f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
              f"({self.data_meta['splits']['train']['tokens']:,} train tokens) from "
              f"{self.data_dir}")
