@@ -9,7 +9,7 @@ One MoE layer replaces the dense SwiGLU MLP of a block (`models/llama.py` builds
       (silu(x W_gate) * x W_up) W_down with width `model.moe.mlp_dim`.
 
 Dispatch (`models/moe_dispatch.py`): tokens are sorted by expert and run through grouped
-matmuls, `jax.lax.ragged_dot`, with no token dropped (the default, `capacity_factor` 0), or
+matmuls (`jax.lax.ragged_dot`, or megablox's Pallas `gmm` on TPU), with no token dropped (the default, `capacity_factor` 0), or
 with a capacity of ceil(capacity_factor * S * k / N) assignments per expert and sequence
 (priority: every token's first choice before any second choice, GShard's order); assignments
 over capacity are dropped (their weight is 0, the residual carries the token) and counted.
@@ -61,6 +61,7 @@ class MoEConfig:
   router_z_loss: float = 1e-3  # coefficient
   load_balance_loss: float = 1e-2  # coefficient
   balance_scope: str = "global"  # or "micro_batch"
+  impl: str = "ragged_dot"  # dropless grouped matmul: "ragged_dot" or "megablox" (TPU kernel)
 
   @property
   def enabled(self) -> bool:
@@ -146,7 +147,7 @@ class MoE(nnx.Module):
     y_BSE = expert_ffn(x_BSE.astype(dt), experts_BSK, weights_BSK,
                        self.w_gate_NEF[...].astype(dt), self.w_up_NEF[...].astype(dt),
                        self.w_down_NFE[...].astype(dt),
-                       capacity=self.cfg.moe.capacity(x_BSE.shape[1]))
+                       capacity=self.cfg.moe.capacity(x_BSE.shape[1]), impl=self.cfg.moe.impl)
     return y_BSE, stats
 
 

@@ -13,9 +13,12 @@ without one):
      has room for every row that could go to one device: T k rows when dropless (the worst
      case, so nothing is ever lost; the receive buffer is ep x T k rows), n_local x C x B_local
      with a capacity C per expert and sequence;
-  3. grouped SwiGLU: dropless, `jax.lax.ragged_dot` over the contiguous groups (XLA's grouped
-     matmul; native on TPU, a masked decomposition on CPU); with a capacity, each expert's rows
-     are scattered into a static [n, rows, E] buffer and multiplied with batched einsums;
+  3. grouped SwiGLU: dropless, grouped matmuls over the contiguous groups, either
+     `jax.lax.ragged_dot` (impl "ragged_dot": XLA's; native on TPU and GPU, on CPU a masked
+     dense decomposition doing every expert's work for every row) or megablox's `gmm` (impl
+     "megablox": jax's Pallas TPU kernel, `jax.experimental.pallas.ops.tpu.megablox`; in
+     interpret mode off TPU, for tests); with a capacity, each expert's rows are scattered into
+     a static [n, rows, E] buffer and multiplied with batched einsums;
   4. the outputs are unsorted, weighted and summed over the k choices in fp32; a `tensor`
      split of the expert width is summed with one `psum`.
 
@@ -30,6 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sharding.mesh import mesh_platform
 from sharding.rules import logical_to_spec
 
 
@@ -47,14 +51,40 @@ def _group_sizes(expert_R, n: int):
   return jnp.sum(jax.nn.one_hot(expert_R, n, dtype=jnp.int32), axis=0)
 
 
-def grouped_swiglu(x_RE, expert_R, n: int, w_gate_nEF, w_up_nEF, w_down_nFE, rows: int):
+IMPLS = ("ragged_dot", "megablox")
+MEGABLOX_TILE = (512, 1024, 1024)  # (rows, contracted, output) tile of megablox's gmm on TPU
+
+
+def _megablox(x_RE, w_nEF, sizes_n, valid_R):
+  """megablox `gmm` on the rows of the groups. Rows past the groups come out of the kernel
+  (and its backward pass) undefined, so they are zeroed on the way in and out: `where` passes
+  no gradient to its unselected side."""
+  from jax.experimental.pallas.ops.tpu.megablox import ops  # noqa: PLC0415
+  R, E = x_RE.shape
+  tm, tk, tn = MEGABLOX_TILE
+  tm = min(tm, -(-R // 8) * 8)
+  pad = -R % tm
+  x = jnp.where(valid_R[:, None], x_RE, 0)
+  x = jnp.pad(x, ((0, pad), (0, 0)))
+  interpret = mesh_platform(jax.sharding.get_abstract_mesh()) != "tpu"
+  y = ops.gmm(x, w_nEF, sizes_n, x_RE.dtype, (tm, min(tk, E), min(tn, w_nEF.shape[2])), None,
+              None, False, interpret)
+  return jnp.where(valid_R[:, None], y[:R], 0)
+
+
+def grouped_swiglu(x_RE, expert_R, n: int, w_gate_nEF, w_up_nEF, w_down_nFE, rows: int,
+                   impl: str = "ragged_dot"):
   """SwiGLU of rows sorted by expert (`expert_R` ascending; id n = no expert, output 0).
-  `rows` = 0: ragged_dot over the groups; > 0: each expert's rows in a [n, rows, E] buffer."""
+  `rows` = 0: grouped matmuls (`impl`) over the groups; > 0: each expert's rows in a
+  [n, rows, E] buffer."""
   sizes_n = _group_sizes(expert_R, n)
   if not rows:
-    gate_RF = jax.lax.ragged_dot(x_RE, w_gate_nEF, sizes_n)
-    up_RF = jax.lax.ragged_dot(x_RE, w_up_nEF, sizes_n)
-    return jax.lax.ragged_dot(jax.nn.silu(gate_RF) * up_RF, w_down_nFE, sizes_n)
+    if impl == "megablox":
+      valid_R = expert_R < n
+      mm = lambda x, w: _megablox(x, w, sizes_n, valid_R)
+    else:
+      mm = lambda x, w: jax.lax.ragged_dot(x, w, sizes_n)
+    return mm(jax.nn.silu(mm(x_RE, w_gate_nEF)) * mm(x_RE, w_up_nEF), w_down_nFE)
   R, E = x_RE.shape
   starts_n = jnp.cumsum(sizes_n) - sizes_n
   rank_R = jnp.arange(R) - starts_n[jnp.minimum(expert_R, n - 1)]
@@ -67,7 +97,7 @@ def grouped_swiglu(x_RE, expert_R, n: int, w_gate_nEF, w_up_nEF, w_down_nFE, row
   return out_nCE.reshape(n * rows, E).at[slot_R].get(mode="fill", fill_value=0)
 
 
-def _exchange(x_AE, expert_A, w_gate, w_up, w_down, *, num_experts, rows, axes, ep):
+def _exchange(x_AE, expert_A, w_gate, w_up, w_down, *, num_experts, rows, axes, ep, impl):
   """Step 2 of the module docstring: rows to the devices of their experts and back."""
   A, E = x_AE.shape
   n_local = num_experts // ep
@@ -83,13 +113,14 @@ def _exchange(x_AE, expert_A, w_gate, w_up, w_down, *, num_experts, rows, axes, 
   recv_x = jax.lax.all_to_all(send_x, axes, 0, 0, tiled=True)
   recv_e = jax.lax.all_to_all(send_e, axes, 0, 0, tiled=True)
   order = jnp.argsort(recv_e, stable=True)
-  y = grouped_swiglu(recv_x[order], recv_e[order], n_local, w_gate, w_up, w_down, rows * ep)
+  y = grouped_swiglu(recv_x[order], recv_e[order], n_local, w_gate, w_up, w_down, rows * ep,
+                     impl)
   y_back = jax.lax.all_to_all(y[jnp.argsort(order)], axes, 0, 0, tiled=True)
   return y_back.at[slot_A].get(mode="fill", fill_value=0)
 
 
 def _local_ffn(x_BSE, experts_BSK, weights_BSK, w_gate, w_up, w_down, *, num_experts, capacity,
-               expert_axes, ep, tensor_axes):
+               expert_axes, ep, tensor_axes, impl):
   B, S, E = x_BSE.shape
   K = experts_BSK.shape[-1]
   T = B * S
@@ -98,10 +129,11 @@ def _local_ffn(x_BSE, experts_BSK, weights_BSK, w_gate, w_up, w_down, *, num_exp
   x_AE = x_BSE.reshape(T, E)[order_A // K]
   rows = capacity * B  # per-sequence capacity bounds a device's rows per expert
   if ep == 1:
-    y_AE = grouped_swiglu(x_AE, expert_A[order_A], num_experts, w_gate, w_up, w_down, rows)
+    y_AE = grouped_swiglu(x_AE, expert_A[order_A], num_experts, w_gate, w_up, w_down, rows,
+                          impl)
   else:
     y_AE = _exchange(x_AE, expert_A[order_A], w_gate, w_up, w_down, num_experts=num_experts,
-                     rows=rows, axes=expert_axes, ep=ep)
+                     rows=rows, axes=expert_axes, ep=ep, impl=impl)
   y_TKE = y_AE[jnp.argsort(order_A)].reshape(T, K, E).astype(jnp.float32)
   y_TE = jnp.einsum("tke,tk->te", y_TKE, weights_BSK.reshape(T, K).astype(jnp.float32))
   if tensor_axes:
@@ -114,12 +146,13 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def expert_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE, *,
-               capacity: int = 0):
+               capacity: int = 0, impl: str = "ragged_dot"):
   """The routed experts' output [B, S, E] (module docstring). `experts_BSK` = N marks a dropped
-  assignment; `capacity` (per expert and sequence) > 0 selects the static-buffer path."""
+  assignment; `capacity` (per expert and sequence) > 0 selects the static-buffer path, else
+  `impl` the grouped matmul."""
   num_experts = w_gate_NEF.shape[0]
   mesh = jax.sharding.get_abstract_mesh()
-  kw = dict(num_experts=num_experts, capacity=capacity)
+  kw = dict(num_experts=num_experts, capacity=capacity, impl=impl)
   if mesh.empty:
     return _local_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE,
                       expert_axes=(), ep=1, tensor_axes=(), **kw)
@@ -131,6 +164,7 @@ def expert_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE
   fn = functools.partial(_local_ffn, expert_axes=expert_axes,
                          ep=math.prod(mesh.shape[a] for a in expert_axes),
                          tensor_axes=tensor_axes, **kw)
+  # Pallas calls carry no varying-manual-axes types, so megablox runs unchecked (check_vma).
   return jax.shard_map(fn, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-                       out_specs=tokens)(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF,
+                       out_specs=tokens, check_vma=impl != "megablox")(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF,
                                          w_down_NFE)

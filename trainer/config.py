@@ -62,7 +62,10 @@ def default_config() -> ml_collections.ConfigDict:
       # "micro_batch"; num_experts 0 = a dense model
       moe=ml_collections.ConfigDict(dict(
           num_experts=0, top_k=2, mlp_dim=0, every=1, shared_expert=0, capacity_factor=0.0,
-          router_z_loss=1e-3, load_balance_loss=1e-2, balance_scope="global"))))
+          router_z_loss=1e-3, load_balance_loss=1e-2, balance_scope="global",
+          # the dropless grouped matmul: "ragged_dot" (XLA's, any platform) or "megablox"
+          # (jax's Pallas TPU kernel; interpret mode, slow, elsewhere)
+          impl="ragged_dot"))))
 
   c.data = ml_collections.ConfigDict(dict(
       dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
@@ -225,6 +228,7 @@ def check_distributed(dist: ml_collections.ConfigDict) -> None:
 def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   """model.moe.*: ranges, and that the experts and their width split over the mesh."""
   from models.moe import BALANCE_SCOPES  # noqa: PLC0415
+  from models.moe_dispatch import IMPLS  # noqa: PLC0415
   m, moe = cfg.model, cfg.model.moe
   _need(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 (0 = dense)")
   if not moe.num_experts:
@@ -238,6 +242,7 @@ def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
               "load_balance_loss"):
     _need(moe[key] >= 0, f"model.moe.{key}={moe[key]}: must be >= 0")
   _choice(cfg, "model.moe.balance_scope", BALANCE_SCOPES)
+  _choice(cfg, "model.moe.impl", IMPLS)
   expert, tensor = sizes["expert"], sizes["tensor"]
   _need(moe.num_experts % expert == 0,
         f"model.moe.num_experts={moe.num_experts} does not split over mesh.expert={expert}; "
