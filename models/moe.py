@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.moe_dispatch import capacity_keep, expert_ffn
+from models.moe_dispatch import capacity_keep, expert_ffn, top_k_experts
+from sharding.rules import constrain
 
 BALANCE_SCOPES = ("global", "micro_batch")
 STAT_KEYS = ("counts", "prob_sum", "z_sum", "entropy_sum", "dropped", "tokens")
@@ -115,8 +116,14 @@ class MoE(nnx.Module):
     logits_BSN = jnp.einsum("bse,en->bsn", x_BSE.astype(jnp.float32),
                             self.w_router_EN[...].astype(jnp.float32),
                             precision=jax.lax.Precision.HIGHEST)
+    # pinned batch-sharded: unconstrained, XLA's partitioner gathers top_k's input everywhere
+    logits_BSN = constrain(logits_BSN, ("act_batch", "act_seq", None))
     probs_BSN = jax.nn.softmax(logits_BSN, axis=-1)
-    top_p_BSK, experts_BSK = jax.lax.top_k(probs_BSN, K)
+    # The choice has no gradient; the chosen probabilities do, read by a one-hot product.
+    experts_BSK = top_k_experts(probs_BSN, K)
+    top_p_BSK = jnp.einsum("bsn,bskn->bsk", probs_BSN,
+                           jax.nn.one_hot(experts_BSK, N, dtype=probs_BSN.dtype),
+                           precision=jax.lax.Precision.HIGHEST)
     weights_BSK = top_p_BSK / jnp.sum(top_p_BSK, axis=-1, keepdims=True)
     B, S = x_BSE.shape[:2]
     counts_N = jnp.sum(jax.nn.one_hot(experts_BSK, N, dtype=jnp.float32), axis=(0, 1, 2))

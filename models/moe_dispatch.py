@@ -47,6 +47,19 @@ def capacity_keep(experts_BSK, num_experts: int, capacity: int):
   return (position_BA < capacity).reshape(B, K, S).transpose(0, 2, 1)
 
 
+def top_k_experts(probs_BSN, k: int):
+  """Indices [B, S, k] of the k largest entries of the last axis (no gradient). Under a mesh
+  each device takes its own tokens' (`shard_map`): XLA's partitioner would gather the whole
+  batch onto every device for a top_k."""
+  probs_BSN = jax.lax.stop_gradient(probs_BSN)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return jax.lax.top_k(probs_BSN, k)[1]
+  spec = logical_to_spec(("act_batch", "act_seq", None))
+  return jax.shard_map(lambda p: jax.lax.top_k(p, k)[1], mesh=mesh, in_specs=spec,
+                       out_specs=spec)(probs_BSN)
+
+
 def _group_sizes(expert_R, n: int):
   return jnp.sum(jax.nn.one_hot(expert_R, n, dtype=jnp.int32), axis=0)
 

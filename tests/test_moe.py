@@ -156,6 +156,33 @@ def test_megablox_step_on_an_expert_mesh_equals_ragged_dot(data_dir, devices):
                out["megablox"][1], out["ragged_dot"][1])
 
 
+def test_expert_parallel_program_exchanges_tokens_not_weights(devices):
+  """The compiled step on expert=4 x fsdp=2: tokens move by all-to-all; expert weights are
+  gathered only over fsdp (each device keeps its 2 of 8 experts); no batch-wide gather."""
+  from optim import build_optimizer  # noqa: PLC0415
+  from sharding import batch_sharding, replicated  # noqa: PLC0415
+  from trainer.state import abstract_state, state_shardings  # noqa: PLC0415
+  from trainer.step import make_train_step  # noqa: PLC0415
+  cfg = tiny_config(**{**MOE, "model.moe.num_experts": 8, "model.moe.mlp_dim": 64})
+  mesh = make_mesh({"expert": 4, "fsdp": 2})
+  spec = ModelSpec(ModelConfig.from_config(cfg.model), mesh, 0)
+  tx, schedule = build_optimizer(cfg.optim, spec.logical_names, cfg.steps)
+  shardings, bsh = state_shardings(spec, tx), batch_sharding(mesh, microbatched=True)
+  batch = {k: jax.ShapeDtypeStruct((1, 8, 32), jnp.int32, sharding=bsh)
+           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  with jax.set_mesh(mesh):
+    hlo = jax.jit(make_train_step(spec, tx, schedule), in_shardings=(shardings, bsh),
+                  out_shardings=(shardings, replicated(mesh))).lower(
+                      abstract_state(spec, tx), batch).compile().as_text()
+  lines = hlo.splitlines()
+  assert sum(" all-to-all(" in line for line in lines) >= 4  # rows, ids; back; and backward
+  gathers = [line for line in lines if " all-gather(" in line]
+  assert gathers and not [g for g in gathers if "top_k" in g or "sort" in g]
+  shapes = [g.split(" = ")[1].split(" all-gather(")[0] for g in gathers]
+  expert_weights = [sh for sh in shapes if "32,64]" in sh or "64,32]" in sh]  # [.., E, F] / [F, E]
+  assert expert_weights and all(sh.startswith("f32[1,2,") for sh in expert_weights), shapes
+
+
 def _sums(data_dir, scope, num_micro):
   cfg = tiny_config(**MOE, **{"model.moe.balance_scope": scope})
   batch = test_train_step._batches(data_dir, cfg, 1)[0]
@@ -225,3 +252,16 @@ def test_train_py_moe_tiny_and_resume(tmp_path):
   Run(cfg(2), str(resumed)).train()
   Run(cfg(4), str(resumed)).train()
   assert [losses(resumed)[s] for s in range(1, 5)] == [losses(workdir)[s] for s in range(1, 5)]
+
+
+@pytest.mark.slow
+def test_resume_onto_an_expert_mesh(tmp_path):
+  """A run checkpointed on data=8 continues on expert=4 x data=2 along the same curve."""
+  from configs.moe_tiny import get_config  # noqa: PLC0415
+  cfg = lambda steps, **kw: override(get_config(), **{**E2E, "steps": steps, **kw})
+  straight, moved = tmp_path / "straight", tmp_path / "moved"
+  Run(cfg(4), str(straight)).train()
+  Run(cfg(2), str(moved)).train()
+  Run(cfg(4, **{"mesh.data": 2, "mesh.expert": 4}), str(moved)).train()
+  a, b = losses(straight), losses(moved)
+  np.testing.assert_allclose([b[s] for s in (3, 4)], [a[s] for s in (3, 4)], rtol=1e-5)
