@@ -5,6 +5,11 @@ layers are created stacked (`nnx.vmap`) and run with `nnx.scan`, so compile time
 with depth. Every parameter carries logical axis names (`sharding/rules.py` maps them to the
 mesh); activations are constrained at block boundaries.
 
+Mixture of experts (`ModelConfig.moe`, models/moe.py): with moe.num_experts > 0 every
+moe.every-th layer's MLP is a routed mixture of SwiGLU experts (`MoEBlock`), and the scan
+repeats groups of moe.every layers (`MoEGroup`: every - 1 dense blocks, then the MoE block),
+collecting each MoE layer's router statistics (`hidden(with_stats=True)`, `loss_and_stats`).
+
 Shape suffixes: B batch, S sequence, E embed (d_model), H query heads, K kv heads, D head dim,
 F mlp width, V vocab, L layers.
 

@@ -23,7 +23,7 @@ from trainer.state import ModelSpec, init_state
 from trainer.step import grad_sums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.moe.mlp_dim": 32}
+MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.mlp_dim": 32}
 
 
 def _layer(**moe):
@@ -112,7 +112,7 @@ def test_param_counts_total_and_active():
   counts = param_counts(cfg)
   assert counts["total"] == sum(p.size for p in jax.tree.leaves(spec.abstract_params))
   expert = 3 * cfg.d_model * 32
-  assert counts["total"] - counts["active"] == 2 * (4 - 2) * expert  # 2 MoE layers, 2 idle each
+  assert counts["total"] - counts["active"] == 2 * (8 - 2) * expert  # 2 MoE layers, 6 idle each
 
 
 # --------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def test_expert_parallel_program_exchanges_tokens_not_weights(devices):
   from sharding import batch_sharding, replicated  # noqa: PLC0415
   from trainer.state import abstract_state, state_shardings  # noqa: PLC0415
   from trainer.step import make_train_step  # noqa: PLC0415
-  cfg = tiny_config(**{**MOE, "model.moe.num_experts": 8, "model.moe.mlp_dim": 64})
+  cfg = tiny_config(**{**MOE, "model.moe.mlp_dim": 64})
   mesh = make_mesh({"expert": 4, "fsdp": 2})
   spec = ModelSpec(ModelConfig.from_config(cfg.model), mesh, 0)
   tx, schedule = build_optimizer(cfg.optim, spec.logical_names, cfg.steps)
