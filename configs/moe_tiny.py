@@ -1,11 +1,14 @@
-"""Tiny mixture-of-experts Llama on the embedded stdlib corpus (CPU, about a minute).
+"""Tiny mixture-of-experts Llama on the embedded stdlib corpus (CPU, about three minutes).
 
     python train.py --config configs/moe_tiny.py --workdir runs/moe_tiny
 
 lm_tiny's shape with every layer's MLP replaced by 8 SwiGLU experts of width 192, top-2 routed
 (each token uses 2 x 192 = 384, lm_tiny's MLP width: the same active size), dropless, with the
 global-batch load-balancing loss and the router z-loss; 1.41M parameters of which 0.53M
-active.
+active. 200 steps reach eval loss 2.90 in 2 min 55 s on 2 shared CPU cores; on CPU the dropless
+ragged_dot does every expert's work for every row (jax's CPU lowering), 2.2x a dense step of the
+same active size, while `--config.model.moe.capacity_factor=1.25` runs at 1.1x
+(`python bench/moe_step_time.py`).
 Runs on 1 device and on 8-device meshes with mesh.expert in {2, 4, 8} (folded with data/fsdp).
 Metrics: `moe/...` in metrics.jsonl and TensorBoard (README "Mixture of experts").
 """
