@@ -2,16 +2,24 @@
 
 Layout of the stream. The global micro-batch has `rows` rows. Row r is its own packing stream:
 it reads the shuffled documents r, r + rows, r + 2*rows, ... and packs them back to back into
-sequences of `seq_len + 1` tokens (grain's ConcatThenSplit, which also emits segment ids and
-positions). A process reads only the rows its devices hold (`row_ids`, from the batch sharding:
-`sharding.process_rows`), so
+sequences of `seq_len + 1` tokens (a document that does not fit continues at the start of the
+row's next sequence; segment ids 1, 2, ... number the pieces of a sequence, positions restart at
+0 in each piece). A process reads only the rows its devices hold (`row_ids`, from the batch
+sharding: `sharding.process_rows`), so
 
   * each process reads only its shard of the data, and
   * the global batch at every step is the same whatever the number of processes or devices,
 
 which is what makes a multi-host run equal a single-host one, and a restore onto a different
 mesh continue the same data order. A step with gradient accumulation draws several consecutive
-micro-batches. The iterator state (position of every row stream) is checkpointable.
+micro-batches. The iterator state (each row's document and offset in it) is checkpointable.
+
+How it is fast (`PackedRows`): all of a process's rows are packed in one pass per micro-batch.
+The documents the rows need are read in one batched call per round (grain's `_getitems` through
+the shuffle down to ArrayRecord, one reader call per file), and tokens, segment ids and
+positions of all rows come from a few numpy calls over the concatenated pieces, so the Python
+work is per document piece, not per token or per grain element. `prefetch` runs it in a
+background thread (grain's ThreadPrefetchIterDataset) that many micro-batches ahead.
 
 With `mixture` (sources from `data.mixture`, see data/mixture.py) the shuffled documents are a
 weighted mixture of several prepared directories whose element i is a pure function of i, so
@@ -33,7 +41,6 @@ import numpy as np
 from data import mixture as mixture_lib
 from data.prepare import DataError, read_meta
 
-_NO_THREADS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
@@ -58,8 +65,8 @@ class StreamSpec:
 class _Decode:
   dtype: str  # the stored token dtype (meta.json's token_dtype)
 
-  def __call__(self, record: bytes) -> dict[str, np.ndarray]:
-    return {"tokens": np.frombuffer(record, dtype=self.dtype).astype(np.int32)}
+  def __call__(self, record: bytes) -> np.ndarray:
+    return np.frombuffer(record, dtype=self.dtype).astype(np.int32)
 
 
 def documents(data_dir: str, split: str) -> grain.MapDataset:
@@ -70,7 +77,23 @@ def documents(data_dir: str, split: str) -> grain.MapDataset:
   if missing:
     raise DataError(f"data.dir={data_dir!r} is incomplete: {missing[0]} is missing; "
                     "prepare it again")
-  return grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files))
+  return grain.MapDataset.source(_BatchedArrayRecord(files))
+
+
+class _BatchedArrayRecord(grain.sources.ArrayRecordDataSource):
+  """grain's ArrayRecord source with batched reads. grain's source dataset reads a batch of
+  indices (`MapDataset._getitems`) through the source's `_getitems` when it has one; this one
+  reads each file's records in one call of its ArrayRecord reader (what array_record's own
+  `__getitems__` does, without starting a thread pool per call)."""
+
+  def _getitems(self, indices):
+    out = [None] * len(indices)
+    for reader, pairs in self._split_keys_per_reader(indices).items():
+      self._ensure_reader_exists(reader)
+      positions, where = zip(*pairs)
+      for i, record in zip(where, self._readers[reader].read(list(positions))):
+        out[i] = record
+    return out
 
 
 def _shuffled(data_dir: str, split: str, seed: int, shuffle: bool) -> grain.MapDataset:
@@ -101,10 +124,93 @@ def _mixed(spec: "StreamSpec") -> grain.MapDataset:
   return grain.MapDataset.range(sys.maxsize).map(_Pick(parents, selection))
 
 
-def _shift(elements: tuple[dict[str, np.ndarray], ...]) -> dict[str, np.ndarray]:
-  tokens = np.stack([e["tokens"] for e in elements])
-  segments = np.stack([e["tokens_segment_ids"] for e in elements])
-  positions = np.stack([e["tokens_positions"] for e in elements])
+class PackedRows(grain.IterDataset):
+  """This process's row streams, packed together: element n is micro-batch n (the module
+  docstring). A grain IterDataset, so grain's prefetch and checkpointing wrap it as any other."""
+
+  def __init__(self, docs: grain.MapDataset, spec: StreamSpec):
+    super().__init__()
+    self._docs, self._spec = docs, spec
+
+  def __iter__(self) -> "_PackedRowsIterator":
+    return _PackedRowsIterator(self._docs, self._spec)
+
+
+class _PackedRowsIterator(grain.DatasetIterator):
+  """Packs every row of a micro-batch in one pass: the documents the rows need are read in one
+  batched `_getitems` call per round (a row needs a new document when its current one runs out),
+  and the rows' tokens, segment ids and positions are built with a few numpy calls over all rows
+  at once, not per document. State: per row, its current document and the offset in it."""
+
+  def __init__(self, docs: grain.MapDataset, spec: StreamSpec):
+    super().__init__()
+    self._docs = docs
+    self._rows = list(spec.local_rows)
+    self._stride = spec.rows
+    self._length = spec.seq_len + 1
+    n = len(self._rows)
+    self._doc = [0] * n  # row i's current document: element rows[i] + doc[i] * stride
+    self._offset = [0] * n  # its first token not yet emitted
+    self._tokens: list[np.ndarray | None] = [None] * n  # its tokens, once read
+
+  def _read(self, which: list[int]) -> None:
+    """Read the current documents of rows `which` that are not read yet, in one call."""
+    which = [i for i in which if self._tokens[i] is None]
+    if which:
+      index = [self._rows[i] + self._doc[i] * self._stride for i in which]
+      for i, tokens in zip(which, self._docs._getitems(index)):  # noqa: SLF001  grain's batch read
+        self._tokens[i] = tokens
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    n, length = len(self._rows), self._length
+    pieces: list[list[np.ndarray]] = [[] for _ in range(n)]
+    need = [length] * n
+    pending = list(range(n))
+    while pending:
+      self._read(pending)
+      short = []
+      for i in pending:
+        tokens, start = self._tokens[i], self._offset[i]
+        take = min(len(tokens) - start, need[i])
+        if take > 0:
+          pieces[i].append(tokens[start:start + take])
+          need[i] -= take
+        if start + take >= len(tokens):  # the document is used up: the row moves to its next
+          self._doc[i] += 1
+          self._offset[i], self._tokens[i] = 0, None
+        else:
+          self._offset[i] = start + take
+        if need[i]:
+          short.append(i)
+      pending = short
+    return _batch(pieces, length)
+
+  def get_state(self) -> dict:
+    return {"doc": list(self._doc), "offset": list(self._offset)}
+
+  def set_state(self, state: dict) -> None:
+    if len(state["doc"]) != len(self._rows) or len(state["offset"]) != len(self._rows):
+      raise DataError(f"a data state of {len(state['doc'])} rows cannot restore a stream of "
+                      f"{len(self._rows)} rows")
+    self._doc = [int(k) for k in state["doc"]]
+    self._offset = [int(o) for o in state["offset"]]
+    self._tokens = [None] * len(self._rows)
+
+
+def _batch(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]:
+  """Rows of `length` tokens, each the concatenation of its pieces (one per document, segment
+  ids 1, 2, ... and positions from 0 in each), shifted into inputs and next-token targets."""
+  flat = [p for row in pieces for p in row]
+  n = len(pieces)
+  lengths = np.fromiter((len(p) for p in flat), np.int64, len(flat))
+  per_row = np.fromiter((len(row) for row in pieces), np.int64, n)
+  first = np.cumsum(per_row) - per_row  # index of each row's first piece
+  segment = np.arange(1, len(flat) + 1) - np.repeat(first, per_row)
+  start = np.cumsum(lengths) - lengths  # of each piece in the flat [n * length] buffer
+  tokens = np.concatenate(flat).reshape(n, length)
+  segments = np.repeat(segment.astype(np.int32), lengths).reshape(n, length)
+  positions = (np.arange(n * length) - np.repeat(start, lengths)).astype(np.int32)
+  positions = positions.reshape(n, length)
   return {
       "inputs": tokens[:, :-1],
       "targets": tokens[:, 1:],
@@ -120,13 +226,7 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
     docs = _mixed(spec)
   else:
     docs = _shuffled(spec.data_dir, spec.split, spec.seed, spec.shuffle)
-  streams = [
-      grain.experimental.ConcatThenSplitIterDataset(
-          docs[r::spec.rows].to_iter_dataset(_NO_THREADS),
-          length_struct={"tokens": spec.seq_len + 1})
-      for r in spec.local_rows
-  ]
-  ds = grain.experimental.ZipIterDataset(streams).map(_shift)
+  ds = PackedRows(docs, spec)
   if spec.prefetch:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=spec.prefetch)
   return ds
@@ -135,16 +235,18 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
 # ----------------------------------------------------------------------------------------------
 # Iterator state that survives a change in the number of processes.
 #
-# The iterator's state is a list with one entry per row stream this process owns. Each process
-# saves its block together with the row range it covers; a restore assembles the full list from
-# every process's block and hands each process the rows it owns now. So a run saved by 4 hosts
-# can continue on 2, or on 1, with the same data order.
+# The iterator's state has one entry per row this process owns: the row's current document (its
+# k-th: element row + k * rows of the shuffled documents) and the offset of its next token in it.
+# Each process saves its rows' entries together with which global rows they are; a restore
+# assembles the entries of every row from every process's file and hands each process the rows
+# it owns now. So a run saved by 4 hosts can continue on 2, or on 1, with the same data order.
 
 
 def shard_state(iterator_state: dict, spec: StreamSpec) -> dict:
   """What one process saves: its rows' states and which global rows they are."""
   return {"rows": list(spec.local_rows), "total_rows": spec.rows,
-          "row_states": iterator_state["parents"]}
+          "row_states": [{"doc": k, "offset": o}
+                         for k, o in zip(iterator_state["doc"], iterator_state["offset"])]}
 
 
 def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
@@ -158,17 +260,12 @@ def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
   missing = [r for r in spec.local_rows if r not in by_row]
   if missing:
     raise DataError(f"the saved data state lacks rows {missing}")
-  return {"parents": [_from_json(by_row[r]) for r in spec.local_rows]}
-
-
-def _from_json(row_state: dict) -> dict:
-  """A row stream's state as grain wrote it. JSON turns the packer's "no remainder" slices
-  (-1, -1) into a list, which grain would read as a remainder (a wrong batch after a restore at
-  a document boundary that falls exactly on a sequence boundary): make them tuples again."""
-  slices = row_state.get("remainder_slices")
-  if slices is None:
-    return row_state
-  return {**row_state, "remainder_slices": {k: tuple(v) for k, v in slices.items()}}
+  states = [by_row[r] for r in spec.local_rows]
+  if any("doc" not in s for s in states):
+    raise DataError("the saved data state was written by the earlier per-row grain packer "
+                    "(ConcatThenSplit), whose data order this version does not continue; "
+                    "resume it with the version that wrote it, or start a new run")
+  return {"doc": [int(s["doc"]) for s in states], "offset": [int(s["offset"]) for s in states]}
 
 
 def take(spec: StreamSpec, n: int) -> list[dict[str, np.ndarray]]:

@@ -81,6 +81,52 @@ def test_documents_never_mix(data_dir):
   assert saw_boundary
 
 
+def test_rows_are_their_documents_back_to_back(tmp_path):
+  """Row r packs the shuffled documents r, r + rows, r + 2 rows, ... back to back into sequences
+  of seq_len + 1 tokens (the packer's numpy path against a plain per-token reference): segment
+  ids count the pieces of a sequence from 1, positions restart at 0 in each piece."""
+  rng = np.random.default_rng(1)
+  with open(tmp_path / "d.jsonl", "w") as f:
+    for _ in range(300):  # short and long documents: several per row, and some split twice
+      f.write(json.dumps({"text": "b" * int(rng.choice([3, 3, 20, 150]))}) + "\n")
+  out = prepare.prepare_files(str(tmp_path / "p"), [str(tmp_path / "d.jsonl")])
+  spec = pipeline.StreamSpec(out, "train", 48, 3, seed=5, row_ids=(2, 0))
+  docs = pipeline._shuffled(out, "train", 5, True)
+  got = _take(iter(pipeline.dataset(spec)), 6)
+  for j, r in enumerate(spec.local_rows):
+    stream = []  # (token, which document, position in the document), documents back to back
+    k = 0
+    while len(stream) < 6 * 49:
+      stream += [(t, k, p) for p, t in enumerate(docs[r + k * spec.rows])]
+      k += 1
+    tokens, segments, positions = [], [], []
+    for n in range(6):
+      seq = stream[n * 49:(n + 1) * 49]
+      doc_ids = sorted({d for _, d, _ in seq})
+      start = {d: min(p for _, e, p in seq if e == d) for d in doc_ids}
+      tokens += [t for t, _, _ in seq]
+      segments += [doc_ids.index(d) + 1 for _, d, _ in seq]
+      positions += [p - start[d] for _, d, p in seq]
+    seqs = lambda xs: np.asarray(xs[:6 * 49]).reshape(6, 49)
+    tok, seg, pos = seqs(tokens), seqs(segments), seqs(positions)
+    for step, batch in enumerate(got):
+      np.testing.assert_array_equal(batch["inputs"][j], tok[step, :-1])
+      np.testing.assert_array_equal(batch["targets"][j], tok[step, 1:])
+      np.testing.assert_array_equal(batch["segment_ids"][j], seg[step, :-1])
+      np.testing.assert_array_equal(batch["positions"][j], pos[step, :-1])
+      np.testing.assert_array_equal(batch["loss_mask"][j], seg[step, 1:] == seg[step, :-1])
+  assert max(b["segment_ids"].max() for b in got) > 2  # several documents in a sequence
+
+
+def test_a_state_of_the_earlier_packer_is_refused_in_one_line(data_dir):
+  spec = _spec(data_dir)
+  old = {"rows": [0, 1, 2, 3], "total_rows": 4, "row_states": [
+      {"parent_state": {"next_index": 3}, "remainder_slices": {"tokens": [-1, -1]},
+       "elements_from_buffer_after_checkpoint": 0}] * 4}
+  with pytest.raises(prepare.DataError, match="earlier per-row grain packer"):
+    pipeline.state_from_shards([old], spec)
+
+
 def test_resume_from_iterator_state_gives_the_next_batch(data_dir):
   spec = _spec(data_dir, prefetch=2)
   it = iter(pipeline.dataset(spec))
@@ -176,8 +222,8 @@ def test_rows_follow_the_sharding_in_any_device_order(data_dir, devices):
 
 
 def test_resume_at_an_exact_document_boundary(tmp_path):
-  """A checkpoint taken where a document ended exactly at a sequence boundary (the packer has no
-  remainder: slices (-1, -1), which JSON turns into a list) restores the next batch exactly."""
+  """A checkpoint taken where a document ended exactly at a sequence boundary (the row's offset
+  is 0 in its next document, which it has not read yet) restores the next batch exactly."""
   rng = np.random.default_rng(0)
   with open(tmp_path / "d.jsonl", "w") as f:
     for _ in range(600):
@@ -189,7 +235,7 @@ def test_resume_at_an_exact_document_boundary(tmp_path):
     it = iter(pipeline.dataset(spec))
     _take(it, 9)
     shard = json.loads(json.dumps(pipeline.shard_state(it.get_state(), spec)))
-    if not any(s["remainder_slices"]["tokens"] == [-1, -1] for s in shard["row_states"]):
+    if not any(s["offset"] == 0 for s in shard["row_states"]):
       continue
     found += 1
     want = _take(it, 2)

@@ -52,7 +52,7 @@ def test_token_weights_are_observed_within_sampling_error(sources):
   tokens = {"A": 0, "B": 0}
   n_docs = {"A": 0, "B": 0}
   for i in range(20_000):
-    ids = docs[i]["tokens"]
+    ids = docs[i]
     src = chr(ids[1])
     tokens[src] += len(ids)
     n_docs[src] += 1
@@ -61,7 +61,7 @@ def test_token_weights_are_observed_within_sampling_error(sources):
   assert n_docs["A"] / 20_000 > 0.9  # the document share is far from the token share
   # A single source has the whole stream; a different seed a different order.
   other = pipeline._mixed(_spec(sources, seed=4))
-  assert any(not np.array_equal(docs[i]["tokens"], other[i]["tokens"]) for i in range(50))
+  assert any(not np.array_equal(docs[i], other[i]) for i in range(50))
 
 
 def test_every_row_sees_both_sources(sources):
