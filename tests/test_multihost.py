@@ -168,7 +168,8 @@ def test_only_public_jax_apis():
   """Start-up, the agreement check and the AOT tool use jax's public APIs (jax.distributed,
   jax.experimental.{multihost_utils,mesh_utils,topologies}), never jax._src."""
   from tools import aot  # noqa: PLC0415
-  for module in (distributed, aot):
+  from tools import targets  # noqa: PLC0415
+  for module in (distributed, aot, targets):
     assert "jax._src" not in inspect.getsource(module), module.__name__
 
 
