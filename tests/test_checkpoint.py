@@ -1,5 +1,6 @@
 """Checkpoints: save/restore is exact, restores onto other meshes, resumed runs match."""
 import json
+import sys
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer
 from sharding import make_mesh
+from trainer import checkpoint
 from trainer.checkpoint import Checkpointer
 from trainer.loop import Run
 from trainer.state import ModelSpec, abstract_state, init_state
@@ -58,6 +60,40 @@ def test_restore_is_exact_on_any_mesh(saved, data_dir, mesh_cfg, ndev):
   got = next(it)  # the data iterator resumes at exactly the next batch
   for key in pipeline.BATCH_KEYS:
     np.testing.assert_array_equal(got[key], next_batch[key])
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_data_state_is_the_one_at_the_save_call(tmp_path, data_dir, async_save):
+  """The data state is taken when `save` is called: an iterator that moves on while an async
+  save is still being written does not change what the checkpoint holds (both save modes)."""
+  cfg = tiny_config()
+  spec, tx = _spec_tx(cfg, {"data": 1}, jax.devices()[:1])
+  state = init_state(spec, tx)
+  data_spec = pipeline.StreamSpec(data_dir, "train", 32, 2)
+  it = iter(pipeline.dataset(data_spec))
+  next(it)
+  ckpt = Checkpointer(str(tmp_path), keep=1, async_save=async_save)
+  ckpt.save(1, state, it, data_spec, cfg.to_dict())
+  want = next(it)  # the loop goes on before the background write is done
+  for _ in range(3):
+    next(it)
+  ckpt.wait()
+  _, restored, step = Checkpointer(str(tmp_path), keep=1).restore_latest(
+      abstract_state(spec, tx), data_spec, cfg.to_dict())
+  got = next(restored)
+  assert step == 1
+  for key in pipeline.BATCH_KEYS:
+    np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_a_save_shortens_the_gil_switch_interval_only_while_it_blocks(tmp_path, monkeypatch):
+  ckpt = Checkpointer(str(tmp_path), keep=1)
+  seen = []
+  monkeypatch.setattr(ckpt.manager, "save", lambda *a, **k: seen.append(sys.getswitchinterval()))
+  before = sys.getswitchinterval()
+  ckpt.save(1, {}, None, None, {})
+  assert seen == [pytest.approx(checkpoint.SAVE_SWITCH_INTERVAL)]
+  assert sys.getswitchinterval() == before
 
 
 def test_checkpoint_files_need_no_pickle(saved):
