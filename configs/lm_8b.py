@@ -5,11 +5,14 @@ TPU slice or a multi-node GPU cluster.
         --config.data.dir=/path/to/prepared
     python -m tools.aot --config configs/lm_8b.py --topology v5:2x2x4   # fits? before you pay
 
-With this stack's 512-id byte vocabulary it has 7.0B parameters (Llama 3's other 1.05B are its
-128k-token embedding and head). fp32 master weights and Adam moments (12 bytes/param, 84 GB)
-sharded by FSDP over every device, bf16 compute, full rematerialisation, 1M tokens per step
-(128 x 8192). Documented fit: a v5p slice of 16 chips (`v5:2x2x4`), see README "Ahead-of-time
-compile".
+Llama 3's vocabulary (128,256 ids: data prepared with its tokenizer; `--config.model.vocab_size=0`
+takes the vocabulary from the prepared data instead): 8.0B parameters, 1.05B of them the
+embedding and the head. The loss runs the head 1024 positions at a time (`model.logits_chunk`,
+models/cross_entropy.py): the compiled step needs 53 GiB per v5p chip instead of 88 GiB with the
+full fp32 logits of 8 sequences per chip. fp32 master weights and Adam moments (12 bytes/param,
+96 GB) sharded by FSDP over every device, bf16 compute, full rematerialisation, 1M tokens per
+step (128 x 8192). Documented fit: a v5p slice of 16 chips (`v5:2x2x4`), see README
+"Ahead-of-time compile".
 """
 from trainer.config import default_config
 
@@ -18,9 +21,9 @@ def get_config():
   c = default_config()
   c.steps = 100_000
   c.mesh.update(data=1, fsdp=-1)
-  c.model.update(vocab_size=512, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+  c.model.update(vocab_size=128_256, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                  mlp_dim=14336, dtype="bfloat16", param_dtype="float32", remat="full",
-                 rope_theta=500_000.0, attention="auto")
+                 rope_theta=500_000.0, attention="auto", logits_chunk=1024)
   c.data.update(global_batch_size=128, seq_len=8192, prefetch=4)
   c.optim.update(name="adamw", learning_rate=3e-4, warmup_steps=2000, decay_steps=100_000,
                  schedule="cosine", b2=0.95, weight_decay=0.1)
