@@ -1,7 +1,8 @@
 """Attention dispatch: one entry point, several implementations.
 
-  xla     `jax.nn.dot_product_attention`: the reference every other implementation is tested
-          against; materialises the [S, S] scores (XLA may fuse, but memory is O(S^2)).
+  xla     softmax attention in plain XLA ops (`xla_attention`), held to
+          `jax.nn.dot_product_attention`, the reference every implementation is tested against;
+          materialises the [S, S] scores (memory O(S^2)).
   flash   our Pallas flash-attention kernel (kernels/flash_attention.py); on TPU jax's splash
           attention instead (the kernel is written for the GPU/Triton lowering; elsewhere it
           runs interpreted, exact but slow).
@@ -65,9 +66,40 @@ def segment_mask(segment_ids_q, segment_ids_kv=None):
 
 
 def xla_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
-  mask = None if segment_ids is None else segment_mask(segment_ids)
-  return jax.nn.dot_product_attention(q_BSHD, k_BSKD, v_BSKD, mask=mask, is_causal=causal,
-                                      implementation="xla")
+  """Softmax attention as plain XLA ops: the [B, H, S, S] scores in fp32, masked (causal by
+  token index, and by segment), `jax.nn.softmax`, then the weighted sum of the values.
+
+  The same math as `jax.nn.dot_product_attention(implementation="xla")` (tests hold it to that
+  to fp32 rounding), written so XLA compiles a lean program: the mask is built from iotas
+  inside the softmax's fusion rather than materialised per layer, and with as many kv heads as
+  heads the einsums carry no group axis. On CPU this measured 1.2-1.7x faster forward +
+  backward than `jax.nn.dot_product_attention` (README, "Performance")."""
+  B, S, H, D = q_BSHD.shape
+  K = k_BSKD.shape[2]
+  T = k_BSKD.shape[1]
+  q_BSHD = q_BSHD * jnp.asarray(D ** -0.5, q_BSHD.dtype)
+  mask_BqT = None
+  if causal:
+    mask_BqT = (jnp.arange(S)[:, None] >= jnp.arange(T)[None, :])[None]
+  if segment_ids is not None:
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    mask_BqT = same if mask_BqT is None else mask_BqT & same
+
+  def softmax(scores, mask):
+    if mask is not None:
+      scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+
+  if K == H:
+    scores_BHST = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BSKD,
+                             preferred_element_type=jnp.float32)
+    probs_BHST = softmax(scores_BHST, None if mask_BqT is None else mask_BqT[:, None])
+    return jnp.einsum("bhst,bthd->bshd", probs_BHST, v_BSKD)
+  q_BSKGD = q_BSHD.reshape(B, S, K, H // K, D)  # query head h uses kv head h // (H / K)
+  scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
+                            preferred_element_type=jnp.float32)
+  probs_BKGST = softmax(scores_BKGST, None if mask_BqT is None else mask_BqT[:, None, None])
+  return jnp.einsum("bkgst,btkd->bskgd", probs_BKGST, v_BSKD).reshape(B, S, H, D)
 
 
 def cudnn_applies(dtype, head_dim: int, seq_len: int | None = None) -> bool:

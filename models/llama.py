@@ -89,6 +89,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay fp32
   remat: str = "none"
+  scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: fully unrolled)
   attention: str = "xla"
   ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
   logits_chunk: int = 0  # loss over this many positions at a time (0: the whole [B, S, V])
@@ -157,6 +158,20 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+def dense(x, w, contract: int):
+  """x [B, S, *in] times w [*in, *out] (w's first `contract` axes against x's last ones) ->
+  [B, S, *out], as one 2-D matmul [B*S, prod(in)] x [prod(in), prod(out)]: the einsum's
+  product, but the weight gradient then contracts one token axis, not two (b, s), which XLA's
+  CPU backend compiled with extra transposes (SwiGLU MLP forward + backward 1.45x faster).
+  The reshapes merge adjacent axes only: free, and the parameters keep their layout."""
+  lead, ins, outs = x.shape[:-contract], w.shape[:contract], w.shape[contract:]
+  n_in = 1
+  for d in ins:
+    n_in *= d
+  y = jnp.dot(x.reshape(-1, n_in), w.reshape(n_in, -1))
+  return y.reshape(*lead, *outs)
+
+
 def rope_inv_freq(d: int, theta: float, scaling: RopeScaling = RopeScaling()):
   """The d/2 rotation frequencies, with Llama 3 scaling applied when configured (the same
   formula as Meta's reference and transformers' `_compute_llama3_parameters`)."""
@@ -206,11 +221,11 @@ class Attention(nnx.Module):
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     x_BSE = x_BSE.astype(dt)
-    q_BSHD = jnp.einsum("bse,ehd->bshd", x_BSE, self.wq_EHD[...].astype(dt))
+    q_BSHD = dense(x_BSE, self.wq_EHD[...].astype(dt), 1)
     if cfg.query_multiplier != 1.0:  # muP's 1/D attention (module docstring)
       q_BSHD = q_BSHD * jnp.asarray(cfg.query_multiplier, dt)
-    k_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wk_EKD[...].astype(dt))
-    v_BSKD = jnp.einsum("bse,ekd->bskd", x_BSE, self.wv_EKD[...].astype(dt))
+    k_BSKD = dense(x_BSE, self.wk_EKD[...].astype(dt), 1)
+    v_BSKD = dense(x_BSE, self.wv_EKD[...].astype(dt), 1)
     q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
                        ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
@@ -220,7 +235,7 @@ class Attention(nnx.Module):
 
   def out(self, out_BSHD):
     dt = DTYPES[self.cfg.dtype]
-    return jnp.einsum("bshd,hde->bse", out_BSHD, self.wo_HDE[...].astype(dt))
+    return dense(out_BSHD, self.wo_HDE[...].astype(dt), 2)
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
     cfg = self.cfg
@@ -247,10 +262,10 @@ class MLP(nnx.Module):
   def __call__(self, x_BSE):
     dt = DTYPES[self.cfg.dtype]
     x_BSE = x_BSE.astype(dt)
-    gate_BSF = jnp.einsum("bse,ef->bsf", x_BSE, self.w_gate_EF[...].astype(dt))
-    up_BSF = jnp.einsum("bse,ef->bsf", x_BSE, self.w_up_EF[...].astype(dt))
+    gate_BSF = dense(x_BSE, self.w_gate_EF[...].astype(dt), 1)
+    up_BSF = dense(x_BSE, self.w_up_EF[...].astype(dt), 1)
     h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, ("act_batch", "act_seq", "act_mlp"))
-    return jnp.einsum("bsf,fe->bse", h_BSF, self.w_down_FE[...].astype(dt))
+    return dense(h_BSF, self.w_down_FE[...].astype(dt), 1)
 
 
 class Block(nnx.Module):
@@ -361,7 +376,10 @@ class Transformer(nnx.Module):
 
     if cfg.remat != "none":
       layer = nnx.remat(layer, policy=policy, prevent_cse=False)
+    # Unrolled, the layers' residuals for the backward pass are separate buffers instead of
+    # slices of stacked [L, ...] arrays (fewer copies; a longer compile).
     run_layers = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                          unroll=min(cfg.scan_unroll, cfg.num_layers),
                           transform_metadata={nnx.PARTITION_NAME: "layers"})
     x_BSE, stats = run_layers(x_BSE, self.blocks)
 

@@ -71,6 +71,16 @@ def test_sharded_step_equals_single_device(reference, mesh_cfg, devices):
   assert ref_losses[-1] < ref_losses[0]  # it trains
 
 
+def test_unrolled_layer_scan_equals_the_scan(reference):
+  """model.scan_unroll (the layers unrolled in the compiled step) changes nothing but speed."""
+  _, batches, ref_losses, ref_params = reference
+  cfg = tiny_config(**{"model.scan_unroll": 2})
+  losses, params = _run(cfg, {"data": 1}, batches, devices=jax.devices()[:1])
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+               params, ref_params)
+
+
 def test_accumulation_equals_one_big_batch(reference, data_dir, devices):
   """4 micro-batches of 2 rows == 1 batch of 8 rows (same rows, token-weighted)."""
   cfg, _, _, _ = reference

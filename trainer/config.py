@@ -41,6 +41,9 @@ def default_config() -> ml_collections.ConfigDict:
       # ring attention: one ring per chunk of a device's kv heads, for less memory in flight
       # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
       ring_head_chunks=1,
+      # layers per iteration of the layer scan; num_layers unrolls it fully (faster steps for
+      # few layers, longer compiles; README "Performance")
+      scan_unroll=1,
       # the LM head and loss over this many sequence positions at a time, so the [B, S, V]
       # logits never exist (models/cross_entropy.py; for large vocabularies); 0 = all at once
       logits_chunk=0,
@@ -414,7 +417,8 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   data_vocab, data_name = _data_vocab(cfg)
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
     m.vocab_size = -(-data_vocab // 128) * 128
-  for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim"):
+  for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+              "scan_unroll"):
     _need(m[key] >= 1, f"model.{key}={m[key]}: must be positive")
   _need(m.num_heads % m.num_kv_heads == 0,
         f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
