@@ -1,14 +1,18 @@
 """Our train step against the plainest correct step a user would write for the same model.
 
-    python bench/baseline.py --config configs/lm_small.py [--rounds 5] [--steps 10] [--config.a.b=v ...]
+    python bench/baseline.py [--size 3m,25m] [--rounds 5] [--steps 3] [--config.a.b=v ...]
+    python bench/baseline.py --size none --config configs/lm_small.py [--config.a.b=v ...]
 
 The baseline is jit + optax and nothing else: the same Transformer module, mean token
 cross-entropy, `optax.chain(clip_by_global_norm(clip), adamw(...))`, donated parameters and
 optimizer state. Ours is the compiled step `train.py` runs (`trainer/program.py`: exact
 token-weighted accumulation, non-finite/spike guard, metrics, explicit shardings). Both get the
-same random batches on one device; they are timed alternately (`--rounds` rounds of `--steps`
-steps each, after a warm-up), so machine drift hits both alike. Prints the median step times and
-ours/baseline throughput: >= 1.0 means the framework's features cost nothing.
+same random batch on one device; they are timed alternately (`--rounds` rounds of `--steps`
+steps each, after two warm-up steps), so machine drift hits both alike. `--size` runs the two
+models matched to nanodo's (SIZES: 3.3M and 25.4M parameters, overrides of configs/lm_tiny.py,
+before the command line's own); `--size none` runs --config as it is. Prints each step's
+median time and tokens/s, and ours/plain throughput (the median of the rounds' ratios): >= 1.0
+means the framework's features cost nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
 def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
@@ -50,91 +55,172 @@ def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
   return params, tx.init(params), step
 
 
-def run(cfg, *, rounds: int, steps: int) -> dict:
-  """Median step seconds of ours and of the baseline, timed alternately."""
-  import jax  # noqa: PLC0415
+# The two models of issue 14, matched to google-deepmind/nanodo's (bench/nanodo.py): tied
+# embeddings, as many kv heads as heads, SwiGLU of 2/3 x 4d (nanodo: GELU of 4d, the same FLOPs).
+SIZES = {
+    "3m": dict(d_model=256, num_layers=4, num_heads=4, mlp_dim=683, batch=16, seq_len=256),
+    "25m": dict(d_model=512, num_layers=8, num_heads=8, mlp_dim=1365, batch=8, seq_len=512),
+}
+
+
+def size_overrides(size: str) -> list[str]:
+  """The `--config.*` overrides that make configs/lm_tiny.py the `size` model of SIZES."""
+  s = SIZES[size]
+  return [f"--config.model.d_model={s['d_model']}", f"--config.model.num_layers={s['num_layers']}",
+          f"--config.model.num_heads={s['num_heads']}",
+          f"--config.model.num_kv_heads={s['num_heads']}", f"--config.model.mlp_dim={s['mlp_dim']}",
+          "--config.model.tie_embeddings=true", "--config.model.attention=xla",
+          f"--config.data.global_batch_size={s['batch']}", f"--config.data.seq_len={s['seq_len']}",
+          "--config.data.micro_batch_size=0"]
+
+
+def random_tokens(cfg, vocab_size: int, seed: int = 0):
+  """[B, S + 1] random token ids (both steps, and nanodo's, train on the same ones)."""
   import numpy as np  # noqa: PLC0415
-
-  from optim import derive  # noqa: PLC0415
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
-  from trainer.state import init_state  # noqa: PLC0415
-
-  program = Program(cfg, make_mesh(cfg.mesh))
-  ours = program.compile()
-  state = init_state(program.spec, program.tx)
-  hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
-  params, opt_state, plain = plain_step(program.model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm,
-                                        cfg.seed)
-
   d = cfg.data
-  rng = np.random.default_rng(0)
-  tokens = rng.integers(0, program.model_cfg.vocab_size, (d.global_batch_size, d.seq_len + 1),
-                        dtype=np.int32)
-  inputs, targets = tokens[:, :-1], tokens[:, 1:]
-  positions = np.broadcast_to(np.arange(d.seq_len, dtype=np.int32), inputs.shape)
-  micro = lambda a: a.reshape(program.num_micro, program.micro_rows, d.seq_len)
-  host = {"inputs": micro(inputs), "targets": micro(targets), "positions": micro(positions),
-          "segment_ids": micro(np.ones_like(inputs)),
-          "loss_mask": micro(np.ones(inputs.shape, bool))}
-  batch = {k: jax.device_put(v, program.batch_sharding) for k, v in host.items()}
-  inputs, targets = jax.device_put(inputs), jax.device_put(targets)
+  return np.random.default_rng(seed).integers(0, vocab_size, (d.global_batch_size,
+                                                              d.seq_len + 1), dtype=np.int32)
 
-  def time_ours(n):
-    nonlocal state
+
+class Ours:
+  """The compiled step `train.py` runs, on one device, fed one fixed random batch."""
+
+  def __init__(self, cfg):
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    from sharding.mesh import make_mesh  # noqa: PLC0415
+    from trainer.program import Program  # noqa: PLC0415
+    from trainer.state import init_state  # noqa: PLC0415
+
+    self.program = program = Program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    self.step = program.compile()
+    self.state = init_state(program.spec, program.tx)
+    tokens = random_tokens(cfg, program.model_cfg.vocab_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = np.broadcast_to(np.arange(inputs.shape[1], dtype=np.int32), inputs.shape)
+    micro = lambda a: a.reshape(program.num_micro, program.micro_rows, inputs.shape[1])
+    host = {"inputs": micro(inputs), "targets": micro(targets), "positions": micro(positions),
+            "segment_ids": micro(np.ones_like(inputs)),
+            "loss_mask": micro(np.ones(inputs.shape, bool))}
+    self.batch = {k: jax.device_put(v, program.batch_sharding) for k, v in host.items()}
+    self.loss = None
+
+  def __call__(self, n: int) -> float:
+    """Seconds per step over `n` steps."""
+    import jax  # noqa: PLC0415
     t = time.perf_counter()
-    with jax.set_mesh(program.mesh):
+    with jax.set_mesh(self.program.mesh):
       for _ in range(n):
-        state, metrics = ours(state, batch)
-      jax.block_until_ready(metrics)
+        self.state, metrics = self.step(self.state, self.batch)
+      self.loss = float(metrics["loss"])  # waits for the last step
     return (time.perf_counter() - t) / n
 
-  def time_plain(n):
-    nonlocal params, opt_state
+
+class Plain:
+  """The baseline step (`plain_step`) on the same model, optimizer settings and tokens."""
+
+  def __init__(self, cfg, program):
+    import jax  # noqa: PLC0415
+
+    from optim import derive  # noqa: PLC0415
+    hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
+    self.params, self.opt_state, self.step = plain_step(
+        program.model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm, cfg.seed)
+    tokens = random_tokens(cfg, program.model_cfg.vocab_size)
+    self.inputs, self.targets = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
+    self.loss = None
+
+  def __call__(self, n: int) -> float:
     t = time.perf_counter()
     for _ in range(n):
-      params, opt_state, loss = plain(params, opt_state, inputs, targets)
-    jax.block_until_ready(loss)
+      self.params, self.opt_state, loss = self.step(self.params, self.opt_state, self.inputs,
+                                                    self.targets)
+    self.loss = float(loss)
     return (time.perf_counter() - t) / n
 
-  time_ours(2), time_plain(2)  # compile and warm up
-  ours_s, plain_s = [], []
+
+def alternate(runners: dict, *, rounds: int, steps: int) -> dict[str, list[float]]:
+  """Seconds per step of each runner in each round; the runners take turns within a round, so
+  machine drift hits them alike (two warm-up steps each first, which compile)."""
+  for run in runners.values():
+    run(2)
+  times = {name: [] for name in runners}
   for _ in range(rounds):
-    ours_s.append(time_ours(steps))
-    plain_s.append(time_plain(steps))
-  return {"ours": statistics.median(ours_s), "plain": statistics.median(plain_s),
-          "ours_all": ours_s, "plain_all": plain_s}
+    for name, run in runners.items():
+      times[name].append(run(steps))
+  return times
+
+
+def one_device(cfg):
+  """The config on one device (both steps run unsharded)."""
+  cfg.mesh.update(data=1, fsdp=1, tensor=1, sequence=1, expert=1)
+  return cfg
+
+
+def load_sized(parser, argv, size_help: str):
+  """(args, [(label, config)]) from a bench command line: `--size` picks the matched models of
+  SIZES (overrides of configs/lm_tiny.py, applied before the command line's own), or
+  `--size none` takes --config as it is. A mistake raises ConfigError."""
+  from trainer.cli import load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError, validate  # noqa: PLC0415
+  parser.add_argument("--config", default=os.path.join(ROOT, "configs", "lm_tiny.py"),
+                      metavar="FILE.py", help="config file (default configs/lm_tiny.py)")
+  parser.add_argument("--size", default="3m,25m", help=size_help)
+  args, rest = parser.parse_known_args(argv)
+  sizes = [] if args.size == "none" else args.size.split(",")
+  for size in sizes:
+    if size not in SIZES:
+      raise ConfigError(f"--size {size!r}: use a comma-separated list of {', '.join(SIZES)}, "
+                        "or none")
+  out = []
+  for size in sizes or [None]:
+    cfg = one_device(load_from_cli(args.config, (size_overrides(size) if size else []) + rest))
+    validate(cfg, 1)
+    if cfg.optim.name != "adamw":
+      raise ConfigError(f"optim.name={cfg.optim.name!r}: the baseline is an AdamW step; "
+                        "run with --config.optim.name=adamw")
+    out.append((size or args.config, cfg))
+  return args, out
+
+
+def describe(cfg) -> str:
+  m, d = cfg.model, cfg.data
+  return (f"d_model {m.d_model}, {m.num_layers} layers, {m.num_heads} heads, seq {d.seq_len}, "
+          f"batch {d.global_batch_size}, mlp {m.mlp_dim}, attention {m.attention}, "
+          f"scan_unroll {m.scan_unroll}")
 
 
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.cli import CliParser, load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError, validate  # noqa: PLC0415
-  parser = CliParser("bench/baseline.py", __doc__)
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = CliParser("bench/baseline.py", __doc__, config=False)
   parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--steps", type=int, default=3)
   import jax  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
-    args, rest = parser.parse_known_args(argv)
-    cfg = load_from_cli(args.config, rest)
-    cfg.mesh.update(data=1, fsdp=1, tensor=1, sequence=1, expert=1)  # one device
-    validate(cfg, 1)
-    if cfg.optim.name != "adamw":
-      raise ConfigError(f"optim.name={cfg.optim.name!r}: the baseline is an AdamW step; "
-                        "run with --config.optim.name=adamw")
+    args, configs = load_sized(parser, argv, "matched models to run, of " + ", ".join(SIZES)
+                               + " (default both), or none: --config as it is")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  r = run(cfg, rounds=args.rounds, steps=args.steps)
-  tokens = cfg.data.global_batch_size * cfg.data.seq_len
-  print(f"config     {args.config} {' '.join(rest)}")
   print(f"device     1 x {jax.devices()[0].device_kind}; {args.rounds} rounds x {args.steps} "
-        f"steps, alternated")
-  for name in ("plain", "ours"):
-    print(f"{name:<10} median {r[name] * 1e3:8.1f} ms/step  {tokens / r[name]:>10,.0f} tokens/s  "
-          f"(rounds: {', '.join(f'{t * 1e3:.1f}' for t in r[name + '_all'])} ms)")
-  print(f"ours/plain throughput {r['plain'] / r['ours']:.3f}  (target >= 1.0)")
+        f"steps, alternated; medians")
+  for label, cfg in configs:
+    ours = Ours(cfg)
+    times = alternate({"plain": Plain(cfg, ours.program), "ours": ours}, rounds=args.rounds,
+                      steps=args.steps)
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    print(f"\n{label}: {describe(cfg)}")
+    for name, ts in times.items():
+      med = statistics.median(ts)
+      print(f"  {name:<6} {med * 1e3:8.1f} ms/step {tokens / med:>10,.0f} tokens/s  "
+            f"(rounds: {', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)")
+    ratio = statistics.median(p / o for p, o in zip(times["plain"], times["ours"]))
+    print(f"  ours/plain throughput {ratio:.3f} (median of per-round ratios; target >= 1.0)")
+  return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""bench/baseline.py and bench/nanodo.py: the speed comparisons run and report what they say."""
+import importlib.util
+import os
+import re
+import statistics
+
+from conftest import ROOT
+
+TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
+
+
+def _bench(name):
+  spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                os.path.join(ROOT, "bench", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_baseline_times_both_steps_alternately_and_prints_the_ratio(capsys):
+  bench = _bench("baseline")
+  assert bench.main(["--size", "none", "--config", TINY, "--rounds", "2", "--steps", "1",
+                     "--config.model.num_layers=1"]) == 0
+  out = capsys.readouterr().out
+  ms = {name: [float(t) for t in re.search(rf"{name} .*\(rounds: ([\d, ]+) ms\)", out)
+               .group(1).split(",")] for name in ("plain", "ours")}
+  assert all(len(v) == 2 for v in ms.values())
+  ratio = float(re.search(r"ours/plain throughput ([\d.]+)", out).group(1))
+  want = statistics.median(p / o for p, o in zip(ms["plain"], ms["ours"]))
+  assert abs(ratio - want) <= 0.03 * want  # the median of the rounds' ratios (ms rounded)
+  assert "d_model 128, 1 layers" in out
+
+
+def test_the_matched_sizes_are_the_issue_models():
+  """3.3M and 25.4M parameters, with SwiGLU's FLOPs equal to a GELU MLP of 4 d (nanodo's)."""
+  from models.llama import ModelConfig, param_counts  # noqa: PLC0415
+  from trainer.cli import load_from_cli  # noqa: PLC0415
+  bench = _bench("baseline")
+  for size, millions in (("3m", 3.3), ("25m", 25.4)):
+    cfg = load_from_cli(TINY, bench.size_overrides(size))
+    m = ModelConfig.from_config(cfg.model)
+    assert round(param_counts(m)["total"] / 1e6, 1) == millions
+    assert abs(3 * m.mlp_dim - 2 * 4 * m.d_model) / (8 * m.d_model) < 0.001
+
+
+def test_nanodo_bench_without_a_checkout_says_so(tmp_path, capsys):
+  assert _bench("nanodo").main(["--nanodo_dir", str(tmp_path), "--size", "3m"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "has no nanodo/model.py" in err and "skipping" in err, err
