@@ -65,41 +65,58 @@ def segment_mask(segment_ids_q, segment_ids_kv=None):
   return (segment_ids_q[:, None, :, None] == segment_ids_kv[:, None, None, :])
 
 
+CAUSAL_BLOCK = 128  # xla attention's query block when causal (see `xla_attention`)
+
+
 def xla_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
-  """Softmax attention as plain XLA ops: the [B, H, S, S] scores in fp32, masked (causal by
-  token index, and by segment), `jax.nn.softmax`, then the weighted sum of the values.
+  """Softmax attention as plain XLA ops: fp32 scores, masked (causal by token index, and by
+  segment), `jax.nn.softmax`, then the weighted sum of the values.
 
   The same math as `jax.nn.dot_product_attention(implementation="xla")` (tests hold it to that
   to fp32 rounding), written so XLA compiles a lean program: the mask is built from iotas
-  inside the softmax's fusion rather than materialised per layer, and with as many kv heads as
-  heads the einsums carry no group axis. On CPU this measured 1.2-1.7x faster forward +
-  backward than `jax.nn.dot_product_attention` (README, "Performance")."""
+  inside the softmax's fusion rather than materialised per layer; with as many kv heads as
+  heads the einsums carry no group axis; and causal attention runs in query blocks of
+  CAUSAL_BLOCK rows, block i against keys [0, (i + 1) x CAUSAL_BLOCK) only, so the scores
+  above the diagonal's blocks are never computed ((n + 1) / 2n of the work for n blocks). On
+  CPU forward + backward measured 1.2-1.7x faster than `jax.nn.dot_product_attention` without
+  the blocks, and the blocks took another 23% off at S = 512 (README, "Performance")."""
+  S, T = q_BSHD.shape[1], k_BSKD.shape[1]
+  q_BSHD = q_BSHD * jnp.asarray(q_BSHD.shape[3] ** -0.5, q_BSHD.dtype)
+  blocks = S // CAUSAL_BLOCK if causal and S == T and S % CAUSAL_BLOCK == 0 else 1
+  c = S // blocks
+  outs = []
+  for i in range(blocks):
+    q, ends = q_BSHD[:, i * c:(i + 1) * c], (i + 1) * c if blocks > 1 else T
+    mask_BqT = None
+    if causal:
+      mask_BqT = (jnp.arange(i * c, (i + 1) * c)[:, None] >= jnp.arange(ends)[None, :])[None]
+    if segment_ids is not None:
+      same = segment_ids[:, i * c:(i + 1) * c, None] == segment_ids[:, None, :ends]
+      mask_BqT = same if mask_BqT is None else mask_BqT & same
+    outs.append(_attend(q, k_BSKD[:, :ends], v_BSKD[:, :ends], mask_BqT))
+  return outs[0] if blocks == 1 else jnp.concatenate(outs, axis=1)
+
+
+def _attend(q_BSHD, k_BTKD, v_BTKD, mask_BST):
+  """softmax(q k^T [+ mask]) v for (pre-scaled) queries against these keys."""
   B, S, H, D = q_BSHD.shape
-  K = k_BSKD.shape[2]
-  T = k_BSKD.shape[1]
-  q_BSHD = q_BSHD * jnp.asarray(D ** -0.5, q_BSHD.dtype)
-  mask_BqT = None
-  if causal:
-    mask_BqT = (jnp.arange(S)[:, None] >= jnp.arange(T)[None, :])[None]
-  if segment_ids is not None:
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    mask_BqT = same if mask_BqT is None else mask_BqT & same
+  K = k_BTKD.shape[2]
 
   def softmax(scores, mask):
     if mask is not None:
       scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+    return jax.nn.softmax(scores, axis=-1).astype(v_BTKD.dtype)
 
   if K == H:
-    scores_BHST = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BSKD,
+    scores_BHST = jnp.einsum("bshd,bthd->bhst", q_BSHD, k_BTKD,
                              preferred_element_type=jnp.float32)
-    probs_BHST = softmax(scores_BHST, None if mask_BqT is None else mask_BqT[:, None])
-    return jnp.einsum("bhst,bthd->bshd", probs_BHST, v_BSKD)
+    probs_BHST = softmax(scores_BHST, None if mask_BST is None else mask_BST[:, None])
+    return jnp.einsum("bhst,bthd->bshd", probs_BHST, v_BTKD)
   q_BSKGD = q_BSHD.reshape(B, S, K, H // K, D)  # query head h uses kv head h // (H / K)
-  scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BSKD,
+  scores_BKGST = jnp.einsum("bskgd,btkd->bkgst", q_BSKGD, k_BTKD,
                             preferred_element_type=jnp.float32)
-  probs_BKGST = softmax(scores_BKGST, None if mask_BqT is None else mask_BqT[:, None, None])
-  return jnp.einsum("bkgst,btkd->bskgd", probs_BKGST, v_BSKD).reshape(B, S, H, D)
+  probs_BKGST = softmax(scores_BKGST, None if mask_BST is None else mask_BST[:, None, None])
+  return jnp.einsum("bkgst,btkd->bskgd", probs_BKGST, v_BTKD).reshape(B, S, H, D)
 
 
 def cudnn_applies(dtype, head_dim: int, seq_len: int | None = None) -> bool:

@@ -39,7 +39,10 @@ def _reference_attention(q, k, v, *, segment_ids=None, causal=True):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("packed", [True, False])
-def test_xla_attention_equals_dot_product_attention(kv_heads, causal, packed):
+@pytest.mark.parametrize("block", [128, 4], ids=["one_block", "3_query_blocks"])
+def test_xla_attention_equals_dot_product_attention(kv_heads, causal, packed, block,
+                                                    monkeypatch):
+  monkeypatch.setattr(attention_module, "CAUSAL_BLOCK", block)
   q, k, v = _qkv(0, K=kv_heads)
   seg = jnp.array([[1] * 5 + [2] * 7, [1] * 12], jnp.int32) if packed else None
   got = _fwd_and_grads(lambda *a: xla_attention(*a, segment_ids=seg, causal=causal), q, k, v)
@@ -87,6 +90,7 @@ def _loss_and_grads(cfg):
 def test_model_equals_the_plain_formulation(monkeypatch):
   """Loss and gradients of the model with the fast paths == with jax.nn.dot_product_attention
   and einsum projections (GQA, packed documents), to fp32 rounding."""
+  monkeypatch.setattr(attention_module, "CAUSAL_BLOCK", 8)  # two query blocks of 8
   fast = _loss_and_grads(CFG)
   monkeypatch.setattr(attention_module, "xla_attention", _reference_attention)
   monkeypatch.setattr(llama, "dense", _einsum_dense)
