@@ -47,3 +47,15 @@ def test_nanodo_bench_without_a_checkout_says_so(tmp_path, capsys):
   assert _bench("nanodo").main(["--nanodo_dir", str(tmp_path), "--size", "3m"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "has no nanodo/model.py" in err and "skipping" in err, err
+
+
+def test_step_profile_sorts_the_traced_kernels_into_kinds(capsys):
+  bench = _bench("step_profile")
+  assert bench.main(["--size", "none", "--config", TINY, "--steps", "1",
+                     "--config.model.num_layers=1"]) == 0
+  rows = re.findall(r"^\| (.+?) \| (\d+) \| ([\d.]+)% \|$", capsys.readouterr().out, re.M)
+  kinds = {kind: float(share) for kind, _, share in rows}
+  assert set(kinds) <= set(bench.KINDS) and abs(sum(kinds.values()) - 100) < 0.5
+  # every kind of a train step's work shows up, the forward and backward matmuls among them
+  for kind in bench.KINDS[:4] + bench.KINDS[5:]:
+    assert kinds.get(kind, 0) > 0, (kind, kinds)
