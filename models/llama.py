@@ -37,7 +37,7 @@ At m = 1 every multiplier is skipped, so muP at its base width is SP bit for bit
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -190,14 +190,26 @@ def rope_inv_freq(d: int, theta: float, scaling: RopeScaling = RopeScaling()):
   return jnp.where(medium, smoothed, scaled)
 
 
+class RopeTables(NamedTuple):
+  """sin and cos of the RoPE angles [B, S, 1, D/2], fp32, made once per forward pass by
+  `Transformer.hidden` for all layers (XLA does not hoist them out of the layer scan)."""
+  sin: jax.Array
+  cos: jax.Array
+
+
+def rope_tables(positions_BS, d: int, theta: float,
+                scaling: RopeScaling = RopeScaling()) -> RopeTables:
+  angles_BSd = positions_BS[..., None].astype(jnp.float32) * rope_inv_freq(d, theta, scaling)
+  return RopeTables(jnp.sin(angles_BSd)[:, :, None, :], jnp.cos(angles_BSd)[:, :, None, :])
+
+
 def apply_rope(x_BSHD, positions_BS, theta: float, scaling: RopeScaling = RopeScaling()):
   """Rotary position embedding (Su et al. 2021), rotate-half form (the layout of Hugging Face
-  Llama checkpoints: dims i and i + D/2 rotate together), computed in fp32."""
-  d = x_BSHD.shape[-1]
-  inv_freq = rope_inv_freq(d, theta, scaling)
-  angles_BSd = positions_BS[..., None].astype(jnp.float32) * inv_freq
-  sin = jnp.sin(angles_BSd)[:, :, None, :]
-  cos = jnp.cos(angles_BSd)[:, :, None, :]
+  Llama checkpoints: dims i and i + D/2 rotate together), computed in fp32. `positions_BS`:
+  the positions [B, S], or their `rope_tables`."""
+  tables = positions_BS if isinstance(positions_BS, RopeTables) else rope_tables(
+      positions_BS, x_BSHD.shape[-1], theta, scaling)
+  sin, cos = tables.sin, tables.cos
   x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BSHD.dtype)
@@ -217,7 +229,8 @@ class Attention(nnx.Module):
     self.wo_HDE = _param(rngs, out_init, (H, D, E), ("heads", "head_dim", "embed"), pdt)
 
   def qkv(self, x_BSE, positions_BS):
-    """Queries, keys (both rotated) and values of x; also used by decoding (models/decode.py)."""
+    """Queries, keys (both rotated) and values of x; positions [B, S] or their `rope_tables`.
+    Also used by decoding (models/decode.py)."""
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     x_BSE = x_BSE.astype(dt)
@@ -367,11 +380,12 @@ class Transformer(nnx.Module):
       tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
     x_BSE = self.embed(tokens_BS)
+    rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
 
     policy = REMAT_POLICIES[cfg.remat]
 
-    def layer(x_BSE, block):
-      out = block(x_BSE, positions_BS, segment_ids_BS)
+    def layer(x_BSE, block):  # every layer reads the same RoPE tables (`RopeTables`)
+      out = block(x_BSE, rope, segment_ids_BS)
       return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
 
     if cfg.remat != "none":
