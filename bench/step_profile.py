@@ -37,7 +37,8 @@ KINDS = ("layer matmuls (q, k, v, o, MLP)", "attention matmuls (QK^T, PV)",
          "attention softmax and mask", "layer elementwise (norms, RoPE, SwiGLU, residuals)",
          "scan: stacked residuals (zero-fill, copies)", "LM head matmul",
          "embedding, cross-entropy", "after the gradient (optimizer, clip, guard, norms)")
-CONTAINERS = ("while", "conditional", "call")  # their events span the kernels they run
+CONTAINERS = ("while", "conditional", "call")
+from models.attention import CAUSAL_BLOCK  # noqa: E402  # their events span the kernels they run
 
 
 class Hlo:
@@ -75,7 +76,9 @@ class Hlo:
     shape, opcode, line = self.inst[name]
     op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
     dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0])]
-    square = len(dims) >= 4 and dims[-1] == dims[-2] == seq_len  # [..., S, S] scores
+    # [..., S, S] scores, or a causal query block's [..., c, (i + 1) c] (models/attention.py)
+    square = (len(dims) >= 4 and dims[-2] in (seq_len, CAUSAL_BLOCK) and dims[-1] <= seq_len
+              and dims[-1] % dims[-2] == 0)
     if name.startswith("wrapped_broadcast") or (opcode == "copy" and len(dims) >= 4):
       return KINDS[4]
     if "jvp" not in op_name and "while" not in op_name:
