@@ -50,7 +50,8 @@ from jax.sharding import PartitionSpec as P
 from kernels import flash_attention
 from kernels.splash import splash_attention
 from sharding.mesh import mesh_platform
-from sharding.ring_attention import ring_attention, split_axes
+from sharding.ring_attention import ring_attention
+from sharding.zigzag import split_axes
 from sharding.rules import BATCH_AXES
 
 IMPLS = ("xla", "flash", "splash", "ring", "auto")

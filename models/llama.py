@@ -47,7 +47,7 @@ from flax import nnx
 from models.attention import IMPLS, attention, sequence_layout
 from models.cross_entropy import chunked_cross_entropy
 from models.moe import MoE, MoEConfig
-from sharding.ring_attention import zigzag
+from sharding.zigzag import zigzag
 from sharding.rules import constrain
 
 REMAT_POLICIES = {

@@ -104,7 +104,6 @@ from sharding.ring_blocks import (block_backward, block_forward, merge, seq_slic
                                   zeros_then)
 from sharding.rules import BATCH_AXES
 from sharding.zigzag import current_mesh, split_axes, zigzag_local, zigzag_order
-from sharding.zigzag import zigzag  # noqa: F401  TODO(lead): import from sharding.zigzag in models/
 
 LAYOUTS = ("contiguous", "zigzag")
 BLOCK_IMPLS = ("auto", "flash", "jnp")
