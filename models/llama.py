@@ -47,8 +47,8 @@ from flax import nnx
 from models.attention import IMPLS, attention, sequence_layout
 from models.cross_entropy import chunked_cross_entropy
 from models.moe import MoE, MoEConfig
-from sharding.zigzag import zigzag
 from sharding.rules import constrain
+from sharding.zigzag import zigzag
 
 REMAT_POLICIES = {
     "none": None,  # no rematerialisation: keep every activation
