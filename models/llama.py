@@ -47,6 +47,7 @@ from flax import nnx
 from models.attention import IMPLS, attention, sequence_layout
 from models.cross_entropy import chunked_cross_entropy
 from models.moe import MoE, MoEConfig
+from models.params import DTYPES, param
 from sharding.rules import constrain
 from sharding.zigzag import zigzag
 
@@ -58,7 +59,6 @@ REMAT_POLICIES = {
 }
 ATTENTION_IMPLS = IMPLS  # xla, flash, splash, ring, auto: see models/attention.py
 PARAMETRIZATIONS = ("sp", "mup")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ROPE_SCALING_TYPES = ("none", "llama3")
 
 
@@ -141,16 +141,11 @@ class ModelConfig:
     return (base_head_dim / self.dim_per_head) ** 0.5
 
 
-def _param(rngs: nnx.Rngs, init, shape, names, dtype) -> nnx.Param:
-  """A parameter annotated with logical axis names (sharding is applied by the trainer)."""
-  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
-
-
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.eps = cfg.norm_eps
-    self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("norm",), DTYPES[cfg.param_dtype])
+    self.scale = param(rngs, nnx.initializers.ones, (dim,), ("norm",), DTYPES[cfg.param_dtype])
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
@@ -223,10 +218,10 @@ class Attention(nnx.Module):
     pdt = DTYPES[cfg.param_dtype]
     init = nnx.initializers.normal(cfg.hidden_init_std)
     out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
-    self.wq_EHD = _param(rngs, init, (E, H, D), ("embed", "heads", "head_dim"), pdt)
-    self.wk_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
-    self.wv_EKD = _param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
-    self.wo_HDE = _param(rngs, out_init, (H, D, E), ("heads", "head_dim", "embed"), pdt)
+    self.wq_EHD = param(rngs, init, (E, H, D), ("embed", "heads", "head_dim"), pdt)
+    self.wk_EKD = param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
+    self.wv_EKD = param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
+    self.wo_HDE = param(rngs, out_init, (H, D, E), ("heads", "head_dim", "embed"), pdt)
 
   def qkv(self, x_BSE, positions_BS):
     """Queries, keys (both rotated) and values of x; positions [B, S] or their `rope_tables`.
@@ -268,9 +263,9 @@ class MLP(nnx.Module):
     pdt = DTYPES[cfg.param_dtype]
     init = nnx.initializers.normal(cfg.hidden_init_std)
     out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
-    self.w_gate_EF = _param(rngs, init, (E, F), ("embed", "mlp"), pdt)
-    self.w_up_EF = _param(rngs, init, (E, F), ("embed", "mlp"), pdt)
-    self.w_down_FE = _param(rngs, out_init, (F, E), ("mlp", "embed"), pdt)
+    self.w_gate_EF = param(rngs, init, (E, F), ("embed", "mlp"), pdt)
+    self.w_up_EF = param(rngs, init, (E, F), ("embed", "mlp"), pdt)
+    self.w_down_FE = param(rngs, out_init, (F, E), ("mlp", "embed"), pdt)
 
   def __call__(self, x_BSE):
     dt = DTYPES[self.cfg.dtype]
@@ -303,7 +298,7 @@ class MoEBlock(nnx.Module):
     self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
-    self.moe = MoE(cfg, rngs=rngs, dtypes=DTYPES)
+    self.moe = MoE(cfg, rngs=rngs)
     shared = cfg.moe.shared_dim(cfg.mlp_dim)
     self.shared_mlp = MLP(dataclasses.replace(cfg, mlp_dim=shared), rngs=rngs) if shared else None
 
@@ -345,7 +340,7 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     pdt = DTYPES[cfg.param_dtype]
-    self.embed_VE = _param(rngs, nnx.initializers.normal(cfg.init_std),
+    self.embed_VE = param(rngs, nnx.initializers.normal(cfg.init_std),
                            (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pdt)
 
     # A dense model stacks Blocks; an MoE model stacks groups of `moe.every` layers.
@@ -360,7 +355,7 @@ class Transformer(nnx.Module):
     self.blocks = make_blocks(rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
     if not cfg.tie_embeddings:
-      self.lm_head_EV = _param(rngs, nnx.initializers.normal(cfg.init_std),
+      self.lm_head_EV = param(rngs, nnx.initializers.normal(cfg.init_std),
                                (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pdt)
 
   def __call__(self, tokens_BS, positions_BS=None, segment_ids_BS=None):

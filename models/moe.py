@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.moe_dispatch import capacity_keep, expert_ffn, top_k_experts
+from models.params import DTYPES, param
 from sharding.rules import constrain
 
 BALANCE_SCOPES = ("global", "micro_batch")
@@ -84,10 +85,6 @@ class MoEConfig:
     return max(1, math.ceil(self.capacity_factor * seq_len * self.top_k / self.num_experts))
 
 
-def _param(rngs, init, shape, names, dtype) -> nnx.Param:
-  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=names, eager_sharding=False)
-
-
 class MoE(nnx.Module):
   """The routed experts of one layer (the shared expert, if any, is the block's `shared_mlp`).
 
@@ -96,18 +93,18 @@ class MoE(nnx.Module):
   with logical axes ("experts", "embed", "expert_mlp"), mapped by `sharding/rules.py`.
   """
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, dtypes):
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
     self.cfg = cfg
     m = cfg.moe
     E, N, F = cfg.d_model, m.num_experts, m.expert_dim(cfg.mlp_dim)
-    pdt = dtypes[cfg.param_dtype]
-    self.compute_dtype = dtypes[cfg.dtype]
+    pdt = DTYPES[cfg.param_dtype]
+    self.compute_dtype = DTYPES[cfg.dtype]
     init = nnx.initializers.normal(cfg.hidden_init_std)
     out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
-    self.w_router_EN = _param(rngs, init, (E, N), ("embed", None), jnp.float32)
-    self.w_gate_NEF = _param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
-    self.w_up_NEF = _param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
-    self.w_down_NFE = _param(rngs, out_init, (N, F, E), ("experts", "expert_mlp", "embed"), pdt)
+    self.w_router_EN = param(rngs, init, (E, N), ("embed", None), jnp.float32)
+    self.w_gate_NEF = param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
+    self.w_up_NEF = param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
+    self.w_down_NFE = param(rngs, out_init, (N, F, E), ("experts", "expert_mlp", "embed"), pdt)
 
   def route(self, x_BSE):
     """(expert ids [B, S, k], combine weights [B, S, k] fp32, statistics) of the router."""

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from sharding.mesh import mesh_platform
-from sharding.rules import logical_to_spec
+from sharding.rules import logical_to_spec, spec_axes
 
 
 def capacity_keep(experts_BSK, num_experts: int, capacity: int):
@@ -154,10 +154,6 @@ def _local_ffn(x_BSE, experts_BSK, weights_BSK, w_gate, w_up, w_down, *, num_exp
   return y_TE.astype(x_BSE.dtype).reshape(B, S, E)
 
 
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
-
-
 def expert_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE, *,
                capacity: int = 0, impl: str = "ragged_dot"):
   """The routed experts' output [B, S, E] (module docstring). `experts_BSK` = N marks a dropped
@@ -172,8 +168,8 @@ def expert_ffn(x_BSE, experts_BSK, weights_BSK, w_gate_NEF, w_up_NEF, w_down_NFE
   tokens = logical_to_spec(("act_batch", "act_seq", None))
   w_in = logical_to_spec(("experts", None, "expert_mlp"))
   w_out = logical_to_spec(("experts", "expert_mlp", None))
-  expert_axes = tuple(a for a in _axes(w_in[0]) if mesh.shape[a] > 1)
-  tensor_axes = _axes(w_in[2])  # psum even over a size-1 axis: the output is then invariant
+  expert_axes = tuple(a for a in spec_axes(w_in[0]) if mesh.shape[a] > 1)
+  tensor_axes = spec_axes(w_in[2])  # psum even over a size-1 axis: the output is then invariant
   fn = functools.partial(_local_ffn, expert_axes=expert_axes,
                          ep=math.prod(mesh.shape[a] for a in expert_axes),
                          tensor_axes=tensor_axes, **kw)

@@ -85,11 +85,15 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec)
 
 
-def _live_axes(entry, mesh):
+def spec_axes(entry) -> tuple[str, ...]:
+  """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names) as a tuple."""
   if entry is None:
-    return None
-  axes = (entry,) if isinstance(entry, str) else tuple(entry)
-  axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _live_axes(entry, mesh):
+  axes = tuple(a for a in spec_axes(entry) if mesh.shape.get(a, 1) > 1)
   if not axes:
     return None
   return axes[0] if len(axes) == 1 else axes

@@ -14,7 +14,7 @@ from flax import nnx
 import test_train_step
 import train
 from conftest import losses, metric_rows, override, tiny_config
-from models.llama import DTYPES, MLP, ModelConfig, param_counts
+from models.llama import MLP, ModelConfig, param_counts
 from models.moe import MoE, MoEConfig
 from models.moe_dispatch import capacity_keep
 from sharding import make_mesh
@@ -29,7 +29,7 @@ MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.mlp_dim": 32
 def _layer(**moe):
   cfg = ModelConfig(d_model=16, num_layers=1, num_heads=2, num_kv_heads=2, mlp_dim=24,
                     vocab_size=64, moe=MoEConfig(**moe))
-  return cfg, MoE(cfg, rngs=nnx.Rngs(params=1), dtypes=DTYPES)
+  return cfg, MoE(cfg, rngs=nnx.Rngs(params=1))
 
 
 def _x(B=2, S=16, E=16):
