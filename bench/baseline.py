@@ -191,6 +191,13 @@ def describe(cfg) -> str:
           f"scan_unroll {m.scan_unroll}")
 
 
+def header(args) -> str:
+  """The first line a bench prints: the device and how the steps are timed."""
+  import jax  # noqa: PLC0415
+  return (f"device     1 x {jax.devices()[0].device_kind}; {args.rounds} rounds x {args.steps} "
+          f"steps, alternated; medians")
+
+
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
@@ -199,15 +206,13 @@ def main(argv=None):
   parser = CliParser("bench/baseline.py", __doc__, config=False)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=3)
-  import jax  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = load_sized(parser, argv, "matched models to run, of " + ", ".join(SIZES)
                                + " (default both), or none: --config as it is")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"device     1 x {jax.devices()[0].device_kind}; {args.rounds} rounds x {args.steps} "
-        f"steps, alternated; medians")
+  print(header(args))
   for label, cfg in configs:
     ours = Ours(cfg)
     times = alternate({"plain": Plain(cfg, ours.program), "ours": ours}, rounds=args.rounds,

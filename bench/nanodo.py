@@ -140,7 +140,6 @@ def main(argv=None):
                       help="a checkout of github.com/google-deepmind/nanodo")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=3)
-  import jax  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(parser, argv, "matched models to run, of "
                                         + ", ".join(baseline.SIZES) + " (default both)")
@@ -157,8 +156,7 @@ def main(argv=None):
 
   from models.llama import flops_per_token  # noqa: PLC0415
   from trainer.metrics import measure_matmul_peak  # noqa: PLC0415
-  print(f"device     1 x {jax.devices()[0].device_kind}; {args.rounds} rounds x {args.steps} "
-        f"steps, alternated; medians")
+  print(baseline.header(args))
   for label, cfg in configs:
     ours = baseline.Ours(cfg)
     theirs = Nanodo(cfg, ours.program.model_cfg.vocab_size)
