@@ -65,7 +65,8 @@ def main(argv: list[str]) -> int:
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer import distributed  # noqa: PLC0415
   from trainer.cli import load  # noqa: PLC0415
-  from trainer.config import ConfigError, validate  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config_checks import validate  # noqa: PLC0415
 
   try:
     config_path, workdir, overrides = parse_args(argv)

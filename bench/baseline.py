@@ -163,7 +163,8 @@ def load_sized(parser, argv, size_help: str):
   SIZES (overrides of configs/lm_tiny.py, applied before the command line's own), or
   `--size none` takes --config as it is. A mistake raises ConfigError."""
   from trainer.cli import load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError, validate  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config_checks import validate  # noqa: PLC0415
   parser.add_argument("--config", default=os.path.join(ROOT, "configs", "lm_tiny.py"),
                       metavar="FILE.py", help="config file (default configs/lm_tiny.py)")
   parser.add_argument("--size", default="3m,25m", help=size_help)

@@ -163,7 +163,7 @@ def train(cfg, workdir: str, *, stop=None, fresh: bool = True,
   `run.ramp`). A run that diverges under `trainer.nonfinite_policy="stop"` is a result (status
   "nonfinite"); any other early end raises."""
   import jax  # noqa: PLC0415
-  from trainer.config import validate  # noqa: PLC0415
+  from trainer.config_checks import validate  # noqa: PLC0415
   from trainer.loop import Run  # noqa: PLC0415
   validate(cfg, jax.devices())
   if fresh and os.path.exists(workdir):

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 from trainer.cli import load
-from trainer.config import validate
+from trainer.config_checks import validate
 
 # config -> (vocabulary, logits_chunk) of the README's "Ahead-of-time compile" table
 REAL_VOCAB = {"lm_125m": (50_304, 512), "lm_1b": (128_256, 256), "lm_1b_32k": (128_256, 2048),

@@ -19,7 +19,8 @@ from models.llama import ModelConfig, flops_per_token
 from tools import aot, roofline
 from trainer import loop
 from trainer.cli import load
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError
+from trainer.config_checks import validate
 from trainer.metrics import known_hbm_bandwidth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,8 @@ import pytest
 from conftest import metric_rows, tiny_config
 from optim import BatchRamp
 from optim.autopilot import DELAY, AutoConfig, Autopilot
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError
+from trainer.config_checks import validate
 from trainer.loop import Run
 
 

@@ -136,7 +136,8 @@ def test_rope_scaling_config_key():
   """model.rope_scaling reaches the model through the run config, and is validated."""
   from models.llama import ModelConfig, rope_inv_freq
   from tests.conftest import tiny_config
-  from trainer.config import ConfigError, validate
+  from trainer.config import ConfigError
+  from trainer.config_checks import validate
   cfg = tiny_config()
   cfg.model.rope_scaling.update(type="llama3", factor=4.0, original_max_position_embeddings=64)
   validate(cfg, 8)

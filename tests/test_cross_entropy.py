@@ -84,7 +84,8 @@ def test_training_with_logits_chunk_equals_full_logits(tmp_path, tied):
 
 def test_logits_chunk_is_validated():
   from conftest import tiny_config
-  from trainer.config import ConfigError, validate
+  from trainer.config import ConfigError
+  from trainer.config_checks import validate
   with pytest.raises(ConfigError, match=r"model.logits_chunk=5 must divide data.seq_len=32"):
     validate(tiny_config(**{"model.logits_chunk": 5}), 8)
   with pytest.raises(ConfigError, match=r"multiple of mesh.sequence=4"):

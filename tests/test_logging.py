@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import pytest
 
 from tests.conftest import tiny_config
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError
+from trainer.config_checks import validate
 from trainer.profiling import ProfileWindow, parse_window
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import tiny_config
 from data import mixture, pipeline, prepare
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError
+from trainer.config_checks import validate
 
 A_LEN, B_LEN = 60, 400  # mean document lengths (bytes) of the two sources
 

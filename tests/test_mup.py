@@ -12,7 +12,8 @@ from optim import build_optimizer
 from optim.factory import lr_multipliers
 from sharding import make_mesh
 from tools import coord_check
-from trainer.config import ConfigError, default_config, validate
+from trainer.config import ConfigError, default_config
+from trainer.config_checks import validate
 from trainer.program import Program
 from trainer.state import _logical_names
 

@@ -14,7 +14,8 @@ from kernels import BlockSizes
 from models.attention import resolve_impl, segment_mask
 from sharding import make_mesh, ring_attention, ring_work, zigzag, zigzag_order
 from test_train_step import _batches, _run
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError
+from trainer.config_checks import validate
 
 
 def _sequence_mesh(n):

@@ -49,7 +49,8 @@ from models.attention import resolve_impl  # noqa: E402
 from models.llama import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
 from trainer.cli import CliParser, load  # noqa: E402
-from trainer.config import ConfigError, validate  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config_checks import validate  # noqa: E402
 from tools.roofline import Roofline, kernel_flops, remat_mfu_bound  # noqa: E402
 from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's API, for tests)
     AotError,

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from trainer.config import ConfigError, default_config, validate
+from trainer.config import ConfigError, default_config
+from trainer.config_checks import validate
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

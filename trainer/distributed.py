@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from trainer import platforms
-from trainer.config import check_distributed
+from trainer.config_checks import check_distributed
 
 MODES = ("auto", "on", "off")
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"

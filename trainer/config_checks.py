@@ -1,0 +1,353 @@
+"""Validation of a run config: everything a user can get wrong, checked before any device work.
+
+`validate(cfg, devices)` checks the whole config (`trainer/config.py` holds the keys and their
+defaults) against itself and the devices the run will use: the range or choices of every key, the
+mesh against the device count and slices, model sizes that split over the mesh, batch and
+sequence sizes that divide, the batch-size rules, ramp and autopilot, mixture of experts, the
+data's vocabulary against the model's (`model.vocab_size=0` is filled in from the data here),
+logging and checkpoint settings. `check_distributed` checks the `distributed` block on its own
+(`trainer/distributed.py` calls it before jax.distributed starts). Each problem is one
+`ConfigError` line naming the key, the value and what would work; train.py prints it and exits
+with code 2.
+"""
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from sharding.mesh import MeshError, data_parallel_size, num_slices, resolve_mesh_shape
+from trainer.config import ConfigError
+
+
+def _need(cond: bool, message: str) -> None:
+  if not cond:
+    raise ConfigError(message)
+
+
+def _choice(cfg, key: str, choices) -> None:
+  node = cfg
+  for part in key.split("."):
+    node = node[part]
+  _need(node in choices, f"{key}={node!r}: choose one of {', '.join(map(str, choices))}")
+
+
+def check_distributed(dist: ml_collections.ConfigDict) -> None:
+  """The `distributed` block on its own (checked before jax.distributed starts)."""
+  _need(dist.mode in ("auto", "on", "off"),
+        f"distributed.mode={dist.mode!r}: choose one of auto, on, off")
+  _need(dist.num_processes >= 0,
+        f"distributed.num_processes={dist.num_processes}: must be >= 1 (0 = from the environment)")
+  _need(dist.process_id >= -1,
+        f"distributed.process_id={dist.process_id}: must be >= 0 (-1 = from the environment)")
+  _need(not dist.num_processes or dist.process_id < dist.num_processes,
+        f"distributed.process_id={dist.process_id} must be below "
+        f"distributed.num_processes={dist.num_processes}")
+  address = dist.coordinator_address
+  host, _, port = address.rpartition(":")
+  _need(not address or (host and port.isdigit() and 0 < int(port) < 65536),
+        f"distributed.coordinator_address={address!r}: expected host:port, e.g. 10.0.0.1:1234")
+  _need(dist.initialization_timeout >= 1,
+        f"distributed.initialization_timeout={dist.initialization_timeout}: must be >= 1 second")
+
+
+def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
+  """model.moe.*: ranges, and that the experts and their width split over the mesh."""
+  from models.moe import BALANCE_SCOPES  # noqa: PLC0415
+  from models.moe_dispatch import IMPLS  # noqa: PLC0415
+  m, moe = cfg.model, cfg.model.moe
+  _need(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 (0 = dense)")
+  if not moe.num_experts:
+    return
+  _need(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be between 1 "
+        f"and model.moe.num_experts={moe.num_experts}")
+  _need(moe.every >= 1 and m.num_layers % moe.every == 0,
+        f"model.moe.every={moe.every} must be >= 1 and divide model.num_layers={m.num_layers} "
+        "(the layer scan repeats groups of `every` layers)")
+  for key in ("mlp_dim", "shared_expert", "capacity_factor", "router_z_loss",
+              "load_balance_loss"):
+    _need(moe[key] >= 0, f"model.moe.{key}={moe[key]}: must be >= 0")
+  _choice(cfg, "model.moe.balance_scope", BALANCE_SCOPES)
+  _choice(cfg, "model.moe.impl", IMPLS)
+  expert, tensor = sizes["expert"], sizes["tensor"]
+  _need(moe.num_experts % expert == 0,
+        f"model.moe.num_experts={moe.num_experts} does not split over mesh.expert={expert}; "
+        f"use a mesh.expert that divides {moe.num_experts}")
+  shared = moe.shared_expert
+  widths = {"model.moe.mlp_dim": moe.mlp_dim or m.mlp_dim,
+            "model.moe.shared_expert": (moe.mlp_dim or m.mlp_dim) if shared is True else shared}
+  for key, width in widths.items():
+    _need(width % tensor == 0, f"{key}: width {width} does not split over mesh.tensor={tensor}; "
+          f"use a multiple of {tensor}")
+
+
+def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
+  """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys."""
+  from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES  # noqa: PLC0415
+  from optim.ramp import parse_ramp  # noqa: PLC0415
+  from optim.scaling import B2_OPTIMIZERS, TIMESCALE_OPTIMIZERS  # noqa: PLC0415
+  o, d = cfg.optim, cfg.data
+  for key, choices in (("lr_rule", LR_RULES), ("weight_decay_rule", WEIGHT_DECAY_RULES),
+                       ("b2_rule", B2_RULES), ("ema_rule", EMA_RULES),
+                       ("schedule_unit", UNITS)):
+    _choice(cfg, f"optim.{key}", choices)
+  _need(o.reference_batch_size >= 0,
+        f"optim.reference_batch_size={o.reference_batch_size}: must be >= 0 "
+        "(0 = data.global_batch_size)")
+  _need(o.weight_decay_rule == "constant" or o.name in TIMESCALE_OPTIMIZERS,
+        f"optim.weight_decay_rule='timescale' needs a decay multiplied by the learning rate "
+        f"({', '.join(TIMESCALE_OPTIMIZERS)}), not optim.name={o.name!r}; use 'constant'")
+  _need(o.b2_rule == "constant" or o.name in B2_OPTIMIZERS,
+        f"optim.b2_rule='half_life' scales Adam's second moment, which optim.name={o.name!r} "
+        f"does not have ({', '.join(B2_OPTIMIZERS)} do); use 'constant'")
+  _need(0 <= o.ema_decay < 1, f"optim.ema_decay={o.ema_decay}: must be in [0, 1) (0 = off)")
+  for what in ("warmup", "decay"):
+    keys = [f"{what}_{u}" for u in UNITS]
+    for key in keys:
+      _need(o[key] >= 0, f"optim.{key}={o[key]}: must be >= 0")
+    given = [f"optim.{k}={o[k]}" for k in keys if o[k] > 0]
+    _need(len(given) <= 1, f"{' and '.join(given)} both set the {what}; set one of them and "
+          "the other to 0")
+  if o.schedule == "power":
+    _need(o.lr_rule == "none", f"optim.schedule='power' scales the learning rate with the batch "
+          f"itself; set optim.lr_rule='none' (not {o.lr_rule!r})")
+    _need(o.power_a > 0 and o.power_b < 0,
+          f"optim.power_a={o.power_a}, optim.power_b={o.power_b}: need a > 0 and b < 0")
+  if o.schedule == "rsqrt":
+    _need(any(o[f"warmup_{u}"] > 0 for u in UNITS),
+          "optim.schedule='rsqrt' needs a warmup (its timescale): set optim.warmup_steps, "
+          "warmup_examples or warmup_tokens")
+  _need(o.noise_scale_every >= 0,
+        f"optim.noise_scale_every={o.noise_scale_every}: must be >= 0 (0 = off)")
+  _need(0 < o.noise_scale_ema < 1, f"optim.noise_scale_ema={o.noise_scale_ema}: must be in (0, 1)")
+  micro = d.micro_batch_size or d.global_batch_size
+  batches = [d.global_batch_size]
+  if d.batch_ramp and d.batch_ramp != "auto":
+    try:
+      stages = parse_ramp(d.batch_ramp)
+    except ValueError as e:
+      raise ConfigError(f"data.batch_ramp={d.batch_ramp!r}: {e}") from None
+    _need(d.micro_batch_size > 0,
+          "data.batch_ramp needs data.micro_batch_size: every stage is a number of "
+          "micro-batches of that fixed shape")
+    bad = [b for b, _ in stages if b % micro]
+    _need(not bad, f"data.batch_ramp stage of {bad[0] if bad else 0} sequences is not a "
+          f"multiple of data.micro_batch_size={micro}")
+    _need(stages[-1][0] == d.global_batch_size,
+          f"data.batch_ramp ends at {stages[-1][0]} sequences but data.global_batch_size="
+          f"{d.global_batch_size}; the last stage is the global batch")
+    batches = [b for b, _ in stages]
+  if d.batch_ramp == "auto":
+    batches = _check_autopilot(cfg, micro)
+  if o.noise_scale_every and micro in batches:
+    _need(micro % (2 * dp) == 0,
+          f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
+          f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
+          f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
+
+
+def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
+  """data.batch_auto.* (optim/autopilot.py); returns the batches it may choose."""
+  from optim.autopilot import AutoConfig, check  # noqa: PLC0415
+  o, d = cfg.optim, cfg.data
+  _need(d.micro_batch_size > 0, "data.batch_ramp='auto' needs data.micro_batch_size: every "
+        "batch is a number of micro-batches of that fixed shape")
+  _need(o.noise_scale_every > 0, "data.batch_ramp='auto' follows the gradient noise scale: set "
+        "optim.noise_scale_every (e.g. 10), the steps between measurements")
+  reason = check(d, micro)
+  _need(reason is None, reason or "")
+  # Lengths in another unit than the schedule's are converted through the ramp when the
+  # optimizer is built, before the autopilot has decided anything: refuse them.
+  unit = o.schedule_unit
+  other = [f"optim.{w}_{u}={o[f'{w}_{u}']}" for w in ("warmup", "decay")
+           for u in ("steps", "examples", "tokens")
+           if o[f"{w}_{u}"] > 0 and (u == "steps") != (unit == "steps")]
+  _need(not other, f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: "
+        f"{other[0] if other else ''} would be converted through a batch not yet known; "
+        f"give lengths in {unit} "
+        "(tokens recommended: the schedule then keeps its shape in tokens as the batch grows)")
+  _need(unit == "steps" or o.decay_examples > 0 or o.decay_tokens > 0 or
+        o.schedule in ("constant", "rsqrt"),
+        f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: set the horizon as "
+        f"optim.decay_{unit} (the default, `steps`, depends on the batches still to be chosen)")
+  _need(o.schedule != "power" or unit != "steps", "data.batch_ramp='auto' with "
+        "optim.schedule='power': set optim.schedule_unit='tokens' (the power law reads tokens)")
+  return AutoConfig.from_config(d).sizes()
+
+
+def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
+  """(vocabulary size, description) of the run's data: data.dir's or data.mixture's meta.json
+  (all mixture sources share a tokenizer), or the byte tokenizer of the default corpus."""
+  from data import mixture, prepare, tokenizer  # noqa: PLC0415
+  d = cfg.data
+  _need(not (d.dir and d.mixture), f"data.dir={d.dir!r} and data.mixture={d.mixture!r} are "
+        "both set; give one")
+  try:
+    if d.mixture:
+      sources = mixture.parse(d.mixture)
+      metas = [prepare.read_meta(s.dir) for s in sources]
+      mixture.check(sources, metas)
+      t = metas[0]["tokenizer"]
+      return t["vocab_size"], f"data.mixture's {t['kind']} tokenizer"
+    if d.dir:
+      t = prepare.read_meta(d.dir)["tokenizer"]
+      return t["vocab_size"], f"data.dir={d.dir!r} ({t['kind']} tokenizer)"
+  except (prepare.DataError, mixture.MixtureError) as e:
+    raise ConfigError(str(e)) from None
+  return tokenizer.VOCAB_SIZE, "the default corpus (byte tokenizer)"
+
+
+def _check_logging(cfg: ml_collections.ConfigDict) -> None:
+  """trainer.wandb (the package installed when a project is named) and trainer.profile_steps."""
+  from trainer.profiling import parse_window  # noqa: PLC0415
+  trainer = cfg.trainer
+  _choice(cfg, "trainer.wandb.mode", ("online", "offline", "disabled"))
+  if trainer.wandb.project:
+    try:
+      import wandb  # noqa: F401, PLC0415
+    except ImportError:
+      raise ConfigError(f"trainer.wandb.project={trainer.wandb.project!r} needs the wandb "
+                        "package: pip install 'scaletrain[wandb]' (or leave the project empty)"
+                        ) from None
+  try:
+    parse_window(trainer.profile_steps)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
+  """Check the whole config against itself and the devices the run will use (a list: their
+  count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
+  from models.llama import (  # noqa: PLC0415
+      ATTENTION_IMPLS, DTYPES, PARAMETRIZATIONS, REMAT_POLICIES, ROPE_SCALING_TYPES)
+  from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
+  from optim.factory import MUP_OPTIMIZERS  # noqa: PLC0415
+
+  _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
+  for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
+                     ("checkpoint.every_steps", cfg.checkpoint.every_steps)):
+    _need(value >= 0, f"{key}={value}: must be >= 0")
+  _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
+  _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
+
+  try:
+    if isinstance(devices, int):
+      num_devices, slices = devices, 1
+    else:
+      num_devices, slices = len(devices), num_slices(devices)
+    sizes = resolve_mesh_shape(cfg.mesh, num_devices, slices)
+  except MeshError as e:
+    raise ConfigError(str(e)) from None
+
+  m = cfg.model
+  _choice(cfg, "model.param_dtype", DTYPES)
+  _choice(cfg, "model.dtype", DTYPES)
+  _choice(cfg, "model.remat", REMAT_POLICIES)
+  _choice(cfg, "model.attention", ATTENTION_IMPLS)
+  _choice(cfg, "model.rope_scaling.type", ROPE_SCALING_TYPES)
+  _choice(cfg, "model.parametrization", PARAMETRIZATIONS)
+  _need(m.base_width >= 0, f"model.base_width={m.base_width}: must be >= 0 (0 = d_model)")
+  if m.parametrization == "mup" and m.base_width:
+    _need(m.head_dim or m.base_width % m.num_heads == 0,
+          f"model.base_width={m.base_width} is not divisible by model.num_heads={m.num_heads} "
+          "(muP's base head dim); use a multiple of it or set model.head_dim")
+    _need(m.base_width == m.d_model or cfg.optim.name in MUP_OPTIMIZERS,
+          f"model.parametrization='mup' sets learning rates for Adam-type optimizers "
+          f"({', '.join(MUP_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; use one of them "
+          "or model.parametrization='sp'")
+  data_vocab, data_name = _data_vocab(cfg)
+  if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
+    m.vocab_size = -(-data_vocab // 128) * 128
+  for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+              "scan_unroll"):
+    _need(m[key] >= 1, f"model.{key}={m[key]}: must be positive")
+  _need(m.num_heads % m.num_kv_heads == 0,
+        f"model.num_kv_heads={m.num_kv_heads} must divide model.num_heads={m.num_heads}")
+  head_dim = m.head_dim or m.d_model // m.num_heads
+  _need(m.head_dim or m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+        "set model.head_dim")
+  _need(head_dim % 2 == 0, f"model head dim {head_dim} must be even for RoPE")
+  _need(m.vocab_size >= data_vocab,
+        f"model.vocab_size={m.vocab_size} is smaller than the {data_vocab} token ids of "
+        f"{data_name}; use model.vocab_size=0 to take the vocabulary from the data")
+
+  tensor, fsdp = sizes["tensor"], sizes["fsdp"]
+  for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):
+    _need(m[key] % tensor == 0,
+          f"model.{key}={m[key]} does not split over mesh.tensor={tensor}; "
+          f"use a mesh.tensor that divides {m[key]}")
+  _need(m.d_model % fsdp == 0,
+        f"model.d_model={m.d_model} does not split over mesh.fsdp={fsdp}; "
+        f"use a mesh.fsdp that divides {m.d_model}")
+
+  d = cfg.data
+  dp = data_parallel_size(sizes)
+  gbs = d.global_batch_size
+  _need(gbs >= 1, f"data.global_batch_size={gbs}: must be positive")
+  micro = d.micro_batch_size or gbs
+  _need(gbs % micro == 0,
+        f"data.micro_batch_size={micro} must divide data.global_batch_size={gbs}")
+  _need(micro % dp == 0,
+        f"data.{'micro_batch_size' if d.micro_batch_size else 'global_batch_size'}={micro} is "
+        f"not divisible by the data-parallel size {dp} (mesh.data x mesh.fsdp x mesh.expert); "
+        f"use a multiple of {dp}")
+  _need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be positive")
+  _need(d.seq_len % sizes["sequence"] == 0,
+        f"data.seq_len={d.seq_len} is not divisible by mesh.sequence={sizes['sequence']}; "
+        f"use a multiple of {sizes['sequence']}")
+  _need(m.ring_head_chunks >= 1, f"model.ring_head_chunks={m.ring_head_chunks}: must be >= 1")
+  if sizes["sequence"] > 1 and m.attention in ("ring", "auto"):
+    chunks = 2 * sizes["sequence"]
+    _need(d.seq_len % chunks == 0,
+          f"data.seq_len={d.seq_len} does not split into 2 x mesh.sequence = {chunks} chunks, "
+          f"which ring attention's load-balanced (zig-zag) layout needs; use a multiple of "
+          f"{chunks}")
+    local_kv_heads = m.num_kv_heads // tensor
+    _need(local_kv_heads % m.ring_head_chunks == 0,
+          f"model.ring_head_chunks={m.ring_head_chunks} does not divide the {local_kv_heads} kv "
+          f"heads per device (model.num_kv_heads={m.num_kv_heads} / mesh.tensor={tensor}); use "
+          f"a divisor of {local_kv_heads}")
+  if m.logits_chunk:
+    seq_shards = sizes["sequence"]
+    _need(m.logits_chunk > 0 and d.seq_len % m.logits_chunk == 0
+          and m.logits_chunk % seq_shards == 0,
+          f"model.logits_chunk={m.logits_chunk} must divide data.seq_len={d.seq_len} and be a "
+          f"multiple of mesh.sequence={seq_shards} (0 = no chunking)")
+  _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
+  _check_moe(cfg, sizes)
+
+  o = cfg.optim
+  _choice(cfg, "optim.name", OPTIMIZERS)
+  _choice(cfg, "optim.schedule", SCHEDULES)
+  _choice(cfg, "optim.wsd_decay_shape", WSD_SHAPES)
+  _need(o.learning_rate >= 0,
+        f"optim.learning_rate={o.learning_rate}: must be positive (0 = the optimizer's default)")
+  _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+  _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+  _need(0 < o.wsd_decay_fraction <= 1,
+        f"optim.wsd_decay_fraction={o.wsd_decay_fraction}: must be in (0, 1]")
+  for key in ("b1", "b2", "momentum"):
+    _need(0 <= o[key] < 1, f"optim.{key}={o[key]}: must be in [0, 1)")
+  _need(o.weight_decay >= 0 or o.weight_decay == -1,
+        f"optim.weight_decay={o.weight_decay}: must be >= 0 (-1 = the optimizer's default)")
+  _need(o.trust_coefficient >= 0,
+        f"optim.trust_coefficient={o.trust_coefficient}: must be > 0 (0 = the optimizer's "
+        "default)")
+  _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
+  _check_batch_science(cfg, dp)
+
+  check_distributed(cfg.distributed)
+
+  ck, t = cfg.checkpoint, cfg.trainer
+  _need(ck.every_seconds >= 0, f"checkpoint.every_seconds={ck.every_seconds}: must be >= 0")
+  _choice(cfg, "checkpoint.on_error", ("stop", "continue"))
+  _choice(cfg, "trainer.nonfinite_policy", ("skip", "stop"))
+  _choice(cfg, "trainer.spike_policy", ("off", "skip", "stop"))
+  _check_logging(cfg)
+  _need(t.spike_zscore > 0, f"trainer.spike_zscore={t.spike_zscore}: must be positive")
+  _need(t.spike_window >= 1, f"trainer.spike_window={t.spike_window}: must be at least 1")
+  if ck.init_from:
+    _need(os.path.exists(ck.init_from),
+          f"checkpoint.init_from={ck.init_from!r}: no such path")
+  return sizes
