@@ -1,5 +1,8 @@
 """The training loop: build everything from the config, resume if the workdir has a checkpoint,
-run the jitted step, log, evaluate, checkpoint, and stop cleanly when told to.
+run the jitted step, log, evaluate, checkpoint, and stop cleanly when told to (`Run`, and
+`RunResult`, how it ended). Around the loop: `trainer/saver.py` saves checkpoints,
+`trainer/periodic_eval.py` evaluates every `eval_every` steps, `trainer/run_report.py` prints
+the opening lines and batch-size plan and times the steps.
 
 The loop keeps the device busy: nothing is read back from the device between log steps, and a
 log step's metrics are read while the next step runs (`trainer/decisions.py` says when the loop
@@ -23,7 +26,8 @@ more or fewer micro-batches per step (its checkpointed position stays valid), an
 compiles the train step once per distinct number of micro-batches and keeps it
 (`compile_count` counts compilations). At start the loop prints, once per batch size, the
 hyperparameters the batch-size rules derive (`optim/scaling.py`), and writes them to
-metrics.jsonl as `{"event": "hyperparameters", "hparams/learning_rate": ...}` rows.
+metrics.jsonl as `{"event": "hyperparameters", "hparams/learning_rate": ...}` rows
+(`trainer/run_report.py`).
 
 Batch autopilot (`data.batch_ramp = "auto"`, `optim/autopilot.py`). The ramp starts as one
 stage of `data.global_batch_size` and grows as the run goes: the rows of the steps that measure
@@ -37,14 +41,14 @@ every checkpoint (item `autopilot`) and replayed on resume, so a resumed run fol
 batch sequence bit for bit.
 
 With `optim.noise_scale_every` the gradient noise scale is logged every that many steps; with
-`optim.ema_decay` every evaluation also scores the averaged parameters (`eval_loss_ema`).
+`optim.ema_decay` every evaluation also scores the averaged parameters (`eval_loss_ema`,
+`trainer/periodic_eval.py`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -55,22 +59,21 @@ import numpy as np
 
 from data import mixture, pipeline
 from data.prepare import ensure_default_corpus, read_meta
-from models.llama import flops_per_token, param_counts
-from optim import derive
-from optim import schedules as schedules_lib
+from models.llama import flops_per_token
 from optim.autopilot import AutoConfig, Autopilot
-from optim.ema import find_ema
-from optim.scaling import describe as describe_hyperparameters
 from sharding.batch import assemble, process_rows
-from sharding.mesh import make_mesh, replicated
+from sharding.mesh import make_mesh
 from trainer.checkpoint import CheckpointError, Checkpointer, first_line, load_params
-from trainer.decisions import Decider, MetricsWindow, StopSignals, agree_any
+from trainer.decisions import Decider, MetricsWindow, StopSignals
 from trainer.inference import init_from_mismatch
 from trainer.metrics import MetricsWriter, machine_peak_flops
+from trainer.periodic_eval import make_evaluator
 from trainer.profiling import ProfileWindow
 from trainer.program import Program
+from trainer.run_report import (StepTimer, log_batch_plan, log_hyperparameters, log_setup,
+                                repair_jsonl)
+from trainer.saver import Saver
 from trainer.state import init_state
-from trainer.step import make_eval_step
 
 EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
 
@@ -157,40 +160,6 @@ class Run:
       out[key] = assemble(local, self.local_rows, self.batch_sharding, global_shape, row_axis=1)
     return out
 
-  def _eval_fn(self):
-    flat = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(
-        *self.batch_sharding.spec[1:]))
-    fn = jax.jit(make_eval_step(self.spec), in_shardings=(self.shardings.params, flat),
-                 out_shardings=replicated(self.mesh))
-    hosts = [pipeline.take(
-        pipeline.StreamSpec(src.dir, "validation", self.cfg.data.seq_len, self.micro_rows,
-                            shuffle=False, row_ids=self.local_rows),
-        self.cfg.eval_steps) for src in self.sources]
-    # Bits per byte = nats per predicted token / ln 2 x predicted tokens / UTF-8 bytes of the
-    # validation split (counted at preparation): comparable across tokenizers.
-    bits = [(lambda v: v["targets"] / v["bytes"] / math.log(2))(
-        read_meta(src.dir)["splits"]["validation"]) for src in self.sources]
-
-    def evaluate(params) -> dict[str, float]:
-      """eval_loss and eval_bpb (token-weighted over mixture sources), and per source
-      eval_loss/NAME and eval_bpb/NAME when there are several."""
-      row, total, total_bpb = {}, 0.0, 0.0
-      with jax.set_mesh(self.mesh):
-        for src, host, to_bits in zip(self.sources, hosts, bits):
-          loss_sum, tokens = 0.0, 0.0
-          for mb in host:
-            batch = {k: assemble(mb[k], self.local_rows, flat, (self.micro_rows, mb[k].shape[1]))
-                     for k in pipeline.BATCH_KEYS}
-            s, n = jax.device_get(fn(params, batch))
-            loss_sum, tokens = loss_sum + float(s), tokens + float(n)
-          loss = loss_sum / max(tokens, 1.0)
-          if len(self.sources) > 1:
-            row[f"eval_loss/{src.name}"], row[f"eval_bpb/{src.name}"] = loss, loss * to_bits
-          total, total_bpb = total + src.weight * loss, total_bpb + src.weight * loss * to_bits
-      return {"eval_loss": total, "eval_bpb": total_bpb, **row}
-
-    return evaluate
-
   def train_step_for(self, num_micro: int, measure_noise: bool = False):
     """The compiled train step for `num_micro` micro-batches, measuring the gradient noise scale
     or not (each variant compiled on first use)."""
@@ -199,30 +168,6 @@ class Run:
       self.compiled_steps[key] = self.program.compile(num_micro, measure_noise=measure_noise)
       self.compile_count += 1
     return self.compiled_steps[key]
-
-  def _log_batch_science(self, step: int) -> None:
-    """Print the derived hyperparameters once per batch size, and log them as event rows."""
-    cfg = self.cfg
-    if self.autopilot is not None:
-      a = self.autopilot.cfg
-      self.log(f"batch autopilot: {' -> '.join(map(str, a.sizes()))} sequences, x{a.factor} "
-               + (f"when B_simple > {a.margin:g} x batch" if a.trigger == "noise_scale" else
-                  f"when the norm test fails (eta={a.eta:g})")
-               + f" at {a.patience} measurement(s) in a row (every "
-               f"{cfg.optim.noise_scale_every} steps); decided so far: "
-               + ("; ".join(c.describe() for c in self.autopilot.changes) or "none"))
-    if not self.ramp.is_constant:
-      self.log(self.ramp.describe())
-    for batch in dict.fromkeys(self.ramp.batches):
-      self._log_hyperparameters(step, batch)
-    if cfg.optim.schedule_unit != "steps" or not self.ramp.is_constant:
-      self.log(schedules_lib.describe(cfg.optim, cfg.steps, self.ramp))
-
-  def _log_hyperparameters(self, step: int, batch: int) -> None:
-    hp = derive(self.cfg.optim, batch, self.cfg.data.global_batch_size)
-    self.log(describe_hyperparameters(self.cfg.optim, hp))
-    row = {f"hparams/{k}": v for k, v in hp.as_dict().items()}  # apart from the metrics
-    self.writer.write(step, {"event": "hyperparameters", **row}, console=False)
 
   def _steer(self, step: int, host: dict) -> None:
     """Feed a measuring step's row to the batch autopilot; log the change it decides."""
@@ -233,7 +178,7 @@ class Run:
     self.writer.write(step, {"event": "batch_change", "batch": change.batch,
                              "old_batch": change.old, "from_step": change.step,
                              "reason": change.reason}, console=False)
-    self._log_hyperparameters(step, change.batch)
+    log_hyperparameters(self.writer, self.cfg, step, change.batch)
 
   def _stop_check(self, step: int, row: dict) -> None:
     if self.stop_when is not None and self.stop_reason is None:
@@ -278,7 +223,7 @@ class Run:
         # Restore first: a run that cannot start (unreadable or mismatched checkpoints) leaves
         # the workdir exactly as it found it.
         start_state = self._start_state(checkpointer)
-        _repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+        repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
         self.writer = MetricsWriter(self.workdir, enabled=self.is_lead,
                                     progress_total=cfg.steps,
                                     progress_bar=cfg.trainer.progress_bar,
@@ -294,26 +239,13 @@ class Run:
 
   def _log_start(self, state, resumed_at) -> int:
     """The run's opening lines; returns the step the run starts from."""
-    counts = param_counts(self.model_cfg)
-    src = self.data_meta["source"]
-    self.log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
-             f"({jax.process_count()} process(es)); mesh "
-             + " ".join(f"{k}={v}" for k, v in self.mesh.shape.items()))
-    self.log(f"model: {counts['total'] / 1e6:.2f}M params "
-             f"({counts['non_embedding'] / 1e6:.2f}M non-embedding"
-             + (f", {counts['active'] / 1e6:.2f}M active per token" if counts["active"] !=
-                counts["total"] else "") + "); "
-             f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
-             f"({self.data_meta['splits']['train']['tokens']:,} train tokens) from "
-             f"{self.data_dir}")
-    if len(self.sources) > 1:
-      self.log("mixture (token weights): " + ", ".join(
-          f"{s.name}={s.dir}:{s.weight:g}" for s in self.sources))
+    log_setup(self.writer, self.mesh, self.model_cfg, self.data_meta, self.data_dir,
+              self.sources)
     start = int(jax.device_get(state.step))
     if resumed_at is not None:
       self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
       self.writer.write(start, {"event": "resumed"}, console=False)
-    self._log_batch_science(start)
+    log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
     return start
 
   def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
@@ -325,7 +257,8 @@ class Run:
     self.train_step_for(self.ramp.batch_at(start) // self.micro_rows,
                         decider.measures_noise(start + 1))
     compile_seconds = time.perf_counter() - t0
-    evaluate = self._eval_fn() if cfg.eval_every else None
+    evaluate = make_evaluator(self.program, self.sources, self.local_rows) \
+        if cfg.eval_every else None
     self.flops_token = flops_per_token(self.model_cfg, cfg.data.seq_len)["total"]
     self.peak, peak_source = machine_peak_flops(cfg.trainer.peak_flops_per_device,
                                                 cfg.model.dtype)
@@ -335,11 +268,11 @@ class Run:
       self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
       return RunResult("done", start, {})
 
-    self.timer = timer = _StepTimer()
+    self.timer = timer = StepTimer()
     self.last_metrics = {}
     self._stage = None  # the batch ramp's stage of the last step dispatched
     window = MetricsWindow()
-    save = _Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
+    save = Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
                   autopilot=self.autopilot)
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
@@ -414,10 +347,7 @@ class Run:
 
   def _evaluate(self, evaluate, state, step: int) -> None:
     with self.timer.paused():
-      row = evaluate(state.params)
-      ema = find_ema(state.opt_state, like=state.params)
-      if ema is not None:
-        row["eval_loss_ema"] = evaluate(ema)["eval_loss"]
+      row = evaluate(state)
     self.writer.write(step, row)
     self.last_metrics.update(row)
     self._stop_check(step, row)
@@ -450,98 +380,3 @@ class Run:
                              f"applying it; {newest}")
       self.log(f"{kind} at step {step} (loss={host['loss']}): update skipped")
     return None
-
-
-class _Saver:
-  """Starts checkpoints; a failing storage is reported once per streak (earlier checkpoints stay
-  readable). With several processes, a save counts as written only if it was on all of them."""
-
-  def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
-               autopilot=None):
-    self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
-    self.timer, self.decider, self.log = timer, decider, log
-    self.autopilot = autopilot
-    self.failing = False
-    self.last_step = None
-
-  def __call__(self, step: int, state, train_iter, *, blocking: bool = False) -> bool:
-    ckpt = self.checkpointer
-    with self.timer.paused():
-      failed_step, error = step, None
-      try:
-        failed_step = self.last_step  # a background write of the previous save may have failed
-        ckpt.check_for_errors()
-        failed_step = step
-        ckpt.save(step, state, train_iter, self.data_spec, self.config,
-                  autopilot=None if self.autopilot is None else self.autopilot.state_dict())
-        self.last_step = step
-        if blocking:
-          ckpt.wait()
-      except Exception as e:  # noqa: BLE001  storage errors of any kind
-        error = e
-      if agree_any(error is not None):
-        if not self.failing:
-          good = [s for s in ckpt.all_steps() if s < (failed_step or step)]
-          reason = first_line(error) if error is not None else "failed on another process"
-          self.log(f"checkpoint save at step {failed_step} failed ({reason}); earlier "
-                   f"checkpoints are untouched (newest: {good[-1] if good else 'none'})")
-        self.failing = True
-        return False
-    if self.failing:
-      self.log(f"checkpoint save at step {step} succeeded again")
-    self.failing = False
-    self.decider.saved()
-    return True
-
-
-class _StepTimer:
-  """Wall time per step over the window since the last log, excluding saves and evals, and the
-  part of it the loop spent waiting for input (`data_wait_ms`: taking this step's micro-batches
-  from the pipeline and assembling the global arrays). While the device is busy with the
-  previous step, that wait is hidden; a `data_wait_ms` close to `step_time` means the input
-  pipeline is the bottleneck."""
-
-  def __init__(self):
-    self.start = time.perf_counter()
-    self.steps = 0
-    self.excluded = 0.0
-    self.data_wait = 0.0
-
-  def step_dispatched(self):
-    self.steps += 1
-
-  def paused(self):
-    """Time that is not step time (compiling, saving, evaluating)."""
-    return self._adding_to("excluded")
-
-  def waiting_for_data(self):
-    return self._adding_to("data_wait")
-
-  @contextlib.contextmanager
-  def _adding_to(self, total: str):
-    t = time.perf_counter()
-    try:
-      yield
-    finally:
-      setattr(self, total, getattr(self, total) + time.perf_counter() - t)
-
-  def annotate(self, host: dict, tokens_per_step: int, flops_token: float, peak: float) -> dict:
-    now = time.perf_counter()
-    steps = max(self.steps, 1)
-    seconds = max(now - self.start - self.excluded, 1e-9) / steps
-    host["step_time"] = seconds
-    host["data_wait_ms"] = 1e3 * self.data_wait / steps
-    host["tokens_per_sec"] = tokens_per_step / seconds
-    host["mfu"] = host["tokens_per_sec"] * flops_token / peak
-    self.start, self.steps, self.excluded, self.data_wait = now, 0, 0.0, 0.0
-    return host
-
-
-def _repair_jsonl(path: str) -> None:
-  """Drop a partial last line left by a process killed mid-write."""
-  if not os.path.exists(path):
-    return
-  with open(path, "rb+") as f:
-    data = f.read()
-    if data and not data.endswith(b"\n"):
-      f.truncate(data.rfind(b"\n") + 1)

@@ -1,0 +1,71 @@
+"""The evaluation a training run does every `eval_every` steps (`make_evaluator`).
+
+The validation set is fixed: the first `eval_steps` micro-batches of each data source's
+validation split, unshuffled, read once when the evaluator is built and scored the same way
+every time, each process holding the rows its devices hold. A score is the token-weighted mean
+loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers); with a mixture
+of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
+`eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
+(`eval_loss_ema`). The whole-split evaluation of a saved model is `trainer/evaluation.py`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+
+from data import mixture, pipeline
+from data.prepare import read_meta
+from optim.ema import find_ema
+from sharding.batch import assemble
+from sharding.mesh import replicated
+from trainer.program import Program
+from trainer.step import make_eval_step
+
+
+def make_evaluator(program: Program, sources: Sequence[mixture.Source],
+                   local_rows: Sequence[int]) -> Callable[..., dict[str, float]]:
+  """`evaluate(state) -> row` for the run `program` compiles, on `sources` (one, or a mixture's),
+  this process reading the batch rows `local_rows`."""
+  mesh, micro_rows, cfg = program.mesh, program.micro_rows, program.cfg
+  flat = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      *program.batch_sharding.spec[1:]))
+  fn = jax.jit(make_eval_step(program.spec), in_shardings=(program.shardings.params, flat),
+               out_shardings=replicated(mesh))
+  hosts = [pipeline.take(
+      pipeline.StreamSpec(src.dir, "validation", cfg.data.seq_len, micro_rows,
+                          shuffle=False, row_ids=local_rows),
+      cfg.eval_steps) for src in sources]
+  # Bits per byte = nats per predicted token / ln 2 x predicted tokens / UTF-8 bytes of the
+  # validation split (counted at preparation): comparable across tokenizers.
+  bits = [(lambda v: v["targets"] / v["bytes"] / math.log(2))(
+      read_meta(src.dir)["splits"]["validation"]) for src in sources]
+
+  def score(params) -> dict[str, float]:
+    """eval_loss and eval_bpb (token-weighted over mixture sources), and per source
+    eval_loss/NAME and eval_bpb/NAME when there are several."""
+    row, total, total_bpb = {}, 0.0, 0.0
+    with jax.set_mesh(mesh):
+      for src, host, to_bits in zip(sources, hosts, bits):
+        loss_sum, tokens = 0.0, 0.0
+        for mb in host:
+          batch = {k: assemble(mb[k], local_rows, flat, (micro_rows, mb[k].shape[1]))
+                   for k in pipeline.BATCH_KEYS}
+          s, n = jax.device_get(fn(params, batch))
+          loss_sum, tokens = loss_sum + float(s), tokens + float(n)
+        loss = loss_sum / max(tokens, 1.0)
+        if len(sources) > 1:
+          row[f"eval_loss/{src.name}"], row[f"eval_bpb/{src.name}"] = loss, loss * to_bits
+        total, total_bpb = total + src.weight * loss, total_bpb + src.weight * loss * to_bits
+    return {"eval_loss": total, "eval_bpb": total_bpb, **row}
+
+  def evaluate(state) -> dict[str, float]:
+    """The row of one evaluation: `score` of the parameters, and eval_loss_ema of their EMA."""
+    row = score(state.params)
+    ema = find_ema(state.opt_state, like=state.params)
+    if ema is not None:
+      row["eval_loss_ema"] = score(ema)["eval_loss"]
+    return row
+
+  return evaluate
