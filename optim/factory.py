@@ -27,8 +27,8 @@ update of every *hidden* matrix (a matrix without a `vocab` axis: attention and 
 not the embedding or the LM head) by 1/m after the learning rate (and the weight decay inside
 it), i.e. a per-parameter learning rate lr/m, the Adam rule of Tensor Programs V. It is derived
 for optimizers whose per-coordinate step does not depend on the gradient's scale: adamw,
-adafactor, lion (`MUP_OPTIMIZERS`; trainer/config.py refuses the others). LAMB and LARS's trust
-ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
+adafactor, lion (`MUP_OPTIMIZERS`; trainer/config_checks.py refuses the others). LAMB and
+LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
 whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
 change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
 is untested here, so they are refused rather than guessed. SGD's muP rule differs (lr ~ m for

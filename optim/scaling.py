@@ -83,7 +83,7 @@ def stated(cfg) -> dict:
   return out
 
 
-# Which optimizers each non-trivial rule makes sense for (checked by trainer/config.py).
+# Which optimizers each non-trivial rule makes sense for (checked by trainer/config_checks.py).
 TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor")  # decay multiplied by the learning rate
 B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment
 

@@ -295,7 +295,7 @@ class MetricsWriter:
 
 def _start_wandb(workdir: str, cfg, run_config: dict | None):
   """A wandb run for this workdir; resumed (same id) when the workdir is restarted."""
-  import wandb  # noqa: PLC0415  (an optional extra; trainer/config.py checks it is installed)
+  import wandb  # noqa: PLC0415  (an optional extra; trainer/config_checks.py checks it is installed)
   os.makedirs(workdir, exist_ok=True)
   id_path = os.path.join(workdir, "wandb_run_id")
   if os.path.exists(id_path):
