@@ -141,3 +141,18 @@ def test_accumulator_is_pinned_to_the_parameters_shardings(devices):
            if re.search(r" while\(", line) and "(s32[], f32[], f32[]," in line]
   assert loops and all("f32[2,8,256]" in line and "f32[2,64,256]" not in line
                        for line in loops)
+
+
+def test_cpu_step_updates_the_donated_state_in_place(devices):
+  """The guard keeps a skipped step's old state (`jnp.where(bad, old, new)`); compiled with
+  trainer.program's CPU options the step still writes the donated parameters and optimizer
+  moments in place: no copy of any of them (without the options XLA copies them all)."""
+  import re  # noqa: PLC0415
+
+  from trainer.program import Program  # noqa: PLC0415
+  cfg = tiny_config()
+  text = Program(cfg, make_mesh({"data": 1}, jax.devices()[:1])).compile().as_text()
+  state_params = re.findall(r"%(state_(?:params|opt_state)\S*) = \S+ parameter\(", text)
+  assert len(state_params) > 10, "no state parameters found in the compiled step"
+  copied = [name for name in state_params if re.search(rf"copy\(%{re.escape(name)}\)", text)]
+  assert not copied, f"{len(copied)} of {len(state_params)} state buffers copied: {copied[:3]}"
