@@ -43,6 +43,8 @@ states back once at the output, so no layer pays for a permutation.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -69,31 +71,68 @@ def segment_mask(segment_ids_q, segment_ids_kv=None):
 CAUSAL_BLOCK = 128  # xla attention's query block when causal (see `xla_attention`)
 
 
+def _query_blocks(S: int, T: int, causal: bool) -> tuple[int, int]:
+  """(number of query blocks, rows per block) of `xla_attention` for S queries and T keys."""
+  blocks = S // CAUSAL_BLOCK if causal and S == T and S % CAUSAL_BLOCK == 0 else 1
+  return blocks, S // blocks
+
+
+class XlaMasks(NamedTuple):
+  """`xla_attention`'s masks for self-attention over [B, S] tokens, built once per forward pass
+  (`xla_masks`) and read by every layer: for query block i, bool [B, c, (i + 1) c] (all keys
+  when there is one block), True where the query may attend (causal and same document). Built
+  inside each layer instead, the segment comparison is redone in every layer's softmax and its
+  backward; made once, a layer reads the [B, c, T] booleans (1 byte per score)."""
+  blocks: tuple[jax.Array, ...]
+
+
+def _block_mask(i: int, c: int, ends: int, causal: bool, segment_ids):
+  """The mask of query block i (rows [i c, (i + 1) c) against keys [0, ends)), or None."""
+  mask_BqT = None
+  if causal:
+    mask_BqT = (jnp.arange(i * c, (i + 1) * c)[:, None] >= jnp.arange(ends)[None, :])[None]
+  if segment_ids is not None:
+    same = segment_ids[:, i * c:(i + 1) * c, None] == segment_ids[:, None, :ends]
+    mask_BqT = same if mask_BqT is None else mask_BqT & same
+  return mask_BqT
+
+
+def xla_masks(segment_ids_BS, *, causal: bool = True) -> XlaMasks:
+  """The `XlaMasks` of self-attention over packed documents with these segment ids [B, S]."""
+  S = segment_ids_BS.shape[1]
+  blocks, c = _query_blocks(S, S, causal)
+  ends = lambda i: (i + 1) * c if blocks > 1 else S
+  return XlaMasks(tuple(_block_mask(i, c, ends(i), causal, segment_ids_BS)
+                        for i in range(blocks)))
+
+
 def xla_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
   """Softmax attention as plain XLA ops: fp32 scores, masked (causal by token index, and by
-  segment), `jax.nn.softmax`, then the weighted sum of the values.
+  segment), `jax.nn.softmax`, then the weighted sum of the values. `segment_ids`: [B, S], or
+  the `XlaMasks` made from them once for all layers (`xla_masks`; the model passes those).
 
   The same math as `jax.nn.dot_product_attention(implementation="xla")` (tests hold it to that
-  to fp32 rounding), written so XLA compiles a lean program: the mask is built from iotas
-  inside the softmax's fusion rather than materialised per layer; with as many kv heads as
-  heads the einsums carry no group axis; and causal attention runs in query blocks of
-  CAUSAL_BLOCK rows, block i against keys [0, (i + 1) x CAUSAL_BLOCK) only, so the scores
-  above the diagonal's blocks are never computed ((n + 1) / 2n of the work for n blocks). On
-  CPU forward + backward measured 1.2-1.7x faster than `jax.nn.dot_product_attention` without
-  the blocks, and the blocks took another 23% off at S = 512 (README, "Performance")."""
+  to fp32 rounding), written so XLA compiles a lean program: without segments the causal mask
+  is built from iotas inside the softmax's fusion rather than materialised per layer; with as
+  many kv heads as heads the einsums carry no group axis; and causal attention runs in query
+  blocks of CAUSAL_BLOCK rows, block i against keys [0, (i + 1) x CAUSAL_BLOCK) only, so the
+  scores above the diagonal's blocks are never computed ((n + 1) / 2n of the work for n
+  blocks). On CPU forward + backward measured 1.2-1.7x faster than
+  `jax.nn.dot_product_attention` without the blocks, and the blocks took another 23% off at
+  S = 512 (README, "Performance")."""
   S, T = q_BSHD.shape[1], k_BSKD.shape[1]
   q_BSHD = q_BSHD * jnp.asarray(q_BSHD.shape[3] ** -0.5, q_BSHD.dtype)
-  blocks = S // CAUSAL_BLOCK if causal and S == T and S % CAUSAL_BLOCK == 0 else 1
-  c = S // blocks
+  blocks, c = _query_blocks(S, T, causal)
+  if isinstance(segment_ids, XlaMasks) and len(segment_ids.blocks) != blocks:
+    raise ValueError(f"XlaMasks of {len(segment_ids.blocks)} query blocks for attention of "
+                     f"{blocks} blocks (S={S}, T={T}, causal={causal})")
   outs = []
   for i in range(blocks):
     q, ends = q_BSHD[:, i * c:(i + 1) * c], (i + 1) * c if blocks > 1 else T
-    mask_BqT = None
-    if causal:
-      mask_BqT = (jnp.arange(i * c, (i + 1) * c)[:, None] >= jnp.arange(ends)[None, :])[None]
-    if segment_ids is not None:
-      same = segment_ids[:, i * c:(i + 1) * c, None] == segment_ids[:, None, :ends]
-      mask_BqT = same if mask_BqT is None else mask_BqT & same
+    if isinstance(segment_ids, XlaMasks):
+      mask_BqT = segment_ids.blocks[i]
+    else:
+      mask_BqT = _block_mask(i, c, ends, causal, segment_ids)
     outs.append(_attend(q, k_BSKD[:, :ends], v_BSKD[:, :ends], mask_BqT))
   return outs[0] if blocks == 1 else jnp.concatenate(outs, axis=1)
 
@@ -200,11 +239,22 @@ def cudnn_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
                                       implementation="cudnn")
 
 
+def layer_segments(segment_ids_BS, impl: str, *, dtype, head_dim: int, causal: bool = True):
+  """What every layer's `attention` reads for packed documents with these segment ids [B, S]
+  (None: one document per row): under the xla implementation their `XlaMasks`, made here once
+  for all layers; the kernels (flash, splash, cuDNN, ring) take the ids themselves."""
+  if segment_ids_BS is None:
+    return None
+  impl = resolve_impl(impl, dtype=dtype, head_dim=head_dim, seq_len=segment_ids_BS.shape[1])
+  return xla_masks(segment_ids_BS, causal=causal) if impl == "xla" else segment_ids_BS
+
+
 def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xla",
               layout="contiguous", ring_head_chunks=1):
   """q [B, S, H, D], k/v [B, S, K, D] with H a multiple of K -> [B, S, H, D].
 
-  layout: the token order of the sequence axis; "zigzag" only for ring attention (see
+  segment_ids: [B, S] document ids of packed rows, or None; the xla implementation also takes
+  their `XlaMasks` (`layer_segments` gives each implementation what it reads). layout: the token order of the sequence axis; "zigzag" only for ring attention (see
   `sequence_layout`); every other implementation needs natural order. ring_head_chunks: ring
   attention's `head_chunks` (ignored by the others)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -213,6 +263,9 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   if layout != "contiguous" and not (impl == "ring" and causal):
     raise ValueError(f"attention layout {layout!r} is only meaningful for causal ring "
                      f"attention, not {impl!r}")
+  if isinstance(segment_ids, XlaMasks) and impl != "xla":
+    raise ValueError(f"attention masks made for the xla implementation given to {impl!r}; "
+                     "pass segment ids (models.attention.layer_segments)")
   if impl == "xla":
     return xla_attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids, causal=causal)
   if impl == "ring":

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models.attention import IMPLS, attention, sequence_layout
+from models.attention import IMPLS, attention, layer_segments, sequence_layout
 from models.cross_entropy import chunked_cross_entropy
 from models.moe import MoE, MoEConfig
 from models.params import DTYPES, param
@@ -375,12 +375,15 @@ class Transformer(nnx.Module):
       tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
     x_BSE = self.embed(tokens_BS)
+    # Made once for all layers: the RoPE tables and (xla attention) the document masks.
     rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
+    segments = layer_segments(segment_ids_BS, cfg.attention, dtype=DTYPES[cfg.dtype],
+                              head_dim=cfg.dim_per_head)
 
     policy = REMAT_POLICIES[cfg.remat]
 
-    def layer(x_BSE, block):  # every layer reads the same RoPE tables (`RopeTables`)
-      out = block(x_BSE, rope, segment_ids_BS)
+    def layer(x_BSE, block):  # every layer reads the same RoPE tables and masks
+      out = block(x_BSE, rope, segments)
       return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
 
     if cfg.remat != "none":

@@ -14,7 +14,7 @@ from flax import nnx
 import models.attention as attention_module
 import models.llama as llama
 import train
-from models.attention import segment_mask, xla_attention
+from models.attention import segment_mask, xla_attention, xla_masks
 from models.llama import ModelConfig, Transformer
 
 
@@ -38,14 +38,17 @@ def _reference_attention(q, k, v, *, segment_ids=None, causal=True):
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("packed", ["no", "segment_ids", "xla_masks"])
 @pytest.mark.parametrize("block", [128, 4], ids=["one_block", "3_query_blocks"])
 def test_xla_attention_equals_dot_product_attention(kv_heads, causal, packed, block,
                                                     monkeypatch):
+  """Packed documents given as segment ids (masked per layer) or as the masks the model makes
+  from them once for all layers (`xla_masks`)."""
   monkeypatch.setattr(attention_module, "CAUSAL_BLOCK", block)
   q, k, v = _qkv(0, K=kv_heads)
-  seg = jnp.array([[1] * 5 + [2] * 7, [1] * 12], jnp.int32) if packed else None
-  got = _fwd_and_grads(lambda *a: xla_attention(*a, segment_ids=seg, causal=causal), q, k, v)
+  seg = jnp.array([[1] * 5 + [2] * 7, [1] * 12], jnp.int32) if packed != "no" else None
+  given = xla_masks(seg, causal=causal) if packed == "xla_masks" else seg
+  got = _fwd_and_grads(lambda *a: xla_attention(*a, segment_ids=given, causal=causal), q, k, v)
   want = _fwd_and_grads(
       lambda *a: _reference_attention(*a, segment_ids=seg, causal=causal), q, k, v)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
@@ -88,11 +91,13 @@ def _loss_and_grads(cfg):
 
 
 def test_model_equals_the_plain_formulation(monkeypatch):
-  """Loss and gradients of the model with the fast paths == with jax.nn.dot_product_attention
-  and einsum projections (GQA, packed documents), to fp32 rounding."""
+  """Loss and gradients of the model with the fast paths (masks made once for all layers) ==
+  with jax.nn.dot_product_attention from segment ids in every layer and einsum projections
+  (GQA, packed documents), to fp32 rounding."""
   monkeypatch.setattr(attention_module, "CAUSAL_BLOCK", 8)  # two query blocks of 8
   fast = _loss_and_grads(CFG)
   monkeypatch.setattr(attention_module, "xla_attention", _reference_attention)
+  monkeypatch.setattr(llama, "layer_segments", lambda ids, *a, **k: ids)  # ids in every layer
   monkeypatch.setattr(llama, "dense", _einsum_dense)
   plain = _loss_and_grads(CFG)
   np.testing.assert_allclose(fast[0], plain[0], rtol=1e-6)
