@@ -81,10 +81,10 @@ class Hlo:
               and dims[-1] % dims[-2] == 0)
     if name.startswith("wrapped_broadcast") or (opcode == "copy" and len(dims) >= 4):
       return KINDS[4]
-    if "jvp" not in op_name and "while" not in op_name:
+    if "jvp" not in op_name and "while" not in op_name and "closed_call" not in op_name:
       return KINDS[7]
     dots = self.dots(name)
-    if "while/body" in op_name:
+    if "while/body" in op_name or "closed_call" in op_name:  # the layers, scanned or unrolled
       if dots:
         return KINDS[1] if square or any("lhs_batch_dims" in d for d in dots) else KINDS[0]
       if square or "softmax" in op_name:
