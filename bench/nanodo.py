@@ -13,8 +13,8 @@ nanodo's side is built with nanodo's own code: `model_factory.get_model_and_loss
 TransformerDo: learned positions, LayerNorm, GELU MLP of 4 d, causal einsum attention, tied
 embeddings), `optimizer.get_optimizer` (its AdamW with global-norm clipping at our clip_norm,
 cosine schedule, inside optax.MultiSteps), its loss and its per-step metrics
-(`metrics.get_metrics`, with `log_internal_metrics` off, its cheapest setting), one device,
-fp32. The step is `nanodo.train._train_step` when that module imports (it needs `clu`, whose
+(`metrics.get_metrics`, with `log_internal_metrics` off, its cheapest setting), one device, our
+model.dtype. The step is `nanodo.train._train_step` when that module imports (it needs `clu`, whose
 metric writers need TensorFlow); otherwise the same ten lines, copied here (`_train_step`), and
 the bench says which it ran. Ours is the compiled step train.py runs (bench/baseline.py's
 `Ours`), on the matched model (SIZES). Both models have the same FLOPs per token to 0.05%
@@ -67,7 +67,7 @@ def nanodo_config(cfg, vocab_size: int):
   hp = derive(o, cfg.data.global_batch_size, cfg.data.global_batch_size)  # as our step's
   return ml_collections.ConfigDict(dict(
       model=dict(D=m.d_model, H=m.num_heads, L=cfg.data.seq_len, N=m.num_layers,
-                 F=4 * m.d_model, dtype=jnp.float32, fsdp_enabled=False, remat=False),
+                 F=4 * m.d_model, dtype=jnp.dtype(m.dtype), fsdp_enabled=False, remat=False),
       opt=dict(num_train_steps=cfg.steps, peak_learning_rate=hp.learning_rate,
                init_learning_rate=0.0, final_learning_rate=hp.learning_rate * o.min_lr_ratio,
                warmup_steps=o.warmup_steps, decay_type="cosine", weight_decay=hp.weight_decay,

@@ -101,6 +101,9 @@ def tpu_target(topology: str, slices: int = 1) -> Target:
   from jax.experimental import topologies  # noqa: PLC0415
   chip = match.group(1)
   kwargs = {"chip_config_name": "megacore"} if chip in MEGACORE else {}
+  dims = [int(n) for n in match.group(2).split("x")]
+  if math.prod(dims) < 4:  # less than libtpu's default host of 2x2x1 chips (v5e:1x1, v6e:2x1)
+    kwargs["chips_per_host_bounds"] = (dims + [1, 1])[:3]
   if slices > 1:
     kwargs["num_slices"] = slices
   try:

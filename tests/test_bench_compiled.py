@@ -1,0 +1,94 @@
+"""bench/compiled.py: our train step and the plain jit + optax step compiled ahead of time for
+one TPU chip, with XLA's costs, memory, roofline and the ratios between them.
+
+Needs libtpu (as tests/test_aot.py); without it the module is skipped with the reason. The
+default test compiles a small model (~20 s); the matched 3m model takes minutes (slow).
+"""
+import importlib.util
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT
+from tools import aot
+
+if not aot.libtpu_available():
+  pytest.skip("libtpu is not installed, so nothing can be compiled for TPU here "
+              "(pip install -e \".[tpu]\"; its wheels exist for Linux x86-64 only)",
+              allow_module_level=True)
+
+# Ours adds its metrics and guards (a few norms and reductions over the state) to the same model
+# and loss as the plain step: their FLOPs agree to this fraction, a model dimension does not.
+FLOPS_TOLERANCE = 0.02
+ROW = re.compile(r"^  \| (ours \(\w+\)|plain|nanodo) \| (.+) \|$", re.M)
+
+
+def _bench():
+  spec = importlib.util.spec_from_file_location("bench_compiled",
+                                                os.path.join(ROOT, "bench", "compiled.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # its dataclass looks its module up
+  spec.loader.exec_module(module)
+  return module
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+  return {name: cells.split(" | ") for name, cells in ROW.findall(out)}
+
+
+def _check(bench, out: str, names: list[str]) -> dict[str, list[str]]:
+  """The table has one well-formed row per step, nothing left in a loop, and ours/plain FLOPs
+  agree; returns the rows."""
+  rows = _rows(out)
+  assert list(rows) == names, out
+  for name, cells in rows.items():
+    assert len(cells) == len(bench.HEADER) - 1, cells
+    flops, nbytes, args, _, temp, loops, bound, kind, mfu = cells
+    assert float(flops.replace(",", "")) > 0 and float(nbytes.replace(",", "")) > 0
+    assert float(args) > 0 and float(temp) >= 0 and float(bound.replace(",", "")) > 0
+    assert loops == "0" and kind in ("memory", "compute") and mfu.endswith("%"), cells
+  ratio = float(re.search(r"ours \(xla\)/plain: FLOPs ([\d.]+)", out).group(1))
+  flops = {name: float(rows[name][0].replace(",", "")) for name in ("ours (xla)", "plain")}
+  assert abs(ratio - flops["ours (xla)"] / flops["plain"]) < 2e-3 * ratio  # 4 digits printed
+  assert abs(ratio - 1) < FLOPS_TOLERANCE, (ratio, out)
+  return rows
+
+
+def test_small_model_ours_vs_plain_for_one_v5e_chip(capsys):
+  bench = _bench()
+  assert bench.main(["--size", "none", "--dtypes", "bfloat16", "--attention", "xla",
+                     "--config.data.seq_len=64", "--config.data.global_batch_size=4"]) == 0
+  out = capsys.readouterr().out
+  assert "v5e:1x1: 1 x TPU v5 lite" in out and "model.dtype=bfloat16" in out
+  assert "nanodo: skipped (no --nanodo_dir given)" in out
+  _check(bench, out, ["ours (xla)", "plain"])
+
+
+@pytest.mark.slow
+def test_matched_3m_model_with_splash_attention(capsys):
+  bench = _bench()
+  assert bench.main(["--size", "3m", "--dtypes", "bfloat16", "--attention", "xla,auto"]) == 0
+  out = capsys.readouterr().out
+  rows = _check(bench, out, ["ours (xla)", "ours (splash)", "plain"])
+  # splash attention is a Pallas kernel: XLA does not count its FLOPs
+  assert float(rows["ours (splash)"][0]) < float(rows["ours (xla)"][0])
+  assert re.search(r"ours \(splash\): \d+ Pallas kernel calls", out)
+
+
+def test_one_chip_of_any_topology():
+  bench = _bench()
+  assert [len(bench.one_chip(t).devices) for t in ("v5e:1x1", "v5e:2x2")] == [1, 1]
+  assert bench.one_chip("v5e:2x2").name == "1 chip of v5e:2x2"
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dtypes", "float8"], "--dtypes 'float8': use a comma-separated list of"),
+    (["--topology", "v5e:3"], "--topology 'v5e:3': expected CHIP:AxB"),
+    (["--size", "7m"], "--size '7m': use a comma-separated list of 3m, 25m"),
+])
+def test_user_errors_are_one_line_exit_2(args, needle, capsys):
+  assert _bench().main(args) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and needle in err, err
