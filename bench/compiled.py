@@ -1,7 +1,7 @@
 """Our train step, the plain jit+optax step and nanodo's, compiled ahead of time for one TPU chip.
 
     python bench/compiled.py [--nanodo_dir DIR] [--size 3m,25m] [--topology v5e:1x1]
-        [--dtypes bfloat16,float32] [--attention xla,auto] [--config.a.b=v ...]
+        [--dtypes bfloat16] [--attention xla,auto] [--config.a.b=v ...]
 
 No TPU is needed: libtpu's compiler builds each program for one compile-only chip of
 `--topology` (`tools.targets.make_target`), as `tools.aot` does. Per matched model (SIZES of
@@ -230,8 +230,9 @@ def main(argv=None) -> int:
                       help="a checkout of github.com/google-deepmind/nanodo (else no nanodo row)")
   parser.add_argument("--topology", default="v5e:1x1",
                       help="TPU topology whose first chip the programs are compiled for")
-  parser.add_argument("--dtypes", default="bfloat16,float32",
-                      help="compute dtypes (model.dtype, nanodo's dtype), comma-separated")
+  parser.add_argument("--dtypes", default="bfloat16",
+                      help="compute dtypes (model.dtype, nanodo's dtype), comma-separated: "
+                      "bfloat16 (default), float32 (each dtype is as many compiles again)")
   parser.add_argument("--attention", default="xla,auto",
                       help="our model.attention values, one row each (plain and nanodo: xla)")
   try:  # a mistake in the command line, the config or the topology: one line, exit 2
