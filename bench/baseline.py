@@ -56,7 +56,9 @@ def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
 
 
 # The two models of issue 14, matched to google-deepmind/nanodo's (bench/nanodo.py): tied
-# embeddings, as many kv heads as heads, SwiGLU of 2/3 x 4d (nanodo: GELU of 4d, the same FLOPs).
+# embeddings, as many kv heads as heads, SwiGLU of 2/3 x 4d (nanodo: GELU of 4d, the same FLOPs),
+# the layers unrolled (`model.scan_unroll` = layers; nanodo's are a Python loop). The plain step
+# runs the same model config.
 SIZES = {
     "3m": dict(d_model=256, num_layers=4, num_heads=4, mlp_dim=683, batch=16, seq_len=256),
     "25m": dict(d_model=512, num_layers=8, num_heads=8, mlp_dim=1365, batch=8, seq_len=512),
@@ -69,6 +71,7 @@ def size_overrides(size: str) -> list[str]:
   return [f"--config.model.d_model={s['d_model']}", f"--config.model.num_layers={s['num_layers']}",
           f"--config.model.num_heads={s['num_heads']}",
           f"--config.model.num_kv_heads={s['num_heads']}", f"--config.model.mlp_dim={s['mlp_dim']}",
+          f"--config.model.scan_unroll={s['num_layers']}",
           "--config.model.tie_embeddings=true", "--config.model.attention=xla",
           f"--config.data.global_batch_size={s['batch']}", f"--config.data.seq_len={s['seq_len']}",
           "--config.data.micro_batch_size=0"]
