@@ -33,7 +33,8 @@ def main(argv=None):
   from configs.moe_tiny import get_config  # noqa: PLC0415
   from data import pipeline  # noqa: PLC0415
   from data.prepare import ensure_default_corpus  # noqa: PLC0415
-  from models.llama import ModelConfig, param_counts  # noqa: PLC0415
+  from models.llama import ModelConfig  # noqa: PLC0415
+  from models.sizes import param_counts  # noqa: PLC0415
   from optim import build_optimizer  # noqa: PLC0415
   from sharding import batch_sharding, make_mesh, replicated  # noqa: PLC0415
   from trainer.state import ModelSpec, init_state, state_shardings  # noqa: PLC0415

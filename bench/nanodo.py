@@ -154,7 +154,7 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from models.llama import flops_per_token  # noqa: PLC0415
+  from models.sizes import flops_per_token  # noqa: PLC0415
   from trainer.metrics import measure_matmul_peak  # noqa: PLC0415
   print(baseline.header(args))
   for label, cfg in configs:

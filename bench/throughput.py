@@ -41,7 +41,7 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from models.llama import flops_per_token, param_counts  # noqa: PLC0415
+  from models.sizes import flops_per_token, param_counts  # noqa: PLC0415
   from trainer.loop import Run  # noqa: PLC0415
   from trainer.metrics import machine_peak_flops, measure_matmul_peak  # noqa: PLC0415
   from trainer.state import init_state  # noqa: PLC0415

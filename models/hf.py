@@ -26,7 +26,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from models.llama import ModelConfig, RopeScaling
+from models.llama import ModelConfig
+from models.rope import RopeScaling
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "F64": np.float64, "I64": np.int64, "I32": np.int32}

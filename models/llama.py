@@ -37,7 +37,7 @@ At m = 1 every multiplier is skipped, so muP at its base width is SP bit for bit
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ from models.attention import IMPLS, attention, layer_segments, sequence_layout
 from models.cross_entropy import chunked_cross_entropy
 from models.moe import MoE, MoEConfig
 from models.params import DTYPES, param
+from models.rope import RopeScaling, apply_rope, rope_tables
 from sharding.rules import constrain
 from sharding.zigzag import zigzag
 
@@ -59,19 +60,6 @@ REMAT_POLICIES = {
 }
 ATTENTION_IMPLS = IMPLS  # xla, flash, splash, ring, auto: see models/attention.py
 PARAMETRIZATIONS = ("sp", "mup")
-ROPE_SCALING_TYPES = ("none", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """RoPE frequency scaling. "llama3" is Llama 3.1's context extension: wavelengths longer than
-  original_max_position_embeddings / low_freq_factor are slowed by `factor`, shorter than
-  .../high_freq_factor kept, and the band between interpolated smoothly."""
-  type: str = "none"
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position_embeddings: int = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,49 +153,6 @@ def dense(x, w, contract: int):
     n_in *= d
   y = jnp.dot(x.reshape(-1, n_in), w.reshape(n_in, -1))
   return y.reshape(*lead, *outs)
-
-
-def rope_inv_freq(d: int, theta: float, scaling: RopeScaling = RopeScaling()):
-  """The d/2 rotation frequencies, with Llama 3 scaling applied when configured (the same
-  formula as Meta's reference and transformers' `_compute_llama3_parameters`)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  if scaling.type == "none":
-    return inv_freq
-  if scaling.type != "llama3":
-    raise ValueError(f"model.rope_scaling.type={scaling.type!r}: use one of {ROPE_SCALING_TYPES}")
-  old_len, lo, hi = (scaling.original_max_position_embeddings, scaling.low_freq_factor,
-                     scaling.high_freq_factor)
-  wavelen = 2 * jnp.pi / inv_freq
-  scaled = jnp.where(wavelen > old_len / lo, inv_freq / scaling.factor, inv_freq)
-  smooth = (old_len / wavelen - lo) / (hi - lo)
-  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-  medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-  return jnp.where(medium, smoothed, scaled)
-
-
-class RopeTables(NamedTuple):
-  """sin and cos of the RoPE angles [B, S, 1, D/2], fp32, made once per forward pass by
-  `Transformer.hidden` for all layers (XLA does not hoist them out of the layer scan)."""
-  sin: jax.Array
-  cos: jax.Array
-
-
-def rope_tables(positions_BS, d: int, theta: float,
-                scaling: RopeScaling = RopeScaling()) -> RopeTables:
-  angles_BSd = positions_BS[..., None].astype(jnp.float32) * rope_inv_freq(d, theta, scaling)
-  return RopeTables(jnp.sin(angles_BSd)[:, :, None, :], jnp.cos(angles_BSd)[:, :, None, :])
-
-
-def apply_rope(x_BSHD, positions_BS, theta: float, scaling: RopeScaling = RopeScaling()):
-  """Rotary position embedding (Su et al. 2021), rotate-half form (the layout of Hugging Face
-  Llama checkpoints: dims i and i + D/2 rotate together), computed in fp32. `positions_BS`:
-  the positions [B, S], or their `rope_tables`."""
-  tables = positions_BS if isinstance(positions_BS, RopeTables) else rope_tables(
-      positions_BS, x_BSHD.shape[-1], theta, scaling)
-  sin, cos = tables.sin, tables.cos
-  x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BSHD.dtype)
 
 
 class Attention(nnx.Module):
@@ -440,55 +385,3 @@ class Transformer(nnx.Module):
       losses_BS = optax.softmax_cross_entropy_with_integer_labels(self.logits(x_BSE), targets_BS)
       total = jnp.sum(losses_BS * mask_BS)
     return total, jnp.sum(mask_BS), stats
-
-
-# ----------------------------------------------------------------------------------------------
-# Sizes and FLOPs: the model owns its own count.
-
-
-def _ffn_params(cfg: ModelConfig) -> tuple[int, int]:
-  """(feed-forward parameters of all layers, of them those one token uses): the dense MLPs, and
-  of each MoE layer the router, the shared expert and all experts (active: top_k of them)."""
-  E, F, L, moe = cfg.d_model, cfg.mlp_dim, cfg.num_layers, cfg.moe
-  if not moe.enabled:
-    return L * 3 * E * F, L * 3 * E * F
-  n_moe = len(moe_layer_ids(cfg))
-  dense = (L - n_moe) * 3 * E * F
-  common = E * moe.num_experts + 3 * E * moe.shared_dim(F)  # router, shared expert
-  expert = 3 * E * moe.expert_dim(F)
-  return (dense + n_moe * (common + moe.num_experts * expert),
-          dense + n_moe * (common + moe.top_k * expert))
-
-
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-  """Parameter counts: total, embedding (input table), non-embedding, and active (what one token
-  uses: an MoE layer's top_k experts of num_experts; = total for a dense model)."""
-  E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
-                      cfg.vocab_size, cfg.num_layers)
-  ffn, ffn_active = _ffn_params(cfg)
-  per_layer = E * H * D + 2 * E * K * D + H * D * E + 2 * E
-  head = 0 if cfg.tie_embeddings else E * V
-  embedding = V * E
-  total = embedding + L * per_layer + ffn + E + head
-  return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
-          "active": total - ffn + ffn_active}
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> dict[str, float]:
-  """Training FLOPs per token (forward + backward = 3x forward), by part.
-
-  - matmuls: 6 x (parameters that take part in a matmul): q, k, v, o, the three MLP matrices and
-    the logits projection (the input embedding is a gather, not counted); of an MoE layer the
-    router, the shared expert and top_k experts (the active parameters, `param_counts`);
-  - attention: QK^T and AV, each 2 x S x H x D per token forward; times 3 for training. With
-    `causal=True` we count only the unmasked half (the work a causal kernel needs), so
-    6 x L x S x H x D; `causal=False` gives the full 12 x L x S x H x D (PaLM's convention).
-  Rematerialisation is *not* counted: this is model FLOPs, so MFU stays comparable across remat
-  policies.
-  """
-  E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
-                      cfg.vocab_size, cfg.num_layers)
-  matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E) + _ffn_params(cfg)[1] + E * V
-  matmuls = 6.0 * matmul_params
-  attn = 12.0 * L * seq_len * H * D * (0.5 if causal else 1.0)
-  return {"matmuls": matmuls, "attention": attn, "total": matmuls + attn}

@@ -15,7 +15,8 @@ import pytest
 from jax.sharding import AxisType
 
 from conftest import override
-from models.llama import ModelConfig, flops_per_token
+from models.llama import ModelConfig
+from models.sizes import flops_per_token
 from tools import aot, roofline
 from trainer import loop
 from trainer.cli import load

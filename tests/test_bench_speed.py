@@ -33,7 +33,8 @@ def test_baseline_times_both_steps_alternately_and_prints_the_ratio(capsys):
 
 def test_the_matched_sizes_are_the_issue_models():
   """3.3M and 25.4M parameters, with SwiGLU's FLOPs equal to a GELU MLP of 4 d (nanodo's)."""
-  from models.llama import ModelConfig, param_counts  # noqa: PLC0415
+  from models.llama import ModelConfig  # noqa: PLC0415
+  from models.sizes import param_counts  # noqa: PLC0415
   from trainer.cli import load_from_cli  # noqa: PLC0415
   bench = _bench("baseline")
   for size, millions in (("3m", 3.3), ("25m", 25.4)):

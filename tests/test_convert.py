@@ -134,7 +134,8 @@ def test_cli_from_hf_reports_missing_config(tmp_path, capsys):
 
 def test_rope_scaling_config_key():
   """model.rope_scaling reaches the model through the run config, and is validated."""
-  from models.llama import ModelConfig, rope_inv_freq
+  from models.llama import ModelConfig
+  from models.rope import rope_inv_freq
   from tests.conftest import tiny_config
   from trainer.config import ConfigError
   from trainer.config_checks import validate
@@ -154,7 +155,8 @@ def test_init_from_mismatch_names_the_override(tmp_path, mesh):
   """A converted model's rope_theta / rope scaling differ from the run config: shapes agree,
   so the check must come from the saved model config."""
   import dataclasses
-  from models.llama import ModelConfig, RopeScaling
+  from models.llama import ModelConfig
+  from models.rope import RopeScaling
   from trainer.inference import init_from_mismatch
   make_hf_model(tmp_path / "hf", "gqa_llama3_untied")
   cfg = ModelConfig.from_config(convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "o"),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.llama import ModelConfig, Transformer, flops_per_token, param_counts
+from models.llama import ModelConfig, Transformer
+from models.sizes import flops_per_token, param_counts
 
 CFG = ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   mlp_dim=64)

@@ -14,7 +14,8 @@ from flax import nnx
 import test_train_step
 import train
 from conftest import losses, metric_rows, override, tiny_config
-from models.llama import MLP, ModelConfig, param_counts
+from models.llama import MLP, ModelConfig
+from models.sizes import param_counts
 from models.moe import MoE, MoEConfig
 from models.moe_dispatch import capacity_keep
 from sharding import make_mesh

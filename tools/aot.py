@@ -16,7 +16,7 @@ slice.
 
 It prints, per device (= chip): argument memory (train state + batch), temporaries, outputs not
 aliased to the donated inputs, and their sum against the chip's HBM; the step's FLOPs (the
-model's own count, `models.llama.flops_per_token`; XLA's `cost_analysis()` number is shown for
+model's own count, `models.sizes.flops_per_token`; XLA's `cost_analysis()` number is shown for
 information only); and the roofline (`tools.roofline`): the step time at 100% MFU, the lower
 bound on the step time from the executed FLOPs and the HBM traffic, and the MFU it allows. Compare
 configs with these before paying for hardware. A program that does not fit fails with one line
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from models.attention import resolve_impl  # noqa: E402
-from models.llama import flops_per_token, param_counts  # noqa: E402
+from models.sizes import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
 from trainer.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
@@ -92,7 +92,7 @@ class Report:
   output_bytes: int  # outputs not aliased to (donated) inputs
   code_bytes: int
   hbm_bytes: float | None
-  model_flops: float  # per optimizer step, all chips (models.llama.flops_per_token)
+  model_flops: float  # per optimizer step, all chips (models.sizes.flops_per_token)
   xla_flops: float | None  # per chip, as cost_analysis() counts them (information only)
   xla_bytes: float | None  # per chip, cost_analysis()'s "bytes accessed" (loop bodies once)
   peak_flops: float | None  # per chip, bf16

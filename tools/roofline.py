@@ -3,7 +3,7 @@
 `tools.aot` compiles the step for a target (TPU topology or GPU) and fills a `Roofline` from the
 compiled program and the target chip; this module is the arithmetic and the report lines.
 
-  * step time at 100% MFU: the model's FLOPs (`models.llama.flops_per_token`, all chips) at the
+  * step time at 100% MFU: the model's FLOPs (`models.sizes.flops_per_token`, all chips) at the
     chips' bf16 peak (`trainer.metrics.known_peak_flops`): no step can be faster.
   * compute: the FLOPs the step executes, the model's plus what rematerialisation recomputes
     (`remat_mfu_bound`), at the same peak.
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.llama import flops_per_token
+from models.sizes import flops_per_token
 
 
 @dataclasses.dataclass(frozen=True)
 class Roofline:
   device_kind: str
   chips: int
-  model_flops: float  # per optimizer step, all chips (models.llama.flops_per_token)
+  model_flops: float  # per optimizer step, all chips (models.sizes.flops_per_token)
   tokens_per_step: int
   remat_mfu_bound: float  # model FLOPs / executed FLOPs (`remat_mfu_bound`)
   peak_flops: float | None  # per chip, bf16

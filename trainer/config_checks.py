@@ -219,7 +219,8 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   """Check the whole config against itself and the devices the run will use (a list: their
   count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
   from models.llama import (  # noqa: PLC0415
-      ATTENTION_IMPLS, DTYPES, PARAMETRIZATIONS, REMAT_POLICIES, ROPE_SCALING_TYPES)
+      ATTENTION_IMPLS, DTYPES, PARAMETRIZATIONS, REMAT_POLICIES)
+  from models.rope import ROPE_SCALING_TYPES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
   from optim.factory import MUP_OPTIMIZERS  # noqa: PLC0415
 

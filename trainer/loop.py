@@ -59,7 +59,7 @@ import numpy as np
 
 from data import mixture, pipeline
 from data.prepare import ensure_default_corpus, read_meta
-from models.llama import flops_per_token
+from models.sizes import flops_per_token
 from optim.autopilot import AutoConfig, Autopilot
 from sharding.batch import assemble, process_rows
 from sharding.mesh import make_mesh

@@ -1,7 +1,7 @@
 """Metrics: `metrics.jsonl`, TensorBoard, the console, and MFU against the device's peak.
 
 MFU = achieved model FLOP/s / peak FLOP/s of all devices, with the model's own FLOP count
-(`models.llama.flops_per_token`), against the peak of the arithmetic the matmuls really run in,
+(`models.sizes.flops_per_token`), against the peak of the arithmetic the matmuls really run in,
 which follows `model.dtype` (`matmul_peak`):
   * bf16 / fp16: the dense tensor-core / MXU peak of that type (V100 and T4 have no bf16 units:
     their bf16 peak is the fp32 one);

@@ -23,7 +23,8 @@ import ml_collections
 from jax.sharding import Mesh
 
 from data import mixture
-from models.llama import ModelConfig, param_counts
+from models.llama import ModelConfig
+from models.sizes import param_counts
 from optim import BatchRamp, derive
 from optim import schedules as schedules_lib
 from optim.autopilot import Autopilot
