@@ -1,4 +1,5 @@
-"""bench/baseline.py and bench/nanodo.py: the speed comparisons run and report what they say."""
+"""bench/baseline.py, bench/nanodo.py and bench/variants.py: the speed comparisons run and report
+what they say."""
 import importlib.util
 import os
 import re
@@ -29,6 +30,29 @@ def test_baseline_times_both_steps_alternately_and_prints_the_ratio(capsys):
   want = statistics.median(p / o for p, o in zip(ms["plain"], ms["ours"]))
   assert abs(ratio - want) <= 0.03 * want  # the median of the rounds' ratios (ms rounded)
   assert "d_model 128, 1 layers" in out
+
+
+def test_variants_times_each_value_and_prints_its_ratio_to_the_first(capsys):
+  bench = _bench("variants")
+  assert bench.main(["--size", "none", "--config", TINY, "--rounds", "2", "--steps", "1",
+                     "--config.model.num_layers=2", "--vary", "model.scan_unroll=1,2"]) == 0
+  out = capsys.readouterr().out
+  row = r"model.scan_unroll={} +[\d.]+ ms/step +x([\d.]+) .*\(rounds: ([\d, ]+) ms\)"
+  rows = {v: re.search(row.format(v), out) for v in (1, 2)}
+  ms = {v: [float(t) for t in m.group(2).split(",")] for v, m in rows.items()}
+  assert float(rows[1].group(1)) == 1.0
+  want = statistics.median(b / a for a, b in zip(ms[1], ms[2]))
+  assert abs(float(rows[2].group(1)) - want) <= 0.03 * want  # per-round ratios' median
+  assert "d_model 128, 2 layers" in out
+
+
+def test_variants_refuses_a_bad_vary_in_one_line(capsys):
+  bench = _bench("variants")
+  for vary in ("model.scan_unroll", "model.scan_unroll=1", "model.no_such_key=1,2",
+               "model.scan_unroll=1,0"):
+    assert bench.main(["--size", "none", "--config", TINY, "--vary", vary]) == 2, vary
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
 
 
 def test_the_matched_sizes_are_the_issue_models():

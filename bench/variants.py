@@ -1,0 +1,81 @@
+"""Our train step under variants of one config key, timed alternately on the same model.
+
+    python bench/variants.py --vary model.scan_unroll=1,64 [--size 3m,25m] [--rounds 5]
+        [--steps 2] [--config.a.b=v ...]
+    python bench/variants.py --vary model.attention=xla,flash --size none --config FILE
+
+An A/B of any option of the step: each value of `--vary KEY=V1,V2,...` is a `--config.KEY=V`
+override added last, so it wins over the size's and the command line's own. Every variant is
+the compiled step train.py runs (bench/baseline.py's `Ours`: one device, one fixed random batch),
+compiled up front, then timed in turns (`--rounds` rounds of `--steps` steps, after two warm-up
+steps each), so machine drift hits them alike. Prints each variant's median time per step and
+its time over the first variant's (the median of the per-round ratios: < 1 is faster).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import sys
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.py"))
+baseline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(baseline)
+
+
+def parse_vary(text: str) -> tuple[str, list[str]]:
+  """`KEY=V1,V2,...` -> (KEY, [V1, V2, ...]); a mistake raises ConfigError."""
+  from trainer.config import ConfigError  # noqa: PLC0415
+  key, sep, values = text.partition("=")
+  values = [v for v in values.split(",") if v]
+  if not sep or not key or len(values) < 2:
+    raise ConfigError(f"--vary {text!r}: give a config key and two or more values, e.g. "
+                      "--vary model.scan_unroll=1,64")
+  return key.removeprefix("--config."), values
+
+
+def vary(cfg, key: str, value: str):
+  """A copy of `cfg` with `--config.KEY=VALUE` applied (and checked, as train.py checks it)."""
+  from trainer.cli import apply_override  # noqa: PLC0415
+  from trainer.config_checks import validate  # noqa: PLC0415
+  out = cfg.copy_and_resolve_references()
+  apply_override(out, key, value)
+  validate(out, 1)
+  return out
+
+
+def main(argv=None):
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = CliParser("bench/variants.py", __doc__, config=False)
+  parser.add_argument("--vary", required=True, metavar="KEY=V1,V2",
+                      help="the config key to vary and its values, e.g. model.scan_unroll=1,64")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=2)
+  try:  # a mistake in the command line or config: one line, exit 2
+    args, configs = baseline.load_sized(parser, argv, "matched models to run, of "
+                                        + ", ".join(baseline.SIZES) + " (default both), or "
+                                        "none: --config as it is")
+    key, values = parse_vary(args.vary)
+    variants = [[(value, vary(cfg, key, value)) for value in values] for _, cfg in configs]
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(baseline.header(args))
+  for (label, _), cfgs in zip(configs, variants):
+    runners = {f"{key}={value}": baseline.Ours(cfg) for value, cfg in cfgs}
+    times = baseline.alternate(runners, rounds=args.rounds, steps=args.steps)
+    first = next(iter(times))
+    print(f"\n{label}: {baseline.describe(cfgs[0][1])}")
+    for name, ts in times.items():
+      ratio = statistics.median(t / f for t, f in zip(ts, times[first]))
+      print(f"  {name:<28} {statistics.median(ts) * 1e3:8.1f} ms/step  x{ratio:.3f} the time of "
+            f"{first}  (rounds: {', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
