@@ -20,12 +20,11 @@ from trainer.step import GuardConfig, make_train_step
 
 
 # XLA options the train step is compiled with, by platform. CPU: copy insertion with region
-# analysis. Without it XLA copies the whole donated state (parameters, Adam's moments) every
+# analysis. Without it XLA copies the whole donated state (parameters, Adam's moments) at every
 # step: the guard keeps the old state of a skipped step (`jnp.where(bad, old, new)`, trainer/
-# step.py), so the old values have a second reader besides the in-place update, and the
-# default analysis cannot order the two (3 x the parameters' bytes copied: ~3% of the step at
-# 25M parameters; the TPU compiler needs no such copies). XLA's own host-offloading programs
-# compile with this option on.
+# step.py), so the old values have a second reader besides the in-place update, and the default
+# analysis cannot order the two (tests/test_train_step.py counts the copies; the TPU compiler
+# makes none). XLA's own host-offloading programs compile with this option on.
 COMPILER_OPTIONS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True}}
 
 
