@@ -161,7 +161,17 @@ def one_device(cfg):
   return cfg
 
 
-def load_sized(parser, argv, size_help: str):
+SIZE_HELP = ("matched models to run, of " + ", ".join(SIZES) + " (default both), or none: "
+             "--config as it is")
+
+
+def add_timing_args(parser, steps: int):
+  """`--rounds` and `--steps` of the alternated timing (`alternate`)."""
+  parser.add_argument("--rounds", type=int, default=5, help="rounds; the runners take turns")
+  parser.add_argument("--steps", type=int, default=steps, help="steps per runner per round")
+
+
+def load_sized(parser, argv, size_help: str = SIZE_HELP):
   """(args, [(label, config)]) from a bench command line: `--size` picks the matched models of
   SIZES (overrides of configs/lm_tiny.py, applied before the command line's own), or
   `--size none` takes --config as it is. A mistake raises ConfigError."""
@@ -208,11 +218,9 @@ def main(argv=None):
   from trainer.cli import CliParser  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/baseline.py", __doc__, config=False)
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=3)
+  add_timing_args(parser, steps=3)
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = load_sized(parser, argv, "matched models to run, of " + ", ".join(SIZES)
-                               + " (default both), or none: --config as it is")
+    args, configs = load_sized(parser, argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -153,7 +153,6 @@ def plain_row(cfg, target, ours_report) -> Row:
 
 def nanodo_row(cfg, target, ours_report) -> Row:
   """bench/nanodo.py's nanodo step (nanodo's model in `model.dtype`), for the target."""
-  import jax  # noqa: PLC0415
   from models.llama import ModelConfig  # noqa: PLC0415
   # nanodo's own state, initialised on this machine's CPU; only its shapes go to the target
   theirs = nanodo_bench.Nanodo(cfg, ModelConfig.from_config(cfg.model).vocab_size)

@@ -138,8 +138,7 @@ def main(argv=None):
   parser = CliParser("bench/nanodo.py", __doc__, config=False)
   parser.add_argument("--nanodo_dir", required=True, metavar="DIR",
                       help="a checkout of github.com/google-deepmind/nanodo")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=3)
+  baseline.add_timing_args(parser, steps=3)
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(parser, argv, "matched models to run, of "
                                         + ", ".join(baseline.SIZES) + " (default both)")

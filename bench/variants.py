@@ -53,12 +53,9 @@ def main(argv=None):
   parser = CliParser("bench/variants.py", __doc__, config=False)
   parser.add_argument("--vary", required=True, metavar="KEY=V1,V2",
                       help="the config key to vary and its values, e.g. model.scan_unroll=1,64")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=2)
+  baseline.add_timing_args(parser, steps=2)
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = baseline.load_sized(parser, argv, "matched models to run, of "
-                                        + ", ".join(baseline.SIZES) + " (default both), or "
-                                        "none: --config as it is")
+    args, configs = baseline.load_sized(parser, argv)
     key, values = parse_vary(args.vary)
     variants = [[(value, vary(cfg, key, value)) for value in values] for _, cfg in configs]
   except ConfigError as e:
