@@ -1,4 +1,4 @@
-"""Tiny Llama on the embedded stdlib corpus: the default run, 41 s on 2 idle CPU cores from
+"""Tiny Llama on the embedded stdlib corpus: the default run, 33 s on 2 idle CPU cores from
 empty caches (README, "Measured numbers").
 
     python train.py --config configs/lm_tiny.py --workdir runs/tiny
