@@ -254,9 +254,10 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   """q [B, S, H, D], k/v [B, S, K, D] with H a multiple of K -> [B, S, H, D].
 
   segment_ids: [B, S] document ids of packed rows, or None; the xla implementation also takes
-  their `XlaMasks` (`layer_segments` gives each implementation what it reads). layout: the token order of the sequence axis; "zigzag" only for ring attention (see
-  `sequence_layout`); every other implementation needs natural order. ring_head_chunks: ring
-  attention's `head_chunks` (ignored by the others)."""
+  their `XlaMasks` (`layer_segments` gives each implementation what it reads). layout: the
+  token order of the sequence axis; "zigzag" only for ring attention (see `sequence_layout`);
+  every other implementation needs natural order. ring_head_chunks: ring attention's
+  `head_chunks` (ignored by the others)."""
   mesh = jax.sharding.get_abstract_mesh()
   impl = resolve_impl(impl, mesh, dtype=q_BSHD.dtype, head_dim=q_BSHD.shape[3],
                       seq_len=q_BSHD.shape[1])
