@@ -26,6 +26,20 @@ def test_nan_skip_policy_drops_the_update(tmp_path):
   assert all(np.isfinite(rows[s]["loss"]) and rows[s]["skipped"] == 0 for s in (4, 5, 6))
 
 
+def test_norm_metrics_off_drops_only_the_two_norms(tmp_path):
+  """trainer.norm_metrics=false: the same training (losses, gradient norms, skip guard), no
+  param_norm / update_norm in the metrics; on by default."""
+  _run(tmp_path / "on", steps=4)
+  _run(tmp_path / "off", steps=4, **{"trainer.norm_metrics": False})
+  on, off = metric_rows(tmp_path / "on"), metric_rows(tmp_path / "off")
+  assert sorted(on) == sorted(off) == [1, 2, 3, 4]
+  for step in on:
+    assert {"param_norm", "update_norm"} <= set(on[step])
+    assert not {"param_norm", "update_norm"} & set(off[step]), off[step]
+    for key in ("loss", "grad_norm", "skipped"):
+      assert off[step][key] == on[step][key], (step, key)
+
+
 def test_nan_stop_policy_keeps_the_last_good_checkpoint(tmp_path):
   result = _run(tmp_path, **{"steps": 8, "checkpoint.every_steps": 2,
                              "trainer.debug_nan_at_step": 5, "trainer.nonfinite_policy": "stop"})

@@ -60,7 +60,8 @@ class Program:
     scale (trainer/step.py), else the plain step (the meter's state passes through)."""
     return jax.jit(make_train_step(self.spec, self.tx, self.schedule,
                                    GuardConfig.from_config(self.cfg.trainer),
-                                   measure_noise=measure_noise),
+                                   measure_noise=measure_noise,
+                                   norm_metrics=bool(self.cfg.trainer.norm_metrics)),
                    in_shardings=(self.shardings, self.batch_sharding),
                    out_shardings=(self.shardings, replicated(self.mesh)),
                    donate_argnums=0,

@@ -192,10 +192,11 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
-                    measure_noise: bool = False):
+                    measure_noise: bool = False, norm_metrics: bool = True):
   """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
   the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
-  and the meter's state passes through unchanged."""
+  and the meter's state passes through unchanged. `norm_metrics=False` leaves param_norm and
+  update_norm out of the metrics (and their passes over the state out of the program)."""
   if measure_noise and noise_scale.find_state(jax.eval_shape(
       tx.init, spec.abstract_params)) is None:
     raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
@@ -239,14 +240,15 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     metrics = {
         "loss": loss,
         "grad_norm": grad_norm,
-        "update_norm": jnp.where(bad, 0.0, optax.tree.norm(updates)),
-        "param_norm": optax.tree.norm(params),
         "learning_rate": jnp.asarray(lr_at(state.step), jnp.float32),  # what this update used
         "target_tokens": tokens,
         "skipped": bad.astype(jnp.int32),
         "nonfinite": (~finite).astype(jnp.int32),
         "spike": spike.astype(jnp.int32),
     }
+    if norm_metrics:
+      metrics.update(update_norm=jnp.where(bad, 0.0, optax.tree.norm(updates)),
+                     param_norm=optax.tree.norm(params))
     if moe_sums is not None:  # router statistics and auxiliary losses (models/moe.py)
       metrics.update(moe_lib.metrics(moe_sums["stats"], moe_sums["aux"], spec.cfg.moe,
                                      layer_ids=moe_layer_ids(spec.cfg)))
