@@ -40,6 +40,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -266,14 +267,34 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   return report
 
 
-def _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
-            state_bytes) -> Report:
+class CompiledCosts(NamedTuple):
+  """What XLA says of a compiled program, per device: cost analysis and memory analysis."""
+  xla_flops: float | None  # cost_analysis()'s "flops" (loop bodies once, Pallas kernels not)
+  xla_bytes: float | None  # cost_analysis()'s "bytes accessed" (loop bodies once)
+  argument_bytes: int
+  output_bytes: int  # outputs not aliased to (donated) inputs
+  temp_bytes: int
+  code_bytes: int
+
+
+def compiled_costs(compiled) -> CompiledCosts:
+  """The `CompiledCosts` of a compiled program (`jax.stages.Compiled`)."""
   mem = compiled.memory_analysis()
   get = lambda name: int(getattr(mem, name, 0) or 0) if mem is not None else 0
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
   xla_flops = float(cost.get("flops", 0.0)) if isinstance(cost, dict) else None
   xla_bytes = float(cost.get("bytes accessed", 0.0)) if isinstance(cost, dict) else None
+  return CompiledCosts(
+      xla_flops=xla_flops, xla_bytes=xla_bytes or None,
+      argument_bytes=get("argument_size_in_bytes"),
+      output_bytes=max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
+      temp_bytes=get("temp_size_in_bytes"), code_bytes=get("generated_code_size_in_bytes"))
+
+
+def _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
+            state_bytes) -> Report:
+  costs = compiled_costs(compiled)
   text = compiled.as_text() or ""
   kernel_calls = sum(text.count(f'custom_call_target="{name}"') for name in KERNEL_CALLS)
   model_cfg = program.model_cfg
@@ -284,12 +305,11 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
       device_kind=target.kind, mesh=dict(mesh.shape), attention=attention,
       kernel_calls=kernel_calls, params=param_counts(model_cfg)["total"],
       compile_seconds=seconds,
-      argument_bytes=get("argument_size_in_bytes"), state_bytes=state_bytes,
-      temp_bytes=get("temp_size_in_bytes"),
-      output_bytes=max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
-      code_bytes=get("generated_code_size_in_bytes"), hbm_bytes=target.hbm_bytes,
-      model_flops=flops_per_token(model_cfg, seq)["total"] * tokens, xla_flops=xla_flops,
-      xla_bytes=xla_bytes or None, peak_flops=target.peak_flops,
+      argument_bytes=costs.argument_bytes, state_bytes=state_bytes,
+      temp_bytes=costs.temp_bytes, output_bytes=costs.output_bytes,
+      code_bytes=costs.code_bytes, hbm_bytes=target.hbm_bytes,
+      model_flops=flops_per_token(model_cfg, seq)["total"] * tokens, xla_flops=costs.xla_flops,
+      xla_bytes=costs.xla_bytes, peak_flops=target.peak_flops,
       hbm_bandwidth=target.hbm_bandwidth, tokens_per_step=tokens,
       remat_mfu_bound=remat_mfu_bound(model_cfg, seq),
       kernel_flops=kernel_flops(model_cfg, seq, tokens, kernel_calls))
