@@ -123,14 +123,14 @@ class Ours:
 class Plain:
   """The baseline step (`plain_step`) on the same model, optimizer settings and tokens."""
 
-  def __init__(self, cfg, program):
+  def __init__(self, cfg, model_cfg):
     import jax  # noqa: PLC0415
 
     from optim import derive  # noqa: PLC0415
     hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
     self.params, self.opt_state, self.step = plain_step(
-        program.model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm, cfg.seed)
-    tokens = random_tokens(cfg, program.model_cfg.vocab_size)
+        model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm, cfg.seed)
+    tokens = random_tokens(cfg, model_cfg.vocab_size)
     self.inputs, self.targets = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
     self.loss = None
 
@@ -227,8 +227,8 @@ def main(argv=None):
   print(header(args))
   for label, cfg in configs:
     ours = Ours(cfg)
-    times = alternate({"plain": Plain(cfg, ours.program), "ours": ours}, rounds=args.rounds,
-                      steps=args.steps)
+    times = alternate({"plain": Plain(cfg, ours.program.model_cfg), "ours": ours},
+                      rounds=args.rounds, steps=args.steps)
     tokens = cfg.data.global_batch_size * cfg.data.seq_len
     print(f"\n{label}: {describe(cfg)}")
     for name, ts in times.items():

@@ -107,21 +107,15 @@ def compiled_row(name: str, lowered, target, ours_report) -> Row:
   from tools import aot  # noqa: PLC0415
   from tools.roofline import Roofline  # noqa: PLC0415
   with aot._no_persistent_cache():  # noqa: SLF001  (target executables stay out of the cache)
-    compiled = lowered.compile()
-  mem = compiled.memory_analysis()
-  get = lambda key: int(getattr(mem, key, 0) or 0)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    costs = aot.compiled_costs(lowered.compile())
   # The same model FLOPs as ours (nanodo's GELU MLP of 4 d has SwiGLU's of 2/3 x 4 d to 0.05%),
   # no rematerialisation (plain: our model_cfg, remat "none"; nanodo: remat False), no kernels.
   roofline = Roofline(device_kind=target.kind, chips=1, model_flops=ours_report.model_flops,
                       tokens_per_step=ours_report.tokens_per_step, remat_mfu_bound=1.0,
                       peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
-                      xla_flops=flops or None, xla_bytes=nbytes or None)
-  return Row(name, flops or None, nbytes or None, get("argument_size_in_bytes"),
-             max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
-             get("temp_size_in_bytes"), loops_in(lowered), roofline)
+                      xla_flops=costs.xla_flops or None, xla_bytes=costs.xla_bytes)
+  return Row(name, costs.xla_flops or None, costs.xla_bytes, costs.argument_bytes,
+             costs.output_bytes, costs.temp_bytes, loops_in(lowered), roofline)
 
 
 def ours_row(cfg, target, label: str) -> tuple[Row, object]:
@@ -140,15 +134,11 @@ def ours_row(cfg, target, label: str) -> tuple[Row, object]:
 def plain_row(cfg, target, ours_report) -> Row:
   """bench/baseline.py's plain jit + optax step on our model (attention xla), for the target."""
   from models.llama import ModelConfig  # noqa: PLC0415
-  from optim import derive  # noqa: PLC0415
-  hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
-  model_cfg = ModelConfig.from_config(cfg.model)
-  params, opt_state, step = baseline.plain_step(model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm,
-                                                cfg.seed)
-  tokens = baseline.random_tokens(cfg, model_cfg.vocab_size)
-  device = target.devices[0]
-  args = _abstract((params, opt_state, tokens[:, :-1], tokens[:, 1:]), device)
-  return compiled_row("plain", step.lower(*args), target, ours_report)
+  # its state and tokens made on this machine's CPU; only their shapes go to the target
+  plain = baseline.Plain(cfg, ModelConfig.from_config(cfg.model))
+  args = _abstract((plain.params, plain.opt_state, plain.inputs, plain.targets),
+                   target.devices[0])
+  return compiled_row("plain", plain.step.lower(*args), target, ours_report)
 
 
 def nanodo_row(cfg, target, ours_report) -> Row:
