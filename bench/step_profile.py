@@ -33,12 +33,13 @@ _spec = importlib.util.spec_from_file_location(
 baseline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(baseline)
 
+from models.attention import CAUSAL_BLOCK  # noqa: E402
+
 KINDS = ("layer matmuls (q, k, v, o, MLP)", "attention matmuls (QK^T, PV)",
          "attention softmax and mask", "layer elementwise (norms, RoPE, SwiGLU, residuals)",
          "scan: stacked residuals (zero-fill, copies)", "LM head matmul",
          "embedding, cross-entropy", "after the gradient (optimizer, clip, guard, norms)")
-CONTAINERS = ("while", "conditional", "call")
-from models.attention import CAUSAL_BLOCK  # noqa: E402  # their events span the kernels they run
+CONTAINERS = ("while", "conditional", "call")  # their events span the kernels they run
 
 
 class Hlo:
