@@ -50,7 +50,7 @@ def main(argv=None):
     run = Run(cfg, workdir)
     t0 = time.perf_counter()
     step = run.program.compile()
-    measuring = run.program.compile(measure_noise=True) if args.noise_every else None
+    measuring = run.program.compile(measure_noise=True, logs=True) if args.noise_every else None
     compile_s = time.perf_counter() - t0
     state = init_state(run.spec, run.tx)
     it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.train_spec))

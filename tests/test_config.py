@@ -27,6 +27,8 @@ TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
      "data.seq_len=126 is not divisible by mesh.sequence=4"),
     (["--config.mesh.data=1", "--config.mesh.tensor=8"], "does not split over mesh.tensor=8"),
     (["--config.optim.name=adam"], "optim.name='adam': choose one of adamw, lamb, lars, sgd"),
+    (["--config.trainer.norm_metrics=false"],  # was a bool: says what works now
+     "trainer.norm_metrics='false': choose one of log_steps, every_step, off"),
     (["--config.model.num_kv_heads=3"], "must divide model.num_heads=4"),
     (["--config.data.micro_batch_size=5"], "must divide data.global_batch_size=16"),
 ])

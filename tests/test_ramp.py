@@ -67,7 +67,9 @@ def test_one_compile_per_stage_size(straight):
   run, _ = straight
   assert run.ramp.start_steps == (0, 5, 8)
   assert run.compile_count == 4
-  assert sorted(run.compiled_steps) == [(2, False), (2, True), (3, False), (3, True)]
+  # (micro-batches, measures noise, computes the norms): every step logs here (log_every=1)
+  assert sorted(run.compiled_steps) == [(2, False, True), (2, True, True), (3, False, True),
+                                        (3, True, True)]
 
 
 def test_each_stage_uses_its_batch_and_hyperparameters(straight):

@@ -26,18 +26,35 @@ def test_nan_skip_policy_drops_the_update(tmp_path):
   assert all(np.isfinite(rows[s]["loss"]) and rows[s]["skipped"] == 0 for s in (4, 5, 6))
 
 
-def test_norm_metrics_off_drops_only_the_two_norms(tmp_path):
-  """trainer.norm_metrics=false: the same training (losses, gradient norms, skip guard), no
-  param_norm / update_norm in the metrics; on by default."""
-  _run(tmp_path / "on", steps=4)
-  _run(tmp_path / "off", steps=4, **{"trainer.norm_metrics": False})
-  on, off = metric_rows(tmp_path / "on"), metric_rows(tmp_path / "off")
-  assert sorted(on) == sorted(off) == [1, 2, 3, 4]
-  for step in on:
-    assert {"param_norm", "update_norm"} <= set(on[step])
-    assert not {"param_norm", "update_norm"} & set(off[step]), off[step]
+NORMS = {"param_norm", "update_norm"}
+
+
+def test_norm_metrics_on_log_steps_every_step_or_off(tmp_path):
+  """trainer.norm_metrics: "log_steps" (the default) runs a second compiled step on the steps
+  that log, and their rows carry the same norms as a run that computes them on every step;
+  the other steps' program leaves them out. "off": the same training without the two norms."""
+  runs, rows = {}, {}
+  for mode in ("every_step", "log_steps", "off"):
+    runs[mode] = Run(tiny_config(**{"steps": 6, "log_every": 3, "trainer.norm_metrics": mode}),
+                     str(tmp_path / mode))
+    assert runs[mode].train().status == "done"
+    rows[mode] = metric_rows(tmp_path / mode)
+  assert {m: sorted(r) for m, r in rows.items()} == {m: [3, 6] for m in rows}
+  assert {m: run.compile_count for m, run in runs.items()} == {
+      "every_step": 1, "log_steps": 2, "off": 1}
+  for step in (3, 6):
     for key in ("loss", "grad_norm", "skipped"):
-      assert off[step][key] == on[step][key], (step, key)
+      assert rows["log_steps"][step][key] == rows["every_step"][step][key] \
+          == rows["off"][step][key], (step, key)
+    for key in NORMS:
+      assert rows["log_steps"][step][key] == pytest.approx(rows["every_step"][step][key],
+                                                            rel=1e-6), (step, key)
+    assert not NORMS & set(rows["off"][step]), rows["off"][step]
+  # the program of the steps that do not log computes no norms; the log steps' one does
+  outputs = {norms: set(step.out_info[1]) for (_, _, norms), step
+             in runs["log_steps"].compiled_steps.items()}
+  assert NORMS <= outputs[True] and not NORMS & outputs[False], outputs
+  assert tiny_config().trainer.norm_metrics == "log_steps"
 
 
 def test_nan_stop_policy_keeps_the_last_good_checkpoint(tmp_path):

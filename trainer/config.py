@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ml_collections
 
+# trainer.norm_metrics: when the step computes param_norm and update_norm (trainer/program.py)
+NORM_METRICS = ("log_steps", "every_step", "off")
 
 
 class ConfigError(ValueError):
@@ -155,10 +157,11 @@ def default_config() -> ml_collections.ConfigDict:
       spike_zscore=6.0,  # a spike: loss > EMA mean + zscore * EMA std
       spike_window=200,  # EMA time constant in steps; detection starts after one window
       debug_nan_at_step=0,  # testing aid: make this step's loss NaN (0: never)
-      # param_norm and update_norm in every step's metrics: one more pass over the parameters
-      # and the updates (6% of the bytes a compiled TPU step moves at 25M parameters, README
-      # "Measured numbers"); false leaves both out of the compiled step
-      norm_metrics=True,
+      # param_norm and update_norm, one more pass over the parameters and the updates (6% of the
+      # bytes a compiled TPU step moves at 25M parameters, README "Measured numbers"):
+      # "log_steps" = in the rows of the steps that log (those run a second compiled step, the
+      # others leave the norms out), "every_step" = one step that always computes them, "off"
+      norm_metrics="log_steps",
       # Weights & Biases beside TensorBoard and metrics.jsonl (the `wandb` extra): project "" =
       # off; mode "offline" logs under <workdir>/wandb with no account or network
       wandb=ml_collections.ConfigDict(dict(project="", mode="online", name="")),

@@ -17,7 +17,7 @@ import os
 import ml_collections
 
 from sharding.mesh import MeshError, data_parallel_size, num_slices, resolve_mesh_shape
-from trainer.config import ConfigError
+from trainer.config import NORM_METRICS, ConfigError
 
 
 def _need(cond: bool, message: str) -> None:
@@ -202,6 +202,7 @@ def _check_logging(cfg: ml_collections.ConfigDict) -> None:
   from trainer.profiling import parse_window  # noqa: PLC0415
   trainer = cfg.trainer
   _choice(cfg, "trainer.wandb.mode", ("online", "offline", "disabled"))
+  _choice(cfg, "trainer.norm_metrics", NORM_METRICS)
   if trainer.wandb.project:
     try:
       import wandb  # noqa: F401, PLC0415

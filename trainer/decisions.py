@@ -116,6 +116,11 @@ class Decider:
     """Whether the step that ends at `step` (1-based) measures the gradient noise scale."""
     return bool(self.noise_every) and step % self.noise_every == 0
 
+  def logs(self, step: int) -> bool:
+    """Whether the step that ends at `step` (1-based) writes its metrics row (known before it
+    runs: the loop picks that step's compiled variant by it)."""
+    return step % self.log_every == 0 or step == self.steps or self.measures_noise(step)
+
   def saved(self) -> None:
     self.last_save = time.monotonic()
 
@@ -128,7 +133,7 @@ class Decider:
 
   def after(self, step: int) -> Decision:
     final = step == self.steps
-    log = step % self.log_every == 0 or final or self.measures_noise(step)
+    log = self.logs(step)
     due_time = False
     if self.save_seconds and (log or not self.multi_process):
       due_time = time.monotonic() - self.last_save >= self.save_seconds

@@ -127,7 +127,8 @@ class Run:
     self.ramp = p.ramp  # the run's one ramp, shared with the schedules
     self.autopilot = Autopilot(AutoConfig.from_config(d), self.ramp) \
         if d.batch_ramp == "auto" else None
-    self.compiled_steps: dict = {}  # (micro-batches, measures noise) -> compiled train step
+    # (micro-batches, measures noise, computes the norm metrics) -> compiled train step
+    self.compiled_steps: dict = {}
     self.compile_count = 0
     # One source (data.dir or the default corpus) or a weighted mixture (data.mixture).
     self.sources = mixture.parse(d.mixture) if d.mixture else (
@@ -160,12 +161,15 @@ class Run:
       out[key] = assemble(local, self.local_rows, self.batch_sharding, global_shape, row_axis=1)
     return out
 
-  def train_step_for(self, num_micro: int, measure_noise: bool = False):
+  def train_step_for(self, num_micro: int, measure_noise: bool = False, logs: bool = False):
     """The compiled train step for `num_micro` micro-batches, measuring the gradient noise scale
-    or not (each variant compiled on first use)."""
-    key = (num_micro, measure_noise)
+    or not, for a step that logs or not (`Program.jitted_step`; each variant compiled on first
+    use, and a step that logs shares the other steps' program unless it computes more)."""
+    norms = self.program.computes_norms(logs)
+    key = (num_micro, measure_noise, norms)
     if key not in self.compiled_steps:
-      self.compiled_steps[key] = self.program.compile(num_micro, measure_noise=measure_noise)
+      self.compiled_steps[key] = self.program.compile(num_micro, measure_noise=measure_noise,
+                                                      logs=logs)
       self.compile_count += 1
     return self.compiled_steps[key]
 
@@ -255,7 +259,7 @@ class Run:
     decider = Decider(cfg, signals, start=start, evaluating=bool(cfg.eval_every))
     t0 = time.perf_counter()
     self.train_step_for(self.ramp.batch_at(start) // self.micro_rows,
-                        decider.measures_noise(start + 1))
+                        decider.measures_noise(start + 1), decider.logs(start + 1))
     compile_seconds = time.perf_counter() - t0
     evaluate = make_evaluator(self.program, self.sources, self.local_rows) \
         if cfg.eval_every else None
@@ -281,7 +285,8 @@ class Run:
     with jax.set_mesh(self.mesh), contextlib.closing(profile):
       while step < cfg.steps:
         profile.before_step(step + 1)
-        state, metrics = self._dispatch(state, train_iter, step, decider.measures_noise(step + 1))
+        state, metrics = self._dispatch(state, train_iter, step, decider.measures_noise(step + 1),
+                                        decider.logs(step + 1))
         step += 1
         profile.after_step(step, metrics)
         decision = decider.after(step)
@@ -328,7 +333,7 @@ class Run:
       self.log(message)
     return RunResult(status, step, self.last_metrics, message)
 
-  def _dispatch(self, state, train_iter, step: int, measure_noise: bool):
+  def _dispatch(self, state, train_iter, step: int, measure_noise: bool, logs: bool):
     """Start step `step + 1` on the devices (the batch ramp's stage decides its batch)."""
     stage = self.ramp.stage_at(step)
     if stage != self._stage and not self.ramp.is_constant:
@@ -337,7 +342,7 @@ class Run:
     self._stage = stage
     num_micro = self.ramp.batch_at(step) // self.micro_rows
     with self.timer.paused():  # compiling a new stage's step is not step time
-      train_step = self.train_step_for(num_micro, measure_noise)
+      train_step = self.train_step_for(num_micro, measure_noise, logs)
     with self.timer.waiting_for_data():
       batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
     state, metrics = train_step(state, batch)

@@ -55,28 +55,38 @@ class Program:
     return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, np.int32), sharding=self.batch_sharding)
             for k in BATCH_KEYS}
 
-  def jitted_step(self, *, measure_noise: bool = False):
+  def computes_norms(self, logs: bool) -> bool:
+    """Whether the step computes param_norm and update_norm (`trainer.norm_metrics`): on the
+    steps that log ("log_steps"), on every step, or never."""
+    mode = self.cfg.trainer.norm_metrics
+    return mode == "every_step" or (mode == "log_steps" and logs)
+
+  def jitted_step(self, *, measure_noise: bool = False, logs: bool = False):
     """The jitted train step; with `measure_noise` the variant that measures the gradient noise
-    scale (trainer/step.py), else the plain step (the meter's state passes through)."""
+    scale (trainer/step.py), else the plain step (the meter's state passes through). `logs`:
+    the variant for the steps whose metrics row is written (with the norm metrics under
+    `trainer.norm_metrics="log_steps"`); the default is the step every other step runs."""
     return jax.jit(make_train_step(self.spec, self.tx, self.schedule,
                                    GuardConfig.from_config(self.cfg.trainer),
                                    measure_noise=measure_noise,
-                                   norm_metrics=bool(self.cfg.trainer.norm_metrics)),
+                                   norm_metrics=self.computes_norms(logs)),
                    in_shardings=(self.shardings, self.batch_sharding),
                    out_shardings=(self.shardings, replicated(self.mesh)),
                    donate_argnums=0,
                    compiler_options=COMPILER_OPTIONS.get(mesh_platform(self.mesh)))
 
-  def lower(self, num_micro: int | None = None, *, measure_noise: bool = False):
+  def lower(self, num_micro: int | None = None, *, measure_noise: bool = False,
+            logs: bool = False):
     # The abstract arguments are built outside the mesh context: `abstract_state` traces the
     # optimizer's init, which must not try to place anything on the (possibly compile-only,
     # e.g. TPU topology) devices of the mesh.
     args = self.abstract_state(), self.abstract_batch(num_micro)
     with jax.set_mesh(self.mesh):
-      return self.jitted_step(measure_noise=measure_noise).lower(*args)
+      return self.jitted_step(measure_noise=measure_noise, logs=logs).lower(*args)
 
-  def compile(self, num_micro: int | None = None, *, measure_noise: bool = False):
+  def compile(self, num_micro: int | None = None, *, measure_noise: bool = False,
+              logs: bool = False):
     """AOT-compile the train step for the state/batch shapes (no data needed): the plain step,
     or with `measure_noise` the one that measures the gradient noise scale (the loop runs it
-    on the steps that log it)."""
-    return self.lower(num_micro, measure_noise=measure_noise).compile()
+    on the steps that log it); `logs` as in `jitted_step`."""
+    return self.lower(num_micro, measure_noise=measure_noise, logs=logs).compile()

@@ -196,7 +196,8 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
   """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
   the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
   and the meter's state passes through unchanged. `norm_metrics=False` leaves param_norm and
-  update_norm out of the metrics (and their passes over the state out of the program)."""
+  update_norm out of the metrics (and their passes over the state out of the program; the loop
+  runs that variant on the steps that do not log, `trainer.norm_metrics`)."""
   if measure_noise and noise_scale.find_state(jax.eval_shape(
       tx.init, spec.abstract_params)) is None:
     raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
