@@ -165,13 +165,15 @@ class Run:
     """The compiled train step for `num_micro` micro-batches, measuring the gradient noise scale
     or not, for a step that logs or not (`Program.jitted_step`; each variant compiled on first
     use, and a step that logs shares the other steps' program unless it computes more)."""
-    norms = self.program.computes_norms(logs)
-    key = (num_micro, measure_noise, norms)
+    key = self._step_key(num_micro, measure_noise, logs)
     if key not in self.compiled_steps:
       self.compiled_steps[key] = self.program.compile(num_micro, measure_noise=measure_noise,
                                                       logs=logs)
       self.compile_count += 1
     return self.compiled_steps[key]
+
+  def _step_key(self, num_micro: int, measure_noise: bool, logs: bool) -> tuple:
+    return num_micro, measure_noise, self.program.computes_norms(logs)
 
   def _steer(self, step: int, host: dict) -> None:
     """Feed a measuring step's row to the batch autopilot; log the change it decides."""
@@ -341,7 +343,11 @@ class Run:
                f"{len(self.ramp.batches)}, {self.ramp.tokens_before(step):,} tokens seen)")
     self._stage = stage
     num_micro = self.ramp.batch_at(step) // self.micro_rows
-    with self.timer.paused():  # compiling a new stage's step is not step time
+    if self._step_key(num_micro, measure_noise, logs) not in self.compiled_steps:
+      # Compiling a new variant (a new stage's, the first log step's) is not step time, but the
+      # steps still running on the device are: wait for them before pausing the timer.
+      jax.block_until_ready(state)
+    with self.timer.paused():
       train_step = self.train_step_for(num_micro, measure_noise, logs)
     with self.timer.waiting_for_data():
       batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
