@@ -44,24 +44,45 @@ def rope_inv_freq(d: int, theta: float, scaling: RopeScaling = RopeScaling()):
 
 class RopeTables(NamedTuple):
   """sin and cos of the RoPE angles [B, S, 1, D/2], fp32, made once per forward pass by
-  `Transformer.hidden` for all layers (XLA does not hoist them out of the layer scan)."""
+  `Transformer.hidden` for all layers (`rope_tables`; XLA does not hoist them out of the layer
+  scan)."""
   sin: jax.Array
   cos: jax.Array
 
 
+def _sin_cos(positions, inv_freq_d):
+  angles = positions[..., None].astype(jnp.float32) * inv_freq_d
+  return jnp.sin(angles), jnp.cos(angles)
+
+
 def rope_tables(positions_BS, d: int, theta: float,
                 scaling: RopeScaling = RopeScaling()) -> RopeTables:
-  angles_BSd = positions_BS[..., None].astype(jnp.float32) * rope_inv_freq(d, theta, scaling)
-  return RopeTables(jnp.sin(angles_BSd)[:, :, None, :], jnp.cos(angles_BSd)[:, :, None, :])
+  """The tables for `positions_BS`, materialized once: when every position lies in [0, S) (the
+  training rows: positions restart at 0 in each document) looked up in one [S, d/2] table, else
+  computed for each position. Both sit in a `lax.cond`, whose results are buffers: computed in
+  place, XLA fuses sin and cos into every layer's rotation (forward and backward) and evaluates
+  them again for each head there (12x the rotation's time on CPU)."""
+  S = positions_BS.shape[1]
+  inv_freq = rope_inv_freq(d, theta, scaling)
+
+  def looked_up(p):
+    sin_Sd, cos_Sd = _sin_cos(jnp.arange(S), inv_freq)
+    return sin_Sd[p], cos_Sd[p]
+
+  inside = jnp.all((positions_BS >= 0) & (positions_BS < S))
+  sin, cos = jax.lax.cond(inside, looked_up, lambda p: _sin_cos(p, inv_freq), positions_BS)
+  return RopeTables(sin[:, :, None, :], cos[:, :, None, :])
 
 
 def apply_rope(x_BSHD, positions_BS, theta: float, scaling: RopeScaling = RopeScaling()):
   """Rotary position embedding (Su et al. 2021), rotate-half form (the layout of Hugging Face
   Llama checkpoints: dims i and i + D/2 rotate together), computed in fp32. `positions_BS`:
   the positions [B, S], or their `rope_tables`."""
-  tables = positions_BS if isinstance(positions_BS, RopeTables) else rope_tables(
-      positions_BS, x_BSHD.shape[-1], theta, scaling)
-  sin, cos = tables.sin, tables.cos
+  if isinstance(positions_BS, RopeTables):
+    sin, cos = positions_BS.sin, positions_BS.cos
+  else:  # e.g. one decoded token per row: the tables are as small as what they rotate
+    sin, cos = _sin_cos(positions_BS, rope_inv_freq(x_BSHD.shape[-1], theta, scaling))
+    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
   x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BSHD.dtype)
