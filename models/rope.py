@@ -61,7 +61,7 @@ def rope_tables(positions_BS, d: int, theta: float,
   training rows: positions restart at 0 in each document) looked up in one [S, d/2] table, else
   computed for each position. Both sit in a `lax.cond`, whose results are buffers: computed in
   place, XLA fuses sin and cos into every layer's rotation (forward and backward) and evaluates
-  them again for each head there (12x the rotation's time on CPU)."""
+  them again there for every head (tests/test_model.py counts the sine ops)."""
   S = positions_BS.shape[1]
   inv_freq = rope_inv_freq(d, theta, scaling)
 
