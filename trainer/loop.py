@@ -24,7 +24,9 @@ n, so a restart anywhere (also exactly on a stage boundary) continues the same s
 is a number of micro-batches of the one fixed micro-batch shape: the data iterator simply yields
 more or fewer micro-batches per step (its checkpointed position stays valid), and the loop
 compiles the train step once per distinct number of micro-batches and keeps it
-(`compile_count` counts compilations). At start the loop prints, once per batch size, the
+(`compile_count` counts compilations), with a variant for the steps that compute more: those
+that log (the norm metrics, `trainer.norm_metrics="log_steps"`) and those that measure the
+gradient noise scale. At start the loop prints, once per batch size, the
 hyperparameters the batch-size rules derive (`optim/scaling.py`), and writes them to
 metrics.jsonl as `{"event": "hyperparameters", "hparams/learning_rate": ...}` rows
 (`trainer/run_report.py`).
