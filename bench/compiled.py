@@ -133,12 +133,19 @@ def ours_row(cfg, target, label: str) -> tuple[Row, object]:
 
 def plain_row(cfg, target, ours_report) -> Row:
   """bench/baseline.py's plain jit + optax step on our model (attention xla), for the target."""
+  import jax  # noqa: PLC0415
+
   from models.llama import ModelConfig  # noqa: PLC0415
+  from sharding.mesh import make_mesh  # noqa: PLC0415
   # its state and tokens made on this machine's CPU; only their shapes go to the target
   plain = baseline.Plain(cfg, ModelConfig.from_config(cfg.model))
   args = _abstract((plain.params, plain.opt_state, plain.inputs, plain.targets),
                    target.devices[0])
-  return compiled_row("plain", plain.step.lower(*args), target, ours_report)
+  # traced under the target's one-device mesh, as on that machine: the model's choices by
+  # platform (models/rope.py's tables) see the target's, not this CPU's
+  with jax.set_mesh(make_mesh(cfg.mesh, target.devices[:1])):
+    lowered = plain.step.lower(*args)
+  return compiled_row("plain", lowered, target, ours_report)
 
 
 def nanodo_row(cfg, target, ours_report) -> Row:

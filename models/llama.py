@@ -50,6 +50,7 @@ from models.cross_entropy import chunked_cross_entropy
 from models.moe import MoE, MoEConfig
 from models.params import DTYPES, param
 from models.rope import RopeScaling, apply_rope, rope_tables
+from sharding.mesh import mesh_platform
 from sharding.rules import constrain
 from sharding.zigzag import zigzag
 
@@ -320,7 +321,10 @@ class Transformer(nnx.Module):
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
     x_BSE = self.embed(tokens_BS)
     # Made once for all layers: the RoPE tables and (xla attention) the document masks.
-    rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling)
+    # RoPE tables as buffers on CPU; TPU and GPU programs recompute them inside the rotations'
+    # fusions, which XLA's TPU cost analysis counts as fewer bytes (README "Compiled for TPU").
+    rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling,
+                       buffer=mesh_platform(jax.sharding.get_abstract_mesh()) == "cpu")
     segments = layer_segments(segment_ids_BS, cfg.attention, dtype=DTYPES[cfg.dtype],
                               head_dim=cfg.dim_per_head)
 

@@ -55,15 +55,19 @@ def _sin_cos(positions, inv_freq_d):
   return jnp.sin(angles), jnp.cos(angles)
 
 
-def rope_tables(positions_BS, d: int, theta: float,
-                scaling: RopeScaling = RopeScaling()) -> RopeTables:
-  """The tables for `positions_BS`, materialized once: when every position lies in [0, S) (the
-  training rows: positions restart at 0 in each document) looked up in one [S, d/2] table, else
-  computed for each position. Both sit in a `lax.cond`, whose results are buffers: computed in
-  place, XLA fuses sin and cos into every layer's rotation (forward and backward) and evaluates
-  them again there for every head (tests/test_model.py counts the sine ops)."""
+def rope_tables(positions_BS, d: int, theta: float, scaling: RopeScaling = RopeScaling(), *,
+                buffer: bool = False) -> RopeTables:
+  """The tables for `positions_BS`. Computed in place, XLA fuses sin and cos into every layer's
+  rotation (forward and backward) and evaluates them again there for every head. With `buffer`
+  they are made once as buffers instead (what CPU programs want; tests/test_model.py counts the
+  sine ops): when every position lies in [0, S) (the training rows: positions restart at 0 in
+  each document) looked up in one [S, d/2] table, else computed for each position, both inside
+  a `lax.cond`, whose results are buffers."""
   S = positions_BS.shape[1]
   inv_freq = rope_inv_freq(d, theta, scaling)
+  if not buffer:
+    sin, cos = _sin_cos(positions_BS, inv_freq)
+    return RopeTables(sin[:, :, None, :], cos[:, :, None, :])
 
   def looked_up(p):
     sin_Sd, cos_Sd = _sin_cos(jnp.arange(S), inv_freq)

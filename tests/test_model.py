@@ -125,14 +125,16 @@ def test_flop_count_matches_xla_cost_analysis():
   assert abs(xla_forward / ours_forward - 1) < 0.05, (xla_forward, ours_forward)
 
 
-def test_rope_tables_equal_the_direct_ones_at_any_positions():
-  """`rope_tables` looks positions in [0, S) up in one [S, d/2] table and computes any others
-  directly; both give what the rotation's own sin/cos give, bit for bit."""
+@pytest.mark.parametrize("buffer", [True, False])
+def test_rope_tables_equal_the_direct_ones_at_any_positions(buffer):
+  """As buffers, `rope_tables` looks positions in [0, S) up in one [S, d/2] table and computes
+  any others directly; both ways, and in place, it gives what the rotation's own sin/cos give,
+  bit for bit."""
   from models.rope import RopeScaling, _sin_cos, rope_inv_freq, rope_tables  # noqa: PLC0415
   scaling = RopeScaling(type="llama3", original_max_position_embeddings=64)
   packed = np.array([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]], np.int32)
   for positions in (packed, packed + 1000, packed[:, :1] + 37):  # training rows, others
-    tables = jax.jit(lambda p: rope_tables(p, 16, 10_000.0, scaling))(positions)
+    tables = jax.jit(lambda p: rope_tables(p, 16, 10_000.0, scaling, buffer=buffer))(positions)
     sin, cos = jax.jit(lambda p: _sin_cos(p, rope_inv_freq(16, 10_000.0, scaling)))(positions)
     np.testing.assert_array_equal(tables.sin[:, :, 0], sin)
     np.testing.assert_array_equal(tables.cos[:, :, 0], cos)
@@ -140,8 +142,9 @@ def test_rope_tables_equal_the_direct_ones_at_any_positions():
 
 def test_rope_sin_cos_are_computed_once_not_in_every_layer():
   """XLA fuses a sin/cos table computed in place into every layer's rotation and evaluates it
-  there again (per head, forward and backward); `rope_tables` makes it a buffer once, so the
-  compiled gradient holds as many sine ops with 3 unrolled layers as with 1."""
+  there again (per head, forward and backward); on CPU the model makes the tables buffers once
+  (`rope_tables(buffer=True)`), so the compiled gradient holds as many sine ops with 3 unrolled
+  layers as with 1."""
   def sines(layers):
     cfg = dataclasses.replace(CFG, num_layers=layers, scan_unroll=layers)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(params=0)))
