@@ -82,11 +82,11 @@ def apply_rope(x_BSHD, positions_BS, theta: float, scaling: RopeScaling = RopeSc
   """Rotary position embedding (Su et al. 2021), rotate-half form (the layout of Hugging Face
   Llama checkpoints: dims i and i + D/2 rotate together), computed in fp32. `positions_BS`:
   the positions [B, S], or their `rope_tables`."""
-  if isinstance(positions_BS, RopeTables):
-    sin, cos = positions_BS.sin, positions_BS.cos
-  else:  # e.g. one decoded token per row: the tables are as small as what they rotate
-    sin, cos = _sin_cos(positions_BS, rope_inv_freq(x_BSHD.shape[-1], theta, scaling))
-    sin, cos = sin[:, :, None, :], cos[:, :, None, :]
+  # Given positions (e.g. one decoded token per row), the tables are computed in place: they are
+  # as small as what they rotate.
+  tables = positions_BS if isinstance(positions_BS, RopeTables) else rope_tables(
+      positions_BS, x_BSHD.shape[-1], theta, scaling)
+  sin, cos = tables.sin, tables.cos
   x1, x2 = jnp.split(x_BSHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BSHD.dtype)
