@@ -101,6 +101,7 @@ class Report:
   tokens_per_step: int
   remat_mfu_bound: float  # MFU ceiling from recomputation alone
   kernel_flops: float = 0.0  # per step, all chips: model FLOPs inside compiled kernels (attention)
+  loops: int = 0  # while loops in the lowered program (`while_loops`)
 
   @property
   def total_bytes(self) -> int:
@@ -245,7 +246,8 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
       attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh, dtype=cfg.model.dtype,
                                head_dim=program.model_cfg.dim_per_head,
                                seq_len=cfg.data.seq_len)
-      compiled = program.jitted_step().lower(state, batch).compile()
+      lowered = program.jitted_step().lower(state, batch)
+      compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001
     if not is_out_of_memory(e):
       raise
@@ -256,7 +258,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
         f"{oom_advice(cfg, sizes, target, state_bytes)}") from None
   seconds = time.perf_counter() - t0
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
-                   state_bytes)
+                   state_bytes, while_loops(lowered))
   if report.hbm_bytes and report.total_bytes > report.hbm_bytes:
     # The compiler accepted it, but its own numbers say it cannot be resident at once.
     raise AotError(
@@ -292,8 +294,14 @@ def compiled_costs(compiled) -> CompiledCosts:
       temp_bytes=get("temp_size_in_bytes"), code_bytes=get("generated_code_size_in_bytes"))
 
 
+def while_loops(lowered) -> int:
+  """The while loops of a lowered program (a layer scan is one): XLA's cost analysis counts a
+  loop's body once, so its FLOPs and bytes cover every op only when this is 0."""
+  return lowered.as_text().count("stablehlo.while")
+
+
 def _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
-            state_bytes) -> Report:
+            state_bytes, loops: int) -> Report:
   costs = compiled_costs(compiled)
   text = compiled.as_text() or ""
   kernel_calls = sum(text.count(f'custom_call_target="{name}"') for name in KERNEL_CALLS)
@@ -312,7 +320,7 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
       xla_bytes=costs.xla_bytes, peak_flops=target.peak_flops,
       hbm_bandwidth=target.hbm_bandwidth, tokens_per_step=tokens,
       remat_mfu_bound=remat_mfu_bound(model_cfg, seq),
-      kernel_flops=kernel_flops(model_cfg, seq, tokens, kernel_calls))
+      kernel_flops=kernel_flops(model_cfg, seq, tokens, kernel_calls), loops=loops)
 
 
 # ----------------------------------------------------------------------------------------------
