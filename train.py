@@ -9,7 +9,7 @@ do not divide; a --workdir that is a file or cannot be written) are reported in 
 exit code 2, before anything is compiled.
 
 Several processes (hosts) are started by running this same command on each of them: see
-trainer/distributed.py and the README's "Multi-host" section.
+trainer/distributed.py and docs/multihost.md.
 
 Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not match the
 config or cannot be read, processes that cannot connect or do not agree); 3 stopped on a
@@ -25,14 +25,20 @@ import sys
 EXIT_CONFIG_ERROR = 2
 
 
-def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
-  """--config FILE, --workdir DIR, and --config.a.b=v (or --config.a.b v) overrides."""
+def build_parser():
+  """The command line's parser (`trainer.cli.CliParser`): --config FILE, --workdir DIR, and
+  --config.a.b=v (or --config.a.b v) overrides."""
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("train.py", __doc__)
   parser.add_argument("--workdir", required=True, metavar="DIR",
                       help="run directory: checkpoints, metrics.jsonl; rerun to resume")
-  args, overrides = parser.parse(argv)
+  return parser
+
+
+def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+  """(config file, workdir, overrides) of a command line; a mistake is one ConfigError."""
+  from trainer.config import ConfigError  # noqa: PLC0415
+  args, overrides = build_parser().parse(argv)
   if "://" in args.workdir:
     raise ConfigError(
         f"--workdir {args.workdir}: the workdir must be a filesystem path (metrics.jsonl is "

@@ -166,9 +166,8 @@ def longest_fitting(impl: str, n: int, budget: int, granule: int) -> int:
   return lo
 
 
-def main(argv=None):
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/attention_memory.py", __doc__, config=False)
   parser.add_argument("--seq", default="2048,4096,8192,16384")
   parser.add_argument("--devices", default="2,4,8")
@@ -180,6 +179,12 @@ def main(argv=None):
   parser.add_argument("--target", default="cpu",
                       help="cpu: 8 fake CPU devices; or a GPU topology of tools/aot.py, e.g. "
                            "h100:8, compile-only (the flash comparison only)")
+  return parser
+
+
+def main(argv=None):
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = build_parser()
   try:
     args = parser.parse_args(argv)
     try:

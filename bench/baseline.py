@@ -171,16 +171,22 @@ def add_timing_args(parser, steps: int):
   parser.add_argument("--steps", type=int, default=steps, help="steps per runner per round")
 
 
-def load_sized(parser, argv, size_help: str = SIZE_HELP):
-  """(args, [(label, config)]) from a bench command line: `--size` picks the matched models of
-  SIZES (overrides of configs/lm_tiny.py, applied before the command line's own), or
-  `--size none` takes --config as it is. A mistake raises ConfigError."""
-  from trainer.cli import load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
+def add_size_args(parser, size_help: str = SIZE_HELP) -> None:
+  """`--config` (default configs/lm_tiny.py) and `--size` of a bench that runs the matched
+  models (`load_sized`)."""
   parser.add_argument("--config", default=os.path.join(ROOT, "configs", "lm_tiny.py"),
                       metavar="FILE.py", help="config file (default configs/lm_tiny.py)")
   parser.add_argument("--size", default="3m,25m", help=size_help)
+
+
+def load_sized(parser, argv):
+  """(args, [(label, config)]) from a bench command line (a parser with `add_size_args`):
+  `--size` picks the matched models of SIZES (overrides of configs/lm_tiny.py, applied before
+  the command line's own), or `--size none` takes --config as it is. A mistake raises
+  ConfigError."""
+  from trainer.cli import load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config_checks import validate  # noqa: PLC0415
   args, rest = parser.parse_known_args(argv)
   sizes = [] if args.size == "none" else args.size.split(",")
   for size in sizes:
@@ -212,15 +218,20 @@ def header(args) -> str:
           f"steps, alternated; medians")
 
 
+def build_parser():
+  from trainer.cli import CliParser  # noqa: PLC0415
+  parser = CliParser("bench/baseline.py", __doc__, config=False)
+  add_timing_args(parser, steps=3)
+  add_size_args(parser)
+  return parser
+
+
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.cli import CliParser  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
-  parser = CliParser("bench/baseline.py", __doc__, config=False)
-  add_timing_args(parser, steps=3)
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = load_sized(parser, argv)
+    args, configs = load_sized(build_parser(), argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

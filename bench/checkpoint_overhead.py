@@ -21,19 +21,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/checkpoint_overhead.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=60, help="steps per overhead measurement")
   parser.add_argument("--saves", type=int, default=5, help="saves per blocking measurement")
   parser.add_argument("--every", default="0,20,10,5", help="checkpoint intervals to compare")
   parser.add_argument("--d-model", type=int, default=512,
                       help="model width: 512 gives ~107 MB of train state, 1024 ~4x that")
+  return parser
+
+
+def main(argv=None):
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  from trainer.config import ConfigError  # noqa: PLC0415
   try:
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

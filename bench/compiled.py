@@ -209,11 +209,8 @@ def compare(label: str, cfg, target, *, dtype: str, attentions: list[str],
   return lines
 
 
-def main(argv=None) -> int:
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from models.params import DTYPES  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from tools.targets import AotError  # noqa: PLC0415
   parser = CliParser("bench/compiled.py", __doc__, config=False)
   parser.add_argument("--nanodo_dir", default="", metavar="DIR",
                       help="a checkout of github.com/google-deepmind/nanodo (else no nanodo row)")
@@ -224,9 +221,17 @@ def main(argv=None) -> int:
                       "bfloat16 (default), float32 (each dtype is as many compiles again)")
   parser.add_argument("--attention", default="xla,auto",
                       help="our model.attention values, one row each (plain and nanodo: xla)")
+  baseline.add_size_args(parser, "matched models to compile, of " + ", ".join(baseline.SIZES)
+                         + " (default both), or none")
+  return parser
+
+
+def main(argv=None) -> int:
+  from models.params import DTYPES  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from tools.targets import AotError  # noqa: PLC0415
   try:  # a mistake in the command line, the config or the topology: one line, exit 2
-    args, configs = baseline.load_sized(parser, argv, "matched models to compile, of "
-                                        + ", ".join(baseline.SIZES) + " (default both), or none")
+    args, configs = baseline.load_sized(build_parser(), argv)
     dtypes = args.dtypes.split(",")
     for dtype in dtypes:
       if dtype not in DTYPES:

@@ -11,7 +11,6 @@ step time of each and the ratios to dense.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -20,13 +19,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def build_parser():
+  from trainer.cli import CliParser  # noqa: PLC0415
+  parser = CliParser("bench/moe_step_time.py", __doc__, config=False)
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=10)
+  return parser
+
+
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=10)
-  args = parser.parse_args(argv)
+  from trainer.config import ConfigError  # noqa: PLC0415
+  try:  # a mistake in the command line: one line, exit 2
+    args = build_parser().parse_args(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   import jax  # noqa: PLC0415
   import numpy as np  # noqa: PLC0415
 
@@ -76,7 +85,8 @@ def main(argv=None):
   for name, run in runs.items():
     t = statistics.median(run["times"])
     print(f"{name:20s} {run['params']:26s} median step {t * 1e3:7.1f} ms  x{t / dense:.2f} dense")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

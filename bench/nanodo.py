@@ -130,18 +130,23 @@ def find_nanodo(path: str) -> str | None:
   return None
 
 
-def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/nanodo.py", __doc__, config=False)
   parser.add_argument("--nanodo_dir", required=True, metavar="DIR",
                       help="a checkout of github.com/google-deepmind/nanodo")
   baseline.add_timing_args(parser, steps=3)
+  baseline.add_size_args(parser, "matched models to run, of " + ", ".join(baseline.SIZES)
+                         + " (default both)")
+  return parser
+
+
+def main(argv=None):
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()
+  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = baseline.load_sized(parser, argv, "matched models to run, of "
-                                        + ", ".join(baseline.SIZES) + " (default both)")
+    args, configs = baseline.load_sized(build_parser(), argv)
     if any(cfg.model.num_kv_heads != cfg.model.num_heads or not cfg.model.tie_embeddings
            for _, cfg in configs):
       raise ConfigError("nanodo's model has as many kv heads as heads and tied embeddings: "

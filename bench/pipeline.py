@@ -112,17 +112,8 @@ def time_train_step(cfg, batch: int, steps: int = 2) -> tuple[float, int]:
   return statistics.median(times), batch * cfg.data.seq_len
 
 
-def main(argv=None):
-  argv = sys.argv[1:] if argv is None else argv
-  devices = _devices_from_argv(argv)
-  if devices:  # before jax is imported
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={devices}").strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()
-  from trainer.cli import CliParser, load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+def build_parser():
+  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/pipeline.py", __doc__)
   parser.add_argument("--devices", type=int, default=0,
                       help="run on this many fake CPU devices (0 = the machine's devices)")
@@ -135,6 +126,21 @@ def main(argv=None):
                       "(uniform in [n/2, 3n/2]) instead of the config's data (0 = the config's)")
   parser.add_argument("--step-tokens-per-s", type=float, default=0.0,
                       help="compare against this train-step rate instead of measuring one")
+  return parser
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  devices = _devices_from_argv(argv)
+  if devices:  # before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()
+  from trainer.cli import load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = build_parser()
   import jax  # noqa: PLC0415
   try:
     args, rest = parser.parse_known_args(argv)

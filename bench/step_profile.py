@@ -122,17 +122,21 @@ def profile(run, steps: int) -> tuple[dict[str, float], float]:
   return dict(totals), wall
 
 
+def build_parser():
+  from trainer.cli import CliParser  # noqa: PLC0415
+  parser = CliParser("bench/step_profile.py", __doc__, config=False)
+  parser.add_argument("--steps", type=int, default=2)
+  baseline.add_size_args(parser, "matched models to profile, of " + ", ".join(baseline.SIZES)
+                         + " (default both), or none: --config as it is")
+  return parser
+
+
 def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.cli import CliParser  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
-  parser = CliParser("bench/step_profile.py", __doc__, config=False)
-  parser.add_argument("--steps", type=int, default=2)
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = baseline.load_sized(parser, argv, "matched models to profile, of "
-                                        + ", ".join(baseline.SIZES) + " (default both), or "
-                                        "none: --config as it is")
+    args, configs = baseline.load_sized(build_parser(), argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -21,19 +21,24 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.cli import CliParser, load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+def build_parser():
+  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/throughput.py", __doc__)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--noise-every", type=int, default=0, metavar="N",
                       help="run the gradient-noise-scale meter as a run with "
                       "optim.noise_scale_every=N does: the measuring step on every Nth step")
+  return parser
+
+
+def main(argv=None):
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  from trainer.cli import load_from_cli  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   import jax  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
-    args, rest = parser.parse_known_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
     if args.noise_every:  # the meter in the optimizer, as in a run that logs the noise scale
       rest = [*rest, f"--config.optim.noise_scale_every={args.noise_every}"]
     cfg = load_from_cli(args.config, rest, devices=jax.devices())

@@ -45,17 +45,22 @@ def vary(cfg, key: str, value: str):
   return out
 
 
-def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
-  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("bench/variants.py", __doc__, config=False)
   parser.add_argument("--vary", required=True, metavar="KEY=V1,V2",
                       help="the config key to vary and its values, e.g. model.scan_unroll=1,64")
   baseline.add_timing_args(parser, steps=2)
+  baseline.add_size_args(parser)
+  return parser
+
+
+def main(argv=None):
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = baseline.load_sized(parser, argv)
+    args, configs = baseline.load_sized(build_parser(), argv)
     key, values = parse_vary(args.vary)
     variants = [[(value, vary(cfg, key, value)) for value in values] for _, cfg in configs]
   except ConfigError as e:

@@ -326,7 +326,7 @@ def read_meta(data_dir: str) -> dict:
   return meta
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="", help="output directory (default: the cache dir)")
   parser.add_argument("--tokenizer", default="byte",
@@ -338,6 +338,11 @@ def main(argv=None):
   parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
   parser.add_argument("inputs", nargs="*", help="files, directories, globs, saved HF datasets, "
                       "hf:NAME[:CONFIG][@SPLIT]; none = the Python stdlib")
+  return parser
+
+
+def main(argv=None):
+  parser = build_parser()
   args = parser.parse_args(argv)
   if args.train_tokenizer and args.tokenizer != "byte":
     parser.error("give --tokenizer or --train_tokenizer, not both")

@@ -39,7 +39,7 @@ from experiments import common
 from tools import batch_sweep, figures
 
 
-def parse(argv):
+def build_parser():
   p = common.parser("autopilot_vs_fixed", __doc__)
   p.add_argument("--batch_sizes", default="8,16,32,64,128,256", help="fixed batches")
   p.add_argument("--margins", default="2,1", help="one autopilot run per margin")
@@ -51,6 +51,11 @@ def parse(argv):
   p.add_argument("--eval_examples", type=int, default=256)
   p.add_argument("--eval_sequences", type=int, default=64)
   p.add_argument("--smooth_examples", type=int, default=1024)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
   args, overrides = p.parse(argv)
   try:
     args.batch_sizes, args.margins = common.ints(args.batch_sizes), common.floats(args.margins)

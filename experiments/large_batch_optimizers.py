@@ -45,7 +45,7 @@ OPTIMIZERS = (
 )
 
 
-def parse(argv):
+def build_parser():
   p = common.parser("large_batch_optimizers", __doc__)
   p.add_argument("--batch", type=int, default=256, help="the large batch")
   p.add_argument("--reference_batch", type=int, default=16,
@@ -56,6 +56,11 @@ def parse(argv):
   p.add_argument("--micro_batch_size", type=int, default=8)
   p.add_argument("--evals", type=int, default=16)
   p.add_argument("--eval_sequences", type=int, default=128)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
   args, overrides = p.parse(argv)
   known = [name for name, _, _ in OPTIMIZERS]
   args.optimizers = [o for o in args.optimizers.split(",") if o]

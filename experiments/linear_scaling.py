@@ -44,7 +44,7 @@ ARMS = (("linear + warmup", "linear", True), ("linear, no warmup", "linear", Fal
         ("no rule (same lr)", "none", True))
 
 
-def parse(argv):
+def build_parser():
   p = common.parser("linear_scaling", __doc__)
   p.add_argument("--batch_sizes", default="8,16,32,64,128,256")
   p.add_argument("--examples", type=int, default=16384, help="training sequences per run")
@@ -53,6 +53,11 @@ def parse(argv):
   p.add_argument("--micro_batch_size", type=int, default=8)
   p.add_argument("--evals", type=int, default=8, help="evaluations per run")
   p.add_argument("--eval_sequences", type=int, default=128)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
   args, overrides = p.parse(argv)
   try:
     args.batch_sizes = common.ints(args.batch_sizes)

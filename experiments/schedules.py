@@ -43,7 +43,7 @@ from experiments import common
 from tools import figures
 
 
-def parse(argv):
+def build_parser():
   p = common.parser("schedules", __doc__)
   p.add_argument("--examples", type=int, default=32768, help="the budget T in sequences")
   p.add_argument("--branches", default="0.25,0.5,0.75,1",
@@ -53,6 +53,11 @@ def parse(argv):
   p.add_argument("--micro_batch_size", type=int, default=8)
   p.add_argument("--evals", type=int, default=32, help="evaluations over T")
   p.add_argument("--eval_sequences", type=int, default=256)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
   args, overrides = p.parse(argv)
   try:
     args.branches = sorted(common.floats(args.branches))

@@ -327,13 +327,17 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
 # Command line
 
 
-def parse_args(argv: list[str]):
-  """(options, config overrides); a mistake is a one-line ConfigError."""
+def build_parser() -> CliParser:
   parser = CliParser("-m tools.aot", __doc__)
   parser.add_argument("--topology", required=True, help="e.g. v5e:2x2, v4:2x2x1, v6e:4x4")
   parser.add_argument("--json", default="", help="also write the report to this JSON file")
-  parser.add_argument("--markdown", action="store_true", help="print a README table row too")
-  return parser.parse(argv)
+  parser.add_argument("--markdown", action="store_true", help="print a docs table row too")
+  return parser
+
+
+def parse_args(argv: list[str]):
+  """(options, config overrides); a mistake is a one-line ConfigError."""
+  return build_parser().parse(argv)
 
 
 def main(argv: list[str]) -> int:

@@ -286,8 +286,7 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
 # CLI
 
 
-def parse_args(argv):
-  """(options, config overrides, config name); a mistake is a one-line ConfigError."""
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
   p = CliParser("-m tools.batch_sweep", __doc__)
   p.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32,64")
@@ -305,6 +304,12 @@ def parse_args(argv):
   p.add_argument("--smooth_examples", type=int, default=1024,
                  help="width in examples of the centered average of the eval curve (0: none)")
   p.add_argument("--plot", default="", help="PNG path (default <out>/batch_sweep.png)")
+  return p
+
+
+def parse_args(argv):
+  """(options, config overrides, config name); a mistake is a one-line ConfigError."""
+  p = build_parser()
   args, overrides = p.parse(argv)
   try:
     args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})

@@ -100,13 +100,8 @@ def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
           os.path.dirname(files[0]) if files else None)
 
 
-def main(argv: list[str]) -> int:
-  platforms.choose()
-  from models.hf import ConvertError  # noqa: PLC0415
-  from sharding.mesh import MeshError  # noqa: PLC0415
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("-m tools.convert", __doc__, config=False)
   sub = parser.add_subparsers(dest="cmd", required=True)
   a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir", config=False)
@@ -121,8 +116,17 @@ def main(argv: list[str]) -> int:
   b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                  help="dtype of the written tensors (default: the parameters')")
   b.add_argument("--max_shard_gb", type=float, default=5.0)
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()
+  from models.hf import ConvertError  # noqa: PLC0415
+  from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
   try:
-    args, overrides = parser.parse(argv)
+    args, overrides = build_parser().parse(argv)
     mesh = mesh_from_overrides(overrides)
     if args.cmd == "from-hf":
       cfg = from_hf(args.hf_dir, args.out, param_dtype=args.param_dtype, mesh=mesh)

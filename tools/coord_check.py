@@ -264,11 +264,15 @@ def start(parse_args, argv):
   return args, Setup(base_width=args.base_width, num_layers=args.layers), time.perf_counter()
 
 
-def parse_args(argv):
+def build_parser():
   p = sweep_parser("-m tools.coord_check", __doc__, steps=8,
                    out=os.path.join("runs", "coord_check"))
   p.add_argument("--lr", type=float, default=0.01)
-  return parse_sweep_args(p, argv)
+  return p
+
+
+def parse_args(argv):
+  return parse_sweep_args(build_parser(), argv)
 
 
 def main(argv: list[str]) -> int:

@@ -16,11 +16,8 @@ import sys
 from trainer import platforms
 
 
-def main(argv: list[str]) -> int:
-  platforms.choose()
-  from sharding.mesh import MeshError  # noqa: PLC0415
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("-m tools.evaluate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--data", default="", help="prepared data dir (default: the run's)")
@@ -29,6 +26,14 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--batch_size", type=int, default=0,
                       help="rows per batch; 0: 4 per data-parallel device")
   parser.add_argument("--json", default="", help="also write the results to this file")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()
+  from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = build_parser()
   try:
     args, overrides = parser.parse(argv)
   except ConfigError as e:

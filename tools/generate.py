@@ -20,11 +20,8 @@ import sys
 from trainer import platforms
 
 
-def main(argv: list[str]) -> int:
-  platforms.choose()
-  from sharding.mesh import MeshError  # noqa: PLC0415
+def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = CliParser("-m tools.generate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--prompt", action="append", default=[])
@@ -35,6 +32,14 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--top_p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--ema", action="store_true")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()
+  from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = build_parser()
   try:
     args, overrides = parser.parse(argv)
     if bool(args.prompt) == bool(args.prompt_ids):

@@ -117,12 +117,17 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
   return True
 
 
-def parse_args(argv):
+def build_parser():
   p = sweep_parser("-m tools.lr_transfer", __doc__, steps=100,
                    out=os.path.join("runs", "lr_transfer"))
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
                  help="comma-separated learning rates (3e-3 or 2^-8)")
   p.add_argument("--tail", type=int, default=20, help="score = mean loss of the last steps")
+  return p
+
+
+def parse_args(argv):
+  p = build_parser()
   args = parse_sweep_args(p, argv)
   try:
     args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})

@@ -88,12 +88,16 @@ def _quiet_libtpu():
         os.environ.pop(k, None)
 
 
+def bad_topology(topology: str) -> AotError:
+  return AotError(f"--topology {topology!r}: expected CHIP:AxB[xC], e.g. v5e:2x2, v4:2x2x1, "
+                  "v5:2x2x1 (v5p), v6e:4x4; or h100:8, h100:2x8 (hosts x GPUs)")
+
+
 def tpu_target(topology: str, slices: int = 1) -> Target:
   """Compile-only devices of a TPU topology (`v5e:2x2`, `v4:2x2x1`, ...), `slices` of them."""
   match = TOPOLOGY_RE.match(topology)
   if not match:
-    raise AotError(f"--topology {topology!r}: expected CHIP:AxB[xC], e.g. v5e:2x2, v4:2x2x1, "
-                   "v5:2x2x1 (v5p), v6e:4x4; or h100:8, h100:2x8 (hosts x GPUs)")
+    raise bad_topology(topology)
   if not libtpu_available():
     raise LibtpuMissing("libtpu is not installed, so nothing can be compiled for TPU here: "
                         "pip install -e \".[tpu]\" (jax pins the libtpu it accepts)")
@@ -155,6 +159,18 @@ def gpu_target(topology: str) -> Target:
                    f"({first_line(e)}); pip install jax-cuda12-plugin=={jax.__version__}") \
         from None
   return Target(topology, list(desc.devices))
+
+
+def topology_devices(topology: str, slices: int = 1) -> int:
+  """How many devices a topology names, read from its name alone (no libtpu or CUDA plugin):
+  the chips along each axis multiplied (v4 and v5p: one megacore device per chip) times
+  `slices`, or hosts x GPUs. An unknown name is an AotError."""
+  gpu, tpu = GPU_TOPOLOGY_RE.match(topology), TOPOLOGY_RE.match(topology)
+  if gpu:
+    return int(gpu.group(2) or 1) * int(gpu.group(3))
+  if not tpu:
+    raise bad_topology(topology)
+  return math.prod(int(n) for n in tpu.group(2).split("x")) * slices
 
 
 def config_slices(mesh_cfg) -> int:
