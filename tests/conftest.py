@@ -1,4 +1,5 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and small shared fixtures."""
+import importlib.util
 import json
 import os
 import sys
@@ -24,6 +25,16 @@ import pytest  # noqa: E402
 
 from data.prepare import ensure_default_corpus  # noqa: E402
 from trainer.config import default_config  # noqa: E402
+
+
+def bench_module(name: str):
+  """bench/<name>.py as a module (bench/ holds scripts, not a package)."""
+  spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                os.path.join(ROOT, "bench", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # a dataclass in it looks its module up
+  spec.loader.exec_module(module)
+  return module
 
 
 def tiny_config(**overrides):
