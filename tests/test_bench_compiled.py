@@ -4,14 +4,11 @@ one TPU chip, with XLA's costs, memory, roofline and the ratios between them.
 Needs libtpu (as tests/test_aot.py); without it the module is skipped with the reason. The
 default test compiles a small model (~20 s); the matched 3m model takes minutes (slow).
 """
-import importlib.util
-import os
 import re
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import bench_module
 from tools import aot
 
 if not aot.libtpu_available():
@@ -26,12 +23,7 @@ ROW = re.compile(r"^  \| (ours \(\w+\)|plain|nanodo) \| (.+) \|$", re.M)
 
 
 def _bench():
-  spec = importlib.util.spec_from_file_location("bench_compiled",
-                                                os.path.join(ROOT, "bench", "compiled.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # its dataclass looks its module up
-  spec.loader.exec_module(module)
-  return module
+  return bench_module("compiled")
 
 
 def _rows(out: str) -> dict[str, list[str]]:

@@ -1,19 +1,14 @@
 """bench/pipeline.py: the input pipeline's tokens/s against the train step's, on the tiny config."""
-import importlib.util
 import os
 import re
 
-from conftest import ROOT
+from conftest import ROOT, bench_module
 
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
 
 
 def _bench():
-  spec = importlib.util.spec_from_file_location("bench_pipeline",
-                                                os.path.join(ROOT, "bench", "pipeline.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return bench_module("pipeline")
 
 
 def _value(out: str, name: str) -> float:

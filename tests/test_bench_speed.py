@@ -1,21 +1,15 @@
 """bench/baseline.py, bench/nanodo.py and bench/variants.py: the speed comparisons run and report
 what they say."""
-import importlib.util
 import os
 import re
 import statistics
 
-from conftest import ROOT
+from conftest import ROOT, bench_module
 
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
 
 
-def _bench(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}",
-                                                os.path.join(ROOT, "bench", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+_bench = bench_module
 
 
 def test_baseline_times_both_steps_alternately_and_prints_the_ratio(capsys):

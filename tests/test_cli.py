@@ -6,7 +6,6 @@ show; the other mistakes go through `train.main` in this process. Every CLI that
 override reads the same everywhere.
 """
 import importlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import sys
 import pytest
 
 import train
+from conftest import bench_module
 from tools import aot, batch_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,11 +94,7 @@ def test_workdir_that_is_a_file(tmp_path, capsys):
 
 
 def _bench(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}",
-                                                os.path.join(ROOT, "bench", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.main
+  return bench_module(name).main
 
 
 CLIS = {
