@@ -22,7 +22,7 @@ step), its memory (arguments, outputs not aliased to donated inputs, temporaries
 lower bound on the step time (`tools.roofline.Roofline`: the model's FLOPs at the chip's bf16
 peak vs the bytes accessed at its HBM bandwidth; all three models have the same FLOPs per token
 to 0.05%, so they share the compute term and differ by their bytes), and ours/plain and
-ours/nanodo ratios. Each kind of row ends with a markdown table for the README.
+ours/nanodo ratios. Each kind of row ends with a markdown table for docs/performance.md.
 
 Fairness: XLA's cost analysis counts the body of a while loop once. Our layers are a scan, so
 ours and plain (the same module) are compiled with `model.scan_unroll = num_layers`: the scan is

@@ -10,7 +10,7 @@ the vocabulary from the prepared data instead), the loss run 512 positions at a 
 bf16 compute with fp32 parameters and optimizer state, FSDP over every device, 0.5M tokens per
 step (256 x 2048) in micro-batches of 64 sequences (activations of 16 sequences per chip at a
 time on 4 chips). Documented fit: a v5e slice of 4 chips (`python -m tools.aot --config
-configs/lm_125m.py --topology v5e:2x2`, README "Ahead-of-time compile"). On CPU it runs too, but
+configs/lm_125m.py --topology v5e:2x2`, docs/aot.md). On CPU it runs too, but
 only for a smoke test (shrink the batch).
 """
 from trainer.config import default_config

@@ -11,8 +11,7 @@ the compiler asks for 27 GiB of temporaries).
 bf16 compute, fp32 master weights and Adam moments sharded by FSDP (16 bytes/param -> 24 GB
 in total, divided over the devices), full rematerialisation of each block, micro-batches of 256
 sequences (16 per chip at a time on 16 chips). Documented fit: a v5e slice of 16 chips
-(`python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4`, README "Ahead-of-time
-compile").
+(`python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4`, docs/aot.md).
 """
 from trainer.config import default_config
 

@@ -17,8 +17,7 @@ model.ring_head_chunks=4: the ring runs once per 2 of a chip's 8 kv heads, so th
 flight and the blockwise scores are a quarter of the size (on TPU the ring computes its block
 pairs with plain XLA): 11.9 GiB per chip instead of 29.3 GiB with one ring over all heads
 (both measured with a 512-id vocabulary).
-Documented fit: a v5e slice of 16 chips (`v5e:4x4`, 4 hosts), see README "Ahead-of-time
-compile".
+Documented fit: a v5e slice of 16 chips (`v5e:4x4`, 4 hosts), see docs/aot.md.
 """
 from trainer.config import default_config
 

@@ -11,8 +11,8 @@ embedding and the head. The loss runs the head 1024 positions at a time (`model.
 models/cross_entropy.py): the compiled step needs 53 GiB per v5p chip instead of 88 GiB with the
 full fp32 logits of 8 sequences per chip. fp32 master weights and Adam moments (12 bytes/param,
 96 GB) sharded by FSDP over every device, bf16 compute, full rematerialisation, 1M tokens per
-step (128 x 8192). Documented fit: a v5p slice of 16 chips (`v5:2x2x4`), see README
-"Ahead-of-time compile".
+step (128 x 8192). Documented fit: a v5p slice of 16 chips (`v5:2x2x4`), see
+docs/aot.md.
 """
 from trainer.config import default_config
 

@@ -8,8 +8,7 @@ routed top-2, dropless, with the global-batch load-balancing loss (1e-2) and rou
 (1e-3). Expert parallelism over mesh.expert=8 (one expert per chip; folded with fsdp=2: the
 expert axis also splits the batch, and each expert's weights are halved over fsdp), bf16
 compute, fp32 master weights and Adam moments, full rematerialisation. Documented fit:
-`python -m tools.aot --config configs/moe_1b.py --topology v5e:4x4` (README "Mixture of
-experts").
+`python -m tools.aot --config configs/moe_1b.py --topology v5e:4x4` (docs/moe.md).
 """
 from trainer.config import default_config
 

@@ -10,7 +10,7 @@ ragged_dot does every expert's work for every row (jax's CPU lowering), 2.2x a d
 same active size, while `--config.model.moe.capacity_factor=1.25` runs at 1.1x
 (`python bench/moe_step_time.py`).
 Runs on 1 device and on 8-device meshes with mesh.expert in {2, 4, 8} (folded with data/fsdp).
-Metrics: `moe/...` in metrics.jsonl and TensorBoard (README "Mixture of experts").
+Metrics: `moe/...` in metrics.jsonl and TensorBoard (docs/moe.md).
 """
 from trainer.config import default_config
 

@@ -3,7 +3,7 @@
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \
         --lr_grid 0.5,1 --target_loss 2.7
 
-(about 13 minutes on 2 busy CPU cores; the README's "Batch-size science" figure.) 0.16M
+(about 13 minutes on 2 busy CPU cores; the figure in docs/batch_size.md.) 0.16M
 parameters, sequences of 64 bytes. The hyperparameters are stated at a reference batch of 16
 sequences (AdamW, lr 3e-3, b2 0.99) and moved to each batch by the square-root rule for the
 learning rate (Adam-type optimizers; `--lr_grid` also tries half of it) and the half-life rule

@@ -322,7 +322,7 @@ class Transformer(nnx.Module):
     x_BSE = self.embed(tokens_BS)
     # Made once for all layers: the RoPE tables and (xla attention) the document masks.
     # RoPE tables as buffers on CPU; TPU and GPU programs recompute them inside the rotations'
-    # fusions, which XLA's TPU cost analysis counts as fewer bytes (README "Compiled for TPU").
+    # fusions, which XLA's TPU cost analysis counts as fewer bytes (docs/performance.md).
     rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling,
                        buffer=mesh_platform(jax.sharding.get_abstract_mesh()) == "cpu")
     segments = layer_segments(segment_ids_BS, cfg.attention, dtype=DTYPES[cfg.dtype],

@@ -1,7 +1,7 @@
 """The accelerator configs carry their models' real vocabularies and a chunked loss that fits.
 
 The compiled fits are `tests/test_aot.py` (slow, needs libtpu); this checks, in milliseconds,
-that the shipped configs still state the vocabulary and `model.logits_chunk` the README's AOT
+that the shipped configs still state the vocabulary and `model.logits_chunk` docs/aot.md's
 table was measured with, and that the chunk passes validation on a mesh like theirs."""
 import os
 
@@ -12,7 +12,7 @@ from conftest import ROOT
 from trainer.cli import load
 from trainer.config_checks import validate
 
-# config -> (vocabulary, logits_chunk) of the README's "Ahead-of-time compile" table
+# config -> (vocabulary, logits_chunk) of the tables in docs/aot.md
 REAL_VOCAB = {"lm_125m": (50_304, 512), "lm_1b": (128_256, 256), "lm_1b_32k": (128_256, 2048),
               "lm_8b": (128_256, 1024)}
 

@@ -62,7 +62,7 @@ def reference(data_dir):
 def test_sharded_step_equals_single_device(reference, mesh_cfg, devices):
   cfg, batches, ref_losses, ref_params = reference
   losses, params = _run(cfg, mesh_cfg, batches)
-  # Measured: at most 3.1e-7 relative (jax 0.10.2, CPU); `pytest -s` prints it (README quotes it).
+  # Measured: at most 3.1e-7 relative (jax 0.10.2, CPU); `pytest -s` prints it (docs/sharding.md).
   worst = np.max(np.abs(losses - ref_losses) / np.abs(ref_losses))
   print(f"\n{mesh_cfg}: worst relative loss difference to one device {worst:.2g}")
   np.testing.assert_allclose(losses, ref_losses, rtol=5e-7)

@@ -40,7 +40,7 @@ def default_config() -> ml_collections.ConfigDict:
       # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
       ring_head_chunks=1,
       # layers per iteration of the layer scan; num_layers unrolls it fully (faster steps for
-      # few layers, longer compiles; README "Performance")
+      # few layers, longer compiles; docs/performance.md)
       scan_unroll=1,
       # the LM head and loss over this many sequence positions at a time, so the [B, S, V]
       # logits never exist (models/cross_entropy.py; for large vocabularies); 0 = all at once
@@ -158,7 +158,7 @@ def default_config() -> ml_collections.ConfigDict:
       spike_window=200,  # EMA time constant in steps; detection starts after one window
       debug_nan_at_step=0,  # testing aid: make this step's loss NaN (0: never)
       # param_norm and update_norm, one more pass over the parameters and the updates (6% of the
-      # bytes a compiled TPU step moves at 25M parameters, README "Measured numbers"):
+      # bytes a compiled TPU step moves at 25M parameters, docs/performance.md):
       # "log_steps" = in the rows of the steps that log (those run a second compiled step, the
       # others leave the norms out), "every_step" = one step that always computes them, "off"
       norm_metrics="log_steps",
