@@ -340,7 +340,7 @@ def check_command(env: dict, tokens: list[str]) -> str:
   path = getattr(args, "config", None)
   if path and placeholder(path):
     path = None
-  cfg = load(path, []) if path else default_config()
+  cfg = load(os.path.join(ROOT, path), []) if path else default_config()  # ROOT: any cwd
   for key, value in overrides:  # the real override code; a placeholder value keeps the default
     current = cfg
     for part in key.split(".")[:-1]:
