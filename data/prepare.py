@@ -306,13 +306,14 @@ def _refuse_existing(out_dir: str) -> None:
     raise DataError(f"{out_dir} already holds prepared data; remove it or choose another --out")
 
 
-def read_meta(data_dir: str) -> dict:
-  """meta.json of a prepared directory (a format-1 byte-level directory is read as format 2)."""
+def read_meta(data_dir: str, what: str = "") -> dict:
+  """meta.json of a prepared directory (a format-1 byte-level directory is read as format 2);
+  `what` names the directory in errors (default `data.dir=DIR`)."""
   path = os.path.join(data_dir, "meta.json")
   if not os.path.exists(path):
-    raise DataError(f"data.dir={data_dir!r} has no meta.json; prepare it with "
-                    f"`python -m data.prepare --out {data_dir} FILES...` or leave data.dir empty "
-                    "for the default corpus")
+    default = "" if what else " or leave data.dir empty for the default corpus"
+    raise DataError(f"{what or f'data.dir={data_dir!r}'} has no meta.json; prepare it with "
+                    f"`python -m data.prepare --out {data_dir} FILES...`{default}")
   with open(path) as f:
     meta = json.load(f)
   if meta.get("format") == 1:  # byte-level uint16, without bytes/targets counts
@@ -321,8 +322,9 @@ def read_meta(data_dir: str) -> dict:
     for c in meta["splits"].values():
       c.update(targets=c["tokens"] - c["documents"], bytes=c["tokens"] - 2 * c["documents"])
   if meta.get("format") != FORMAT_VERSION:
-    raise DataError(f"data.dir={data_dir!r} was prepared in format {meta.get('format')}; this "
-                    f"version reads format {FORMAT_VERSION}: prepare it again")
+    raise DataError(f"{what or f'data.dir={data_dir!r}'} was prepared in format "
+                    f"{meta.get('format')}; this version reads format {FORMAT_VERSION}: "
+                    "prepare it again")
   return meta
 
 
