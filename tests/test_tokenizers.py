@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from data import corpus, pipeline, prepare, tokenizer
+from test_prepare import refused
 
 TEXT = "def f(x):\n    return  'héllo ✓'  # ünïcode\n\n"
 
@@ -135,7 +136,7 @@ def test_vocab_above_65535_is_stored_as_uint32(tmp_path):
   assert set(t.decode(batch["inputs"][0]).split()) <= {f"w{j}" for j in range(60_000, 70_000)}
 
 
-def test_bad_tokenizer_paths_are_one_line_errors(tmp_path):
+def test_bad_tokenizer_paths_are_one_line_errors(tmp_path, capsys):
   with pytest.raises(tokenizer.TokenizerError, match="does not exist"):
     tokenizer.from_path(str(tmp_path / "nope.json"))
   (tmp_path / "bad.json").write_text("{}")
@@ -143,6 +144,6 @@ def test_bad_tokenizer_paths_are_one_line_errors(tmp_path):
     tokenizer.from_path(str(tmp_path / "bad.json"))
   with pytest.raises(tokenizer.TokenizerError, match="no tokenizer.json"):
     tokenizer.from_path(str(tmp_path))
-  with pytest.raises(SystemExit, match="bpe:VOCAB"):
-    prepare.main(["--out", str(tmp_path / "o"), "--train_tokenizer", "bpe:x",
-                  str(tmp_path / "bad.json")])
+  assert "expected bpe:VOCAB" in refused(capsys, ["--out", str(tmp_path / "o"),
+                                                "--train_tokenizer", "bpe:x",
+                                                str(tmp_path / "bad.json")])
