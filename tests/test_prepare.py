@@ -208,6 +208,21 @@ def test_invalid_unicode_is_replaced_once_for_every_tokenizer(tmp_path, capsys):
         len(t.encode()) for t in texts)
 
 
+def test_jsonl_nulls_are_skipped_and_malformed_lines_are_one_line_errors(tmp_path, capsys):
+  texts = _texts(10)
+  with open(tmp_path / "d.jsonl", "w") as f:
+    for t in texts:
+      f.write(json.dumps({"text": t}) + "\n")
+    f.write('{"text": null}\n')  # skipped, as Parquet's nulls are
+  out = prepare.prepare_files(str(tmp_path / "p"), [str(tmp_path / "d.jsonl")])
+  assert _all_texts(out) == sorted(texts)
+  for line, want in (('{"text": 3}', "d.jsonl:1: the text is a int, not a string"),
+                     ('{"text": "a"', "d.jsonl:1: not a JSON record (Expecting ',' delimiter)"),
+                     ('["text"]', "d.jsonl:1: no field 'text'")):
+    (tmp_path / "bad.jsonl").write_text(line + "\n")
+    assert want in refused(capsys, ["--out", str(tmp_path / "q"), str(tmp_path / "bad.jsonl")])
+
+
 def _prepared(out):
   """Every split's decoded documents and meta.json's counts, checked against each other."""
   meta = prepare.read_meta(out)
