@@ -112,14 +112,16 @@ def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "
   os.makedirs(work, exist_ok=True)
   write_json(plan_path, plan)
   if not os.path.exists(os.path.join(work, "meta.json")):
-    write_json(os.path.join(work, "meta.json"),
-                _tokenize(work, units, plan, source, workers))
+    write_json(os.path.join(work, "meta.json"), _tokenize(work, units, plan, source, workers))
   meta = read_meta(work)
   named = {"meta.json", "plan.json"} | {f.split(os.sep)[0] for f in meta["tokenizer"]["files"]}
   named |= {f for split in meta["splits"].values() for f in split["files"]}
   for name in sorted(set(os.listdir(work)) - named):  # done-*, moved.json, replaced shards
     path = os.path.join(work, name)
-    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if os.path.isdir(path):  # a BPE trained before an interruption (tokenizer.tmp)
+      shutil.rmtree(path)
+    else:
+      os.remove(path)
   os.remove(plan_path)
   try:
     os.rename(work, out_dir)
