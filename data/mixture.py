@@ -2,16 +2,29 @@
 
     --config.data.mixture="code=data/a:0.7,prose=data/b:0.3"     # NAME=DIR:WEIGHT, ...
 
-Weights are fractions of training *tokens* (normalised to sum to 1). They become fractions of
-documents through each source's mean document length (from its meta.json), and the mixture is
-a grain MapDataset whose element i is a document of the source `MixtureSelection` picks for i:
+Weights are fractions of the tokens the model trains on (normalised to sum to 1), whatever the
+lengths of the sources' documents. The mixture is chosen per packed *sequence*: every sequence of
+`seq_len + 1` tokens is filled from one source alone, so a source's share of sequences is its
+share of tokens. A source of 300k-token documents and one of 40-token documents mix as exactly as
+two sources of equal lengths; a document longer than a sequence simply continues in its row's
+next sequence of the same source (data/pipeline.py keeps, per row and source, the document and
+offset it has reached).
 
-  * the global index space is cut into blocks of `BLOCK` documents; in each block every source
-    has a fixed count (largest remainder of its document fraction x BLOCK), placed at positions
-    given by a permutation seeded by (seed, block);
-  * so the source and the index within the source of element i are a pure function of i, which
-    is what keeps the pipeline's row streams (row r reads elements r, r + rows, ...) and their
-    checkpointed state exact on any process count, as for a single directory.
+Which source fills global sequence g (= micro-batch n x rows + row r) is a pure function of g, so
+the row streams and their checkpointed state stay exact on any process count:
+
+  * apportionment: N_s(x), the number of source-s sequences among the first x, is computed in
+    closed form by splitting the sources one at a time (smallest weight first):
+    N_1(x) = floor(w_1 x), then the rest x - N_1(x) is split the same way among the other
+    sources with their weights renormalised, and the largest source takes what remains. N_s is
+    non-decreasing in x and within S - 1 sequences of w_s x at every x (S sources); a weight
+    below 1/BLOCK still gets its sequences, e.g. one in 10,000 for w = 1e-4 (nothing is rounded
+    per block). The weights are exact integers (units of 2^-48 of the total), so every process
+    computes the same counts; a weight below one unit is refused (`parse`).
+  * placement: the sequences are cut into blocks of BLOCK; block b holds N_s((b+1) BLOCK) -
+    N_s(b BLOCK) sequences of source s, placed at positions given by a permutation seeded by
+    (seed, b), so each row sees every source and each block holds w_s x BLOCK sequences of
+    source s to within S - 1.
 
 Each source is shuffled and repeated on its own (a small source repeats more often). All sources
 must share one tokenizer. Evaluation scores each source's validation split on its own
@@ -20,10 +33,12 @@ must share one tokenizer. Evaluation scores each source's validation split on it
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-BLOCK = 4096
+BLOCK = 256  # sequences per placement block
+UNITS = 1 << 48  # weights are integers: units of 2^-48 of the total
 
 
 class MixtureError(ValueError):
@@ -50,9 +65,9 @@ def parse(text: str) -> tuple[Source, ...]:
       w = float(weight) if colon else float("nan")
     except ValueError:
       w = float("nan")
-    if not name or not path or not w > 0:
+    if not name or not path or not 0 < w < math.inf:
       raise MixtureError(f"data.mixture: {item!r} is not NAME=DIR:WEIGHT with a positive "
-                         "weight (e.g. 'code=data/a:0.7')")
+                         "finite weight (e.g. 'code=data/a:0.7')")
     out.append(Source(name.strip(), path.strip(), w))
   if not out:
     raise MixtureError(f"data.mixture={text!r} names no sources")
@@ -60,7 +75,13 @@ def parse(text: str) -> tuple[Source, ...]:
   if len(set(names)) != len(names):
     raise MixtureError(f"data.mixture: source names repeat in {names}")
   total = sum(s.weight for s in out)
-  return tuple(dataclasses.replace(s, weight=s.weight / total) for s in out)
+  sources = tuple(dataclasses.replace(s, weight=s.weight / total) for s in out)
+  for s in sources:
+    if round(s.weight * UNITS) == 0:
+      raise MixtureError(f"data.mixture: source {s.name!r} has weight {s.weight:.3g} of the "
+                         f"total, below the 2^-48 the mixture resolves, so it would never be "
+                         "read; raise its weight or leave it out")
+  return sources
 
 
 def check(sources: tuple[Source, ...], metas: list[dict]) -> None:
@@ -76,40 +97,58 @@ def check(sources: tuple[Source, ...], metas: list[dict]) -> None:
                          f"{first['vocab_size']}; prepare them with the same tokenizer")
 
 
-def document_fractions(sources: tuple[Source, ...], metas: list[dict]) -> np.ndarray:
-  """Token weights -> document fractions, through each source's mean train document length."""
-  mean_len = np.array([m["splits"]["train"]["tokens"] / max(m["splits"]["train"]["documents"], 1)
-                       for m in metas])
-  p = np.array([s.weight for s in sources]) / mean_len
-  return p / p.sum()
+def read_metas(sources: tuple[Source, ...]) -> list[dict]:
+  """Each source's meta.json, checked (`check`); an unreadable source is one line naming its
+  mixture entry (NAME=DIR)."""
+  from data.prepare import DataError, read_meta  # noqa: PLC0415  (prepare reads no mixtures)
+  metas = []
+  for s in sources:
+    try:
+      metas.append(read_meta(s.dir, what=f"data.mixture entry {s.name}={s.dir}"))
+    except DataError as e:
+      raise MixtureError(str(e)) from None
+  check(sources, metas)
+  return metas
 
 
 class MixtureSelection:
-  """Element i -> (source, index within the source); see the module docstring."""
+  """Global sequence index g -> the source that fills it; see the module docstring."""
 
-  def __init__(self, fractions, seed: int, block: int = BLOCK):
-    exact = np.asarray(fractions, np.float64) * block
-    counts = np.floor(exact).astype(np.int64)
-    order = np.argsort(-(exact - counts), kind="stable")
-    counts[order[:block - counts.sum()]] += 1
-    self.counts, self.seed, self.block = counts, seed, block
-    self._slots = np.repeat(np.arange(len(counts)), counts)
-    self._cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+  def __init__(self, weights, seed: int, block: int = BLOCK):
+    units = [round(float(w) * UNITS) for w in weights]
+    if min(units) <= 0:
+      raise MixtureError(f"data.mixture: weights {list(weights)} include one below 2^-48")
+    self.units = units
+    self.order = sorted(range(len(units)), key=lambda s: (units[s], s))  # smallest first
+    self.seed, self.block = seed, block
+    self._cache: dict[int, np.ndarray] = {}
 
-  def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+  def counts(self, x: int) -> list[int]:
+    """N_s(x) for every source s: its sequences among the first x (exact integer arithmetic)."""
+    out = [0] * len(self.units)
+    rest, total = int(x), sum(self.units)
+    for s in self.order[:-1]:
+      out[s] = rest * self.units[s] // total
+      rest, total = rest - out[s], total - self.units[s]
+    out[self.order[-1]] = rest
+    return out
+
+  def _block(self, b: int) -> np.ndarray:
+    """The source of each sequence of block b."""
     if b not in self._cache:
       if len(self._cache) > 8:
         self._cache.clear()
-      src = self._slots[np.random.default_rng([self.seed, b]).permutation(self.block)]
-      rank = np.empty(self.block, np.int64)
-      for s in range(len(self.counts)):
-        where = np.nonzero(src == s)[0]
-        rank[where] = np.arange(len(where))
-      self._cache[b] = (src, rank)
+      per = np.subtract(self.counts((b + 1) * self.block), self.counts(b * self.block))
+      slots = np.repeat(np.arange(len(per)), per)
+      self._cache[b] = slots[np.random.default_rng([self.seed, b]).permutation(self.block)]
     return self._cache[b]
 
-  def __getitem__(self, i: int) -> tuple[int, int]:
-    b, j = divmod(int(i), self.block)
-    src, rank = self._block(b)
-    s = int(src[j])
-    return s, b * int(self.counts[s]) + int(rank[j])
+  def __call__(self, g) -> np.ndarray:
+    """Sources of the global sequence indices `g` (an int array)."""
+    g = np.asarray(g, np.int64)
+    out = np.empty(g.shape, np.int64)
+    blocks = g // self.block
+    for b in np.unique(blocks):
+      where = blocks == b
+      out[where] = self._block(int(b))[g[where] % self.block]
+    return out

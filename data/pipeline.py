@@ -21,9 +21,12 @@ positions of all rows come from a few numpy calls over the concatenated pieces, 
 work is per document piece, not per token or per grain element. `prefetch` runs it in a
 background thread (grain's ThreadPrefetchIterDataset) that many micro-batches ahead.
 
-With `mixture` (sources from `data.mixture`, see data/mixture.py) the shuffled documents are a
-weighted mixture of several prepared directories whose element i is a pure function of i, so
-everything above holds for mixtures too.
+With `mixture` (sources from `data.mixture`, see data/mixture.py) each sequence is filled from
+one source, chosen by a pure function of its global index (micro-batch x rows + row) so that
+the sources' shares of tokens are their weights. Row r then has one packing stream per source:
+it reads that source's shuffled documents r, r + rows, ... and a document continues in the row's
+next sequence of the same source; the state holds each row's document and offset per source and
+the micro-batch count, so everything above holds for mixtures too.
 
 Batches are dicts of [rows_on_this_process, seq_len] numpy arrays:
   inputs, targets (next token), positions (within the document), segment_ids (1, 2, ... per
@@ -33,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 import grain
 import numpy as np
@@ -69,14 +71,15 @@ class _Decode:
     return np.frombuffer(record, dtype=self.dtype).astype(np.int32)
 
 
-def documents(data_dir: str, split: str) -> grain.MapDataset:
-  """The raw records (one per document) of one split of a prepared directory."""
-  meta = read_meta(data_dir)
+def documents(data_dir: str, split: str, what: str = "") -> grain.MapDataset:
+  """The raw records (one per document) of one split of a prepared directory (`what` names it
+  in errors; default `data.dir=DIR`)."""
+  what = what or f"data.dir={data_dir!r}"
+  meta = read_meta(data_dir, what)
   files = [os.path.join(data_dir, f) for f in meta["splits"][split]["files"]]
   missing = [f for f in files if not os.path.exists(f)]
   if missing:
-    raise DataError(f"data.dir={data_dir!r} is incomplete: {missing[0]} is missing; "
-                    "prepare it again")
+    raise DataError(f"{what} is incomplete: {missing[0]} is missing; prepare it again")
   return grain.MapDataset.source(_BatchedArrayRecord(files))
 
 
@@ -96,105 +99,124 @@ class _BatchedArrayRecord(grain.sources.ArrayRecordDataSource):
     return out
 
 
-def _shuffled(data_dir: str, split: str, seed: int, shuffle: bool) -> grain.MapDataset:
+def _shuffled(data_dir: str, split: str, seed: int, shuffle: bool,
+              what: str = "") -> grain.MapDataset:
   """Decoded documents, shuffled anew every epoch (when `shuffle`) and repeated forever."""
-  docs = documents(data_dir, split)
+  docs = documents(data_dir, split, what)
   if shuffle:
     docs = docs.shuffle(seed=seed)
-  return docs.repeat(None).map(_Decode(read_meta(data_dir)["token_dtype"]))
+  return docs.repeat(None).map(_Decode(read_meta(data_dir, what)["token_dtype"]))
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Pick:
-  parents: tuple
-  selection: mixture_lib.MixtureSelection
-
-  def __call__(self, i: int):
-    s, k = self.selection[i]
-    return self.parents[s][k]
-
-
-def _mixed(spec: "StreamSpec") -> grain.MapDataset:
-  metas = [read_meta(s.dir) for s in spec.mixture]
-  mixture_lib.check(spec.mixture, metas)
-  parents = tuple(_shuffled(s.dir, spec.split, spec.seed + 1_000_003 * (i + 1), spec.shuffle)
+def _mixed(spec: "StreamSpec") -> tuple[tuple[grain.MapDataset, ...],
+                                        mixture_lib.MixtureSelection]:
+  """The sources' document streams (each shuffled with a seed of its own) and the selection of
+  the source of every sequence."""
+  mixture_lib.read_metas(spec.mixture)
+  parents = tuple(_shuffled(s.dir, spec.split, spec.seed + 1_000_003 * (i + 1), spec.shuffle,
+                            f"data.mixture entry {s.name}={s.dir}")
                   for i, s in enumerate(spec.mixture))
-  selection = mixture_lib.MixtureSelection(
-      mixture_lib.document_fractions(spec.mixture, metas), spec.seed)
-  return grain.MapDataset.range(sys.maxsize).map(_Pick(parents, selection))
+  return parents, mixture_lib.MixtureSelection([s.weight for s in spec.mixture], spec.seed)
 
 
 class PackedRows(grain.IterDataset):
   """This process's row streams, packed together: element n is micro-batch n (the module
-  docstring). A grain IterDataset, so grain's prefetch and checkpointing wrap it as any other."""
+  docstring). A grain IterDataset, so grain's prefetch and checkpointing wrap it as any other.
+  `sources` are the document streams (one, or a mixture's), `selection` picks the source of each
+  sequence (None for one source)."""
 
-  def __init__(self, docs: grain.MapDataset, spec: StreamSpec):
+  def __init__(self, sources: tuple[grain.MapDataset, ...], spec: StreamSpec,
+               selection: mixture_lib.MixtureSelection | None = None):
     super().__init__()
-    self._docs, self._spec = docs, spec
+    self._sources, self._spec, self._selection = sources, spec, selection
 
   def __iter__(self) -> "_PackedRowsIterator":
-    return _PackedRowsIterator(self._docs, self._spec)
+    return _PackedRowsIterator(self._sources, self._spec, self._selection)
 
 
 class _PackedRowsIterator(grain.DatasetIterator):
   """Packs every row of a micro-batch in one pass: the documents the rows need are read in one
-  batched `_getitems` call per round (a row needs a new document when its current one runs out),
-  and the rows' tokens, segment ids and positions are built with a few numpy calls over all rows
-  at once, not per document. State: per row, its current document and the offset in it."""
+  batched `_getitems` call per source and round (a row needs a new document when its current one
+  runs out), and the rows' tokens, segment ids and positions are built with a few numpy calls
+  over all rows at once, not per document. State: per row and source, its current document and
+  the offset in it; with a mixture also the micro-batch count (which picks the sources)."""
 
-  def __init__(self, docs: grain.MapDataset, spec: StreamSpec):
+  def __init__(self, sources: tuple[grain.MapDataset, ...], spec: StreamSpec,
+               selection: mixture_lib.MixtureSelection | None):
     super().__init__()
-    self._docs = docs
+    self._sources, self._selection = sources, selection
     self._rows = list(spec.local_rows)
     self._stride = spec.rows
     self._length = spec.seq_len + 1
-    n = len(self._rows)
-    self._doc = [0] * n  # row i's current document: element rows[i] + doc[i] * stride
-    self._offset = [0] * n  # its first token not yet emitted
-    self._tokens: list[np.ndarray | None] = [None] * n  # its tokens, once read
+    n, k = len(self._rows), len(sources)
+    # Row i's current document of source s: element rows[i] + doc[i][s] * stride of the
+    # source's shuffled documents; offset: its first token not yet emitted; tokens, once read
+    # (a row keeps the document it is in of every source, so a switch of source reads nothing).
+    self._doc = [[0] * k for _ in range(n)]
+    self._offset = [[0] * k for _ in range(n)]
+    self._tokens: list[list[np.ndarray | None]] = [[None] * k for _ in range(n)]
+    self._micro_batch = 0
 
-  def _read(self, which: list[int]) -> None:
-    """Read the current documents of rows `which` that are not read yet, in one call."""
-    which = [i for i in which if self._tokens[i] is None]
-    if which:
-      index = [self._rows[i] + self._doc[i] * self._stride for i in which]
-      for i, tokens in zip(which, self._docs._getitems(index)):  # noqa: SLF001  grain's batch read
-        self._tokens[i] = tokens
+  def _read(self, which: list[int], src: list[int]) -> None:
+    """Read the current documents (of source src[i]) of rows `which` that are not read yet, in
+    one call per source."""
+    by_source: dict[int, list[int]] = {}
+    for i in which:
+      if self._tokens[i][src[i]] is None:
+        by_source.setdefault(src[i], []).append(i)
+    for s, rows in by_source.items():
+      index = [self._rows[i] + self._doc[i][s] * self._stride for i in rows]
+      for i, tokens in zip(rows, self._sources[s]._getitems(index)):  # noqa: SLF001  batch read
+        self._tokens[i][s] = tokens
 
   def __next__(self) -> dict[str, np.ndarray]:
     n, length = len(self._rows), self._length
+    if self._selection is None:
+      src = [0] * n
+    else:
+      src = self._selection(self._micro_batch * self._stride + np.asarray(self._rows)).tolist()
     pieces: list[list[np.ndarray]] = [[] for _ in range(n)]
     need = [length] * n
     pending = list(range(n))
     while pending:
-      self._read(pending)
+      self._read(pending, src)
       short = []
       for i in pending:
-        tokens, start = self._tokens[i], self._offset[i]
+        s = src[i]
+        tokens, start = self._tokens[i][s], self._offset[i][s]
         take = min(len(tokens) - start, need[i])
         if take > 0:
           pieces[i].append(tokens[start:start + take])
           need[i] -= take
         if start + take >= len(tokens):  # the document is used up: the row moves to its next
-          self._doc[i] += 1
-          self._offset[i], self._tokens[i] = 0, None
+          self._doc[i][s] += 1
+          self._offset[i][s], self._tokens[i][s] = 0, None
         else:
-          self._offset[i] = start + take
+          self._offset[i][s] = start + take
         if need[i]:
           short.append(i)
       pending = short
+    self._micro_batch += 1
     return _batch(pieces, length)
 
   def get_state(self) -> dict:
-    return {"doc": list(self._doc), "offset": list(self._offset)}
+    if self._selection is None:  # one source: a row's document and offset
+      return {"doc": [d[0] for d in self._doc], "offset": [o[0] for o in self._offset]}
+    return {"doc": [list(d) for d in self._doc], "offset": [list(o) for o in self._offset],
+            "micro_batch": self._micro_batch}
 
   def set_state(self, state: dict) -> None:
     if len(state["doc"]) != len(self._rows) or len(state["offset"]) != len(self._rows):
       raise DataError(f"a data state of {len(state['doc'])} rows cannot restore a stream of "
                       f"{len(self._rows)} rows")
-    self._doc = [int(k) for k in state["doc"]]
-    self._offset = [int(o) for o in state["offset"]]
-    self._tokens = [None] * len(self._rows)
+    if self._selection is None:
+      self._doc = [[int(k)] for k in state["doc"]]
+      self._offset = [[int(o)] for o in state["offset"]]
+    else:
+      self._doc = [[int(k) for k in d] for d in state["doc"]]
+      self._offset = [[int(o) for o in off] for off in state["offset"]]
+      self._micro_batch = int(state["micro_batch"])
+    self._tokens = [[None] * len(self._sources) for _ in self._rows]
 
 
 def _batch(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]:
@@ -223,10 +245,10 @@ def _batch(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]
 def dataset(spec: StreamSpec) -> grain.IterDataset:
   """The per-process stream of micro-batches described in the module docstring."""
   if spec.mixture:
-    docs = _mixed(spec)
+    sources, selection = _mixed(spec)
+    ds = PackedRows(sources, spec, selection)
   else:
-    docs = _shuffled(spec.data_dir, spec.split, spec.seed, spec.shuffle)
-  ds = PackedRows(docs, spec)
+    ds = PackedRows((_shuffled(spec.data_dir, spec.split, spec.seed, spec.shuffle),), spec)
   if spec.prefetch:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=spec.prefetch)
   return ds
@@ -236,16 +258,18 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
 # Iterator state that survives a change in the number of processes.
 #
 # The iterator's state has one entry per row this process owns: the row's current document (its
-# k-th: element row + k * rows of the shuffled documents) and the offset of its next token in it.
-# Each process saves its rows' entries together with which global rows they are; a restore
-# assembles the entries of every row from every process's file and hands each process the rows
-# it owns now. So a run saved by 4 hosts can continue on 2, or on 1, with the same data order.
+# k-th: element row + k * rows of the shuffled documents) and the offset of its next token in it;
+# with a mixture, one such pair per source and the micro-batch count. Each process saves its
+# rows' entries together with which global rows they are; a restore assembles the entries of
+# every row from every process's file and hands each process the rows it owns now. So a run
+# saved by 4 hosts can continue on 2, or on 1, with the same data order.
 
 
 def shard_state(iterator_state: dict, spec: StreamSpec) -> dict:
   """What one process saves: its rows' states and which global rows they are."""
+  extra = {"micro_batch": iterator_state["micro_batch"]} if spec.mixture else {}
   return {"rows": list(spec.local_rows), "total_rows": spec.rows,
-          "row_states": [{"doc": k, "offset": o}
+          "row_states": [{"doc": k, "offset": o, **extra}
                          for k, o in zip(iterator_state["doc"], iterator_state["offset"])]}
 
 
@@ -261,11 +285,30 @@ def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
   if missing:
     raise DataError(f"the saved data state lacks rows {missing}")
   states = [by_row[r] for r in spec.local_rows]
+  restart = "whose data order this version does not continue; resume it with the version " \
+            "that wrote it, or start a new run"
   if any("doc" not in s for s in states):
     raise DataError("the saved data state was written by the earlier per-row grain packer "
-                    "(ConcatThenSplit), whose data order this version does not continue; "
-                    "resume it with the version that wrote it, or start a new run")
-  return {"doc": [int(s["doc"]) for s in states], "offset": [int(s["offset"]) for s in states]}
+                    f"(ConcatThenSplit), {restart}")
+  saved = {len(s["doc"]) if isinstance(s["doc"], list) else 0 for s in states}
+  if not spec.mixture:
+    if saved != {0}:
+      raise DataError(f"the saved data state is a mixture's of {max(saved)} sources; this run "
+                      "reads one directory (data.dir): set data.mixture as the saved run did")
+    return {"doc": [int(s["doc"]) for s in states],
+            "offset": [int(s["offset"]) for s in states]}
+  if saved == {0}:
+    raise DataError("the saved data state was written by a single directory or by the earlier "
+                    f"mixture of documents (not of sequences), {restart}")
+  if saved != {len(spec.mixture)}:
+    raise DataError(f"the saved data state is a mixture of {max(saved)} sources; data.mixture "
+                    f"names {len(spec.mixture)}: give the saved run's sources")
+  micro_batch = {int(s["micro_batch"]) for s in states}
+  if len(micro_batch) != 1:
+    raise DataError(f"the saved data state's rows are at different micro-batches {micro_batch}")
+  return {"doc": [[int(k) for k in s["doc"]] for s in states],
+          "offset": [[int(o) for o in s["offset"]] for s in states],
+          "micro_batch": micro_batch.pop()}
 
 
 def take(spec: StreamSpec, n: int) -> list[dict[str, np.ndarray]]:

@@ -16,11 +16,16 @@ into bits per byte).
 Documents go to validation by a hash of their key (`--validation_fraction`, default 1%; the
 default corpus keeps its own 1-in-20 file split). If that leaves a split empty (a small
 corpus), the last training document moves to validation; one document is split by tokens.
+Text is made valid Unicode where it is read (data/sources.py: invalid bytes and lone surrogates
+become U+FFFD); meta.json counts such documents (`cleaned_documents`).
 
 Preparation is parallel over units of input (`--workers`) with a progress bar. Work happens in
 `DIR.partial/`, one set of shards per unit plus a marker when the unit is complete; the finished
-directory is renamed to DIR at the end, so an interrupted run leaves no half corpus behind and
-a rerun of the same command redoes only the units that had not finished.
+directory is renamed to DIR at the end, so an interrupted run (at any point) leaves no half
+corpus behind and a rerun of the same command redoes only what had not finished. DIR itself
+must not exist yet (or be empty): one that holds anything is refused before any work, so a
+finished preparation is never redone or overwritten (the default corpus is reused instead).
+User errors are one line on stderr and exit status 2.
 """
 from __future__ import annotations
 
@@ -31,74 +36,22 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from data import corpus, sources
+from data import corpus, shards, sources
 from data import tokenizer as tokenizers
+from data.shards import COUNTS, SPLITS, read_json, split_of, write_json
 from data.sources import SourceError, Unit
 from data.tokenizer import TokenizerError
 
 FORMAT_VERSION = 2
-SPLITS = ("train", "validation")
-SHARD_BYTES = 256 << 20  # start a new shard after this many bytes of tokens
-COUNTS = ("documents", "tokens", "targets", "bytes")
 
 
 class DataError(ValueError):
   """Missing or unreadable data (a user error, reported in one line)."""
-
-
-def split_of(key: str, rule: str, fraction: float) -> str:
-  """'train' or 'validation' for a document key: the stdlib file rule, or a hash fraction."""
-  if rule == "stdlib":
-    return corpus.split_of(key)
-  digest = int(hashlib.sha1(key.encode()).hexdigest(), 16)
-  return "validation" if digest % 1_000_000 < fraction * 1_000_000 else "train"
-
-
-# ----------------------------------------------------------------------------------------------
-# One unit of work (runs in a worker process)
-
-_TOKENIZERS: dict = {}
-
-
-def _prepare_unit(work: str, index: int, unit: Unit, plan: dict) -> dict:
-  key = json.dumps(plan["tokenizer"], sort_keys=True)
-  if key not in _TOKENIZERS:
-    _TOKENIZERS[key] = tokenizers.from_meta(plan["tokenizer"], work)
-  tok, dtype = _TOKENIZERS[key], plan["token_dtype"]
-  writers, out = {}, {s: {"files": [], **dict.fromkeys(COUNTS, 0)} for s in SPLITS}
-  shard_bytes = dict.fromkeys(SPLITS, 0)
-  for doc_key, text in sources.documents(unit, plan["text_field"]):
-    split = split_of(doc_key, plan["split_rule"], plan["validation_fraction"])
-    if split not in writers or shard_bytes[split] >= SHARD_BYTES:
-      if split in writers:
-        writers[split].close()
-      name = f"{split}-{index:05d}-{len(out[split]['files']):03d}.array_record"
-      out[split]["files"].append(name)
-      writers[split] = ArrayRecordWriter(os.path.join(work, name + ".tmp"), "group_size:1")
-      shard_bytes[split] = 0
-    data = tok.encode(text).astype(dtype).tobytes()
-    writers[split].write(data)
-    shard_bytes[split] += len(data)
-    c = out[split]
-    n = len(data) // np.dtype(dtype).itemsize
-    c["documents"] += 1
-    c["tokens"] += n
-    c["targets"] += n - 1  # a document's first token is never predicted
-    c["bytes"] += len(text.encode("utf-8", errors="replace"))
-  for w in writers.values():
-    w.close()
-  for s in SPLITS:
-    for name in out[s]["files"]:
-      os.replace(os.path.join(work, name + ".tmp"), os.path.join(work, name))
-  with open(os.path.join(work, f"done-{index:05d}.json.tmp"), "w") as f:
-    json.dump(out, f)
-  os.replace(os.path.join(work, f"done-{index:05d}.json.tmp"),
-             os.path.join(work, f"done-{index:05d}.json"))
-  return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,8 +71,8 @@ def _setup_tokenizer(work: str, spec: str, units: list[Unit], plan: dict) -> dic
     path = os.path.join(tok_dir, "tokenizer.json")
     if os.path.exists(path):  # trained before an interruption
       return tokenizers.describe(tokenizers.HFTokenizer(path), work)
-    texts = (text for u in units for k, text in sources.documents(u, plan["text_field"])
-             if split_of(k, plan["split_rule"], plan["validation_fraction"]) == "train")
+    texts = (d.text for u in units for d in sources.documents(u, plan["text_field"])
+             if split_of(d.key, plan["split_rule"], plan["validation_fraction"]) == "train")
     tok = tokenizers.train_bpe(texts, vocab, tok_dir + ".tmp")
     os.replace(tok_dir + ".tmp", tok_dir)
     return tokenizers.describe(tokenizers.HFTokenizer(path), work)
@@ -137,7 +90,14 @@ def _setup_tokenizer(work: str, spec: str, units: list[Unit], plan: dict) -> dic
 def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "byte",
             split_rule: str = "hash", validation_fraction: float = 0.01,
             text_field: str = "text", workers: int = 1) -> str:
-  """Tokenize `units` into the prepared directory `out_dir` (see the module docstring)."""
+  """Tokenize `units` into the prepared directory `out_dir` (see the module docstring).
+
+  Every step can be interrupted and the same call run again: the work lives in `out_dir.partial`
+  with the plan of the call (plan.json); each unit's shards are complete once its done-*.json
+  exists, the move of a document to validation once moved.json exists, and the whole once
+  meta.json exists; the files that meta.json does not name are removed only after that, and the
+  directory is renamed to `out_dir` last."""
+  _refuse_existing(out_dir)
   if not 0 <= validation_fraction < 1:
     raise DataError(f"--validation_fraction={validation_fraction}: must be in [0, 1)")
   if not units:
@@ -147,23 +107,40 @@ def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "
           "tokenizer_spec": tokenizer, "split_rule": split_rule, "text_field": text_field,
           "validation_fraction": validation_fraction}
   plan_path = os.path.join(work, "plan.json")
-  if os.path.exists(plan_path):
-    with open(plan_path) as f:
-      if json.load(f) != plan:  # a different preparation was interrupted here: start over
-        shutil.rmtree(work)
+  if os.path.exists(work) and read_json(plan_path) != plan:
+    shutil.rmtree(work)  # another preparation was interrupted here, or this one's clean-up
   os.makedirs(work, exist_ok=True)
-  with open(plan_path, "w") as f:
-    json.dump(plan, f)
-  tok_info = _setup_tokenizer(work, tokenizer, units, plan)
+  write_json(plan_path, plan)
+  if not os.path.exists(os.path.join(work, "meta.json")):
+    write_json(os.path.join(work, "meta.json"), _tokenize(work, units, plan, source, workers))
+  meta = read_meta(work)
+  named = {"meta.json", "plan.json"} | {f.split(os.sep)[0] for f in meta["tokenizer"]["files"]}
+  named |= {f for split in meta["splits"].values() for f in split["files"]}
+  for name in sorted(set(os.listdir(work)) - named):  # done-*, moved.json, replaced shards
+    path = os.path.join(work, name)
+    if os.path.isdir(path):  # a BPE trained before an interruption (tokenizer.tmp)
+      shutil.rmtree(path)
+    else:
+      os.remove(path)
+  os.remove(plan_path)
+  try:
+    os.rename(work, out_dir)
+  except OSError:
+    if not os.path.exists(os.path.join(out_dir, "meta.json")):
+      raise
+    shutil.rmtree(work)  # someone else finished the same corpus first; theirs is identical
+  return out_dir
+
+
+def _tokenize(work: str, units: list[Unit], plan: dict, source: dict, workers: int) -> dict:
+  """Tokenize the units that are not done yet (in `work`); the meta.json of the whole."""
+  tok_info = _setup_tokenizer(work, plan["tokenizer_spec"], units, plan)
   dtype = tokenizers.storage_dtype(tok_info["vocab_size"])
   job = {**plan, "tokenizer": tok_info, "token_dtype": dtype}
   pending = [i for i in range(len(units))
              if not os.path.exists(os.path.join(work, f"done-{i:05d}.json"))]
   _run_units(work, units, pending, job, workers)
-  counts = []
-  for i in range(len(units)):
-    with open(os.path.join(work, f"done-{i:05d}.json")) as f:
-      counts.append(json.load(f))
+  counts = [read_json(os.path.join(work, f"done-{i:05d}.json")) for i in range(len(units))]
   splits = {s: {"files": [n for c in counts for n in c[s]["files"]],
                 **{k: sum(c[s][k] for c in counts) for k in COUNTS}} for s in SPLITS}
   if splits["train"]["documents"] + splits["validation"]["documents"] == 0:
@@ -172,24 +149,13 @@ def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "
     splits["train"] = splits["validation"]
     splits["validation"] = {"files": [], **dict.fromkeys(COUNTS, 0)}
   if splits["validation"]["documents"] == 0:
-    _move_to_validation(work, splits, tokenizers.from_meta(tok_info, work), dtype,
-                        validation_fraction or 0.01)
-  meta = {"format": FORMAT_VERSION, "tokenizer": tok_info, "token_dtype": dtype,
+    splits = _move_to_validation(work, splits, tokenizers.from_meta(tok_info, work), dtype,
+                                 plan["validation_fraction"] or 0.01)
+  return {"format": FORMAT_VERSION, "tokenizer": tok_info, "token_dtype": dtype,
           "vocab_size": tok_info["vocab_size"], "bos_id": tok_info["bos_id"],
           "eos_id": tok_info["eos_id"], "pad_id": tok_info["pad_id"], "source": source,
-          "validation_fraction": validation_fraction, "splits": splits}
-  with open(os.path.join(work, "meta.json"), "w") as f:
-    json.dump(meta, f, indent=1)
-  for name in os.listdir(work):
-    if name.startswith("done-") or name == "plan.json":
-      os.remove(os.path.join(work, name))
-  try:
-    os.rename(work, out_dir)
-  except OSError:
-    if not os.path.exists(os.path.join(out_dir, "meta.json")):
-      raise
-    shutil.rmtree(work)  # someone else finished the same corpus first; theirs is identical
-  return out_dir
+          "validation_fraction": plan["validation_fraction"], "splits": splits,
+          "cleaned_documents": sum(c.get("cleaned", 0) for c in counts)}
 
 
 def dataclasses_asdict(unit: Unit) -> dict:
@@ -205,12 +171,12 @@ def _run_units(work: str, units: list[Unit], pending: list[int], job: dict, work
   try:
     if workers <= 1 or len(pending) <= 1:
       for i in pending:
-        _prepare_unit(work, i, units[i], job)
+        shards.write_unit(work, i, units[i], job)
         bar.update()
       return
     ctx = multiprocessing.get_context("spawn")  # safe whatever threads the parent runs
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(pending)), ctx) as pool:
-      futures = [pool.submit(_prepare_unit, work, i, units[i], job) for i in pending]
+      futures = [pool.submit(shards.write_unit, work, i, units[i], job) for i in pending]
       for fut in concurrent.futures.as_completed(futures):
         fut.result()
         bar.update()
@@ -218,10 +184,19 @@ def _run_units(work: str, units: list[Unit], pending: list[int], job: dict, work
     bar.close()
 
 
-def _move_to_validation(work: str, splits: dict, tok, dtype: str, fraction: float) -> None:
-  """Give an empty validation split the last training document (or, when there is only one
-  document, its last `fraction` of tokens)."""
-  train, val = splits["train"], splits["validation"]
+def _move_to_validation(work: str, splits: dict, tok, dtype: str, fraction: float) -> dict:
+  """The splits after giving an empty validation split the last training document (or, when
+  there is only one document, its last `fraction` of tokens).
+
+  Restartable: the shard it takes the document from is left as it is; the rest of that shard
+  and the moved document go to new files (train-kept, validation-moved), and then moved.json
+  records the new splits, which is the switch. A rerun after the switch reads moved.json; one
+  before it redoes the move from the untouched shard. `prepare` removes the old shard once
+  meta.json names the new files."""
+  done = read_json(os.path.join(work, "moved.json"))
+  if done is not None:
+    return done
+  train = splits["train"]
   name = train["files"][-1]
   reader = ArrayRecordReader(os.path.join(work, name))
   records = [np.frombuffer(r, dtype) for r in reader.read_all()]
@@ -242,16 +217,20 @@ def _move_to_validation(work: str, splits: dict, tok, dtype: str, fraction: floa
             "bytes": sum(len(tok.decode(d).encode("utf-8")) for d in docs)}
 
   before, after, gone = count(records), count(keep), count(moved)
-  for k in COUNTS:
-    train[k] += after[k] - before[k]
-    val[k] = gone[k]
-  for docs, fname in ((keep, name), (moved, "validation-moved.array_record")):
+  files = {"train-kept.array_record": keep, "validation-moved.array_record": moved}
+  if not keep:  # the shard held only the moved document
+    del files["train-kept.array_record"]
+  for fname, docs in files.items():
     w = ArrayRecordWriter(os.path.join(work, fname + ".tmp"), "group_size:1")
     for d in docs:
       w.write(d.astype(dtype).tobytes())
     w.close()
     os.replace(os.path.join(work, fname + ".tmp"), os.path.join(work, fname))
-  val["files"] = ["validation-moved.array_record"]
+  new = {"train": {**{k: train[k] + after[k] - before[k] for k in COUNTS},
+                   "files": train["files"][:-1] + [f for f in files if f.startswith("train")]},
+         "validation": {**gone, "files": ["validation-moved.array_record"]}}
+  write_json(os.path.join(work, "moved.json"), new)
+  return new
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,17 +281,27 @@ def prepare_files(out_dir: str, inputs: list[str], *, text_field: str = "text",
 
 
 def _refuse_existing(out_dir: str) -> None:
+  """Preparation writes a new directory (renamed into place at the end): an --out that holds
+  anything is refused before any work. An empty directory is taken."""
   if os.path.exists(os.path.join(out_dir, "meta.json")):
     raise DataError(f"{out_dir} already holds prepared data; remove it or choose another --out")
+  if os.path.isdir(out_dir) and os.listdir(out_dir):
+    entries = sorted(os.listdir(out_dir))
+    raise DataError(f"{out_dir} is not empty ({len(entries)} entries, e.g. {entries[0]!r}) and "
+                    "holds no prepared data; preparation writes a new directory: remove it or "
+                    "choose another --out")
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise DataError(f"{out_dir} is a file; give a directory that does not exist yet as --out")
 
 
-def read_meta(data_dir: str) -> dict:
-  """meta.json of a prepared directory (a format-1 byte-level directory is read as format 2)."""
+def read_meta(data_dir: str, what: str = "") -> dict:
+  """meta.json of a prepared directory (a format-1 byte-level directory is read as format 2);
+  `what` names the directory in errors (default `data.dir=DIR`)."""
   path = os.path.join(data_dir, "meta.json")
   if not os.path.exists(path):
-    raise DataError(f"data.dir={data_dir!r} has no meta.json; prepare it with "
-                    f"`python -m data.prepare --out {data_dir} FILES...` or leave data.dir empty "
-                    "for the default corpus")
+    default = "" if what else " or leave data.dir empty for the default corpus"
+    raise DataError(f"{what or f'data.dir={data_dir!r}'} has no meta.json; prepare it with "
+                    f"`python -m data.prepare --out {data_dir} FILES...`{default}")
   with open(path) as f:
     meta = json.load(f)
   if meta.get("format") == 1:  # byte-level uint16, without bytes/targets counts
@@ -321,8 +310,9 @@ def read_meta(data_dir: str) -> dict:
     for c in meta["splits"].values():
       c.update(targets=c["tokens"] - c["documents"], bytes=c["tokens"] - 2 * c["documents"])
   if meta.get("format") != FORMAT_VERSION:
-    raise DataError(f"data.dir={data_dir!r} was prepared in format {meta.get('format')}; this "
-                    f"version reads format {FORMAT_VERSION}: prepare it again")
+    raise DataError(f"{what or f'data.dir={data_dir!r}'} was prepared in format "
+                    f"{meta.get('format')}; this version reads format {FORMAT_VERSION}: "
+                    "prepare it again")
   return meta
 
 
@@ -360,10 +350,10 @@ def main(argv=None):
     else:
       if not args.out:
         parser.error("--out is required with a tokenizer other than byte")
-      _refuse_existing(args.out)
       out = prepare_stdlib(args.out, tokenizer=tok, workers=args.workers)
   except (DataError, SourceError, TokenizerError) as e:
-    raise SystemExit(f"error: {e}") from None
+    print(f"error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
   meta = read_meta(out)
   t = meta["tokenizer"]
   counts = ", ".join(f"{s}: {v['documents']} docs / {v['tokens']:,} tokens / {v['bytes']:,} "
@@ -371,6 +361,9 @@ def main(argv=None):
   print(f"prepared {out} ({counts}); tokenizer {t['kind']} vocab {t['vocab_size']:,}, "
         f"{meta['splits']['train']['bytes'] / max(meta['splits']['train']['tokens'], 1):.2f} "
         "bytes/token")
+  if meta.get("cleaned_documents"):
+    print(f"{meta['cleaned_documents']:,} documents held invalid Unicode (bytes that are not "
+          "UTF-8, or lone surrogates such as a JSON \\ud83d); each such character is now U+FFFD")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,14 @@
 Inputs are turned into *units* of work (`Unit`): a group of small files, one large file, or one
 shard of a Hugging Face dataset. `data.prepare` tokenizes units in parallel and writes one set of
 output shards per unit, so an interrupted preparation redoes only the units it had not finished.
-`documents(unit, text_field)` yields (key, text) pairs; the key (file path + position) decides the
-document's split.
+`documents(unit, text_field)` yields `Document`s (key, text, cleaned); the key (file path +
+position) decides the document's split.
+
+Text is made valid Unicode once, here, so that every tokenizer can encode it: bytes that are not
+UTF-8 (in text and JSONL files) and lone UTF-16 surrogates (a JSON escape such as "\\ud83d" left
+from a truncated emoji, common in scraped dumps) each become U+FFFD, the replacement character;
+`cleaned` marks such a document (data.prepare counts them). A JSONL or dataset text that is null
+is skipped, as Parquet's nulls are.
 
   * `.txt` / `.md` / `.py` (and any other file): the whole file is one document.
   * `.jsonl`: one document per line, its text in `text_field`.
@@ -19,7 +25,9 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
+from typing import NamedTuple
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".parquet")
 UNIT_BYTES = (1 << 20, 256 << 20)  # bounds on the input bytes grouped into one unit
@@ -28,6 +36,47 @@ HF_ROWS_PER_UNIT = 100_000
 
 class SourceError(ValueError):
   """Inputs that cannot be read (reported in one line)."""
+
+
+class Document(NamedTuple):
+  key: str  # decides the split
+  text: str  # valid Unicode (encodes to UTF-8)
+  cleaned: bool  # invalid bytes or lone surrogates were replaced by U+FFFD
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _document(key: str, text, where: str, raw_invalid: bool = False) -> Document | None:
+  """A Document of `text` with lone surrogates replaced (None for a null text)."""
+  if text is None:
+    return None
+  if not isinstance(text, str):
+    raise SourceError(f"{where}: the text is a {type(text).__name__}, not a string; set "
+                      "--text_field to a field that holds text")
+  replaced = 0
+  if not text.isascii():
+    text, replaced = _SURROGATE.subn("\ufffd", text)
+  return Document(key, text, raw_invalid or replaced > 0)
+
+
+def _decode(raw: bytes) -> tuple[str, bool]:
+  """UTF-8 bytes -> (text, whether some were invalid and replaced by U+FFFD)."""
+  try:
+    return raw.decode("utf-8"), False
+  except UnicodeDecodeError:
+    return raw.decode("utf-8", errors="replace"), True
+
+
+def _read_text(path: str) -> tuple[str, bool]:
+  """(text, whether some bytes were invalid and replaced by U+FFFD) of a whole file, read as
+  text (newlines made \\n)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read(), False
+  except UnicodeDecodeError:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      return f.read(), True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,33 +156,43 @@ def _missing_field(where: str, field: str, fields) -> SourceError:
   return SourceError(f"{where}: no field {field!r} (fields: {sorted(fields)}); set --text_field")
 
 
-def documents(unit: Unit, text_field: str) -> Iterator[tuple[str, str]]:
-  """(key, text) of every document of a unit, in a fixed order."""
+def documents(unit: Unit, text_field: str) -> Iterator[Document]:
+  """Every document of a unit, in a fixed order, its text valid Unicode (module docstring)."""
   if unit.kind == "hf":
     ds = _load_hf(unit.dataset).shard(unit.num_shards, unit.shard, contiguous=True)
     if text_field not in ds.column_names:
       raise _missing_field(unit.dataset, text_field, ds.column_names)
     for i, text in enumerate(ds[text_field]):
-      yield f"{unit.dataset}#{unit.shard}:{i}", text
+      doc = _document(f"{unit.dataset}#{unit.shard}:{i}", text, f"{unit.dataset} row {i}")
+      if doc:
+        yield doc
     return
   for path in unit.paths:
     key = os.path.relpath(path, unit.root) if unit.root else path
     if path.endswith(".jsonl"):
-      with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f):
+      with open(path, "rb") as f:
+        for lineno, raw in enumerate(f):
+          line, invalid = _decode(raw)
           if line.strip():
-            record = json.loads(line)
-            if text_field not in record:
-              raise _missing_field(f"{path}:{lineno + 1}", text_field, record)
-            yield f"{key}:{lineno}", record[text_field]
+            try:
+              record = json.loads(line)
+            except json.JSONDecodeError as e:
+              raise SourceError(f"{path}:{lineno + 1}: not a JSON record ({e.msg})") from None
+            if not isinstance(record, dict) or text_field not in record:
+              raise _missing_field(f"{path}:{lineno + 1}", text_field,
+                                   record if isinstance(record, dict) else ())
+            doc = _document(f"{key}:{lineno}", record[text_field], f"{path}:{lineno + 1}",
+                            invalid)
+            if doc:
+              yield doc
     elif path.endswith(".parquet"):
       yield from _parquet_documents(path, key, text_field)
     else:
-      with open(path, encoding="utf-8", errors="replace") as f:
-        yield key, f.read()
+      text, invalid = _read_text(path)
+      yield _document(key, text, path, invalid)
 
 
-def _parquet_documents(path: str, key: str, text_field: str) -> Iterator[tuple[str, str]]:
+def _parquet_documents(path: str, key: str, text_field: str) -> Iterator[Document]:
   try:
     import pyarrow.parquet as pq  # noqa: PLC0415
   except ImportError:
@@ -145,6 +204,7 @@ def _parquet_documents(path: str, key: str, text_field: str) -> Iterator[tuple[s
   row = 0
   for batch in f.iter_batches(columns=[text_field], batch_size=4096):
     for text in batch.column(0).to_pylist():
-      if text is not None:
-        yield f"{key}:{row}", text
+      doc = _document(f"{key}:{row}", text, f"{path} row {row}")
+      if doc:
+        yield doc
       row += 1

@@ -12,6 +12,14 @@ empty for bytes).
     holding one; its `tokenizer_config.json`, when present, names the bos/eos/pad tokens).
   * sentencepiece: a SentencePiece `.model` file.
 
+Only the ids `encode` inserts are special: text that spells a special token (a document that
+quotes `<|bos|>` or `<|end_of_text|>`) is encoded as ordinary text and decodes back to it. The
+`tokenizers` library would match added tokens in raw text; `encode_special_tokens` turns that
+off, and a bos/eos/pad id that a tokenizer still gives (a non-special added token, a plain
+vocabulary entry such as a word-level `<s>`) is encoded again one character at a time.
+SentencePiece never matches its control symbols (bos/eos/pad) in text; byte ids 256+ are never
+text.
+
 `from_path(path)` loads an hf/sentencepiece tokenizer from a file or directory;
 `load_tokenizer(data_dir)` the one a prepared data directory was tokenized with (its meta.json
 names it; the files live in `<data_dir>/tokenizer/`). `train_bpe(texts, vocab_size, out_dir)`
@@ -116,10 +124,31 @@ class HFTokenizer:
     self.bos_id = find("bos_id", _BOS_NAMES)
     self.eos_id = find("eos_id", _EOS_NAMES)
     self.pad_id = find("pad_id", _PAD_NAMES)
+    # Text that spells a special token ("<|bos|>" in a document) is encoded as the text it is:
+    # only the ids `encode` inserts are special.
+    self._tok.encode_special_tokens = True
+    self._special = {i for i in (self.bos_id, self.eos_id, self.pad_id) if i is not None}
 
   def encode(self, text: str, *, bos: bool = True, eos: bool = True) -> np.ndarray:
-    body = self._tok.encode(text, add_special_tokens=False).ids
+    encoding = self._tok.encode(text, add_special_tokens=False)
+    body = encoding.ids
+    if self._special.intersection(body):  # spelled by a non-special added or vocabulary token
+      body = self._spell_out(text, encoding)
     return _wrap(body, self.bos_id, self.eos_id, bos, eos)
+
+  def _spell_out(self, text: str, encoding) -> list[int]:
+    """`encoding`'s ids with each bos/eos/pad id (a stretch of text the tokenizer maps to it)
+    replaced by the ids of that text encoded one character at a time; a character the tokenizer
+    can only encode as one of them is dropped."""
+    out = []
+    for i, (start, end) in zip(encoding.ids, encoding.offsets):
+      if i not in self._special:
+        out.append(i)
+        continue
+      for char in text[start:end]:
+        out += [j for j in self._tok.encode(char, add_special_tokens=False).ids
+                if j not in self._special]
+    return out
 
   def decode(self, ids) -> str:
     special = {self.bos_id, self.eos_id, self.pad_id}

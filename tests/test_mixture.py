@@ -38,31 +38,98 @@ def _spec(sources, weights=(0.7, 0.3), **kw):
   return pipeline.StreamSpec(**base)
 
 
+@pytest.fixture(scope="module")
+def extreme(tmp_path_factory):
+  """Two byte-level sources whose document lengths differ 10^4-fold: 'a' documents of ~30
+  tokens, 'b' documents of ~300,000."""
+  root = tmp_path_factory.mktemp("extreme")
+  rng = np.random.default_rng(1)
+  dirs = {}
+  for name, mean, count in (("a", 28, 400), ("b", 300_000, 6)):
+    with open(root / f"{name}.jsonl", "w") as f:
+      for _ in range(count):
+        f.write(json.dumps({"text": name * int(rng.integers(mean // 2, 3 * mean // 2))}) + "\n")
+    dirs[name] = prepare.prepare_files(str(root / name), [str(root / f"{name}.jsonl")],
+                                       validation_fraction=0.2)
+  return dirs
+
+
+def _token_counts(batches) -> np.ndarray:
+  """Tokens of 'a', of 'b' and of neither in the batches' input rows. Each piece of a document
+  (segment) is counted whole for the source whose letter it holds, its BOS and EOS included; a
+  piece of special tokens alone (a BOS or EOS cut off at a sequence's edge) is neither."""
+  counts = np.zeros(3)
+  for batch in batches:
+    x, seg = batch["inputs"], batch["segment_ids"]
+    key = (seg + (seg.max() + 1) * np.arange(len(seg))[:, None]).ravel()  # row and piece
+    size = np.bincount(key)
+    has = [np.bincount(key, weights=(x == ord(c)).ravel(), minlength=len(size)) > 0
+           for c in "ab"]
+    assert not (has[0] & has[1]).any()
+    counts += [size[has[0]].sum(), size[has[1]].sum(), size[~has[0] & ~has[1]].sum()]
+  return counts
+
+
 def test_parse():
   got = mixture.parse("code=data/a:3, prose=/x/b:1")
   assert got == (mixture.Source("code", "data/a", 0.75), mixture.Source("prose", "/x/b", 0.25))
-  for bad in ("data/a:1", "a=data/a", "a=data/a:0", "a=d:1,a=e:1", "a=d:x", ""):
+  for bad in ("data/a:1", "a=data/a", "a=data/a:0", "a=d:1,a=e:1", "a=d:x", "", "a=d:inf"):
     with pytest.raises(mixture.MixtureError, match="data.mixture"):
       mixture.parse(bad)
+  # A weight the selection cannot resolve would never be read: refused, not dropped.
+  with pytest.raises(mixture.MixtureError, match="'rare' has weight 1e-15 .* never be read"):
+    mixture.parse("big=d:1,rare=e:1e-15")
+  assert mixture.parse("big=d:1,rare=e:1e-12")[1].weight == pytest.approx(1e-12)
 
 
-def test_token_weights_are_observed_within_sampling_error(sources):
-  """Over many documents, the fraction of *tokens* from each source is its weight (documents
-  of b are ~7x longer, so b's document share is much smaller than its token share)."""
-  docs = pipeline._mixed(_spec(sources))
-  tokens = {"A": 0, "B": 0}
-  n_docs = {"A": 0, "B": 0}
-  for i in range(20_000):
-    ids = docs[i]
-    src = chr(ids[1])
-    tokens[src] += len(ids)
-    n_docs[src] += 1
-  frac = tokens["A"] / (tokens["A"] + tokens["B"])
-  assert abs(frac - 0.7) < 0.02, (frac, tokens)
-  assert n_docs["A"] / 20_000 > 0.9  # the document share is far from the token share
-  # A single source has the whole stream; a different seed a different order.
-  other = pipeline._mixed(_spec(sources, seed=4))
-  assert any(not np.array_equal(docs[i], other[i]) for i in range(50))
+@pytest.mark.parametrize("weights", [(0.9, 0.1), (0.5, 0.5)])
+def test_token_shares_are_the_weights_at_extreme_length_ratios(extreme, weights):
+  """The tokens that reach the packed rows come from each source in its weight's share, over a
+  few thousand sequences, with documents 10^4 times longer in one source than in the other
+  (weights of documents rounded per block gave 1.0/0.0 and 0.88/0.12 here)."""
+  spec = pipeline.StreamSpec("", "train", 128, 8, seed=1, mixture=mixture.parse(
+      f"a={extreme['a']}:{weights[0]},b={extreme['b']}:{weights[1]}"))
+  it = iter(pipeline.dataset(spec))
+  batches = [next(it) for _ in range(400)]  # 3,200 sequences
+  for window in (batches[:125], batches):  # the first 1,000 sequences, and all
+    a, b, neither = _token_counts(window)
+    total = a + b + neither
+    assert neither / total < 0.005
+    # Wherever the specials cut off alone belong, a's share is its weight.
+    assert weights[0] - 0.01 < a / total and (a + neither) / total < weights[0] + 0.01, \
+        (a / total, neither / total)
+
+
+def test_selection_is_exact_and_a_pure_function_of_the_index():
+  """Source counts among the first x sequences are within S - 1 of weight x x at every x (a
+  weight of 1e-4 gets its 1 in 10,000 sequences though a block holds 256), each block holds them
+  exactly so, and the source of sequence g does not depend on what was asked before."""
+  weights = np.array([0.6, 0.3999, 1e-4])
+  sel = mixture.MixtureSelection(weights, seed=7)
+  xs = np.arange(0, 3_000_000, 997)
+  counts = np.array([sel.counts(int(x)) for x in xs])
+  assert (counts.sum(1) == xs).all() and (np.diff(counts, axis=0) >= 0).all()
+  assert np.abs(counts - xs[:, None] * weights).max() < 2
+  assert counts[-1, 2] == pytest.approx(300, abs=2)
+  g = np.arange(40 * mixture.BLOCK)
+  got = sel(g)
+  np.testing.assert_array_equal(np.bincount(got, minlength=3),
+                                np.array(sel.counts(len(g))))
+  per_block = np.stack([np.bincount(b, minlength=3) for b in got.reshape(40, -1)])
+  assert np.abs(per_block - mixture.BLOCK * weights).max() < 2
+  shuffled = np.random.default_rng(0).permutation(g)
+  np.testing.assert_array_equal(mixture.MixtureSelection(weights, seed=7)(shuffled), got[shuffled])
+  assert (mixture.MixtureSelection(weights, seed=8)(g) != got).any()
+  halves = mixture.MixtureSelection([0.5, 0.5], seed=7)(g).reshape(40, -1)  # 128 + 128 a block
+  assert (halves.sum(1) == 128).all() and len({tuple(b) for b in halves}) == 40  # placed anew
+  far = 10**15 + np.arange(mixture.BLOCK)  # far into a run: exact integers, same counts
+  assert np.abs(np.bincount(sel(far), minlength=3) - mixture.BLOCK * weights).max() < 2
+
+
+def test_a_different_seed_gives_a_different_order(sources):
+  a = next(iter(pipeline.dataset(_spec(sources))))
+  b = next(iter(pipeline.dataset(_spec(sources, seed=4))))
+  assert not np.array_equal(a["inputs"], b["inputs"])
 
 
 def test_every_row_sees_both_sources(sources):
@@ -99,6 +166,47 @@ def test_mixture_resumes_exactly_on_another_process_count(sources, saved_by, res
     for key in pipeline.BATCH_KEYS:
       np.testing.assert_array_equal(np.concatenate([p[step][key] for p in parts]),
                                     want[step][key])
+
+
+def test_each_row_packs_each_source_back_to_back(sources):
+  """Row r's sequences of source s, in order, are that source's shuffled documents r, r + rows,
+  ... back to back: a document cut at a sequence's end continues in the row's next sequence of
+  the same source, whatever the row read from other sources in between."""
+  spec = _spec(sources, weights=(0.5, 0.5), rows=3, seq_len=40, row_ids=(2, 0))
+  batches = [b for b, _ in zip(pipeline.dataset(spec), range(30))]
+  parents, selection = pipeline._mixed(spec)
+  for j, r in enumerate(spec.local_rows):
+    picked = selection(np.arange(30) * spec.rows + r)
+    assert set(picked) == {0, 1}
+    for s, parent in enumerate(parents):
+      got = np.concatenate([np.append(b["inputs"][j], b["targets"][j][-1])
+                            for b, p in zip(batches, picked) if p == s])
+      want = np.concatenate([parent[r + k * spec.rows] for k in range(len(got) // 20 + 1)])
+      np.testing.assert_array_equal(got, want[:len(got)])
+
+
+def test_a_state_of_another_stream_is_refused_in_one_line(sources):
+  spec = _spec(sources)
+  it = iter(pipeline.dataset(spec))
+  next(it)
+  shard = pipeline.shard_state(it.get_state(), spec)
+  assert shard["row_states"][0]["micro_batch"] == 1 and len(shard["row_states"][0]["doc"]) == 2
+  old = {**shard, "row_states": [{"doc": 3, "offset": 5}] * 4}  # the document-level mixture's
+  with pytest.raises(prepare.DataError, match="mixture of documents .* start a new run"):
+    pipeline.state_from_shards([old], spec)
+  one = _spec(sources, mixture=mixture.parse(f"a={sources['a']}:1"))
+  with pytest.raises(prepare.DataError, match="mixture of 2 sources; data.mixture names 1"):
+    pipeline.state_from_shards([shard], one)
+  with pytest.raises(prepare.DataError, match="mixture's of 2 sources; this run reads one"):
+    pipeline.state_from_shards([shard], _spec(sources, data_dir=sources["a"], mixture=()))
+
+
+def test_a_missing_source_is_named_by_its_entry(sources, tmp_path):
+  spec = _spec(sources, mixture=mixture.parse(f"a={sources['a']}:1,gone={tmp_path}:1"))
+  with pytest.raises(mixture.MixtureError,
+                     match=f"^data.mixture entry gone={tmp_path} has no meta.json; prepare it "
+                           f"with `python -m data.prepare --out {tmp_path} FILES...`$"):
+    pipeline.dataset(spec)
 
 
 def test_mixture_config_errors(sources, tmp_path):

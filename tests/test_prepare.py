@@ -2,11 +2,12 @@
 preparation, old prepared directories."""
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
-from data import pipeline, prepare, tokenizer
+from data import pipeline, prepare, shards, sources, tokenizer
 
 
 def _texts(n, seed=0):
@@ -26,18 +27,27 @@ def _all_texts(out):
   return sorted(_documents(out, "train") + _documents(out, "validation"))
 
 
-def test_txt_and_jsonl_with_a_text_field(tmp_path):
+def refused(capsys, argv) -> str:
+  """The one line `python -m data.prepare ARGV` prints on stderr as it exits with status 2."""
+  with pytest.raises(SystemExit) as exit_:
+    prepare.main(argv)
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+  return err.strip()
+
+
+def test_txt_and_jsonl_with_a_text_field(tmp_path, capsys):
   texts = _texts(30)
   (tmp_path / "a.txt").write_text(texts[0])
   with open(tmp_path / "b.jsonl", "w") as f:
     for t in texts[1:]:
       f.write(json.dumps({"content": t, "id": 1}) + "\n")
-  with pytest.raises(SystemExit, match="no field 'text'.*--text_field"):
-    prepare.main(["--out", str(tmp_path / "x"), str(tmp_path)])
+  assert "no field 'text'" in refused(capsys, ["--out", str(tmp_path / "x"), str(tmp_path)])
   out = prepare.prepare_files(str(tmp_path / "p"), [str(tmp_path)], text_field="content")
   assert _all_texts(out) == sorted(texts)
-  with pytest.raises(SystemExit, match="already holds prepared data"):
-    prepare.main(["--out", out, "--text_field", "content", str(tmp_path / "a.txt")])
+  assert "already holds prepared data" in refused(
+      capsys, ["--out", out, "--text_field", "content", str(tmp_path / "a.txt")])
   meta = prepare.read_meta(out)
   total = sum(meta["splits"][s]["bytes"] for s in prepare.SPLITS)
   assert total == sum(len(t.encode()) for t in texts)
@@ -103,7 +113,7 @@ def test_parallel_and_interrupted_preparation(tmp_path, monkeypatch):
   assert prepare.read_meta(one)["splits"] == prepare.read_meta(two)["splits"]
   assert _documents(one, "train") == _documents(two, "train")
 
-  calls, real = [], prepare._prepare_unit
+  calls, real = [], shards.write_unit
 
   def flaky(work, index, unit, plan):
     calls.append(index)
@@ -111,14 +121,13 @@ def test_parallel_and_interrupted_preparation(tmp_path, monkeypatch):
       raise KeyboardInterrupt
     return real(work, index, unit, plan)
 
-  monkeypatch.setattr(prepare, "_prepare_unit", flaky)
+  monkeypatch.setattr(shards, "write_unit", flaky)
   out = str(tmp_path / "resumed")
   with pytest.raises(KeyboardInterrupt):
     prepare.prepare_files(out, [str(d)])
   assert calls == [0, 1, 2, 3] and not os.path.exists(out)
   calls.clear()
-  monkeypatch.setattr(prepare, "_prepare_unit", real)
-  monkeypatch.setattr(prepare, "_prepare_unit",
+  monkeypatch.setattr(shards, "write_unit",
                       lambda *a: calls.append(a[1]) or real(*a))
   prepare.prepare_files(out, [str(d)])
   assert calls[0] == 3 and 0 not in calls  # restarted at the unfinished unit
@@ -146,3 +155,139 @@ def test_old_format_directory_is_read(tmp_path, data_dir):
   (tmp_path / "meta.json").write_text(json.dumps({**old, "format": 9}))
   with pytest.raises(prepare.DataError, match="format 9.*prepare it again"):
     prepare.read_meta(str(tmp_path))
+
+
+def test_an_out_that_holds_anything_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+  """--out must not exist yet or be empty: a directory with files (or a file) is refused in one
+  line before the inputs are even listed, and no DIR.partial is left."""
+  (tmp_path / "a.txt").write_text(_texts(1)[0])
+  (tmp_path / "full").mkdir()
+  (tmp_path / "full" / "notes.md").write_text("mine")
+  (tmp_path / "file").write_text("x")
+  monkeypatch.setattr(sources, "expand", lambda inputs: pytest.fail("work began"))
+  err = refused(capsys, ["--out", str(tmp_path / "full"), str(tmp_path / "a.txt")])
+  assert err == (f"error: {tmp_path}/full is not empty (1 entries, e.g. 'notes.md') and holds "
+                 "no prepared data; preparation writes a new directory: remove it or choose "
+                 "another --out")
+  assert "is a file" in refused(capsys, ["--out", str(tmp_path / "file"), str(tmp_path)])
+  # The default corpus with another tokenizer: refused before the tokenizer is loaded.
+  assert "is not empty" in refused(capsys, ["--out", str(tmp_path / "full"), "--tokenizer",
+                                            str(tmp_path / "none.json")])
+  assert sorted(os.listdir(tmp_path)) == ["a.txt", "file", "full"]
+  monkeypatch.undo()
+  (tmp_path / "empty").mkdir()  # an empty directory is taken
+  prepare.main(["--out", str(tmp_path / "empty"), "--workers", "1", str(tmp_path / "a.txt")])
+  assert prepare.read_meta(str(tmp_path / "empty"))["splits"]["train"]["documents"] == 1
+
+
+def test_invalid_unicode_is_replaced_once_for_every_tokenizer(tmp_path, capsys):
+  """A lone surrogate in JSONL (a truncated emoji, "\\ud83d") and bytes that are not UTF-8 in a
+  text file become U+FFFD where documents are read: training a BPE and encoding with a
+  tokenizer.json both go through, and meta.json counts the two cleaned documents."""
+  d = tmp_path / "in"
+  d.mkdir()
+  with open(d / "d.jsonl", "wb") as f:
+    for t in _texts(20):
+      f.write(json.dumps({"text": t}).encode() + b"\n")
+    f.write(b'{"text": "broken emoji \\ud83d here"}\n')
+    f.write(b'{"text": "latin-1 caf\xe9"}\n')
+  (d / "bad.txt").write_bytes(b"caf\xe9 au lait\n")
+  bpe = str(tmp_path / "bpe")
+  prepare.main(["--out", bpe, "--train_tokenizer", "bpe:300", "--workers", "1", str(d)])
+  assert "3 documents held invalid Unicode" in capsys.readouterr().out
+  given = str(tmp_path / "given")
+  prepare.main(["--out", given, "--tokenizer", os.path.join(bpe, "tokenizer", "tokenizer.json"),
+                "--workers", "1", str(d)])
+  for out in (bpe, given):
+    meta = prepare.read_meta(out)
+    assert meta["cleaned_documents"] == 3
+    texts = _all_texts(out)
+    for want in ("broken emoji \ufffd here", "latin-1 caf\ufffd", "caf\ufffd au lait\n"):
+      assert want in texts
+    assert sum(meta["splits"][s]["bytes"] for s in prepare.SPLITS) == sum(
+        len(t.encode()) for t in texts)
+
+
+def test_jsonl_nulls_are_skipped_and_malformed_lines_are_one_line_errors(tmp_path, capsys):
+  texts = _texts(10)
+  with open(tmp_path / "d.jsonl", "w") as f:
+    for t in texts:
+      f.write(json.dumps({"text": t}) + "\n")
+    f.write('{"text": null}\n')  # skipped, as Parquet's nulls are
+  out = prepare.prepare_files(str(tmp_path / "p"), [str(tmp_path / "d.jsonl")])
+  assert _all_texts(out) == sorted(texts)
+  for line, want in (('{"text": 3}', "d.jsonl:1: the text is a int, not a string"),
+                     ('{"text": "a"', "d.jsonl:1: not a JSON record (Expecting ',' delimiter)"),
+                     ('["text"]', "d.jsonl:1: no field 'text'")):
+    (tmp_path / "bad.jsonl").write_text(line + "\n")
+    assert want in refused(capsys, ["--out", str(tmp_path / "q"), str(tmp_path / "bad.jsonl")])
+
+
+def _prepared(out):
+  """Every split's decoded documents and meta.json's counts, checked against each other."""
+  meta = prepare.read_meta(out)
+  docs = {}
+  for split in prepare.SPLITS:
+    docs[split] = _documents(out, split)
+    c = meta["splits"][split]
+    ids = [np.frombuffer(r, meta["token_dtype"]) for r in pipeline.documents(out, split)]
+    assert c["documents"] == len(docs[split]) and c["tokens"] == sum(map(len, ids))
+    assert c["bytes"] == sum(len(t.encode()) for t in docs[split])
+  assert sorted(os.listdir(out)) == sorted(
+      ["meta.json"] + [f for s in prepare.SPLITS for f in meta["splits"][s]["files"]])
+  return docs, meta["splits"]
+
+
+def test_preparation_interrupted_at_any_file_operation_resumes_exactly(tmp_path, monkeypatch):
+  """A preparation killed at its k-th file operation (each file put in place, removed or
+  renamed), for every k, then run again, gives the directory an uninterrupted run gives: no
+  document lost or duplicated, meta.json's counts those of its files. The corpus is small, so
+  validation would be empty and the move of a document to it is among the operations."""
+  d = tmp_path / "in"
+  d.mkdir()
+  for i, t in enumerate(_texts(6)):
+    (d / f"{i}.txt").write_text(t)
+  want = _prepared(prepare.prepare_files(str(tmp_path / "whole"), [str(d)]))
+  assert want[1]["validation"]["files"] == ["validation-moved.array_record"]
+  assert sorted(want[0]["train"] + want[0]["validation"]) == sorted(_texts(6))
+
+  real = {"replace": os.replace, "remove": os.remove, "rename": os.rename,
+          "rmtree": shutil.rmtree}
+  calls = []
+
+  def interrupt_at(k):
+    calls.clear()
+
+    def wrap(name):
+      def op(*args, **kwargs):
+        calls.append(name)
+        if len(calls) == k:
+          raise KeyboardInterrupt(f"killed at {name} {args[0]}")
+        return real[name](*args, **kwargs)
+      return op
+
+    for name in ("replace", "remove", "rename"):
+      monkeypatch.setattr(os, name, wrap(name))
+    monkeypatch.setattr(shutil, "rmtree", wrap("rmtree"))
+
+  interrupt_at(0)
+  prepare.prepare_files(str(tmp_path / "count"), [str(d)])
+  total = len(calls)
+  assert {"replace", "remove", "rename"} <= set(calls)
+  for k in range(1, total + 1):
+    out = str(tmp_path / f"k{k}")
+    interrupt_at(k)
+    with pytest.raises(KeyboardInterrupt):
+      prepare.prepare_files(out, [str(d)])
+    interrupt_at(0)
+    prepare.prepare_files(out, [str(d)])
+    assert _prepared(out) == want, k
+    assert not os.path.exists(out + ".partial")
+  # Killed at the last rename, its clean-up done: another preparation there starts over.
+  out = str(tmp_path / "other")
+  interrupt_at(total)
+  with pytest.raises(KeyboardInterrupt):
+    prepare.prepare_files(out, [str(d)])
+  interrupt_at(0)
+  prepare.prepare_files(out, [str(d)], validation_fraction=0.5)
+  assert prepare.read_meta(out)["validation_fraction"] == 0.5

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from data import corpus, pipeline, prepare, tokenizer
+from test_prepare import refused
 
 TEXT = "def f(x):\n    return  'héllo ✓'  # ünïcode\n\n"
 
@@ -71,14 +72,18 @@ def test_hf_model_dir_special_tokens_from_tokenizer_config(bpe_dir, tmp_path):
   assert len(tok.files()) == 2
 
 
-def test_sentencepiece_model(tmp_path):
+def _train_sentencepiece(prefix: str) -> str:
   spm = pytest.importorskip("sentencepiece")
   spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(_stdlib_texts()), model_prefix=str(tmp_path / "sp"),
+      sentence_iterator=iter(_stdlib_texts()), model_prefix=prefix,
       vocab_size=600, model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
       remove_extra_whitespaces=False, unk_id=0, bos_id=1, eos_id=2, pad_id=3, minloglevel=2,
       max_sentence_length=1 << 20)
-  tok = tokenizer.from_path(str(tmp_path / "sp.model"))
+  return prefix + ".model"
+
+
+def test_sentencepiece_model(tmp_path):
+  tok = tokenizer.from_path(_train_sentencepiece(str(tmp_path / "sp")))
   assert tok.kind == "sentencepiece" and tok.vocab_size == 600
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 3)
   _round_trip(tok)
@@ -90,6 +95,60 @@ def test_sentencepiece_model(tmp_path):
   os.remove(tmp_path / "sp.model")
   again = tokenizer.load_tokenizer(out)
   np.testing.assert_array_equal(again.encode(TEXT), tok.encode(TEXT))
+
+
+SPELLED = "x <|bos|> y <|eos|>z<|pad|> <|eot_id|> <s> </s> <pad> <unk> [BOS] <|endoftext|>"
+
+
+def _spelled_stays_text(tok, exact=True):
+  """Only the ids encode inserts are special (none of bos/eos/pad, nor another special token of
+  an HF tokenizer, inside); the text comes back as it was."""
+  ids = tok.encode(SPELLED)
+  assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id
+  special = {tok.bos_id, tok.eos_id, tok.pad_id}
+  if tok.kind == "hf":
+    special |= {i for i, t in tok._tok.get_added_tokens_decoder().items() if t.special}
+  assert not special & set(ids[1:-1].tolist())
+  if exact:
+    assert tok.decode(ids) == SPELLED
+
+
+def test_text_that_spells_special_tokens_stays_text(bpe_dir, tmp_path):
+  """A document quoting <|bos|> or <|eot_id|> gets no special ids mid-document, whatever the
+  tokenizer: byte, a trained BPE (special added tokens) and one with another special token, a
+  tokenizer.json whose bos/eos/pad are added tokens not marked special, a word-level vocabulary holding <s> and </s> as words
+  (they become unknown characters, not bos/eos), SentencePiece; and prepared data keeps them."""
+  _spelled_stays_text(tokenizer.ByteTokenizer())
+  bpe = tokenizer.from_path(bpe_dir)
+  _spelled_stays_text(bpe)
+  tokenizers = pytest.importorskip("tokenizers")
+  chat = tokenizers.Tokenizer.from_file(os.path.join(bpe_dir, "tokenizer.json"))
+  chat.add_special_tokens(["<|eot_id|>"])  # a special token that is not bos/eos/pad
+  chat.save(str(tmp_path / "chat.json"))
+  _spelled_stays_text(tokenizer.from_path(str(tmp_path / "chat.json")))
+  spec = json.load(open(os.path.join(bpe_dir, "tokenizer.json")))
+  for added in spec["added_tokens"]:
+    added["special"] = False
+  (tmp_path / "plain.json").write_text(json.dumps(spec))
+  plain = tokenizer.from_path(str(tmp_path / "plain.json"))
+  assert (plain.bos_id, plain.eos_id, plain.pad_id) == (0, 1, 2)
+  _spelled_stays_text(plain)
+  vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>", "x", "y"])}
+  words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  words.save(str(tmp_path / "words.json"))
+  word_level = tokenizer.from_path(str(tmp_path / "words.json"))
+  assert (word_level.bos_id, word_level.eos_id) == (1, 2)
+  _spelled_stays_text(word_level, exact=False)
+  _spelled_stays_text(tokenizer.from_path(_train_sentencepiece(str(tmp_path / "sp"))))
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "quote.txt").write_text(SPELLED)
+  (tmp_path / "docs" / "other.txt").write_text("x y z")
+  out = prepare.prepare_files(str(tmp_path / "prepared"), [str(tmp_path / "docs")],
+                              tokenizer=os.path.join(bpe_dir, "tokenizer.json"))
+  stored = [np.frombuffer(r, "<u2") for s in prepare.SPLITS for r in pipeline.documents(out, s)]
+  assert sorted(bpe.decode(ids) for ids in stored) == sorted([SPELLED, "x y z"])
+  assert all((ids == bpe.bos_id).sum() == 1 and (ids == bpe.eos_id).sum() == 1 for ids in stored)
 
 
 def test_prepare_trains_bpe_and_saves_it_beside_the_data(tmp_path):
@@ -135,7 +194,7 @@ def test_vocab_above_65535_is_stored_as_uint32(tmp_path):
   assert set(t.decode(batch["inputs"][0]).split()) <= {f"w{j}" for j in range(60_000, 70_000)}
 
 
-def test_bad_tokenizer_paths_are_one_line_errors(tmp_path):
+def test_bad_tokenizer_paths_are_one_line_errors(tmp_path, capsys):
   with pytest.raises(tokenizer.TokenizerError, match="does not exist"):
     tokenizer.from_path(str(tmp_path / "nope.json"))
   (tmp_path / "bad.json").write_text("{}")
@@ -143,6 +202,6 @@ def test_bad_tokenizer_paths_are_one_line_errors(tmp_path):
     tokenizer.from_path(str(tmp_path / "bad.json"))
   with pytest.raises(tokenizer.TokenizerError, match="no tokenizer.json"):
     tokenizer.from_path(str(tmp_path))
-  with pytest.raises(SystemExit, match="bpe:VOCAB"):
-    prepare.main(["--out", str(tmp_path / "o"), "--train_tokenizer", "bpe:x",
-                  str(tmp_path / "bad.json")])
+  assert "expected bpe:VOCAB" in refused(capsys, ["--out", str(tmp_path / "o"),
+                                                "--train_tokenizer", "bpe:x",
+                                                str(tmp_path / "bad.json")])
