@@ -215,7 +215,7 @@ def test_mixture_config_errors(sources, tmp_path):
 
   with pytest.raises(ConfigError, match="both set"):
     check(**{"data.dir": sources["a"], "data.mixture": f"a={sources['a']}:1"})
-  with pytest.raises(ConfigError, match="no meta.json"):
+  with pytest.raises(ConfigError, match=f"data.mixture entry b={tmp_path} has no meta.json"):
     check(**{"data.mixture": f"a={sources['a']}:1,b={tmp_path}:1"})
   with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller than the 259"):
     check(**{"data.dir": sources["a"], "model.vocab_size": 100})

@@ -185,8 +185,7 @@ def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
   try:
     if d.mixture:
       sources = mixture.parse(d.mixture)
-      metas = [prepare.read_meta(s.dir) for s in sources]
-      mixture.check(sources, metas)
+      metas = mixture.read_metas(sources)
       t = metas[0]["tokenizer"]
       return t["vocab_size"], f"data.mixture's {t['kind']} tokenizer"
     if d.dir:
