@@ -73,9 +73,8 @@ def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   _need(moe.num_experts % expert == 0,
         f"model.moe.num_experts={moe.num_experts} does not split over mesh.expert={expert}; "
         f"use a mesh.expert that divides {moe.num_experts}")
-  shared = moe.shared_expert
   widths = {"model.moe.mlp_dim": moe.mlp_dim or m.mlp_dim,
-            "model.moe.shared_expert": (moe.mlp_dim or m.mlp_dim) if shared is True else shared}
+            "model.moe.shared_expert": moe.shared_expert}
   for key, width in widths.items():
     _need(width % tensor == 0, f"{key}: width {width} does not split over mesh.tensor={tensor}; "
           f"use a multiple of {tensor}")
@@ -219,8 +218,8 @@ def _check_logging(cfg: ml_collections.ConfigDict) -> None:
 def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   """Check the whole config against itself and the devices the run will use (a list: their
   count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
-  from models.llama import (  # noqa: PLC0415
-      ATTENTION_IMPLS, DTYPES, PARAMETRIZATIONS, REMAT_POLICIES)
+  from models.config import PARAMETRIZATIONS  # noqa: PLC0415
+  from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
   from models.rope import ROPE_SCALING_TYPES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
   from optim.factory import MUP_OPTIMIZERS  # noqa: PLC0415

@@ -209,7 +209,8 @@ class Run:
           self.autopilot.load_state_dict(saved)
       return restored
     if self.cfg.checkpoint.init_from:
-      # Shapes alone miss a different rope_theta / rope scaling / norm eps: name it.
+      # Shapes alone miss a different rope_theta, rope scaling, norm eps, parametrization or
+      # router top_k (models/config.py FUNCTIONAL): name it.
       reason = init_from_mismatch(self.cfg.checkpoint.init_from, self.model_cfg)
       if reason:
         raise CheckpointError(reason)
