@@ -228,6 +228,10 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
                      ("checkpoint.every_steps", cfg.checkpoint.every_steps)):
     _need(value >= 0, f"{key}={value}: must be >= 0")
+  _need(cfg.eval_steps >= 1 or not cfg.eval_every,
+        f"eval_steps={cfg.eval_steps} with eval_every={cfg.eval_every}: an evaluation scores "
+        "eval_steps validation batches, so give at least 1 (or eval_every=0: no evaluation; "
+        "python -m tools.evaluate scores a whole split)")
   _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
   _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
 
