@@ -14,6 +14,12 @@ accumulation micro-batches are the estimator's small batch; its average spans th
 examples at every batch). As a plain run it trains at batch 16:
 
     python train.py --config configs/sweep_tiny.py --workdir runs/sweep_tiny
+
+and under the batch autopilot from 16 up to 128 (its defaults, printed at start: the schedule
+then runs in tokens, the warmup being in examples):
+
+    python train.py --config configs/sweep_tiny.py --workdir runs/sweep_auto \
+        --config.data.batch_ramp=auto
 """
 from trainer.config import default_config
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +45,11 @@ import optax
 from flax import nnx
 
 from models.attention import IMPLS, attention, layer_segments, sequence_layout
+from models.config import ModelConfig
 from models.cross_entropy import chunked_cross_entropy
-from models.moe import MoE, MoEConfig
+from models.moe import MoE
 from models.params import DTYPES, param
-from models.rope import RopeScaling, apply_rope, rope_tables
+from models.rope import apply_rope, rope_tables
 from sharding.mesh import mesh_platform
 from sharding.rules import constrain
 from sharding.zigzag import zigzag
@@ -61,74 +61,6 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 ATTENTION_IMPLS = IMPLS  # xla, flash, splash, ring, auto: see models/attention.py
-PARAMETRIZATIONS = ("sp", "mup")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  vocab_size: int = 512
-  d_model: int = 128
-  num_layers: int = 2
-  num_heads: int = 4
-  num_kv_heads: int = 2
-  head_dim: int = 0  # 0: d_model // num_heads
-  mlp_dim: int = 384
-  rope_theta: float = 10_000.0
-  norm_eps: float = 1e-5
-  tie_embeddings: bool = False
-  param_dtype: str = "float32"
-  dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay fp32
-  remat: str = "none"
-  scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: fully unrolled)
-  attention: str = "xla"
-  ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
-  logits_chunk: int = 0  # loss over this many positions at a time (0: the whole [B, S, V])
-  init_std: float = 0.02
-  parametrization: str = "sp"  # "sp" or "mup" (module docstring)
-  base_width: int = 0  # muP's base d_model (0: d_model itself, m = 1)
-  rope_scaling: RopeScaling = RopeScaling()
-  moe: MoEConfig = MoEConfig()  # mixture of experts (models/moe.py); num_experts 0 = dense
-
-  @classmethod
-  def from_config(cls, cfg: Any) -> "ModelConfig":
-    """From the `model` block of a run config (a ConfigDict or mapping)."""
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {k: v for k, v in dict(cfg).items() if k in fields}
-    if not isinstance(values.get("rope_scaling", RopeScaling()), RopeScaling):
-      values["rope_scaling"] = RopeScaling(**dict(values["rope_scaling"]))
-    if not isinstance(values.get("moe", MoEConfig()), MoEConfig):
-      values["moe"] = MoEConfig(**dict(values["moe"]))
-    return cls(**values)
-
-  def to_dict(self) -> dict:
-    """The `model` block of a run config (plain JSON types)."""
-    return dataclasses.asdict(self)
-
-  @property
-  def dim_per_head(self) -> int:
-    return self.head_dim or self.d_model // self.num_heads
-
-  @property
-  def width_multiplier(self) -> float:
-    """muP's m = d_model / base_width; 1.0 under SP (the optimizer divides the learning rate
-    of hidden matrices by it, optim/factory.py)."""
-    if self.parametrization != "mup" or not self.base_width:
-      return 1.0
-    return self.d_model / self.base_width
-
-  @property
-  def hidden_init_std(self) -> float:
-    """Init std of hidden matrices: init_std, divided by sqrt(m) under muP."""
-    m = self.width_multiplier
-    return self.init_std if m == 1.0 else self.init_std / m ** 0.5
-
-  @property
-  def query_multiplier(self) -> float:
-    """Factor on the queries turning the kernels' 1/sqrt(D) into muP's sqrt(D_base)/D."""
-    if self.width_multiplier == 1.0 or self.head_dim:
-      return 1.0
-    base_head_dim = self.base_width / self.num_heads
-    return (base_head_dim / self.dim_per_head) ** 0.5
 
 
 class RMSNorm(nnx.Module):
@@ -244,7 +176,7 @@ class MoEBlock(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
     self.moe = MoE(cfg, rngs=rngs)
-    shared = cfg.moe.shared_dim(cfg.mlp_dim)
+    shared = cfg.moe.shared_expert
     self.shared_mlp = MLP(dataclasses.replace(cfg, mlp_dim=shared), rngs=rngs) if shared else None
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):

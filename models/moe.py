@@ -58,7 +58,7 @@ class MoEConfig:
   top_k: int = 2
   mlp_dim: int = 0  # width of each expert; 0: model.mlp_dim
   every: int = 1  # every n-th layer is MoE (layers n-1, 2n-1, ...); 1: all
-  shared_expert: int | bool = 0  # a dense SwiGLU beside the experts: width, True = mlp_dim, 0 off
+  shared_expert: int = 0  # width of a dense SwiGLU beside the experts (every token's); 0: none
   capacity_factor: float = 0.0  # 0: dropless
   router_z_loss: float = 1e-3  # coefficient
   load_balance_loss: float = 1e-2  # coefficient
@@ -71,12 +71,6 @@ class MoEConfig:
 
   def expert_dim(self, dense_mlp_dim: int) -> int:
     return self.mlp_dim or dense_mlp_dim
-
-  def shared_dim(self, dense_mlp_dim: int) -> int:
-    """Width of the shared expert (0: none)."""
-    if isinstance(self.shared_expert, bool):
-      return self.expert_dim(dense_mlp_dim) if self.shared_expert else 0
-    return int(self.shared_expert)
 
   def capacity(self, seq_len: int) -> int:
     """Assignments each expert takes per sequence (0: dropless)."""

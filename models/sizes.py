@@ -13,7 +13,7 @@ def _ffn_params(cfg: ModelConfig) -> tuple[int, int]:
     return L * 3 * E * F, L * 3 * E * F
   n_moe = len(moe_layer_ids(cfg))
   dense = (L - n_moe) * 3 * E * F
-  common = E * moe.num_experts + 3 * E * moe.shared_dim(F)  # router, shared expert
+  common = E * moe.num_experts + 3 * E * moe.shared_expert  # router, shared expert
   expert = 3 * E * moe.expert_dim(F)
   return (dense + n_moe * (common + moe.num_experts * expert),
           dense + n_moe * (common + moe.top_k * expert))

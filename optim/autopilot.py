@@ -36,16 +36,82 @@ micro-batch shape, so each size compiles once and the stream of micro-batches (t
 is that of a fixed batch. The decisions (step -> batch) are the ramp's stages; they and the
 rule's streak are saved with every checkpoint (`state_dict`), so a resumed run rebuilds the same
 ramp and follows the same batch sequence.
+
+Defaults (`with_defaults`), so that `data.batch_ramp=auto` is the one override a config that
+runs needs; each filled-in value is printed when the run starts:
+
+  data.batch_auto.max 0        global_batch_size x factor^3 (8x the start at factor 2);
+  data.micro_batch_size 0      global_batch_size: the starting batch is one micro-batch (it fits,
+                               as the config ran with it) and larger batches accumulate it;
+  optim.noise_scale_every 0    10: the measurements the rule reads;
+  optim.schedule_unit "steps"  "tokens" when every length the schedule uses is given in examples
+                               or tokens: they then mean the same whatever batches are chosen
+                               (examples x seq_len), while a schedule in steps would have to
+                               convert them through batches not yet decided.
+
+What stays ambiguous is refused by the config checks (trainer/config_checks.py): lengths in
+steps for a schedule in tokens or examples (and the reverse, when some lengths are in steps),
+a decaying schedule in tokens without a horizon in tokens or examples.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from optim.ramp import BatchRamp
+from optim.ramp import UNITS, BatchRamp
 
 TRIGGERS = ("noise_scale", "norm_test")
 DELAY = 2  # a measurement at step n (1-based) changes the batch from step n + DELAY
+DEFAULT_GROWTHS = 3  # data.batch_auto.max = 0: global_batch_size x factor^3
+DEFAULT_NOISE_SCALE_EVERY = 10  # optim.noise_scale_every = 0 under the autopilot
+NO_HORIZON = ("constant", "rsqrt")  # schedules that never read their horizon
+
+
+def with_defaults(cfg):
+  """(run config with the autopilot's defaults filled in, one line per value filled in) for a
+  run config (ConfigDict) under `data.batch_ramp = "auto"` (the module docstring); the config
+  itself when there is nothing to fill in. The input is not changed."""
+  d, o = cfg.data, cfg.optim
+  if d.batch_ramp != "auto":
+    return cfg, []
+  out, notes = cfg.copy_and_resolve_references(), []
+  start = int(d.global_batch_size)
+  if not d.batch_auto.max and int(d.batch_auto.factor) >= 2:
+    out.data.batch_auto.max = start * int(d.batch_auto.factor) ** DEFAULT_GROWTHS
+    notes.append(f"data.batch_auto.max=0: the batch may grow to {out.data.batch_auto.max} "
+                 f"sequences (data.global_batch_size={start} x factor {d.batch_auto.factor}^"
+                 f"{DEFAULT_GROWTHS}; set data.batch_auto.max to choose)")
+  if not d.micro_batch_size:
+    out.data.micro_batch_size = start
+    notes.append(f"data.micro_batch_size=0: micro-batches of {start} sequences (the starting "
+                 "batch); larger batches accumulate them")
+  if not o.noise_scale_every:
+    out.optim.noise_scale_every = DEFAULT_NOISE_SCALE_EVERY
+    notes.append(f"optim.noise_scale_every=0: the gradient noise scale is measured every "
+                 f"{DEFAULT_NOISE_SCALE_EVERY} steps")
+  lengths = schedule_lengths(o)
+  if o.schedule_unit == "steps" and lengths and all(u != "steps" for _, u, _ in lengths):
+    out.optim.schedule_unit = "tokens"
+    seq = int(d.seq_len)
+    given = ", ".join(f"optim.{w}_{u}={v:g}" + (f" = {v * seq:,.0f} tokens" if u == "examples"
+                                                 else "") for w, u, v in lengths)
+    notes.append(f"optim.schedule_unit='steps' -> 'tokens': the schedule's lengths are given in "
+                 f"examples or tokens ({given}), which a schedule in steps would convert through "
+                 "batches the autopilot has yet to choose")
+  return out, notes
+
+
+def schedule_lengths(optim_cfg) -> list[tuple[str, str, float | None]]:
+  """[(warmup | decay, unit, value)] of the lengths the schedule uses: each one set, and the
+  horizon's default when it is unset and the schedule reads it: ("decay", "steps", None), the
+  run's `steps`."""
+  out = []
+  for what in ("warmup", "decay"):
+    given = [(what, u, optim_cfg[f"{what}_{u}"]) for u in UNITS if optim_cfg[f"{what}_{u}"] > 0]
+    if not given and what == "decay" and optim_cfg.schedule not in NO_HORIZON:
+      given = [(what, "steps", None)]
+    out += given
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

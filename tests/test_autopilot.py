@@ -65,19 +65,51 @@ def test_state_round_trip_replays_the_ramp():
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    ({"optim.noise_scale_every": 0}, "set optim.noise_scale_every"),
     ({"data.batch_auto.max": 48}, "is not data.global_batch_size=16 x factor=2^k"),
     ({"data.batch_auto.max": 16}, "must exceed data.global_batch_size=16"),
     ({"data.batch_auto.trigger": "loss"}, "data.batch_auto.trigger='loss'"),
-    ({"data.micro_batch_size": 0}, "needs data.micro_batch_size"),
-    ({"optim.warmup_tokens": 0, "optim.warmup_steps": 5}, "optim.warmup_steps=5 would be converted through a batch not yet known"),
+    ({"optim.warmup_tokens": 0, "optim.warmup_steps": 5},
+     "optim.warmup_steps=5 would be converted through batches not yet chosen"),
     ({"optim.decay_tokens": 0}, "set the horizon as optim.decay_tokens"),
+    # a schedule in steps with some lengths in steps and some in examples: ambiguous
+    ({"optim.schedule_unit": "steps", "optim.warmup_tokens": 0, "optim.decay_tokens": 0,
+      "optim.warmup_examples": 64}, "optim.warmup_examples=64 would be converted"),
+    ({"optim.schedule_unit": "steps", "optim.schedule": "power", "optim.lr_rule": "none",
+      "optim.warmup_tokens": 0, "optim.decay_tokens": 0, "optim.warmup_steps": 2,
+      "optim.decay_steps": 50}, "set optim.schedule_unit='tokens'"),
 ])
 def test_config_errors(overrides, needle):
   import jax  # noqa: PLC0415
   cfg = tiny_config(**{**AUTO, **overrides})
   with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("^", r"\^")):
     validate(cfg, jax.devices())
+
+
+def test_defaults_make_auto_one_override():
+  """data.batch_ramp=auto alone on sweep_tiny (lengths in examples, a schedule in steps) and on
+  a config without micro-batches or noise measurements: the defaults are filled in on a copy,
+  each said in one line, and the result validates."""
+  import jax  # noqa: PLC0415
+  from optim.autopilot import with_defaults  # noqa: PLC0415
+  from trainer.cli import load  # noqa: PLC0415
+  cfg = load("configs/sweep_tiny.py", [("data.batch_ramp", "auto")])
+  out, notes = with_defaults(cfg)
+  assert (out.data.batch_auto.max, out.optim.schedule_unit) == (128, "tokens")
+  assert (cfg.data.batch_auto.max, cfg.optim.schedule_unit) == (0, "steps")  # input unchanged
+  assert len(notes) == 2 and "grow to 128 sequences" in notes[0]
+  assert "optim.warmup_examples=256 = 16,384 tokens" in notes[1]
+  assert validate(cfg, jax.devices()[:1])
+  # A schedule in tokens reads the examples exactly: 256 x 64 tokens of warmup.
+  from optim import BatchRamp, build_schedule  # noqa: PLC0415
+  sched = build_schedule(out.optim, out.steps, BatchRamp.from_config(out.data))
+  assert float(sched(8)) == pytest.approx(3e-3 * 8 * 16 / 256)  # at batch 16: 8 x 16 examples
+  bare = tiny_config(**{"data.batch_ramp": "auto"})  # lm_tiny-like: all lengths in steps
+  out, notes = with_defaults(bare)
+  assert (out.data.micro_batch_size, out.optim.noise_scale_every, out.data.batch_auto.max,
+          out.optim.schedule_unit) == (8, 10, 64, "steps")
+  assert len(notes) == 3
+  validate(bare, jax.devices()[:1])
+  assert with_defaults(tiny_config()) == (tiny_config(), [])  # no autopilot: nothing to do
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,3 +259,21 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
       ckpt.close()
   assert decisions[0] == decisions[1]
   assert [(c["step"], c["batch"]) for c in decisions[0]["changes"]] == [(4, 16), (6, 32)]
+
+
+def test_train_py_with_auto_alone_runs_and_prints_its_defaults(tmp_path, capsys):
+  """`python train.py --config configs/sweep_tiny.py --config.data.batch_ramp=auto` (a few
+  steps): runs to the end, and says which defaults it filled in and what it will do."""
+  import train  # noqa: PLC0415
+  code = train.main(["--config", "configs/sweep_tiny.py", "--workdir", str(tmp_path),
+                     "--config.data.batch_ramp=auto", "--config.steps=2",
+                     "--config.log_every=1", "--config.eval_every=0",  # one compiled step
+                     "--config.trainer.progress_bar=false"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "batch autopilot default: data.batch_auto.max=0: the batch may grow to 128" in out
+  assert "batch autopilot default: optim.schedule_unit='steps' -> 'tokens'" in out
+  assert "batch autopilot: 16 -> 32 -> 64 -> 128 sequences" in out
+  assert "schedule constant in tokens: warmup 16,384" in out
+  saved = json.loads((tmp_path / "config.json").read_text())  # the run's config, as it ran
+  assert saved["data"]["batch_auto"]["max"] == 128 and saved["optim"]["schedule_unit"] == "tokens"

@@ -125,3 +125,55 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
   c = losses(moved)
   np.testing.assert_allclose([c[s] for s in range(4, 7)], [a[s] for s in range(4, 7)],
                              rtol=1e-5)
+
+
+def test_every_model_field_is_classified_functional_or_not():
+  """Each key of the run config's `model` block (and each ModelConfig field) is in exactly one
+  of models/config.py's FUNCTIONAL / NOT_FUNCTIONAL: a new model key cannot escape the resume
+  and warm-start checks by being forgotten."""
+  from models.config import FUNCTIONAL, NOT_FUNCTIONAL, field_names
+  from trainer.config import default_config
+
+  def leaves(node, prefix=""):
+    return [k for key, v in node.items()
+            for k in (leaves(v, f"{prefix}{key}.") if hasattr(v, "items") else
+                      [prefix + key])]
+
+  fields = field_names()
+  assert sorted(leaves(default_config().model)) == sorted(fields)
+  unclassified = set(fields) - set(FUNCTIONAL) - set(NOT_FUNCTIONAL)
+  assert not unclassified, f"classify in models/config.py: {sorted(unclassified)}"
+  assert not set(FUNCTIONAL) & set(NOT_FUNCTIONAL)
+  assert sorted([*FUNCTIONAL, *NOT_FUNCTIONAL]) == sorted(fields)  # and no stale names
+
+
+def test_functional_differences_compare_what_the_weights_compute():
+  """Equal functions compare equal (defaults resolved, switched-off fields ignored); each
+  functional change is named; implementation choices are free."""
+  import dataclasses
+  from models.config import functional_differences, overrides_to_match
+  from models.moe import MoEConfig
+  from models.rope import RopeScaling
+  sp = ModelConfig(d_model=64, num_heads=4)
+  same = [dataclasses.replace(sp, head_dim=16),  # = d_model / num_heads
+          dataclasses.replace(sp, parametrization="mup"),  # base_width 0: m = 1, SP exactly
+          dataclasses.replace(sp, parametrization="mup", base_width=64),
+          dataclasses.replace(sp, rope_scaling=RopeScaling(factor=4.0)),  # type none
+          dataclasses.replace(sp, moe=MoEConfig(top_k=1)),  # dense: no router
+          dataclasses.replace(sp, dtype="bfloat16", remat="full", scan_unroll=2,
+                              attention="flash", logits_chunk=8, init_std=0.1)]
+  for other in same:
+    assert functional_differences(sp, other) == [], other
+  mup = dataclasses.replace(sp, parametrization="mup", base_width=32)
+  diff = functional_differences(mup, sp)
+  assert diff == [("parametrization", "mup", "sp"), ("base_width", 32, None)]
+  assert overrides_to_match(diff) == ("--config.model.parametrization=mup "
+                                      "--config.model.base_width=32")
+  assert overrides_to_match(functional_differences(sp, mup)) == \
+      "--config.model.parametrization=sp"
+  moe = dataclasses.replace(sp, moe=MoEConfig(num_experts=4, top_k=2))
+  assert functional_differences(moe, dataclasses.replace(moe, moe=MoEConfig(
+      num_experts=4, top_k=2, mlp_dim=sp.mlp_dim, capacity_factor=1.25, impl="megablox",
+      router_z_loss=0.0))) == []
+  assert functional_differences(moe, dataclasses.replace(moe, moe=MoEConfig(
+      num_experts=4, top_k=1))) == [("moe.top_k", 2, 1)]

@@ -31,6 +31,10 @@ TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
      "trainer.norm_metrics='false': choose one of log_steps, every_step, off"),
     (["--config.model.num_kv_heads=3"], "must divide model.num_heads=4"),
     (["--config.data.micro_batch_size=5"], "must divide data.global_batch_size=16"),
+    (["--config.eval_steps=0"], "eval_steps=0 with eval_every=100: an evaluation scores"),
+    (["--config.model.moe.shared_expert=True"],  # a width now: says so
+     "--config.model.moe.shared_expert='True': expected int"),
+    (["--config.steps=1.5"], "--config.steps='1.5': expected int"),
 ])
 def test_config_error_is_one_line_exit_2(args, needle, tmp_path, capsys):
   code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w")] + args)
@@ -63,10 +67,40 @@ def test_unknown_key_in_config_file(tmp_path):
 
 def test_overrides_parse_types():
   cfg = load(TINY, [("steps", "7"), ("optim.learning_rate", "1e-3"),
-                    ("model.tie_embeddings", "true"), ("optim.name", "lamb")])
+                    ("model.tie_embeddings", "true"), ("optim.name", "lamb"),
+                    ("optim.decay_tokens", "2e9"), ("model.moe.shared_expert", "384")])
   assert (cfg.steps, cfg.optim.learning_rate, cfg.model.tie_embeddings, cfg.optim.name) == (
       7, 1e-3, True, "lamb")
+  assert (cfg.optim.decay_tokens, cfg.model.moe.shared_expert) == (2_000_000_000, 384)
+  assert type(cfg.optim.decay_tokens) is int
   assert set(default_config().keys()) == set(cfg.keys())
+
+
+def test_eval_steps_zero_is_fine_without_evaluation():
+  from trainer.config_checks import validate
+  validate(load(TINY, [("eval_steps", "0"), ("eval_every", "0")]), 1)
+
+
+def test_documented_overrides_parse():
+  """Every `--config.KEY=VALUE` and `KEY=VALUE` the docs show parses with the key's type
+  (skipped: placeholders -- one letter, capitals like DIR, `...`, `<...>` -- generic examples
+  like a.b, and mesh shapes like `data=8`, which name a group)."""
+  import glob
+  import re
+  from trainer.cli import apply_override
+  top = "|".join(default_config().keys())
+  pattern = re.compile(r"(?:--config\.|`)((?:%s)(?:\.[a-z_0-9]+)*)=([^\s`|)\]'\\,]*)" % top)
+  found = 0
+  for path in [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md")):
+    with open(path) as f:
+      text = f.read()
+    for key, value in pattern.findall(text):
+      if re.fullmatch(r"[A-Za-z]|[A-Z_]+|\.\.\.|<.*", value) or key in top.split("|") and \
+          hasattr(default_config()[key], "keys"):
+        continue
+      apply_override(default_config(), key, value.strip('"'))
+      found += 1
+  assert found > 30
 
 
 def test_real_process_exit_code(tmp_path):

@@ -1,5 +1,6 @@
 """Whole-split evaluation: every target once, packed evaluation equals document-by-document
-evaluation, bits per byte from the bytes of the split, the EMA weights beside the raw ones."""
+evaluation, disjoint and sliding windows (`--stride`), bits per byte from the bytes of the
+split, the EMA weights beside the raw ones."""
 import json
 import math
 import os
@@ -13,17 +14,19 @@ from tests.conftest import tiny_config
 from tools import evaluate as evaluate_cli
 from tools.convert import mesh_from_overrides
 from tools import generate as generate_cli
-from trainer.evaluation import packed_rows, split_documents
+from trainer import evaluation
+from trainer.evaluation import packed_rows, split_documents, windows
 from trainer.inference import restore_with_ema
 from trainer.loop import Run
 
 SEQ = 32
 
 
-def test_packed_rows_predict_every_token_but_the_first_once():
+@pytest.mark.parametrize("stride", [None, SEQ, 7, 1])
+def test_packed_rows_predict_every_token_but_the_first_once(stride):
   rng = np.random.default_rng(0)
   docs = [rng.integers(0, 100, n).astype(np.int32) for n in (1, 2, 5, 33, 34, 70, 100)]
-  rows = list(packed_rows(iter(docs), SEQ))
+  rows = list(packed_rows(iter(docs), SEQ, stride))
   assert sum(int(r["loss_mask"].sum()) for r in rows) == sum(len(d) - 1 for d in docs)
   got = sorted(int(t) for r in rows for t in r["targets"][r["loss_mask"]])
   assert got == sorted(int(t) for d in docs for t in d[1:])
@@ -31,6 +34,18 @@ def test_packed_rows_predict_every_token_but_the_first_once():
     seg, pos = r["segment_ids"], r["positions"]
     starts = np.r_[True, seg[1:] != seg[:-1]] & (seg > 0)
     assert (pos[starts] == 0).all()
+    assert not (r["loss_mask"] & (seg == 0)).any()
+  # Each document's targets in order, each once, with at least seq_len - stride + 1 tokens of
+  # context (all earlier ones when there are fewer).
+  context = SEQ - (stride or SEQ) + 1
+  for doc in docs:
+    scored = []
+    for w, n in windows(doc, SEQ, stride):
+      assert len(w) <= SEQ + 1 and 1 <= n <= len(w) - 1
+      first = len(scored) + 1  # the document index of this window's first scored target
+      assert len(w) - n >= min(context, first)
+      scored += list(w[len(w) - n:])
+    assert scored == list(doc[1:])
 
 
 def make_data(out_dir, texts):
@@ -43,40 +58,60 @@ def make_data(out_dir, texts):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A 3-step run with a parameter EMA on a small prepared dataset."""
+  """A 60-step run with a parameter EMA on a small prepared dataset (long enough to have
+  learnt to use its context)."""
   root = tmp_path_factory.mktemp("eval")
   texts = [f"document {i}: " + "the quick brown fox é " * (i % 5 + 1) for i in range(60)]
   data_dir = make_data(str(root / "data"), texts)
-  cfg = tiny_config(**{"steps": 3, "data.dir": data_dir, "data.seq_len": SEQ,
-                       "optim.ema_decay": 0.5})
+  cfg = tiny_config(**{"steps": 60, "log_every": 20, "data.dir": data_dir,
+                       "data.seq_len": SEQ, "optim.ema_decay": 0.9})
   Run(cfg, str(root / "run")).train()
   return str(root / "run"), data_dir
 
 
-def test_whole_split_matches_document_by_document(run, tmp_path):
+def _evaluate(workdir, out, *extra):
+  assert evaluate_cli.main(["--checkpoint", workdir, "--batch_size", "8", "--json", str(out),
+                            *extra]) == 0
+  return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stride", [None, 8])
+def test_whole_split_matches_a_direct_computation(run, tmp_path, stride):
+  """tools.evaluate (packed windows, batched) against Hugging Face's sliding-window loop
+  written out by hand: one document and one window at a time, unpacked, windows of
+  max_length = SEQ + 1 tokens (SEQ inputs) every `stride` tokens, each scoring the targets
+  past the previous window's end; stride = SEQ is the disjoint mode (the default)."""
   workdir, data_dir = run
-  out = tmp_path / "eval.json"
-  assert evaluate_cli.main(["--checkpoint", workdir, "--batch_size", "8",
-                            "--json", str(out)]) == 0
-  result = json.loads(out.read_text())
-  assert set(result) >= {"params", "ema"}
+  result = _evaluate(workdir, tmp_path / "eval.json", *(["--stride", str(stride)] if stride
+                                                        else []))
+  assert set(result) >= {"params", "ema"} and result["stride"] == (stride or SEQ)
   assert result["params"]["loss"] != result["ema"]["loss"]
 
-  # Reference: each document's windows evaluated alone, unpacked, one at a time.
   mesh = mesh_from_overrides([])
   spec, weights, _ = restore_with_ema(workdir, mesh)
   forward = jax.jit(lambda p, t: spec.model(p)(t))
+  max_length, step = SEQ + 1, stride or SEQ
   nats, count = 0.0, 0
   for doc in split_documents(data_dir, "validation"):
-    for start in range(0, len(doc) - 1, SEQ):
-      w = doc[start:start + SEQ + 1]
-      logits = np.asarray(forward(weights["ema"], w[None, :-1]))[0]
-      logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                                                                                 keepdims=True)) \
-          - logits.max(-1, keepdims=True)
-      nats -= float(logp[np.arange(len(w) - 1), w[1:]].sum())
-      count += len(w) - 1
+    prev_end = 0
+    for begin in range(0, len(doc), step):
+      end = min(begin + max_length, len(doc))
+      ids = doc[begin:end]
+      n = min(end - prev_end, len(ids) - 1)  # the targets no window scored yet
+      if n > 0:  # inputs right-padded to SEQ (one compile; a causal model ignores the pad)
+        inputs = np.zeros((1, SEQ), np.int32)
+        inputs[0, :len(ids) - 1] = ids[:-1]
+        logits = np.asarray(forward(weights["ema"], inputs), np.float64)[0, :len(ids) - 1]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        picked = logp[np.arange(len(ids) - 1), ids[1:]]
+        nats -= float(picked[-n:].sum())
+        count += n
+      prev_end = end
+      if end == len(doc):
+        break
   n_bytes = sum(int((doc < 256).sum()) for doc in split_documents(data_dir, "validation"))
+  assert count == sum(max(len(d) - 1, 0) for d in split_documents(data_dir, "validation"))
   ema = result["ema"]
   assert ema["tokens"] == count and ema["bytes"] == n_bytes
   assert ema["loss"] == pytest.approx(nats / count, rel=1e-5)
@@ -84,10 +119,55 @@ def test_whole_split_matches_document_by_document(run, tmp_path):
   assert ema["bits_per_byte"] == pytest.approx(nats / math.log(2) / n_bytes, rel=1e-5)
 
 
+def test_stride_seq_len_is_the_disjoint_mode_and_more_context_scores_lower(run, tmp_path):
+  workdir, _ = run
+  disjoint = _evaluate(workdir, tmp_path / "a.json")
+  same = _evaluate(workdir, tmp_path / "b.json", "--stride", str(SEQ))
+  sliding = _evaluate(workdir, tmp_path / "c.json", "--stride", "8")
+  assert same == disjoint
+  for name in ("params", "ema"):
+    assert sliding[name]["tokens"] == disjoint[name]["tokens"]  # every token once, both ways
+    assert sliding[name]["loss"] < disjoint[name]["loss"]  # >= 25 tokens of context, not 1
+
+
+def test_evaluate_refuses_a_stride_longer_than_the_windows(run, capsys):
+  workdir, _ = run
+  assert evaluate_cli.main(["--checkpoint", workdir, "--stride", str(SEQ + 1)]) == 2
+  err = capsys.readouterr().err
+  assert f"--stride {SEQ + 1}: give 1 to seq_len={SEQ}" in err
+  assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_split_with_nothing_to_score_has_no_loss_not_zero(run, monkeypatch):
+  workdir, data_dir = run
+  monkeypatch.setattr(evaluation, "split_documents", lambda *_: iter([np.array([7], np.int32)]))
+  spec, weights, _ = restore_with_ema(workdir, mesh_from_overrides([]))
+  out = evaluation.evaluate_split(spec, weights, data_dir, "validation", seq_len=SEQ,
+                                  batch_rows=8, decode=str)
+  assert out["params"]["tokens"] == 0 and math.isnan(out["params"]["loss"])
+  assert math.isnan(out["params"]["bits_per_byte"])
+
+
+def test_an_in_training_evaluation_of_nothing_is_nan_not_zero(data_dir):
+  """eval_steps=0 is refused by the config checks (tests/test_config.py); an evaluator built
+  without them scores nothing, and says so with NaN, never a perfect 0."""
+  from data import mixture
+  from sharding import make_mesh
+  from trainer.periodic_eval import make_evaluator
+  from trainer.program import Program
+  from trainer.state import init_state
+  cfg = tiny_config(eval_steps=0)
+  program = Program(cfg, make_mesh(cfg.mesh))
+  evaluate = make_evaluator(program, [mixture.Source("data", data_dir)],
+                            tuple(range(program.micro_rows)))
+  row = evaluate(init_state(program.spec, program.tx))
+  assert math.isnan(row["eval_loss"]) and math.isnan(row["eval_bpb"])
+
+
 def test_generate_from_a_training_run_with_text(run, capsys):
   workdir, _ = run
   args = ["--checkpoint", workdir, "--prompt", "the quick", "--prompt", "a",
-          "--max_new_tokens", "5", "--temperature", "0.7", "--top_k", "20", "--seed", "3"]
+          "--max_new_tokens", "24", "--temperature", "1.5", "--top_k", "0", "--seed", "3"]
   assert generate_cli.main(args) == 0
   lines = capsys.readouterr().out.strip().splitlines()
   assert lines[-2].startswith("'the quick' -> ") and lines[-1].startswith("'a' -> ")

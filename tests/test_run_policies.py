@@ -97,9 +97,13 @@ def test_mismatched_config_is_refused(tmp_path):
     _run(tmp_path, **{"steps": 4, "model.d_model": 64})
   with pytest.raises(CheckpointError, match="rows per micro-batch"):
     _run(tmp_path, **{"steps": 4, "data.global_batch_size": 16})
-  # Run length, logging, checkpoint intervals and the learning rate may change.
+  # Same shapes, another function: an SP checkpoint does not resume as muP.
+  with pytest.raises(CheckpointError, match="model.parametrization='sp', the config has 'mup'"):
+    _run(tmp_path, **{"steps": 4, "model.parametrization": "mup", "model.base_width": 16})
+  # Run length, logging, checkpoint intervals and the learning rate may change, and muP at its
+  # base width (SP exactly; models/config.py compares what the weights compute).
   result = _run(tmp_path, **{"steps": 4, "log_every": 2, "checkpoint.every_steps": 1,
-                             "optim.learning_rate": 5e-3})
+                             "optim.learning_rate": 5e-3, "model.parametrization": "mup"})
   assert result.status == "done" and result.step == 4
 
 
@@ -122,3 +126,7 @@ def test_init_from_loads_parameters_only(tmp_path):
   with pytest.raises(CheckpointError, match="run with --config.model.rope_theta=10000.0"):
     Run(tiny_config(**{"checkpoint.init_from": str(source), "model.rope_theta": 5e5}),
         str(tmp_path / "rope")).train()
+  with pytest.raises(CheckpointError, match="model.parametrization='sp', the config has 'mup'; "
+                     "run with --config.model.parametrization=sp$"):
+    Run(tiny_config(**{"checkpoint.init_from": str(source), "model.parametrization": "mup",
+                       "model.base_width": 16}), str(tmp_path / "mup")).train()

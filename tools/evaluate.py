@@ -1,12 +1,17 @@
 """Loss, perplexity and bits per byte of a model over a whole data split (trainer/evaluation.py).
 
     python -m tools.evaluate --checkpoint SRC --data DIR [--split validation] \
-        [--seq_len 128] [--batch_size 16] [--config.mesh.AXIS=N ...]
+        [--seq_len 128] [--stride 64] [--batch_size 16] [--config.mesh.AXIS=N ...]
 
 SRC is a training workdir (newest checkpoint), a step dir, or a converted dir. --data defaults
-to the training run's data dir and --seq_len to its sequence length. When the checkpoint kept a
-parameter EMA (optim.ema_decay > 0), the EMA weights are evaluated too, in the same pass.
-Prints one line per weight set and writes them as JSON with --json PATH.
+to the training run's data dir and --seq_len to its sequence length. Every token of every
+document but its first is scored exactly once, in windows of seq_len inputs that start a fresh
+context: with --stride equal to seq_len (the default) the windows are disjoint and a token sees
+only the tokens since its window's start (from 1 to seq_len); with a smaller --stride (the
+sliding-window perplexity of Hugging Face's guide) each token sees at least seq_len - stride + 1
+tokens, at seq_len / stride times the compute. When the checkpoint kept a parameter EMA
+(optim.ema_decay > 0), the EMA weights are evaluated too, in the same pass. Prints one line per
+weight set and writes them as JSON with --json PATH.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ def build_parser():
   parser.add_argument("--data", default="", help="prepared data dir (default: the run's)")
   parser.add_argument("--split", default="validation")
   parser.add_argument("--seq_len", type=int, default=0, help="0: the run's data.seq_len")
+  parser.add_argument("--stride", type=int, default=0,
+                      help="tokens between window starts, 1..seq_len; 0: seq_len (disjoint)")
   parser.add_argument("--batch_size", type=int, default=0,
                       help="rows per batch; 0: 4 per data-parallel device")
   parser.add_argument("--json", default="", help="also write the results to this file")
@@ -61,6 +68,9 @@ def main(argv: list[str]) -> int:
     seq_len = args.seq_len or run_data.get("seq_len") or 0
     if seq_len <= 0:
       parser.error("--seq_len: give the sequence length (the checkpoint does not name one)")
+    stride = args.stride or seq_len
+    if not 1 <= stride <= seq_len:
+      parser.error(f"--stride {args.stride}: give 1 to seq_len={seq_len} (0 = seq_len)")
     dp = data_parallel_size(dict(mesh.shape))
     rows = args.batch_size or 4 * dp
     if rows % dp:
@@ -74,14 +84,15 @@ def main(argv: list[str]) -> int:
     return 2
   tok = data_tokenizer(data_dir)
   results = evaluate_split(spec, weights, data_dir, args.split, seq_len=seq_len,
-                           batch_rows=rows, decode=tok.decode, log=print)
+                           batch_rows=rows, decode=tok.decode, stride=stride, log=print)
   for name, r in results.items():
     print(f"{args.split} [{name}]: loss={r['loss']:.4f} perplexity={r['perplexity']:.3f} "
-          f"bits_per_byte={r['bits_per_byte']:.4f} tokens={r['tokens']} bytes={r['bytes']}")
+          f"bits_per_byte={r['bits_per_byte']:.4f} tokens={r['tokens']} bytes={r['bytes']} "
+          f"(seq_len={seq_len} stride={stride})")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"checkpoint": args.checkpoint, "data": data_dir, "split": args.split,
-                 "seq_len": seq_len, **results}, f, indent=1)
+                 "seq_len": seq_len, "stride": stride, **results}, f, indent=1)
   return 0
 
 

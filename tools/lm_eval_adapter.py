@@ -106,7 +106,7 @@ class ScaletrainLM(LM):
     out = []
     for req in requests:
       tokens = np.asarray(self._encode(req.args[0]))
-      rows = [(list(w), len(w) - 1) for w in windows(tokens, self.max_length)]
+      rows = [(list(w), n) for w, n in windows(tokens, self.max_length)]
       out.append(sum(lp for lp, _ in self._score_rows(rows)) if rows else 0.0)
     return out
 

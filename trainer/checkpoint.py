@@ -40,6 +40,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data import pipeline
+from models.config import ModelConfig, functional_differences
 
 
 SAVE_SWITCH_INTERVAL = 2e-4  # seconds; see _short_gil_switch_interval
@@ -49,11 +50,11 @@ class CheckpointError(RuntimeError):
   """A checkpoint problem the user must act on (reported in one line, exit code 2)."""
 
 
-# Config keys that must agree between a checkpoint and the run restoring it. Everything else
-# (steps, mesh, learning rate, intervals, logging, ...) may change between restarts.
-MUST_MATCH = ("model.vocab_size", "model.d_model", "model.num_layers", "model.num_heads",
-              "model.num_kv_heads", "model.head_dim", "model.mlp_dim", "model.tie_embeddings",
-              "model.param_dtype", "optim.name", "data.seq_len")
+# Config keys that must agree between a checkpoint and the run restoring it: every model field
+# that changes what the weights compute (models/config.py FUNCTIONAL, compared as the weights see
+# them), and these, which the rest of the saved state depends on. Everything else (steps, mesh,
+# learning rate, intervals, logging, ...) may change between restarts.
+MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len")
 
 
 def _get(tree: dict, dotted: str):
@@ -90,6 +91,12 @@ def describe_mismatch(saved_config: dict, config: dict, saved_tree, target_tree)
   Compares the key config values first (for a message in the user's terms), then every array
   path and shape of the saved tree (None: not readable, skipped) against the target.
   """
+  if "model" in saved_config and "model" in config:
+    differences = functional_differences(ModelConfig.from_config(saved_config["model"]),
+                                         ModelConfig.from_config(config["model"]))
+    if differences:
+      key, a, b = differences[0]
+      return f"it was written with model.{key}={a!r}, the config has {b!r}"
   for key in MUST_MATCH:
     a, b = _get(saved_config, key), _get(config, key)
     if a is not None and a != b:

@@ -102,6 +102,8 @@ def _parse_value(text: str, current, key: str):
       raise ValueError
     if kind is int:
       value = ast.literal_eval(text)
+      if isinstance(value, float) and value.is_integer():  # 2e9 tokens, 1e6 steps
+        value = int(value)
       if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError
       return value
@@ -206,6 +208,8 @@ def _merge(dst, src, where, prefix=""):
     want = type(dst[key])
     if want is float and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
+    if want is int and isinstance(value, float) and value.is_integer():  # 2e9 tokens
+      value = int(value)
     if type(value) is not want:
       raise ConfigError(f"{where}: {prefix}{key}={value!r} should be a {want.__name__}")
     dst[key] = value

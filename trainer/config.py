@@ -55,12 +55,12 @@ def default_config() -> ml_collections.ConfigDict:
           type="none", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
           original_max_position_embeddings=8192)),
       # mixture of experts (models/moe.py): num_experts experts of width mlp_dim (0 = the
-      # model's mlp_dim), top_k per token, in every `every`-th layer (1 = all); a shared expert
-      # of that width (True = mlp_dim; 0 = none); capacity per expert and sequence
-      # ceil(capacity_factor * seq_len * top_k / num_experts), assignments beyond it dropped
-      # (0 = dropless); coefficients of the router z-loss and the load-balancing loss, whose
-      # statistics are over the "global" batch (all micro-batches and devices) or each
-      # "micro_batch"; num_experts 0 = a dense model
+      # model's mlp_dim), top_k per token, in every `every`-th layer (1 = all); shared_expert:
+      # the width of a dense SwiGLU every token also goes through (0 = none); capacity per expert
+      # and sequence ceil(capacity_factor * seq_len * top_k / num_experts), assignments beyond
+      # it dropped (0 = dropless); coefficients of the router z-loss and the load-balancing
+      # loss, whose statistics are over the "global" batch (all micro-batches and devices) or
+      # each "micro_batch"; num_experts 0 = a dense model
       moe=ml_collections.ConfigDict(dict(
           num_experts=0, top_k=2, mlp_dim=0, every=1, shared_expert=0, capacity_factor=0.0,
           router_z_loss=1e-3, load_balance_loss=1e-2, balance_scope="global",

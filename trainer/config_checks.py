@@ -73,9 +73,8 @@ def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   _need(moe.num_experts % expert == 0,
         f"model.moe.num_experts={moe.num_experts} does not split over mesh.expert={expert}; "
         f"use a mesh.expert that divides {moe.num_experts}")
-  shared = moe.shared_expert
   widths = {"model.moe.mlp_dim": moe.mlp_dim or m.mlp_dim,
-            "model.moe.shared_expert": (moe.mlp_dim or m.mlp_dim) if shared is True else shared}
+            "model.moe.shared_expert": moe.shared_expert}
   for key, width in widths.items():
     _need(width % tensor == 0, f"{key}: width {width} does not split over mesh.tensor={tensor}; "
           f"use a multiple of {tensor}")
@@ -147,29 +146,25 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
 
 
 def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
-  """data.batch_auto.* (optim/autopilot.py); returns the batches it may choose."""
-  from optim.autopilot import AutoConfig, check  # noqa: PLC0415
+  """data.batch_auto.* (optim/autopilot.py), on the config with the autopilot's defaults filled
+  in (`with_defaults`); returns the batches it may choose."""
+  from optim.autopilot import AutoConfig, check, schedule_lengths  # noqa: PLC0415
   o, d = cfg.optim, cfg.data
-  _need(d.micro_batch_size > 0, "data.batch_ramp='auto' needs data.micro_batch_size: every "
-        "batch is a number of micro-batches of that fixed shape")
-  _need(o.noise_scale_every > 0, "data.batch_ramp='auto' follows the gradient noise scale: set "
-        "optim.noise_scale_every (e.g. 10), the steps between measurements")
   reason = check(d, micro)
   _need(reason is None, reason or "")
   # Lengths in another unit than the schedule's are converted through the ramp when the
   # optimizer is built, before the autopilot has decided anything: refuse them.
   unit = o.schedule_unit
-  other = [f"optim.{w}_{u}={o[f'{w}_{u}']}" for w in ("warmup", "decay")
-           for u in ("steps", "examples", "tokens")
-           if o[f"{w}_{u}"] > 0 and (u == "steps") != (unit == "steps")]
-  _need(not other, f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: "
-        f"{other[0] if other else ''} would be converted through a batch not yet known; "
-        f"give lengths in {unit} "
-        "(tokens recommended: the schedule then keeps its shape in tokens as the batch grows)")
-  _need(unit == "steps" or o.decay_examples > 0 or o.decay_tokens > 0 or
-        o.schedule in ("constant", "rsqrt"),
+  other = [(w, u, v) for w, u, v in schedule_lengths(o) if (u == "steps") != (unit == "steps")]
+  _need(not any(v is None for *_, v in other),
         f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: set the horizon as "
-        f"optim.decay_{unit} (the default, `steps`, depends on the batches still to be chosen)")
+        f"optim.decay_{unit} (unset, it is `steps` steps, whose {unit} depend on the batches "
+        "still to be chosen)")
+  _need(not other, f"data.batch_ramp='auto' with optim.schedule_unit={unit!r}: "
+        + (f"optim.{other[0][0]}_{other[0][1]}={other[0][2]}" if other else "")
+        + " would be converted through batches not yet chosen; give every length of the "
+        "schedule in steps, or every one in examples or tokens (the schedule then runs in "
+        "tokens and keeps its shape in tokens as the batch grows)")
   _need(o.schedule != "power" or unit != "steps", "data.batch_ramp='auto' with "
         "optim.schedule='power': set optim.schedule_unit='tokens' (the power law reads tokens)")
   return AutoConfig.from_config(d).sizes()
@@ -218,16 +213,21 @@ def _check_logging(cfg: ml_collections.ConfigDict) -> None:
 def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   """Check the whole config against itself and the devices the run will use (a list: their
   count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
-  from models.llama import (  # noqa: PLC0415
-      ATTENTION_IMPLS, DTYPES, PARAMETRIZATIONS, REMAT_POLICIES)
+  from models.config import PARAMETRIZATIONS  # noqa: PLC0415
+  from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
   from models.rope import ROPE_SCALING_TYPES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
+  from optim.autopilot import with_defaults  # noqa: PLC0415
   from optim.factory import MUP_OPTIMIZERS  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
   for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
                      ("checkpoint.every_steps", cfg.checkpoint.every_steps)):
     _need(value >= 0, f"{key}={value}: must be >= 0")
+  _need(cfg.eval_steps >= 1 or not cfg.eval_every,
+        f"eval_steps={cfg.eval_steps} with eval_every={cfg.eval_every}: an evaluation scores "
+        "eval_steps validation batches, so give at least 1 (or eval_every=0: no evaluation; "
+        "python -m tools.evaluate scores a whole split)")
   _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
   _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
 
@@ -336,7 +336,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
         f"optim.trust_coefficient={o.trust_coefficient}: must be > 0 (0 = the optimizer's "
         "default)")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
-  _check_batch_science(cfg, dp)
+  # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) as the run fills
+  # them in (trainer/program.py)
+  _check_batch_science(with_defaults(cfg)[0], dp)
 
   check_distributed(cfg.distributed)
 

@@ -1,14 +1,29 @@
 """Loss, perplexity and bits per byte over a whole split (every document once, no sampling).
 
-Each document is cut into windows of `seq_len + 1` tokens that overlap by one token, so every
-token after a document's first is a target exactly once; a window starts a fresh context
-(positions from 0), as training sequences do. Windows are packed back to back into rows of
-`seq_len + 1` (segment ids keep them apart) and rows into fixed-size batches, so one program
-is compiled; the last batch is padded with empty rows that carry no loss.
+Each document is scored on its own, every token after its first exactly once, in windows of at
+most `seq_len` inputs (`windows`), each starting a fresh context (positions from 0):
+
+  stride = seq_len (the default): disjoint windows of seq_len + 1 tokens that overlap by one,
+      so every target is scored once, but with only the tokens since its window's start as
+      context: the first target of a window sees 1 token, the last seq_len.
+  stride < seq_len: the sliding-window protocol (Hugging Face's "Perplexity of fixed-length
+      models"): windows start every `stride` tokens and each scores only the targets the one
+      before did not reach (the last `stride` of its seq_len; the first window all of them), so
+      every target is still scored once, with at least seq_len - stride + 1 tokens of context
+      (all the document's earlier tokens when fewer). Costs about seq_len / stride times the
+      forward passes; stride 1 gives every target seq_len tokens of context (or all earlier
+      ones), the most a model trained at seq_len can use.
+
+Windows are packed back to back into rows of `seq_len + 1` (segment ids keep them apart, a
+loss mask marks the scored targets) and rows into fixed-size batches, so one program is
+compiled; the last batch is padded with empty rows that carry no loss.
 
 Bits per byte = total cross-entropy in bits / UTF-8 bytes of the split's text: the split's
 byte count from meta.json when the data preparation recorded it (`splits.<split>.bytes`),
 else counted by decoding every document with the data's tokenizer.
+
+The `eval_loss` a training run logs is another measurement: the first `eval_steps` batches of
+the validation stream packed as training rows (trainer/periodic_eval.py).
 """
 from __future__ import annotations
 
@@ -24,34 +39,49 @@ from sharding.mesh import batch_sharding
 from trainer.step import loss_sums
 
 
-def windows(tokens: np.ndarray, seq_len: int) -> Iterator[np.ndarray]:
-  """Windows of at most seq_len + 1 tokens overlapping by one; together they predict every
-  token but the first exactly once."""
-  for start in range(0, max(len(tokens) - 1, 0), seq_len):
-    yield tokens[start:start + seq_len + 1]
+def windows(tokens: np.ndarray, seq_len: int,
+            stride: int | None = None) -> Iterator[tuple[np.ndarray, int]]:
+  """(window, scored) pairs: windows of at most seq_len + 1 tokens starting every `stride`
+  (default seq_len: disjoint, overlapping by one), each to be scored on its last `scored`
+  targets, the ones no earlier window reached; together they score every token but the first
+  exactly once (the module docstring)."""
+  stride = stride or seq_len
+  if not 1 <= stride <= seq_len:
+    raise ValueError(f"stride {stride} must be between 1 and seq_len={seq_len}")
+  last, done = len(tokens) - 1, 0  # index of the last target; targets 1..done are scored
+  for start in range(0, max(last, 0), stride):
+    end = min(start + seq_len, last)  # this window's last target
+    yield tokens[start:end + 1], end - done
+    done = end
+    if end == last:
+      break
 
 
-def packed_rows(docs: Iterator[np.ndarray], seq_len: int) -> Iterator[dict[str, np.ndarray]]:
-  """Rows of seq_len (+1 shifted) with inputs/targets/positions/segment_ids/loss_mask."""
+def packed_rows(docs: Iterator[np.ndarray], seq_len: int,
+                stride: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+  """Rows of seq_len (+1 shifted) with inputs/targets/positions/segment_ids/loss_mask, the
+  windows of `windows` packed back to back; loss_mask marks each window's scored targets."""
   width = seq_len + 1
   tokens, segments, positions = (np.zeros(width, np.int32) for _ in range(3))
+  scored = np.zeros(width, bool)  # the token at this index is a scored target
   used, seg = 0, 0
 
   def emit():
     return {"inputs": tokens[:-1].copy(), "targets": tokens[1:].copy(),
             "positions": positions[:-1].copy(), "segment_ids": segments[:-1].copy(),
-            "loss_mask": (segments[1:] == segments[:-1]) & (segments[:-1] > 0)}
+            "loss_mask": scored[1:].copy()}
 
   for doc in docs:
-    for w in windows(doc, seq_len):
+    for w, n in windows(doc, seq_len, stride):
       if used + len(w) > width:
         yield emit()
-        tokens[:], segments[:], positions[:] = 0, 0, 0
+        tokens[:], segments[:], positions[:], scored[:] = 0, 0, 0, False
         used, seg = 0, 0
       seg += 1
       tokens[used:used + len(w)] = w
       segments[used:used + len(w)] = seg
       positions[used:used + len(w)] = np.arange(len(w))
+      scored[used + len(w) - n:used + len(w)] = True
       used += len(w)
   if used:
     yield emit()
@@ -74,14 +104,16 @@ def split_bytes(data_dir: str, split: str, decode: Callable[[np.ndarray], str]) 
 
 def evaluate_split(spec, params_by_name: dict, data_dir: str, split: str, *, seq_len: int,
                    batch_rows: int, decode: Callable[[np.ndarray], str],
+                   stride: int | None = None,
                    log: Callable[[str], None] | None = None) -> dict[str, dict[str, float]]:
   """{name: {loss, perplexity, bits_per_byte, tokens, bytes}} for each parameter set (e.g.
-  {"params": ..., "ema": ...}), all evaluated in one pass over the split."""
+  {"params": ..., "ema": ...}), all evaluated in one pass over the split, in windows of
+  `seq_len` every `stride` tokens (default seq_len; the module docstring)."""
   mesh = spec.mesh
   sharding = batch_sharding(mesh)
   step = jax.jit(lambda p, b: loss_sums(spec, p, b), out_shardings=None)
   totals = {name: [0.0, 0.0] for name in params_by_name}
-  rows = packed_rows(split_documents(data_dir, split), seq_len)
+  rows = packed_rows(split_documents(data_dir, split), seq_len, stride)
   batches = 0
   with jax.set_mesh(mesh):
     while True:
@@ -102,8 +134,8 @@ def evaluate_split(spec, params_by_name: dict, data_dir: str, split: str, *, seq
   n_bytes = split_bytes(data_dir, split, decode)
   out = {}
   for name, (nats, tokens) in totals.items():
-    loss = nats / max(tokens, 1.0)
+    loss = nats / tokens if tokens else math.nan  # nothing scored: no score, not 0
     out[name] = {"loss": loss, "perplexity": math.exp(loss),
-                 "bits_per_byte": nats / math.log(2) / max(n_bytes, 1),
+                 "bits_per_byte": nats / math.log(2) / max(n_bytes, 1) if tokens else math.nan,
                  "tokens": int(tokens), "bytes": n_bytes}
   return out

@@ -13,7 +13,6 @@ Every source carries its model config, so no command that reads one asks for dim
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ import jax
 import ml_collections
 import orbax.checkpoint as ocp
 
-from models.llama import ModelConfig
+from models.config import ModelConfig, functional_differences, overrides_to_match
 from trainer.checkpoint import CheckpointError, load_params, resolve_step_dir
 from trainer.state import ModelSpec
 
@@ -180,28 +179,14 @@ def data_tokenizer(data_dir: str):
   return tokenizer.load_tokenizer(data_dir)
 
 
-# Model fields that change what a set of weights computes; a source converted or trained with
-# other values would load (the shapes agree) and silently compute something else.
-FUNCTIONAL_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                     "dim_per_head", "mlp_dim", "rope_theta", "norm_eps", "tie_embeddings",
-                     "rope_scaling")
-
-
 def init_from_mismatch(src: str, model_cfg: ModelConfig) -> str | None:
-  """None if `src` (for checkpoint.init_from) was made with the same model as `model_cfg`,
-  else one line naming the first differing key and the override that would fix it."""
+  """None if `src` (for checkpoint.init_from) was made with a model that computes what
+  `model_cfg` does (models/config.py FUNCTIONAL), else one line naming the first differing key
+  and the overrides that would fix it."""
   _, config = source_config(src)
-  saved = model_config(config)
-  for field in FUNCTIONAL_FIELDS:
-    a, b = getattr(saved, field), getattr(model_cfg, field)
-    if a != b:
-      key = "head_dim" if field == "dim_per_head" else field
-      if field == "rope_scaling":
-        fix = " ".join(f"--config.model.rope_scaling.{k}={v}" for k, v in
-                       dataclasses.asdict(a).items())
-        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
-      else:
-        fix = f"--config.model.{key}={a}"
-      return (f"checkpoint.init_from={src!r} holds a model with model.{key}={a!r}, the config "
-              f"has {b!r}; run with {fix}")
-  return None
+  differences = functional_differences(model_config(config), model_cfg)
+  if not differences:
+    return None
+  key, a, b = differences[0]
+  return (f"checkpoint.init_from={src!r} holds a model with model.{key}={a!r}, the config has "
+          f"{b!r}; run with {overrides_to_match(differences)}")

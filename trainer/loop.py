@@ -121,6 +121,7 @@ class Run:
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
     self.mesh = make_mesh(cfg.mesh)
     self.program = p = Program(cfg, self.mesh)
+    self.cfg = cfg = p.cfg  # with the batch autopilot's defaults filled in (logged at start)
     self.micro_rows, self.num_micro = p.micro_rows, p.num_micro
     self.model_cfg, self.spec, self.tx = p.model_cfg, p.spec, p.tx
     self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
@@ -209,7 +210,8 @@ class Run:
           self.autopilot.load_state_dict(saved)
       return restored
     if self.cfg.checkpoint.init_from:
-      # Shapes alone miss a different rope_theta / rope scaling / norm eps: name it.
+      # Shapes alone miss a different rope_theta, rope scaling, norm eps, parametrization or
+      # router top_k (models/config.py FUNCTIONAL): name it.
       reason = init_from_mismatch(self.cfg.checkpoint.init_from, self.model_cfg)
       if reason:
         raise CheckpointError(reason)
@@ -253,6 +255,8 @@ class Run:
     if resumed_at is not None:
       self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
       self.writer.write(start, {"event": "resumed"}, console=False)
+    for line in self.program.defaults_filled:
+      self.log(f"batch autopilot default: {line}")
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
     return start
 

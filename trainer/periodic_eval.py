@@ -2,7 +2,11 @@
 
 The validation set is fixed: the first `eval_steps` micro-batches of each data source's
 validation split, unshuffled, read once when the evaluator is built and scored the same way
-every time, each process holding the rows its devices hold. A score is the token-weighted mean
+every time, each process holding the rows its devices hold. They are packed as training rows
+(data/pipeline.py): a document longer than a row continues in the row's next sequence, so a
+token's context is what precedes it in its sequence, as in training; `eval_loss` is the
+training loss's counterpart on unseen text, not a whole-split score (`eval_steps` must be >= 1;
+nothing scored would be no score). A score is the token-weighted mean
 loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers); with a mixture
 of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
 `eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
@@ -54,7 +58,7 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
                    for k in pipeline.BATCH_KEYS}
           s, n = jax.device_get(fn(params, batch))
           loss_sum, tokens = loss_sum + float(s), tokens + float(n)
-        loss = loss_sum / max(tokens, 1.0)
+        loss = loss_sum / tokens if tokens else math.nan  # nothing scored: no score, not 0
         if len(sources) > 1:
           row[f"eval_loss/{src.name}"], row[f"eval_bpb/{src.name}"] = loss, loss * to_bits
         total, total_bpb = total + src.weight * loss, total_bpb + src.weight * loss * to_bits

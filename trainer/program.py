@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 from data.pipeline import BATCH_KEYS
 from models.llama import ModelConfig
 from optim import BatchRamp, build_optimizer
+from optim.autopilot import with_defaults
 from sharding.mesh import batch_sharding, mesh_platform, replicated
 from trainer.state import ModelSpec, abstract_state, state_shardings
 from trainer.step import GuardConfig, make_train_step
@@ -31,7 +32,10 @@ COMPILER_OPTIONS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True}}
 class Program:
 
   def __init__(self, cfg: ml_collections.ConfigDict, mesh: Mesh):
-    self.cfg = cfg
+    # The batch autopilot's defaults filled in (a copy; `defaults_filled`: one line each, which
+    # the run prints), so every part of the program reads the values the run uses.
+    self.cfg, self.defaults_filled = with_defaults(cfg)
+    cfg = self.cfg
     self.mesh = mesh
     d = cfg.data
     self.micro_rows = d.micro_batch_size or d.global_batch_size
