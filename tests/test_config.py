@@ -81,28 +81,6 @@ def test_eval_steps_zero_is_fine_without_evaluation():
   validate(load(TINY, [("eval_steps", "0"), ("eval_every", "0")]), 1)
 
 
-def test_documented_overrides_parse():
-  """Every `--config.KEY=VALUE` and `KEY=VALUE` the docs show parses with the key's type
-  (skipped: placeholders -- one letter, capitals like DIR, `...`, `<...>` -- generic examples
-  like a.b, and mesh shapes like `data=8`, which name a group)."""
-  import glob
-  import re
-  from trainer.cli import apply_override
-  top = "|".join(default_config().keys())
-  pattern = re.compile(r"(?:--config\.|`)((?:%s)(?:\.[a-z_0-9]+)*)=([^\s`|)\]'\\,]*)" % top)
-  found = 0
-  for path in [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md")):
-    with open(path) as f:
-      text = f.read()
-    for key, value in pattern.findall(text):
-      if re.fullmatch(r"[A-Za-z]|[A-Z_]+|\.\.\.|<.*", value) or key in top.split("|") and \
-          hasattr(default_config()[key], "keys"):
-        continue
-      apply_override(default_config(), key, value.strip('"'))
-      found += 1
-  assert found > 30
-
-
 def test_real_process_exit_code(tmp_path):
   """The same through a real process: exit status 2, one line on stderr, no traceback."""
   proc = subprocess.run([sys.executable, "train.py", "--config", TINY, "--workdir",

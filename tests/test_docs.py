@@ -5,8 +5,9 @@
 - Names: every repository file they name (`trainer/config.py`, `docs/x.{csv,png}`) exists, and
   a name after it (`models/attention.py:choose_impl`, `tests/test_x.py::test_y`) is defined
   there; every config key named in a code span (`optim.lr_rule`, `mesh.{data,fsdp}`,
-  `--config.mesh.dcn_data=2`) is a key of `trainer.config.default_config()`, and a dotted name
-  that is no key is a module attribute (`sharding.make_mesh`).
+  `--config.mesh.dcn_data=2`) is a key of `trainer.config.default_config()`, a value given with
+  it (`model.moe.shared_expert=384`) parses with that key's type, and a dotted name that is no
+  key is a module attribute (`sharding.make_mesh`).
 - Commands: every `python train.py`, `python -m tools.*`, `python -m experiments.*`,
   `python -m data.prepare` and `python bench/*.py` command, in a fenced block or a code span,
   is parsed by its entry point's own parser (`build_parser()`), its `--config.KEY=VALUE`
@@ -17,7 +18,8 @@
 
 What is not checked, and why:
 - Placeholders stand for the user's own: a value in capitals (`DIR`, `NAME`, `X`, a path with
-  such a part, `configs/NAME.py`), `...`, `$VAR`, or a path under `path/to/`. An override with
+  such a part, `configs/NAME.py`), one small letter (`ring_head_chunks=c`), `...`, `$VAR`, or a
+  path under `path/to/`. An override with
   such a value is checked for its key only; a `--config` file that is one is not loaded.
 - What a command reads at run time is the user's: a `data.dir` or `data.mixture` directory that
   does not exist here is validated as the default corpus (the mixture's syntax is still
@@ -80,7 +82,8 @@ def line_of(text: str, offset: int) -> int:
 
 def placeholder(value: str) -> bool:
   """Whether a value stands for the user's own (see the module docstring)."""
-  return bool(value == "..." or "path/to/" in value or "$" in value or "<" in value or
+  return bool(value == "..." or re.fullmatch(r"[a-z]", value) or "path/to/" in value or
+              "$" in value or "<" in value or
               any(part.isupper() for part in re.split(r"[/.:,=]", value)))
 
 
@@ -235,19 +238,35 @@ def is_attribute(dotted: str) -> bool:
   return False
 
 
+def is_leaf(dotted: str) -> bool:
+  """A key naming one value (no group, no wildcard)."""
+  node = default_config()
+  for part in dotted.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      return False
+    node = node[part]
+  return not isinstance(node, ml_collections.ConfigDict)
+
+
 def key_problems(page: str, text: str) -> list[str]:
   groups = [k for k, v in default_config().items() if isinstance(v, ml_collections.ConfigDict)]
-  key = re.compile(r"(?:--config\.)?((?:%s)(?:\.[\w{},*<>]+)+)(?:\s*=.*)?" % "|".join(
+  key = re.compile(r"(?:--config\.)?((?:%s)(?:\.[\w{},*<>]+)+)(?:\s*=\s*(.*))?" % "|".join(
       sorted(set(groups) | set(PACKAGES))))
   problems = []
   for span, offset in spans(text):
     m = key.fullmatch(span)
     if not m:
       continue
+    where = f"{page}:{line_of(text, offset)}: `{span}`"
     for dotted in expand(m.group(1)):
       if not (is_key(dotted) or (not span.startswith("--") and is_attribute(dotted))):
-        problems.append(f"{page}:{line_of(text, offset)}: `{span}`: {dotted} is no config key "
-                        "(trainer/config.py) nor a module attribute")
+        problems.append(f"{where}: {dotted} is no config key (trainer/config.py) nor a module "
+                        "attribute")
+      elif m.group(2) and is_leaf(dotted) and not placeholder(value := m.group(2).split()[0]):
+        try:  # `KEY=VALUE`: the value parses with the key's type, as on the command line
+          apply_override(default_config(), dotted, value.strip('"'))
+        except ConfigError as e:
+          problems.append(f"{where}: {e}")
   return problems
 
 
