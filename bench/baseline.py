@@ -65,16 +65,18 @@ SIZES = {
 }
 
 
-def size_overrides(size: str) -> list[str]:
-  """The `--config.*` overrides that make configs/lm_tiny.py the `size` model of SIZES."""
-  s = SIZES[size]
+def size_overrides(size: str, sizes: dict = SIZES) -> list[str]:
+  """The `--config.*` overrides that make configs/lm_tiny.py the `size` model of `sizes`; a
+  size's optional `model` dict adds model keys (last, so they win)."""
+  s = sizes[size]
   return [f"--config.model.d_model={s['d_model']}", f"--config.model.num_layers={s['num_layers']}",
           f"--config.model.num_heads={s['num_heads']}",
           f"--config.model.num_kv_heads={s['num_heads']}", f"--config.model.mlp_dim={s['mlp_dim']}",
           f"--config.model.scan_unroll={s['num_layers']}",
           "--config.model.tie_embeddings=true", "--config.model.attention=xla",
           f"--config.data.global_batch_size={s['batch']}", f"--config.data.seq_len={s['seq_len']}",
-          "--config.data.micro_batch_size=0"]
+          "--config.data.micro_batch_size=0"] + [
+              f"--config.model.{key}={value}" for key, value in s.get("model", {}).items()]
 
 
 def random_tokens(cfg, vocab_size: int, seed: int = 0):
@@ -171,25 +173,28 @@ def add_timing_args(parser, steps: int):
   parser.add_argument("--steps", type=int, default=steps, help="steps per runner per round")
 
 
-def load_sized(parser, argv, size_help: str = SIZE_HELP):
-  """(args, [(label, config)]) from a bench command line: `--size` picks the matched models of
-  SIZES (overrides of configs/lm_tiny.py, applied before the command line's own), or
-  `--size none` takes --config as it is. A mistake raises ConfigError."""
+def load_sized(parser, argv, size_help: str = SIZE_HELP, sizes: dict = SIZES,
+               default: str = "3m,25m"):
+  """(args, [(label, config)]) from a bench command line: `--size` picks models of `sizes`
+  (default the matched models of SIZES; overrides of configs/lm_tiny.py, applied before the
+  command line's own), or `--size none` takes --config as it is. A mistake raises
+  ConfigError."""
   from trainer.cli import load_from_cli  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   from trainer.config_checks import validate  # noqa: PLC0415
   parser.add_argument("--config", default=os.path.join(ROOT, "configs", "lm_tiny.py"),
                       metavar="FILE.py", help="config file (default configs/lm_tiny.py)")
-  parser.add_argument("--size", default="3m,25m", help=size_help)
+  parser.add_argument("--size", default=default, help=size_help)
   args, rest = parser.parse_known_args(argv)
-  sizes = [] if args.size == "none" else args.size.split(",")
-  for size in sizes:
-    if size not in SIZES:
-      raise ConfigError(f"--size {size!r}: use a comma-separated list of {', '.join(SIZES)}, "
+  chosen = [] if args.size == "none" else args.size.split(",")
+  for size in chosen:
+    if size not in sizes:
+      raise ConfigError(f"--size {size!r}: use a comma-separated list of {', '.join(sizes)}, "
                         "or none")
   out = []
-  for size in sizes or [None]:
-    cfg = one_device(load_from_cli(args.config, (size_overrides(size) if size else []) + rest))
+  for size in chosen or [None]:
+    overrides = size_overrides(size, sizes) if size else []
+    cfg = one_device(load_from_cli(args.config, overrides + rest))
     validate(cfg, 1)
     if cfg.optim.name != "adamw":
       raise ConfigError(f"optim.name={cfg.optim.name!r}: the baseline is an AdamW step; "
