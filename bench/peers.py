@@ -16,13 +16,13 @@ All train on the same random tokens; they are timed alternately (`--rounds` roun
 steps each, after two warm-up steps that compile), so drift hits them alike; the numbers are
 medians over rounds, ratios the medians of per-round ratios.
 
-Shapes (`--size`, SHAPES): issue 25's -- d768 L12 (GPT-2 small) at seq x batch 1024 x 32 and
-2048 x 16, d2048 L16 (~1B) at 2048 x 4 -- with GPT-2's vocabulary padded to 50,304, tied
-embeddings, as many kv heads as heads, SwiGLU of 2/3 x 4d (nanodo's GELU 4d has the same
-FLOPs), bf16 compute over fp32 parameters, our attention `auto` and remat `dots` (the issue's
-best setting; --config.model.* overrides change ours and the plain step's model, and the
-torch model follows the widths); `tiny` for CPUs. Default: the three issue shapes on an
-accelerator, `tiny` on a CPU.
+Shapes (`--size`, bench/baseline.py's SHAPES): issue 25's -- d768 L12 (GPT-2 small) at seq x
+batch 1024 x 32 and 2048 x 16, d2048 L16 (~1B) at 2048 x 4 -- with GPT-2's vocabulary padded
+to 50,304, tied embeddings, as many kv heads as heads, SwiGLU of 2/3 x 4d (nanodo's GELU 4d
+has the same FLOPs), bf16 compute over fp32 parameters, our attention `auto` and remat `dots`
+(the issue's best setting; --config.model.* overrides change ours and the plain step's model,
+and the torch model follows the widths); `tiny` for CPUs. Default: the three issue shapes on
+an accelerator, `tiny` on a CPU.
 
 MFU = (6 (N_non-embedding + V d) + 12 L S d) tokens/s / peak: `models.sizes.flops_per_token`
 with `causal=False` (attention counted whole, as the issue's formula; the norm scales' 6 x
@@ -54,19 +54,6 @@ def _bench_module(name: str):
 
 baseline = _bench_module("baseline")
 
-_ISSUE = dict(vocab_size=50_304, dtype="bfloat16", param_dtype="float32", attention="auto",
-              remat="dots", scan_unroll=1)
-SHAPES = {
-    "d768-s1024": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, batch=32,
-                       seq_len=1024, model=_ISSUE),
-    "d768-s2048": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, batch=16,
-                       seq_len=2048, model=_ISSUE),
-    "d2048-s2048": dict(d_model=2048, num_layers=16, num_heads=16, mlp_dim=5461, batch=4,
-                        seq_len=2048, model=_ISSUE),
-    "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=128, batch=4, seq_len=64,
-                 model=dict(vocab_size=512, scan_unroll=1)),
-}
-ISSUE_SHAPES = ("d768-s1024", "d768-s2048", "d2048-s2048")
 RUNNERS = ("nanodo", "plain", "ours", "torch")
 
 
@@ -86,10 +73,10 @@ def parse(argv):
   parser.add_argument("--torch-compile", dest="torch_compile", default="default",
                       choices=torch_peer.COMPILE_MODES, help="torch.compile mode of the peer")
   baseline.add_timing_args(parser, steps=5)
-  default = "tiny" if jax.default_backend() == "cpu" else ",".join(ISSUE_SHAPES)
+  default = "tiny" if jax.default_backend() == "cpu" else ",".join(baseline.ISSUE_SHAPES)
   args, configs = baseline.load_sized(
-      parser, argv, f"shapes, of {', '.join(SHAPES)} (default {default}), or none: --config "
-      "as it is", sizes=SHAPES, default=default)
+      parser, argv, f"shapes, of {', '.join(baseline.SHAPES)} (default {default}), or none: "
+      "--config as it is", sizes=baseline.SHAPES, default=default)
   runners = [r for r in args.runners.split(",") if r]
   unknown = [r for r in runners if r not in RUNNERS]
   if unknown or not runners:

@@ -17,8 +17,9 @@ a heuristic, good to a few percent. Times are summed over threads (the cores' wo
 step; the runtime's own events (thread-pool waits, loops as a whole) are left out. On a GPU or
 TPU only the device's own tracks count (its kernels, named by their HLO instruction or carrying
 it as `hlo_op`), not the host threads that launch them; the kernel time no HLO instruction
-claims is printed as "unattributed". `--size` also takes bench/peers.py's shapes (issue 25's);
-`--keep DIR` keeps each traced Perfetto file as DIR/<size>.perfetto.json.gz.
+claims is printed as "unattributed". `--size` also takes issue 25's shapes (bench/baseline.py's
+SHAPES); `--keep DIR` keeps each traced Perfetto file as DIR/<size>.perfetto.json.gz and the
+optimized HLO of the step as DIR/<size>.hlo.txt.gz.
 """
 from __future__ import annotations
 
@@ -38,10 +39,6 @@ _spec = importlib.util.spec_from_file_location(
     "bench_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.py"))
 baseline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(baseline)
-_spec = importlib.util.spec_from_file_location(
-    "bench_peers", os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers.py"))
-peers = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peers)
 
 from models.attention import CAUSAL_BLOCK  # noqa: E402
 
@@ -114,11 +111,16 @@ def device_pids(events) -> set:
 
 def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float]:
   """(seconds per step of each kind, wall seconds per step) of `steps` traced steps of `run`
-  (an `Ours`), after two warm-up steps; `keep`: copy the Perfetto trace to that path."""
+  (an `Ours`), after two warm-up steps; `keep`: a path stem to copy the Perfetto trace to
+  (KEEP.perfetto.json.gz) and to write the optimized HLO to (KEEP.hlo.txt.gz)."""
   import time  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
-  hlo = Hlo(run.step.as_text())
+  text = run.step.as_text()
+  hlo = Hlo(text)
+  if keep:
+    with gzip.open(keep + ".hlo.txt.gz", "wt") as f:
+      f.write(text)
   run(2)
   with tempfile.TemporaryDirectory() as out:
     t = time.perf_counter()
@@ -127,7 +129,7 @@ def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float]:
     wall = (time.perf_counter() - t) / steps
     path = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)[0]
     if keep:
-      shutil.copyfile(path, keep)
+      shutil.copyfile(path, keep + ".perfetto.json.gz")
     with gzip.open(path) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -154,8 +156,9 @@ def main(argv=None):
   parser = CliParser("bench/step_profile.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--keep", default="", metavar="DIR",
-                      help="keep each trace as DIR/<size>.perfetto.json.gz")
-  sizes = {**baseline.SIZES, **peers.SHAPES}
+                      help="keep each trace and optimized HLO in DIR (<size>.perfetto.json.gz, "
+                      "<size>.hlo.txt.gz)")
+  sizes = {**baseline.SIZES, **baseline.SHAPES}
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(parser, argv, "models to profile, of "
                                         + ", ".join(sizes) + " (default 3m,25m), or none: "
@@ -167,8 +170,7 @@ def main(argv=None):
     keep = ""
     if args.keep:
       os.makedirs(args.keep, exist_ok=True)
-      keep = os.path.join(args.keep, f"{os.path.basename(label).removesuffix('.py')}"
-                          ".perfetto.json.gz")
+      keep = os.path.join(args.keep, os.path.basename(label).removesuffix(".py"))
     totals, wall = profile(baseline.Ours(cfg), args.steps, keep)
     total = sum(totals.values())
     print(f"\n{label}: {baseline.describe(cfg)}; {wall * 1e3:.0f} ms/step wall, "

@@ -3,6 +3,7 @@
     python bench/variants.py --vary model.scan_unroll=1,64 [--size 3m,25m] [--rounds 5]
         [--steps 2] [--config.a.b=v ...]
     python bench/variants.py --vary model.attention=xla,flash --size none --config FILE
+    python bench/variants.py --vary model.fp8=false,true --size d768-s1024   # issue 25's shapes
 
 An A/B of any option of the step: each value of `--vary KEY=V1,V2,...` is a `--config.KEY=V`
 override added last, so it wins over the size's and the command line's own. Every variant is
@@ -55,7 +56,10 @@ def main(argv=None):
                       help="the config key to vary and its values, e.g. model.scan_unroll=1,64")
   baseline.add_timing_args(parser, steps=2)
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = baseline.load_sized(parser, argv)
+    sizes = {**baseline.SIZES, **baseline.SHAPES}  # the matched models and issue 25's shapes
+    args, configs = baseline.load_sized(parser, argv, "models, of " + ", ".join(sizes)
+                                        + " (default 3m,25m), or none: --config as it is",
+                                        sizes=sizes)
     key, values = parse_vary(args.vary)
     variants = [[(value, vary(cfg, key, value)) for value in values] for _, cfg in configs]
   except ConfigError as e:

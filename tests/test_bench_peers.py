@@ -51,9 +51,9 @@ def test_torch_peer_has_our_parameter_count_at_every_shape():
   from models.sizes import param_counts
   from trainer.cli import load_from_cli
   peers, torch_peer = _bench("peers"), _bench("torch_peer")
-  for name in peers.SHAPES:
+  for name in peers.baseline.SHAPES:
     cfg = load_from_cli(os.path.join(ROOT, "configs", "lm_tiny.py"),
-                        peers.baseline.size_overrides(name, peers.SHAPES))
+                        peers.baseline.size_overrides(name, peers.baseline.SHAPES))
     model_cfg = ModelConfig.from_config(cfg.model)
     with torch.device("meta"):  # shapes only, no memory
       model = torch_peer.hf_llama(model_cfg, cfg.data.seq_len)

@@ -21,7 +21,8 @@ temporary workdir, logging every second step, evaluating and saving a checkpoint
 step, as train.py does, then reads each device's `memory_stats()["peak_bytes_in_use"]` (the
 most bytes JAX's allocator had handed out at once) and prints measured / predicted; the goal
 is within 10% (issue 25). The allocator's statistics after every logged row and at the end are
-printed too, to see which part of the run reached the peak. The data are the config's (the embedded corpus by default).
+printed too, to see which part of the run reached the peak. The data are the config's (the
+embedded corpus by default).
 """
 from __future__ import annotations
 
