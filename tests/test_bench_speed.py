@@ -55,6 +55,27 @@ def test_variants_refuses_a_bad_vary_in_one_line(capsys):
     assert err.startswith("error: ") and "\n" not in err, err
 
 
+def test_variants_xla_option_reaches_the_compiled_step(capsys):
+  """--xla compiles each variant's step with the option: trainer/program.py's CPU option that
+  keeps the donated state in place, turned off, makes the step copy state buffers again."""
+  from trainer.cli import load  # noqa: PLC0415
+  bench = _bench("variants")
+  option = "xla_cpu_copy_insertion_use_region_analysis"
+  cfg = bench.vary(bench.baseline.one_device(load(TINY, [])), "model.num_layers", "1")
+  with bench.compiler_option(option, "false"):
+    off = bench.baseline.Ours(cfg)
+  text = off.step.as_text()
+  assert re.search(r"copy\(%state_(params|opt_state)", text), "state not copied without it"
+  from trainer import program  # noqa: PLC0415
+  assert program.COMPILER_OPTIONS["cpu"] == {option: True}  # restored after the block
+  assert bench.main(["--size", "none", "--config", TINY, "--rounds", "1", "--steps", "1",
+                     "--config.model.num_layers=1", "--xla", f"{option}=false,true"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(rf"{option}=true +[\d.]+ ms/step +x[\d.]+ the time of {option}=false", out)
+  assert bench.main(["--size", "none", "--config", TINY, "--xla", f"{option}=1,2",
+                     "--vary", "model.scan_unroll=1,2"]) == 2  # one of the two, not both
+
+
 def test_the_matched_sizes_are_the_issue_models():
   """3.3M and 25.4M parameters, with SwiGLU's FLOPs equal to a GELU MLP of 4 d (nanodo's)."""
   from models.llama import ModelConfig  # noqa: PLC0415
