@@ -19,9 +19,10 @@ GQA) and packing (`--packed`: none, one document per row; docs, rows of packed d
 random lengths, at least 64 tokens each), with `--tokens` tokens per call (batch = tokens /
 seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against XLA's
 in fp32 (the largest error relative to the largest output is printed; over 5e-2 in bf16/fp16
-or 1e-3 in fp32 the implementation is reported WRONG and not timed), then timed: jitted, two
-warm-up calls, then `--reps` timings of `--calls` calls launched back to back (so launch gaps
-do not count); the median.
+or 1e-3 in fp32 the implementation is reported WRONG and not timed; one that fails to compile,
+e.g. for its tiles, is reported with the error), then timed: jitted, two warm-up calls, then
+`--reps` timings of `--calls` calls launched back to back (so launch gaps do not count); the
+median.
 
 Prints per case the milliseconds of each implementation, forward and forward + backward, and
 the speed ratios flash/cudnn and flash/xla (> 1: ours faster; the forward + backward ratio is
@@ -136,6 +137,27 @@ def time_calls(fn, args, reps: int, calls: int) -> float:
   return statistics.median(times)
 
 
+def _check_and_time(fn, inputs, reference, args) -> dict:
+  """{"err", "fwd", "fwd+bwd"} of one implementation, or {"skip": why} when its output is off
+  the fp32 reference (then it is not timed)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  q, k, v, seg, do = inputs
+  fwd = jax.jit(fn)
+  err = float(jnp.max(jnp.abs(fwd(q, k, v, seg).astype(jnp.float32) - reference))
+              / jnp.max(jnp.abs(reference)))
+  if not err <= (5e-2 if q.dtype.itemsize == 2 else 1e-3):  # NaN too
+    return {"skip": f"WRONG: output off the fp32 reference by {err:.1e} (max, relative to the "
+                    "largest); not timed"}
+
+  def grads(q, k, v, seg, do):
+    _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+    return vjp(do)
+
+  return {"err": err, "fwd": time_calls(fwd, (q, k, v, seg), args.reps, args.calls),
+          "fwd+bwd": time_calls(jax.jit(grads), inputs, args.reps, args.calls)}
+
+
 def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
   """{impl: {"fwd": s, "fwd+bwd": s, "err": relative error}} or {impl: {"skip": why}}."""
   import jax  # noqa: PLC0415
@@ -161,21 +183,10 @@ def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
     if fn is None:
       out[name] = {"skip": why}
       continue
-    fwd = jax.jit(fn)
-    err = float(jnp.max(jnp.abs(fwd(q, k, v, seg).astype(jnp.float32) - reference))
-                / jnp.max(jnp.abs(reference)))
-    if not err <= (5e-2 if dtype.itemsize == 2 else 1e-3):  # NaN too
-      out[name] = {"skip": f"WRONG: output off the fp32 reference by {err:.1e} (max, relative "
-                           "to the largest); not timed"}
-      continue
-
-    def grads(q, k, v, seg, do, fn=fn):
-      _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
-      return vjp(do)
-
-    out[name] = {"err": err, "fwd": time_calls(fwd, (q, k, v, seg), args.reps, args.calls),
-                 "fwd+bwd": time_calls(jax.jit(grads), (q, k, v, seg, do), args.reps,
-                                       args.calls)}
+    try:
+      out[name] = _check_and_time(fn, (q, k, v, seg, do), reference, args)
+    except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. its tiles)
+      out[name] = {"skip": f"failed: {str(e).strip().splitlines()[0][:200]}"}
   return out
 
 

@@ -1,6 +1,7 @@
-"""bench/attention.py on CPU: one tiny case (the flash kernel interpreted, XLA, cuDNN skipped
-with its reason), each output checked against the fp32 reference before it is timed; the
-packed-document ids it draws; a bad option is one line."""
+"""bench/attention.py on CPU: one tiny case (the flash kernel interpreted, a tile variant, XLA;
+cuDNN and a variant that does not compile skipped with their reasons), each output checked
+against the fp32 reference before it is timed; the packed-document ids it draws; a bad option
+is one line."""
 import importlib.util
 import os
 import re
@@ -22,14 +23,16 @@ def _bench():
 def test_attention_bench_tiny_case_on_cpu(capsys):
   assert _bench().main(["--seq", "128", "--head-dim", "16", "--heads", "2", "--kv-heads", "1",
                         "--packed", "docs", "--tokens", "128", "--reps", "1",
-                        "--flash-tiles", "32x32/32x32"]) == 0
+                        "--flash-tiles", "32x32/32x32,8x8/8x8"]) == 0
   out = capsys.readouterr().out
   row = next(line for line in out.splitlines() if line.startswith("S128 D16 GQA 2/1 packed"))
   times = [float(x) for x in re.findall(r"([\d.]+) ms", row)]
   assert len(times) == 6 and all(t > 0 for t in times), row  # flash, its tiles, xla: fwd, f+b
-  assert row.count("skip") == 2, row  # cuDNN, both passes
+  assert row.count("skip") == 4, row  # cuDNN and the 8x8 tiles, both passes
   assert float(row.split()[-1]) < 2e-2, row  # bf16 outputs against the fp32 reference
   assert "cudnn: skipped (cuDNN attention needs a GPU)" in out
+  # a variant that does not compile is reported, and the others are still timed
+  assert "flash 8x8/8x8: skipped (failed: BlockSizes.block_q=8: tiles must be powers" in out
   winner = out.split("the table for choose_impl's GPU rule):")[1].split()
   assert winner[:6] == ["S128", "D16", "GQA", "2/1", "packed", winner[5]]
   assert winner[5] in ("flash", "xla") or winner[5:7] == ["flash", "32x32/32x32"], winner
