@@ -19,15 +19,13 @@ def test_phases_each_hold_the_whole_state():
   cfg = override(load(TINY, []), **{"mesh.data": 2, "mesh.fsdp": 2, "model.attention": "auto",
                                     "data.micro_batch_size": 8})
   target = aot.tpu_target("v5e:2x2")
-  report = aot.compile_report(cfg, target, "lm_tiny")
-  phases = memory_check.predict(cfg, target, "lm_tiny")
+  report, phases = memory_check.predict(cfg, target, "lm_tiny")
   assert list(phases) == ["train step", "logging step", "evaluation"]
-  # tools.aot's own number (two compiles of one program differ by a few kB of code here)
-  assert phases["train step"] == pytest.approx(report.total_bytes, rel=0.01)
+  assert phases["train step"] == report.total_bytes  # tools.aot's own number
   # Every phase holds the train state besides its own buffers.
   assert all(v > report.state_bytes for v in phases.values()), (phases, report.state_bytes)
   cfg.trainer.norm_metrics = "every_step"  # then every step is the logging step
-  assert list(memory_check.predict(cfg, target, "lm_tiny")) == ["train step", "evaluation"]
+  assert list(memory_check.predict(cfg, target, "lm_tiny")[1]) == ["train step", "evaluation"]
 
 
 def test_measure_needs_devices_that_count_memory(capsys):

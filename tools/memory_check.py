@@ -35,9 +35,10 @@ from trainer import platforms
 GOAL = 0.10  # |measured / predicted - 1| the prediction is held to (issue 25)
 
 
-def predict(cfg, target, name: str) -> dict[str, int]:
-  """{phase: predicted bytes per device} of a run of `cfg` on `target` (module docstring);
-  raises tools.aot.AotError when the train step does not fit."""
+def predict(cfg, target, name: str):
+  """(tools.aot's report of the train step, {phase: predicted bytes per device}) of a run of
+  `cfg` on `target` (module docstring); raises tools.aot.AotError when the train step does not
+  fit."""
   import jax  # noqa: PLC0415
 
   from tools import aot  # noqa: PLC0415
@@ -60,7 +61,7 @@ def predict(cfg, target, name: str) -> dict[str, int]:
   # The eval step's arguments are the parameters (part of the state, counted once) + a batch.
   phases["evaluation"] = (report.state_bytes + total(costs)
                           - aot.per_device_bytes(state.params))
-  return phases
+  return report, phases
 
 
 def _stats() -> dict[str, int]:
@@ -128,7 +129,7 @@ def main(argv: list[str]) -> int:
                           "(memory_stats() is None); measure on a GPU or TPU")
       if args.steps < 2:
         raise ConfigError(f"--steps {args.steps}: measure over at least 2 steps")
-    phases = predict(cfg, target, name)
+    _, phases = predict(cfg, target, name)
   except (ConfigError, aot.AotError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
