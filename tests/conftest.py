@@ -52,6 +52,16 @@ def override(cfg, **overrides):
   return cfg
 
 
+def bench_module(name: str):
+  """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+  import importlib.util  # noqa: PLC0415
+  spec = importlib.util.spec_from_file_location(f"bench_{name}",
+                                                os.path.join(ROOT, "bench", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def metric_rows(workdir) -> dict[int, dict]:
   """{step: training row} of a workdir's metrics.jsonl; a restarted run redoes steps, and the
   last record of each step wins."""

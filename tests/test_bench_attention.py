@@ -2,28 +2,18 @@
 cuDNN and a variant that does not compile skipped with their reasons), each output checked
 against the fp32 reference before it is timed; the packed-document ids it draws; a bad option
 is one line."""
-import importlib.util
-import os
 import re
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bench():
-  spec = importlib.util.spec_from_file_location("bench_attention",
-                                                os.path.join(ROOT, "bench", "attention.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from conftest import bench_module
 
 
 def test_attention_bench_tiny_case_on_cpu(capsys):
-  assert _bench().main(["--seq", "128", "--head-dim", "16", "--heads", "2", "--kv-heads", "1",
-                        "--packed", "docs", "--tokens", "128", "--reps", "1",
-                        "--flash-tiles", "32x32/32x32,8x8/8x8"]) == 0
+  assert bench_module("attention").main([
+      "--seq", "128", "--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--packed", "docs",
+      "--tokens", "128", "--reps", "1", "--flash-tiles", "32x32/32x32,8x8/8x8"]) == 0
   out = capsys.readouterr().out
   row = next(line for line in out.splitlines() if line.startswith("S128 D16 GQA 2/1 packed"))
   times = [float(x) for x in re.findall(r"([\d.]+) ms", row)]
@@ -39,7 +29,7 @@ def test_attention_bench_tiny_case_on_cpu(capsys):
 
 
 def test_packed_documents_are_at_least_64_tokens():
-  ids = _bench().segment_ids(3, 512, seed=0)
+  ids = bench_module("attention").segment_ids(3, 512, seed=0)
   for row in ids:
     assert row[0] == 1 and np.all(np.diff(row) >= 0)
     lengths = np.bincount(row)[1:]
@@ -52,6 +42,6 @@ def test_packed_documents_are_at_least_64_tokens():
     (["--seq", "2k"], "argument --seq: invalid ints value: '2k'"),
 ])
 def test_attention_bench_bad_options_are_one_line(argv, message, capsys):
-  assert _bench().main(argv) == 2
+  assert bench_module("attention").main(argv) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1, err

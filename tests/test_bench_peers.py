@@ -1,28 +1,20 @@
 """bench/peers.py, issue 25's table: our step, the plain jit + optax step and the PyTorch peer
 (Hugging Face Llama, fused AdamW) at one shape on CPU, in seconds; the peer's model has our
 parameter count at every shape of the table; bad runner lists are one-line errors."""
-import importlib.util
 import math
 import os
 import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, bench_module
+
 pytest.importorskip("torch", reason="the PyTorch peer needs the hf extra")
 pytest.importorskip("transformers", reason="the PyTorch peer needs the hf extra")
 
 
-def _bench(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}",
-                                                os.path.join(ROOT, "bench", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def test_peers_table_on_cpu(capsys):
-  peers = _bench("peers")
+  peers = bench_module("peers")
   assert peers.main(["--size", "tiny", "--torch-compile", "off", "--rounds", "1",
                      "--steps", "1"]) == 0
   out = capsys.readouterr().out
@@ -50,7 +42,7 @@ def test_torch_peer_has_our_parameter_count_at_every_shape():
   from models.llama import ModelConfig
   from models.sizes import param_counts
   from trainer.cli import load_from_cli
-  peers, torch_peer = _bench("peers"), _bench("torch_peer")
+  peers, torch_peer = bench_module("peers"), bench_module("torch_peer")
   for name in peers.baseline.SHAPES:
     cfg = load_from_cli(os.path.join(ROOT, "configs", "lm_tiny.py"),
                         peers.baseline.size_overrides(name, peers.baseline.SHAPES))
@@ -66,6 +58,6 @@ def test_torch_peer_has_our_parameter_count_at_every_shape():
     (["--runners", "nanodo"], "the nanodo runner needs --nanodo_dir"),
 ])
 def test_peers_bad_runners_are_one_line_errors(argv, message, capsys):
-  assert _bench("peers").main(["--size", "tiny", *argv]) == 2
+  assert bench_module("peers").main(["--size", "tiny", *argv]) == 2
   err = capsys.readouterr().err.strip()
   assert message in err and len(err.splitlines()) == 1, err
