@@ -34,3 +34,23 @@ def test_measure_needs_devices_that_count_memory(capsys):
   err = capsys.readouterr().err.strip()
   assert err == ("error: --measure: cpu devices report no memory statistics (memory_stats() is "
                  "None); measure on a GPU or TPU"), err
+
+
+def test_measure_records_the_allocator_through_the_run(monkeypatch):
+  """The measuring run trains, logs, evaluates and saves as train.py does, and reads the
+  allocator before and after each train-step compile, at every logged row and at the end
+  (here a counter stands in for a GPU's memory_stats); Program.compile is left as it was."""
+  from conftest import tiny_config
+  from trainer.program import Program
+  calls = []
+  monkeypatch.setattr(memory_check, "_stats",
+                      lambda: calls.append(1) or {"peak_bytes_in_use": 100 * len(calls)})
+  compile_before = Program.compile
+  peak, timeline = memory_check.measure(tiny_config(**{"eval_steps": 1}), 4)
+  assert Program.compile is compile_before
+  names = [name for name, _ in timeline]
+  assert names[:2] == ["before compiling the train step (measure_noise=False, logs=False)",
+                       "after compiling it"]
+  assert "step 2 train row" in names and "step 4 eval row" in names
+  assert "before compiling the train step (measure_noise=False, logs=True)" in names, names
+  assert names[-1] == "end (checkpoint written)" and peak == 100 * len(calls)

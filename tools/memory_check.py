@@ -20,8 +20,9 @@ machine with an NVIDIA GPU picks that by itself): trains the config for `--steps
 temporary workdir, logging every second step, evaluating and saving a checkpoint at the last
 step, as train.py does, then reads each device's `memory_stats()["peak_bytes_in_use"]` (the
 most bytes JAX's allocator had handed out at once) and prints measured / predicted; the goal
-is within 10% (issue 25). The allocator's statistics after every logged row and at the end are
-printed too, to see which part of the run reached the peak. The data are the config's (the
+is within 10% (issue 25). The allocator's statistics before and after each compile of a train
+step, after every logged row and at the end are printed too, to see which part of the run
+reached the peak. The data are the config's (the
 embedded corpus by default).
 """
 from __future__ import annotations
@@ -74,8 +75,11 @@ def _stats() -> dict[str, int]:
 def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
   """(the largest `peak_bytes_in_use` of this process's devices after training `cfg` for
   `steps` steps, logging every second, an evaluation and a checkpoint at the last; the
-  allocator's statistics at every logged row and at the end, to see when the peak came)."""
+  allocator's statistics before and after each compile of a train step, at every logged row and
+  at the end, to see when the peak came: a compile runs while the state is resident, and XLA's
+  GPU autotuner allocates the buffers it tries candidate kernels on from the same allocator)."""
   from trainer.loop import Run  # noqa: PLC0415
+  from trainer.program import Program  # noqa: PLC0415
   run_cfg = cfg.copy_and_resolve_references()
   run_cfg.steps = steps
   run_cfg.log_every = 2
@@ -87,8 +91,21 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
   def record(step, row):  # called with every logged row; never stops the run
     timeline.append((f"step {step} {'eval' if 'eval_loss' in row else 'train'} row", _stats()))
 
-  with tempfile.TemporaryDirectory() as workdir:
-    result = Run(run_cfg, workdir, stop_when=record).train()
+  compile_step = Program.compile
+
+  def recorded_compile(program, *args, **kwargs):
+    options = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    timeline.append((f"before compiling the train step ({options})", _stats()))
+    compiled = compile_step(program, *args, **kwargs)
+    timeline.append(("after compiling it", _stats()))
+    return compiled
+
+  Program.compile = recorded_compile
+  try:
+    with tempfile.TemporaryDirectory() as workdir:
+      result = Run(run_cfg, workdir, stop_when=record).train()
+  finally:
+    Program.compile = compile_step
     if result.status != "done":
       raise RuntimeError(f"the measuring run ended {result.status}: {result.message}")
   timeline.append(("end (checkpoint written)", _stats()))
