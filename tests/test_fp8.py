@@ -143,6 +143,19 @@ def test_training_with_fp8_learns_resumes_from_a_plain_checkpoint_and_shards(tmp
                              rtol=2e-3)
 
 
+def test_fp8_loss_experiment_pairs_runs_by_seed():
+  """experiments/fp8_loss.py's comparison: fp8 - bf16 of the same seed, averaged over seeds,
+  against the bf16 runs' spread across seeds, at the eval steps every run has."""
+  from experiments.fp8_loss import compare
+  curves = {("bf16", 0): {50: 3.0, 100: 2.0}, ("bf16", 1): {50: 3.2, 100: 2.4, 150: 1.0},
+            ("fp8", 0): {50: 3.1, 100: 2.1}, ("fp8", 1): {50: 3.2, 100: 2.6}}
+  rows = compare(curves)
+  assert [r["step"] for r in rows] == [50, 100]
+  assert rows[0]["mean_diff"] == pytest.approx(0.05) and rows[1]["mean_diff"] == pytest.approx(0.15)
+  assert rows[1]["bf16_std"] == pytest.approx(np.std([2.0, 2.4], ddof=1))
+  assert rows[1]["fp8_std"] == pytest.approx(np.std([2.1, 2.6], ddof=1))
+
+
 def test_fp8_with_experts_is_a_one_line_error(tmp_path, capsys):
   code = train.main(["--config", "configs/moe_tiny.py", "--workdir", str(tmp_path / "w"),
                      "--config.model.fp8=true"])

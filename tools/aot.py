@@ -279,6 +279,12 @@ class CompiledCosts(NamedTuple):
   temp_bytes: int
   code_bytes: int
 
+  @property
+  def total_bytes(self) -> int:
+    """What the program holds on a device while it runs: arguments + temporaries + outputs
+    not aliased to donated inputs + code."""
+    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
+
 
 def compiled_costs(compiled) -> CompiledCosts:
   """The `CompiledCosts` of a compiled program (`jax.stages.Compiled`)."""

@@ -47,7 +47,6 @@ def predict(cfg, target, name: str):
   from trainer.program import Program  # noqa: PLC0415
 
   report = aot.compile_report(cfg, target, name)
-  total = lambda c: c.argument_bytes + c.temp_bytes + c.output_bytes + c.code_bytes
   phases = {"train step": report.total_bytes}
   _, mesh = aot.target_mesh(cfg, target, name)
   program = Program(cfg, mesh)
@@ -57,10 +56,10 @@ def predict(cfg, target, name: str):
   with jax.set_mesh(mesh), aot.no_persistent_cache():
     if program.computes_norms(True) != program.computes_norms(False):
       logging = program.jitted_step(logs=True).lower(state, batch).compile()
-      phases["logging step"] = total(aot.compiled_costs(logging))
+      phases["logging step"] = aot.compiled_costs(logging).total_bytes
     costs = aot.compiled_costs(eval_fn.lower(state.params, micro).compile())
   # The eval step's arguments are the parameters (part of the state, counted once) + a batch.
-  phases["evaluation"] = (report.state_bytes + total(costs)
+  phases["evaluation"] = (report.state_bytes + costs.total_bytes
                           - aot.per_device_bytes(state.params))
   return report, phases
 
