@@ -65,16 +65,36 @@ SIZES = {
 }
 
 
-def size_overrides(size: str) -> list[str]:
-  """The `--config.*` overrides that make configs/lm_tiny.py the `size` model of SIZES."""
-  s = SIZES[size]
+# Issue 25's shapes (bench/peers.py's table; step_profile and variants take them too): GPT-2
+# small at two lengths and a ~1B model, GPT-2's padded vocabulary, bf16 over fp32 parameters,
+# attention auto and remat dots (the issue's best setting); `tiny` for CPUs.
+_ISSUE = dict(vocab_size=50_304, dtype="bfloat16", param_dtype="float32", attention="auto",
+              remat="dots", scan_unroll=1)
+SHAPES = {
+    "d768-s1024": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, batch=32,
+                       seq_len=1024, model=_ISSUE),
+    "d768-s2048": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, batch=16,
+                       seq_len=2048, model=_ISSUE),
+    "d2048-s2048": dict(d_model=2048, num_layers=16, num_heads=16, mlp_dim=5461, batch=4,
+                        seq_len=2048, model=_ISSUE),
+    "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=128, batch=4, seq_len=64,
+                 model=dict(vocab_size=512, scan_unroll=1)),
+}
+ISSUE_SHAPES = ("d768-s1024", "d768-s2048", "d2048-s2048")
+
+
+def size_overrides(size: str, sizes: dict = SIZES) -> list[str]:
+  """The `--config.*` overrides that make configs/lm_tiny.py the `size` model of `sizes`; a
+  size's optional `model` dict adds model keys (last, so they win)."""
+  s = sizes[size]
   return [f"--config.model.d_model={s['d_model']}", f"--config.model.num_layers={s['num_layers']}",
           f"--config.model.num_heads={s['num_heads']}",
           f"--config.model.num_kv_heads={s['num_heads']}", f"--config.model.mlp_dim={s['mlp_dim']}",
           f"--config.model.scan_unroll={s['num_layers']}",
           "--config.model.tie_embeddings=true", "--config.model.attention=xla",
           f"--config.data.global_batch_size={s['batch']}", f"--config.data.seq_len={s['seq_len']}",
-          "--config.data.micro_batch_size=0"]
+          "--config.data.micro_batch_size=0"] + [
+              f"--config.model.{key}={value}" for key, value in s.get("model", {}).items()]
 
 
 def random_tokens(cfg, vocab_size: int, seed: int = 0):
@@ -171,31 +191,32 @@ def add_timing_args(parser, steps: int):
   parser.add_argument("--steps", type=int, default=steps, help="steps per runner per round")
 
 
-def add_size_args(parser, size_help: str = SIZE_HELP) -> None:
-  """`--config` (default configs/lm_tiny.py) and `--size` of a bench that runs the matched
-  models (`load_sized`)."""
+def add_size_args(parser, size_help: str = SIZE_HELP, default: str = "3m,25m") -> None:
+  """`--config` (default configs/lm_tiny.py) and `--size` of a bench that runs sized models
+  (`load_sized`)."""
   parser.add_argument("--config", default=os.path.join(ROOT, "configs", "lm_tiny.py"),
                       metavar="FILE.py", help="config file (default configs/lm_tiny.py)")
-  parser.add_argument("--size", default="3m,25m", help=size_help)
+  parser.add_argument("--size", default=default, help=size_help)
 
 
-def load_sized(parser, argv):
+def load_sized(parser, argv, sizes: dict = SIZES):
   """(args, [(label, config)]) from a bench command line (a parser with `add_size_args`):
-  `--size` picks the matched models of SIZES (overrides of configs/lm_tiny.py, applied before
-  the command line's own), or `--size none` takes --config as it is. A mistake raises
-  ConfigError."""
+  `--size` picks models of `sizes` (default the matched models of SIZES; overrides of
+  configs/lm_tiny.py, applied before the command line's own), or `--size none` takes --config
+  as it is. A mistake raises ConfigError."""
   from trainer.cli import load_from_cli  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   from trainer.config_checks import validate  # noqa: PLC0415
   args, rest = parser.parse_known_args(argv)
-  sizes = [] if args.size == "none" else args.size.split(",")
-  for size in sizes:
-    if size not in SIZES:
-      raise ConfigError(f"--size {size!r}: use a comma-separated list of {', '.join(SIZES)}, "
+  chosen = [] if args.size == "none" else args.size.split(",")
+  for size in chosen:
+    if size not in sizes:
+      raise ConfigError(f"--size {size!r}: use a comma-separated list of {', '.join(sizes)}, "
                         "or none")
   out = []
-  for size in sizes or [None]:
-    cfg = one_device(load_from_cli(args.config, (size_overrides(size) if size else []) + rest))
+  for size in chosen or [None]:
+    overrides = size_overrides(size, sizes) if size else []
+    cfg = one_device(load_from_cli(args.config, overrides + rest))
     validate(cfg, 1)
     if cfg.optim.name != "adamw":
       raise ConfigError(f"optim.name={cfg.optim.name!r}: the baseline is an AdamW step; "

@@ -102,7 +102,7 @@ def compiled_row(name: str, lowered, target, ours_report) -> Row:
   """Compile `lowered` for the target and read its costs, as tools.aot reads ours."""
   from tools import aot  # noqa: PLC0415
   from tools.roofline import Roofline  # noqa: PLC0415
-  with aot._no_persistent_cache():  # noqa: SLF001  (target executables stay out of the cache)
+  with aot.no_persistent_cache():  # target executables stay out of the cache
     costs = aot.compiled_costs(lowered.compile())
   # The same model FLOPs as ours (nanodo's GELU MLP of 4 d has SwiGLU's of 2/3 x 4 d to 0.05%),
   # no rematerialisation (plain: our model_cfg, remat "none"; nanodo: remat False), no kernels.

@@ -2,6 +2,7 @@
 
     python bench/step_profile.py [--size 3m,25m] [--steps 2] [--config.a.b=v ...]
     python bench/step_profile.py --size none --config configs/lm_small.py
+    python bench/step_profile.py --size d768-s1024 --keep DIR   # a GPU; issue 25's shapes
 
 Compiles the step train.py runs (bench/baseline.py's `Ours`, one device, the matched sizes by
 default), runs two warm-up steps, then traces `--steps` steps with `jax.profiler` (a Perfetto
@@ -13,7 +14,12 @@ the layer scan's stacked residuals, the LM head, embedding and loss, and everyth
 gradient (optimizer, clipping, guard, norms, metrics). The kinds come from each kernel's
 `op_name` (forward or backward, inside the layer loop or not) and whether it contains a dot:
 a heuristic, good to a few percent. Times are summed over threads (the cores' work), per
-step; the runtime's own events (thread-pool waits, loops as a whole) are left out.
+step; the runtime's own events (thread-pool waits, loops as a whole) are left out. On a GPU or
+TPU only the device's own tracks count (its kernels, named by their HLO instruction or carrying
+it as `hlo_op`), not the host threads that launch them; the kernel time no HLO instruction
+claims is printed as "unattributed". `--size` also takes issue 25's shapes (bench/baseline.py's
+SHAPES); `--keep DIR` keeps each traced Perfetto file as DIR/<size>.perfetto.json.gz and the
+optimized HLO of the step as DIR/<size>.hlo.txt.gz.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -96,13 +103,24 @@ class Hlo:
     return KINDS[5] if dots else KINDS[6]
 
 
-def profile(run, steps: int) -> tuple[dict[str, float], float]:
+def device_pids(events) -> set:
+  """The trace's processes that are accelerators (their kernels), empty on a CPU."""
+  return {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and re.search(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))}
+
+
+def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float]:
   """(seconds per step of each kind, wall seconds per step) of `steps` traced steps of `run`
-  (an `Ours`), after two warm-up steps."""
+  (an `Ours`), after two warm-up steps; `keep`: a path stem to copy the Perfetto trace to
+  (KEEP.perfetto.json.gz) and to write the optimized HLO to (KEEP.hlo.txt.gz)."""
   import time  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
-  hlo = Hlo(run.step.as_text())
+  text = run.step.as_text()
+  hlo = Hlo(text)
+  if keep:
+    with gzip.open(keep + ".hlo.txt.gz", "wt") as f:
+      f.write(text)
   run(2)
   with tempfile.TemporaryDirectory() as out:
     t = time.perf_counter()
@@ -110,24 +128,38 @@ def profile(run, steps: int) -> tuple[dict[str, float], float]:
       run(steps)
     wall = (time.perf_counter() - t) / steps
     path = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+    if keep:
+      shutil.copyfile(path, keep + ".perfetto.json.gz")
     with gzip.open(path) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
   seq_len = run.batch["inputs"].shape[-1]
+  devices = device_pids(events)
   totals = collections.Counter()
   for e in events:  # complete events of compiled kernels (not the runtime's or Python's)
-    kind = hlo.kind(e["name"], seq_len) if e.get("ph") == "X" else None
+    if e.get("ph") != "X" or (devices and e.get("pid") not in devices):
+      continue
+    name = e.get("args", {}).get("hlo_op") or e["name"]
+    kind = hlo.kind(name, seq_len)
+    if kind is None and devices and name not in hlo.inst:
+      kind = "unattributed"
     if kind is not None:
       totals[kind] += e["dur"] * 1e-6 / steps
   return dict(totals), wall
+
+
+PROFILED = {**baseline.SIZES, **baseline.SHAPES}  # the matched models and issue 25's shapes
 
 
 def build_parser():
   from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/step_profile.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=2)
-  baseline.add_size_args(parser, "matched models to profile, of " + ", ".join(baseline.SIZES)
-                         + " (default both), or none: --config as it is")
+  parser.add_argument("--keep", default="", metavar="DIR",
+                      help="keep each trace and optimized HLO in DIR (<size>.perfetto.json.gz, "
+                      "<size>.hlo.txt.gz)")
+  baseline.add_size_args(parser, "models to profile, of " + ", ".join(PROFILED)
+                         + " (default 3m,25m), or none: --config as it is")
   return parser
 
 
@@ -136,12 +168,16 @@ def main(argv=None):
   platforms.choose()
   from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
-    args, configs = baseline.load_sized(build_parser(), argv)
+    args, configs = baseline.load_sized(build_parser(), argv, sizes=PROFILED)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for label, cfg in configs:
-    totals, wall = profile(baseline.Ours(cfg), args.steps)
+    keep = ""
+    if args.keep:
+      os.makedirs(args.keep, exist_ok=True)
+      keep = os.path.join(args.keep, os.path.basename(label).removesuffix(".py"))
+    totals, wall = profile(baseline.Ours(cfg), args.steps, keep)
     total = sum(totals.values())
     print(f"\n{label}: {baseline.describe(cfg)}; {wall * 1e3:.0f} ms/step wall, "
           f"{total * 1e3:.0f} ms/step of kernel time over all threads")

@@ -7,8 +7,10 @@ pipeline, and times `--steps` steps after two warm-up steps. `--noise-every N` t
 gradient-noise-scale meter as a run with `--config.optim.noise_scale_every=N` has it: the
 measuring step on every Nth step, the plain step otherwise (compare the mean step time with and
 without). Prints the median step time,
-tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this same process and
-(b) the configured/known peak, so the ratio is honest on any machine.
+tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this same process, in
+the model's dtype on a product that fills the device (`trainer.metrics.measure_matmul_peak`:
+1024^3 on a CPU, 8192^3 on an accelerator), and (b) the configured/known peak, so the ratio is
+honest on any machine.
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def main(argv=None):
 
   from models.sizes import flops_per_token, param_counts  # noqa: PLC0415
   from trainer.loop import Run  # noqa: PLC0415
-  from trainer.metrics import machine_peak_flops, measure_matmul_peak  # noqa: PLC0415
+  from trainer.metrics import (  # noqa: PLC0415
+      machine_peak_flops, matmul_probe_size, measure_matmul_peak)
   from trainer.state import init_state  # noqa: PLC0415
 
   with tempfile.TemporaryDirectory() as workdir:
@@ -70,7 +73,9 @@ def main(argv=None):
         jax.block_until_ready(metrics)
         if i >= 2:
           times.append(time.perf_counter() - t)
-  matmul_peak = measure_matmul_peak(n=1024, repeats=10)
+  # The peak of the model's own arithmetic (model.dtype) on a product that fills the device.
+  probe_n = matmul_probe_size(jax.default_backend())
+  matmul_peak = measure_matmul_peak(probe_n, repeats=10, dtype=cfg.model.dtype)
   table_peak, source = machine_peak_flops(cfg.trainer.peak_flops_per_device, cfg.model.dtype)
   step_s = statistics.median(times)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
@@ -91,9 +96,10 @@ def main(argv=None):
           "those steps)")
   print(f"tokens/s          {tps:,.0f}")
   print(f"model FLOP/s      {tps * fpt / 1e9:.2f} GFLOP/s")
-  print(f"matmul peak       {matmul_peak / 1e9:.2f} GFLOP/s (fp32 1024^3, measured now)")
+  print(f"matmul peak       {matmul_peak / 1e9:.2f} GFLOP/s ({cfg.model.dtype} {probe_n}^3, "
+        "measured now)")
   print(f"MFU vs matmul     {tps * fpt / matmul_peak:.1%}")
-  if source != "measured fp32 matmul":
+  if not source.startswith("measured"):
     print(f"MFU vs {source:<10} {tps * fpt / table_peak:.1%}")
 
 

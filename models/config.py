@@ -35,6 +35,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype of matmuls; norms, softmax and logits stay fp32
+  fp8: bool = False  # the blocks' dense projections through fp8 (models/fp8.py)
   remat: str = "none"
   scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: fully unrolled)
   attention: str = "xla"
@@ -117,6 +118,8 @@ NOT_FUNCTIONAL = {
     "param_dtype": "the precision the weights are stored in (a warm start casts them; a resume "
                    "still requires it, for the optimizer state: trainer/checkpoint.py)",
     "dtype": "the precision of the matmuls, not what they compute",
+    "fp8": "the precision of the blocks' projections (fp8 with per-tensor scales), not what "
+           "they compute",
     "remat": "what the backward pass recomputes instead of storing",
     "scan_unroll": "how the layer loop is compiled",
     "attention": "which implementation computes the same attention",

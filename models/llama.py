@@ -47,6 +47,7 @@ from flax import nnx
 from models.attention import IMPLS, attention, layer_segments, sequence_layout
 from models.config import ModelConfig
 from models.cross_entropy import chunked_cross_entropy
+from models.fp8 import fp8_matmul
 from models.moe import MoE
 from models.params import DTYPES, param
 from models.rope import apply_rope, rope_tables
@@ -75,15 +76,17 @@ class RMSNorm(nnx.Module):
     return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def dense(x, w, contract: int):
+def dense(x, w, contract: int, fp8: bool = False):
   """x [B, S, *in] times w [*in, *out] (w's first `contract` axes against x's last ones) ->
   [B, S, *out], as one 2-D matmul [B*S, prod(in)] x [prod(in), prod(out)]: the einsum's
   product, but the weight gradient then contracts one token axis, not two (b, s), which XLA's
   CPU backend compiled with extra transposes (SwiGLU MLP forward + backward 1.45x faster).
-  The reshapes merge adjacent axes only: free, and the parameters keep their layout."""
+  The reshapes merge adjacent axes only: free, and the parameters keep their layout.
+  fp8: the matmul through fp8 with per-tensor scales (`model.fp8`, models/fp8.py)."""
   lead, ins, outs = x.shape[:-contract], w.shape[:contract], w.shape[contract:]
   n_in = math.prod(ins)
-  y = jnp.dot(x.reshape(-1, n_in), w.reshape(n_in, -1))
+  matmul = fp8_matmul if fp8 else jnp.dot
+  y = matmul(x.reshape(-1, n_in), w.reshape(n_in, -1))
   return y.reshape(*lead, *outs)
 
 
@@ -106,11 +109,11 @@ class Attention(nnx.Module):
     cfg = self.cfg
     dt = DTYPES[cfg.dtype]
     x_BSE = x_BSE.astype(dt)
-    q_BSHD = dense(x_BSE, self.wq_EHD[...].astype(dt), 1)
+    q_BSHD = dense(x_BSE, self.wq_EHD[...].astype(dt), 1, cfg.fp8)
     if cfg.query_multiplier != 1.0:  # muP's 1/D attention (module docstring)
       q_BSHD = q_BSHD * jnp.asarray(cfg.query_multiplier, dt)
-    k_BSKD = dense(x_BSE, self.wk_EKD[...].astype(dt), 1)
-    v_BSKD = dense(x_BSE, self.wv_EKD[...].astype(dt), 1)
+    k_BSKD = dense(x_BSE, self.wk_EKD[...].astype(dt), 1, cfg.fp8)
+    v_BSKD = dense(x_BSE, self.wv_EKD[...].astype(dt), 1, cfg.fp8)
     q_BSHD = constrain(apply_rope(q_BSHD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
                        ("act_batch", "act_seq", "act_heads", "act_head_dim"))
     k_BSKD = constrain(apply_rope(k_BSKD, positions_BS, cfg.rope_theta, cfg.rope_scaling),
@@ -120,7 +123,7 @@ class Attention(nnx.Module):
 
   def out(self, out_BSHD):
     dt = DTYPES[self.cfg.dtype]
-    return dense(out_BSHD, self.wo_HDE[...].astype(dt), 2)
+    return dense(out_BSHD, self.wo_HDE[...].astype(dt), 2, self.cfg.fp8)
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
     cfg = self.cfg
@@ -145,12 +148,12 @@ class MLP(nnx.Module):
     self.w_down_FE = param(rngs, out_init, (F, E), ("mlp", "embed"), pdt)
 
   def __call__(self, x_BSE):
-    dt = DTYPES[self.cfg.dtype]
+    dt, fp8 = DTYPES[self.cfg.dtype], self.cfg.fp8
     x_BSE = x_BSE.astype(dt)
-    gate_BSF = dense(x_BSE, self.w_gate_EF[...].astype(dt), 1)
-    up_BSF = dense(x_BSE, self.w_up_EF[...].astype(dt), 1)
+    gate_BSF = dense(x_BSE, self.w_gate_EF[...].astype(dt), 1, fp8)
+    up_BSF = dense(x_BSE, self.w_up_EF[...].astype(dt), 1, fp8)
     h_BSF = constrain(jax.nn.silu(gate_BSF) * up_BSF, ("act_batch", "act_seq", "act_mlp"))
-    return dense(h_BSF, self.w_down_FE[...].astype(dt), 1)
+    return dense(h_BSF, self.w_down_FE[...].astype(dt), 1, fp8)
 
 
 class Block(nnx.Module):

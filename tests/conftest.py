@@ -79,6 +79,22 @@ def losses(workdir) -> dict[int, float]:
   return {step: row["loss"] for step, row in metric_rows(workdir).items()}
 
 
+def pytest_collection_modifyitems(config, items):
+  """The GPU tier (`-m gpu`) needs a GPU that JAX sees; this file makes JAX_PLATFORMS=cpu the
+  default for the rest of the suite, so the tier runs as `JAX_PLATFORMS=cuda,cpu python -m
+  pytest -m gpu` and is skipped, with that reason, anywhere else."""
+  tier = [item for item in items if item.get_closest_marker("gpu")]
+  if not tier:
+    return
+  try:
+    jax.devices("gpu")
+  except RuntimeError:
+    skip = pytest.mark.skip(reason="no GPU visible to JAX: run the tier on a GPU machine as "
+                            "`JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu`")
+    for item in tier:
+      item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def data_dir():
   return ensure_default_corpus()

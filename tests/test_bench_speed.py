@@ -9,11 +9,8 @@ from conftest import ROOT, bench_module
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
 
 
-_bench = bench_module
-
-
 def test_baseline_times_both_steps_alternately_and_prints_the_ratio(capsys):
-  bench = _bench("baseline")
+  bench = bench_module("baseline")
   assert bench.main(["--size", "none", "--config", TINY, "--rounds", "2", "--steps", "1",
                      "--config.model.num_layers=1"]) == 0
   out = capsys.readouterr().out
@@ -27,7 +24,7 @@ def test_baseline_times_both_steps_alternately_and_prints_the_ratio(capsys):
 
 
 def test_variants_times_each_value_and_prints_its_ratio_to_the_first(capsys):
-  bench = _bench("variants")
+  bench = bench_module("variants")
   assert bench.main(["--size", "none", "--config", TINY, "--rounds", "2", "--steps", "1",
                      "--config.model.num_layers=2", "--vary", "model.scan_unroll=1,2"]) == 0
   out = capsys.readouterr().out
@@ -41,7 +38,7 @@ def test_variants_times_each_value_and_prints_its_ratio_to_the_first(capsys):
 
 
 def test_variants_refuses_a_bad_vary_in_one_line(capsys):
-  bench = _bench("variants")
+  bench = bench_module("variants")
   for vary in ("model.scan_unroll", "model.scan_unroll=1", "model.no_such_key=1,2",
                "model.scan_unroll=1,0"):
     assert bench.main(["--size", "none", "--config", TINY, "--vary", vary]) == 2, vary
@@ -49,12 +46,33 @@ def test_variants_refuses_a_bad_vary_in_one_line(capsys):
     assert err.startswith("error: ") and "\n" not in err, err
 
 
+def test_variants_xla_option_reaches_the_compiled_step(capsys):
+  """--xla compiles each variant's step with the option: trainer/program.py's CPU option that
+  keeps the donated state in place, turned off, makes the step copy state buffers again."""
+  from trainer.cli import load  # noqa: PLC0415
+  bench = bench_module("variants")
+  option = "xla_cpu_copy_insertion_use_region_analysis"
+  cfg = bench.vary(bench.baseline.one_device(load(TINY, [])), "model.num_layers", "1")
+  with bench.compiler_option(option, "false"):
+    off = bench.baseline.Ours(cfg)
+  text = off.step.as_text()
+  assert re.search(r"copy\(%state_(params|opt_state)", text), "state not copied without it"
+  from trainer import program  # noqa: PLC0415
+  assert program.COMPILER_OPTIONS["cpu"] == {option: True}  # restored after the block
+  assert bench.main(["--size", "none", "--config", TINY, "--rounds", "1", "--steps", "1",
+                     "--config.model.num_layers=1", "--xla", f"{option}=false,true"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(rf"{option}=true +[\d.]+ ms/step +x[\d.]+ the time of {option}=false", out)
+  assert bench.main(["--size", "none", "--config", TINY, "--xla", f"{option}=1,2",
+                     "--vary", "model.scan_unroll=1,2"]) == 2  # one of the two, not both
+
+
 def test_the_matched_sizes_are_the_issue_models():
   """3.3M and 25.4M parameters, with SwiGLU's FLOPs equal to a GELU MLP of 4 d (nanodo's)."""
   from models.llama import ModelConfig  # noqa: PLC0415
   from models.sizes import param_counts  # noqa: PLC0415
   from trainer.cli import load_from_cli  # noqa: PLC0415
-  bench = _bench("baseline")
+  bench = bench_module("baseline")
   for size, millions in (("3m", 3.3), ("25m", 25.4)):
     cfg = load_from_cli(TINY, bench.size_overrides(size))
     m = ModelConfig.from_config(cfg.model)
@@ -63,13 +81,13 @@ def test_the_matched_sizes_are_the_issue_models():
 
 
 def test_nanodo_bench_without_a_checkout_says_so(tmp_path, capsys):
-  assert _bench("nanodo").main(["--nanodo_dir", str(tmp_path), "--size", "3m"]) == 2
+  assert bench_module("nanodo").main(["--nanodo_dir", str(tmp_path), "--size", "3m"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and "has no nanodo/model.py" in err and "skipping" in err, err
 
 
 def test_step_profile_sorts_the_traced_kernels_into_kinds(capsys):
-  bench = _bench("step_profile")
+  bench = bench_module("step_profile")
   assert bench.main(["--size", "none", "--config", TINY, "--steps", "1",
                      "--config.model.num_layers=1"]) == 0
   rows = re.findall(r"^\| (.+?) \| (\d+) \| ([\d.]+)% \|$", capsys.readouterr().out, re.M)

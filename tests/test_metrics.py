@@ -76,3 +76,30 @@ def test_machine_peak_uses_the_model_dtype(monkeypatch):
                       lambda dtype: measured.append(dtype) or 1e11)
   assert machine_peak_flops(0.0, "bfloat16") == (1e11, "measured bfloat16 matmul")
   assert measured == ["bfloat16"]
+
+
+@pytest.mark.parametrize("platform,n,calls", [("cpu", 1024, 1), ("gpu", 64, 10)])
+def test_matmul_peak_probe_in_the_dtype_at_the_platforms_size(monkeypatch, platform, n, calls):
+  """The peak is measured in the asked dtype on the platform's probe size (1024 on CPU, a
+  product that fills an accelerator elsewhere, here shrunk), accelerators timing 10 products
+  launched back to back per measurement."""
+  seen = []
+  real_jit = jax.jit
+
+  def recording_jit(fn):
+    compiled = real_jit(fn)
+
+    def call(a, b):
+      seen.append((a.shape, str(a.dtype), str(b.dtype)))
+      return compiled(a, b)
+    return call
+
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  monkeypatch.setattr(jax, "jit", recording_jit)
+  assert metrics.matmul_probe_size("gpu") == metrics.matmul_probe_size("tpu") == 8192
+  if platform != "cpu":  # 8192^3 would take minutes here
+    monkeypatch.setattr(metrics, "matmul_probe_size", lambda p: n)
+  flops = metrics.measure_matmul_peak(repeats=2, dtype="bfloat16")
+  assert flops > 0
+  assert len(seen) == 1 + 2 * calls  # a warm-up call, then `calls` per timed repeat
+  assert set(seen) == {((n, n), "bfloat16", "bfloat16")}

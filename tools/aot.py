@@ -159,7 +159,8 @@ def _count(n: float) -> str:
   return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
 
 
-def _per_device_bytes(tree) -> int:
+def per_device_bytes(tree) -> int:
+  """Bytes one device holds of a tree of (abstract) sharded arrays."""
   total = 0
   for leaf in jax.tree.leaves(tree):
     shape = leaf.sharding.shard_shape(leaf.shape)
@@ -206,7 +207,7 @@ def oom_advice(cfg, sizes: dict, target: Target, state_bytes: int) -> str:
 
 
 @contextlib.contextmanager
-def _no_persistent_cache():
+def no_persistent_cache():
   """Keep target executables out of JAX's persistent cache: this machine could not load them
   (and reading one back fails noisily), and a later CPU run must not find them."""
   # Whether the cache is used is decided once per process, so in a process that already uses
@@ -239,10 +240,10 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   # even creating an abstract optimizer state would try to run on them.
   state = program.abstract_state()
   batch = program.abstract_batch()
-  state_bytes = _per_device_bytes(state)
+  state_bytes = per_device_bytes(state)
   t0 = time.perf_counter()
   try:
-    with jax.set_mesh(mesh), _no_persistent_cache():
+    with jax.set_mesh(mesh), no_persistent_cache():
       attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh, dtype=cfg.model.dtype,
                                head_dim=program.model_cfg.dim_per_head,
                                seq_len=cfg.data.seq_len)
@@ -277,6 +278,12 @@ class CompiledCosts(NamedTuple):
   output_bytes: int  # outputs not aliased to (donated) inputs
   temp_bytes: int
   code_bytes: int
+
+  @property
+  def total_bytes(self) -> int:
+    """What the program holds on a device while it runs: arguments + temporaries + outputs
+    not aliased to donated inputs + code."""
+    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
 
 
 def compiled_costs(compiled) -> CompiledCosts:

@@ -45,6 +45,11 @@ def default_config() -> ml_collections.ConfigDict:
       # the LM head and loss over this many sequence positions at a time, so the [B, S, V]
       # logits never exist (models/cross_entropy.py; for large vocabularies); 0 = all at once
       logits_chunk=0,
+      # the blocks' dense projections (q, k, v, o and the MLP) as fp8 matmuls: e4m3 operands,
+      # e5m2 gradients, one scale per tensor from its own amax each step (models/fp8.py;
+      # stateless, so checkpoints do not change); fast on GPUs with fp8 tensor cores (Hopper,
+      # Ada), emulated (same numbers, no faster) elsewhere
+      fp8=False,
       # "sp" (standard) or "mup" (Maximal Update Parametrization for Adam-type optimizers:
       # init, multipliers and per-parameter learning rates relative to base_width, the d_model
       # at which muP equals SP; 0 = d_model itself; models/llama.py)

@@ -317,6 +317,10 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           f"multiple of mesh.sequence={seq_shards} (0 = no chunking)")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
   _check_moe(cfg, sizes)
+  _need(not (m.fp8 and m.moe.num_experts),
+        f"model.fp8=True with model.moe.num_experts={m.moe.num_experts}: fp8 covers the dense "
+        "layers' projections and the experts' grouped matmul has no fp8 path; use "
+        "model.fp8=False for a mixture of experts")
 
   o = cfg.optim
   _choice(cfg, "optim.name", OPTIMIZERS)

@@ -178,20 +178,37 @@ def known_hbm_bandwidth(device_kind: str) -> float | None:
   return match_device_kind(HBM_BANDWIDTH, device_kind)
 
 
-def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype=jnp.float32) -> float:
-  """Best observed FLOP/s of an n x n x n matmul on the default device (all its threads).
+def matmul_probe_size(platform: str) -> int:
+  """The n of `measure_matmul_peak`'s n x n x n product on `platform`: 1024 on a CPU (a fraction
+  of a second, at its best FLOP/s already); 8192 on an accelerator, where a 1024^3 product takes
+  microseconds and the launch would dominate (an 8192^3 bf16 product keeps an H100 busy for
+  ~1.4 ms, all of its SMs)."""
+  return 1024 if platform == "cpu" else 8192
+
+
+def measure_matmul_peak(n: int | None = None, repeats: int = 5, dtype=jnp.float32) -> float:
+  """Best observed FLOP/s of an n x n x n matmul in `dtype` (random operands) on the default
+  device, all its threads; n defaults to `matmul_probe_size` of the platform. On an accelerator
+  each timing covers 10 products launched back to back (so launch gaps do not count).
 
   On a CPU with several *fake* XLA devices, those devices share the same cores, so this one
   number is the whole machine's peak.
   """
-  x = jax.random.normal(jax.random.key(0), (n, n), dtype)
-  f = jax.jit(lambda a: a @ a)
-  f(x).block_until_ready()
+  platform = jax.default_backend()
+  n = n or matmul_probe_size(platform)
+  calls = 1 if platform == "cpu" else 10
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+  f = jax.jit(lambda x, y: x @ y)
+  f(a, b).block_until_ready()
   best = math.inf
   for _ in range(repeats):
     t0 = time.perf_counter()
-    f(x).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
+    for _ in range(calls):
+      out = f(a, b)
+    out.block_until_ready()
+    best = min(best, (time.perf_counter() - t0) / calls)
   return 2.0 * n ** 3 / best
 
 

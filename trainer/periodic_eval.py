@@ -28,15 +28,22 @@ from trainer.program import Program
 from trainer.step import make_eval_step
 
 
+def jitted_eval_step(program: Program):
+  """(the jitted eval step `(params, micro-batch) -> (loss sum, tokens)` of the run `program`
+  compiles, the sharding of one micro-batch [B, S])."""
+  flat = jax.sharding.NamedSharding(program.mesh, jax.sharding.PartitionSpec(
+      *program.batch_sharding.spec[1:]))
+  fn = jax.jit(make_eval_step(program.spec), in_shardings=(program.shardings.params, flat),
+               out_shardings=replicated(program.mesh))
+  return fn, flat
+
+
 def make_evaluator(program: Program, sources: Sequence[mixture.Source],
                    local_rows: Sequence[int]) -> Callable[..., dict[str, float]]:
   """`evaluate(state) -> row` for the run `program` compiles, on `sources` (one, or a mixture's),
   this process reading the batch rows `local_rows`."""
   mesh, micro_rows, cfg = program.mesh, program.micro_rows, program.cfg
-  flat = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-      *program.batch_sharding.spec[1:]))
-  fn = jax.jit(make_eval_step(program.spec), in_shardings=(program.shardings.params, flat),
-               out_shardings=replicated(mesh))
+  fn, flat = jitted_eval_step(program)
   hosts = [pipeline.take(
       pipeline.StreamSpec(src.dir, "validation", cfg.data.seq_len, micro_rows,
                           shuffle=False, row_ids=local_rows),

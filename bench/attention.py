@@ -1,0 +1,241 @@
+"""Attention kernels timed against each other: our Pallas flash kernel vs cuDNN's fused
+attention vs XLA, forward and forward + backward, causal.
+
+    python bench/attention.py                       # on a GPU: issue 25's grid (~2 minutes)
+    python bench/attention.py --seq 128 --head-dim 32 --heads 4 --kv-heads 4,2 --tokens 512
+        # on a CPU: tiny, the flash kernel interpreted, cuDNN skipped (tests run this)
+    python bench/attention.py --flash-tiles 128x64/64x64,64x64/64x64 ...   # tile A/B
+
+Implementations (`--impls`):
+  flash   kernels/flash_attention.py, compiled through Triton on a GPU (interpreted elsewhere:
+          exact but slow, so CPU times say nothing about the kernel); `--flash-tiles` adds
+          variants with other tiles, BQxBK/BQBxBKB (forward query x key tile / backward ones);
+  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (models/attention.py's
+          `cudnn_attention`: packed documents as a mask, which cuDNN adds as a bias); GPU only,
+          bf16/fp16, head dim <= 128 -- elsewhere skipped, and the reason printed;
+  xla     models/attention.py's `xla_attention` (what `model.attention=xla` runs).
+Cases: every combination of `--seq`, `--head-dim`, `--kv-heads` (= `--heads`: MHA; fewer:
+GQA) and packing (`--packed`: none, one document per row; docs, rows of packed documents of
+random lengths, at least 64 tokens each), with `--tokens` tokens per call (batch = tokens /
+seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against XLA's
+in fp32 (the largest error relative to the largest output is printed; over 5e-2 in bf16/fp16
+or 1e-3 in fp32 the implementation is reported WRONG and not timed; one that fails to compile,
+e.g. for its tiles, is reported with the error), then timed: jitted, two warm-up calls, then
+`--reps` timings of `--calls` calls launched back to back (so launch gaps do not count); the
+median.
+
+Prints per case the milliseconds of each implementation, forward and forward + backward, and
+the speed ratios flash/cudnn and flash/xla (> 1: ours faster; the forward + backward ratio is
+the one training sees), then per case the fastest implementation: the measured table that
+`models/attention.py:choose_impl`'s GPU rule for `auto` is to be written from (by hand, as a
+rule over head dim, length, grouping and packing, citing this command and its output).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+IMPLS = ("flash", "cudnn", "xla")
+
+
+def build_parser():
+  import jax  # noqa: PLC0415
+
+  from trainer.cli import CliParser  # noqa: PLC0415
+  gpu = jax.default_backend() == "gpu"
+  p = CliParser("bench/attention.py", __doc__, config=False)
+
+  def ints(text):  # comma-separated integers (argparse reports a ValueError in one line)
+    return [int(x) for x in text.split(",") if x]
+
+  p.add_argument("--seq", type=ints, default=[2048, 4096, 8192] if gpu else [128])
+  p.add_argument("--head-dim", type=ints, default=[64, 128] if gpu else [32])
+  p.add_argument("--heads", type=int, default=16 if gpu else 4)
+  p.add_argument("--kv-heads", type=ints, default=None,
+                 help="kv heads per case (default: --heads and --heads/4, MHA and GQA)")
+  p.add_argument("--packed", default="none,docs", help="none, docs or both (comma-separated)")
+  p.add_argument("--tokens", type=int, default=16384 if gpu else 512,
+                 help="tokens per call (batch = tokens / seq)")
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+  p.add_argument("--impls", default=",".join(IMPLS))
+  p.add_argument("--flash-tiles", default="", metavar="BQxBK/BQBxBKB,...",
+                 help="extra flash variants with these tiles (forward / backward)")
+  p.add_argument("--reps", type=int, default=5 if gpu else 2)
+  p.add_argument("--calls", type=int, default=10 if gpu else 1)
+  return p
+
+
+def parse(argv):
+  """The options; a mistake raises ConfigError (one line)."""
+  p = build_parser()
+  args, overrides = p.parse(argv)
+  if overrides:
+    p.error("this bench takes no --config.* overrides")
+  args.kv_heads = args.kv_heads or sorted({args.heads, max(1, args.heads // 4)}, reverse=True)
+  args.packed = [x for x in args.packed.split(",") if x]
+  impls = [x for x in args.impls.split(",") if x]
+  bad = [x for x in impls if x not in IMPLS] + [x for x in args.packed
+                                                 if x not in ("none", "docs")]
+  bad += [k for k in args.kv_heads if args.heads % k]
+  if bad or not impls:
+    p.error(f"unknown or invalid {bad}: --impls of {', '.join(IMPLS)}, --packed of none, "
+            "docs, --kv-heads dividing --heads")
+  args.variants = {name: None for name in impls}
+  for spec in (x for x in args.flash_tiles.split(",") if x):
+    try:
+      fwd, bwd = spec.split("/")
+      (bq, bk), (bqb, bkb) = (map(int, fwd.split("x")), map(int, bwd.split("x")))
+    except ValueError:
+      p.error(f"--flash-tiles {spec!r}: expected BQxBK/BQBxBKB, e.g. 128x64/64x64")
+    args.variants[f"flash {spec}"] = (bq, bk, bqb, bkb)
+  return args
+
+
+def segment_ids(batch: int, seq: int, seed: int):
+  """[B, S] ids of packed documents of random lengths (>= 64 tokens, or the whole row)."""
+  import numpy as np  # noqa: PLC0415
+  rng = np.random.default_rng(seed)
+  ids = np.zeros((batch, seq), np.int32)
+  for row in ids:
+    cuts = np.sort(rng.choice(np.arange(64, seq, 64), size=min(3, seq // 64 - 1),
+                              replace=False)) if seq >= 128 else []
+    for i, (start, stop) in enumerate(zip([0, *cuts], [*cuts, seq])):
+      row[start:stop] = i + 1
+  return ids
+
+
+def implementation(name: str, tiles):
+  """(fn(q, k, v, seg) -> out, None) or (None, why it cannot run here)."""
+  import jax  # noqa: PLC0415
+
+  from kernels import BlockSizes, flash_attention  # noqa: PLC0415
+  from models.attention import cudnn_attention, xla_attention  # noqa: PLC0415
+  if name == "xla":
+    return (lambda q, k, v, seg: xla_attention(q, k, v, segment_ids=seg, causal=True)), None
+  if name == "cudnn":
+    if jax.default_backend() != "gpu":
+      return None, "cuDNN attention needs a GPU"
+    return (lambda q, k, v, seg: cudnn_attention(q, k, v, segment_ids=seg, causal=True)), None
+  blocks = BlockSizes(*tiles) if tiles else None
+  return (lambda q, k, v, seg: flash_attention(q, k, v, causal=True, segment_ids=seg,
+                                               block_sizes=blocks)), None
+
+
+def time_calls(fn, args, reps: int, calls: int) -> float:
+  """Median seconds per call over `reps` timings of `calls` back-to-back calls."""
+  import jax  # noqa: PLC0415
+  for _ in range(2):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / calls)
+  return statistics.median(times)
+
+
+def _check_and_time(fn, inputs, reference, args) -> dict:
+  """{"err", "fwd", "fwd+bwd"} of one implementation, or {"skip": why} when its output is off
+  the fp32 reference (then it is not timed)."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  q, k, v, seg, do = inputs
+  fwd = jax.jit(fn)
+  err = float(jnp.max(jnp.abs(fwd(q, k, v, seg).astype(jnp.float32) - reference))
+              / jnp.max(jnp.abs(reference)))
+  if not err <= (5e-2 if q.dtype.itemsize == 2 else 1e-3):  # NaN too
+    return {"skip": f"WRONG: output off the fp32 reference by {err:.1e} (max, relative to the "
+                    "largest); not timed"}
+
+  def grads(q, k, v, seg, do):
+    _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, seg), q, k, v)
+    return vjp(do)
+
+  return {"err": err, "fwd": time_calls(fwd, (q, k, v, seg), args.reps, args.calls),
+          "fwd+bwd": time_calls(jax.jit(grads), inputs, args.reps, args.calls)}
+
+
+def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
+  """{impl: {"fwd": s, "fwd+bwd": s, "err": relative error}} or {impl: {"skip": why}}."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+
+  from models.attention import cudnn_applies  # noqa: PLC0415
+  dtype = jnp.dtype(args.dtype)
+  batch = max(1, args.tokens // seq)
+  keys = jax.random.split(jax.random.key(seq * 1000 + head_dim * 10 + kv_heads), 4)
+  q = jax.random.normal(keys[0], (batch, seq, args.heads, head_dim), jnp.float32)
+  k = jax.random.normal(keys[1], (batch, seq, kv_heads, head_dim), jnp.float32)
+  v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.float32)
+  do = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
+  seg = None if packed == "none" else jnp.asarray(segment_ids(batch, seq, seq + head_dim))
+  reference = jax.jit(implementation("xla", None)[0])(q, k, v, seg)
+  q, k, v = (x.astype(dtype) for x in (q, k, v))
+  out = {}
+  for name, tiles in args.variants.items():
+    base = name.split()[0]
+    fn, why = implementation(base, tiles)
+    if fn is not None and base == "cudnn" and not cudnn_applies(dtype, head_dim, seq):
+      fn, why = None, f"cuDNN takes bf16/fp16 and head dims <= 128, not {dtype.name} {head_dim}"
+    if fn is None:
+      out[name] = {"skip": why}
+      continue
+    try:
+      out[name] = _check_and_time(fn, (q, k, v, seg, do), reference, args)
+    except Exception as e:  # noqa: BLE001  (a variant that does not compile, e.g. its tiles)
+      out[name] = {"skip": f"failed: {str(e).strip().splitlines()[0][:200]}"}
+  return out
+
+
+def main(argv=None):
+  from trainer import platforms  # noqa: PLC0415
+  platforms.choose()
+  import jax  # noqa: PLC0415
+
+  from trainer.config import ConfigError  # noqa: PLC0415
+  try:
+    args = parse(argv)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"device 1 x {jax.devices()[0].device_kind}; {args.dtype}, causal, {args.heads} heads, "
+        f"{args.tokens} tokens per call; median of {args.reps} x {args.calls} calls")
+  names = list(args.variants)
+  winners, skipped = [], {}
+  cols = " ".join(f"{n + ' fwd':>16} {n + ' f+b':>16}" for n in names)
+  print(f"{'case':<28} {cols}  {'flash/cudnn f, f+b':>19} {'flash/xla f, f+b':>17}  max err")
+  for seq, head_dim, kv_heads, packed in itertools.product(args.seq, args.head_dim,
+                                                           args.kv_heads, args.packed):
+    heads = "MHA" if kv_heads == args.heads else f"GQA {args.heads}/{kv_heads}"
+    case = f"S{seq} D{head_dim} {heads}{' packed' if packed == 'docs' else ''}"
+    res = run_case(args, seq, head_dim, kv_heads, packed)
+    cells = " ".join(f"{'skip':>16} {'skip':>16}" if "skip" in r else
+                     f"{r['fwd'] * 1e3:>13.3f} ms {r['fwd+bwd'] * 1e3:>13.3f} ms"
+                     for r in res.values())
+    ratio = lambda other: (" ".join(f"{res[other][p] / res['flash'][p]:.2f}"
+                                    for p in ("fwd", "fwd+bwd"))
+                           if "fwd" in res.get(other, {}) and "fwd" in res.get("flash", {})
+                           else "-")
+    errors = max((r["err"] for r in res.values() if "err" in r), default=math.nan)
+    print(f"{case:<28} {cells}  {ratio('cudnn'):>19} {ratio('xla'):>17}  {errors:.1e}")
+    timed = {n: r["fwd+bwd"] for n, r in res.items() if "fwd+bwd" in r}
+    winners.append((case, min(timed, key=timed.get), timed))
+    skipped.update({f"{n}: skipped ({r['skip']})": None for n, r in res.items() if "skip" in r})
+  print("\n".join(skipped))
+  print("\nfastest forward + backward per case (the table for choose_impl's GPU rule):")
+  for case, best, timed in winners:
+    others = ", ".join(f"{n} x{t / timed[best]:.2f}" for n, t in timed.items() if n != best)
+    print(f"  {case:<28} {best:<10} ({others})")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,47 @@
+"""bench/attention.py on CPU: one tiny case (the flash kernel interpreted, a tile variant, XLA;
+cuDNN and a variant that does not compile skipped with their reasons), each output checked
+against the fp32 reference before it is timed; the packed-document ids it draws; a bad option
+is one line."""
+import re
+
+import numpy as np
+import pytest
+
+from conftest import bench_module
+
+
+def test_attention_bench_tiny_case_on_cpu(capsys):
+  assert bench_module("attention").main([
+      "--seq", "128", "--head-dim", "16", "--heads", "2", "--kv-heads", "1", "--packed", "docs",
+      "--tokens", "128", "--reps", "1", "--flash-tiles", "32x32/32x32,8x8/8x8"]) == 0
+  out = capsys.readouterr().out
+  row = next(line for line in out.splitlines() if line.startswith("S128 D16 GQA 2/1 packed"))
+  times = [float(x) for x in re.findall(r"([\d.]+) ms", row)]
+  assert len(times) == 6 and all(t > 0 for t in times), row  # flash, its tiles, xla: fwd, f+b
+  assert row.count("skip") == 4, row  # cuDNN and the 8x8 tiles, both passes
+  assert float(row.split()[-1]) < 2e-2, row  # bf16 outputs against the fp32 reference
+  assert "cudnn: skipped (cuDNN attention needs a GPU)" in out
+  # a variant that does not compile is reported, and the others are still timed
+  assert "flash 8x8/8x8: skipped (failed: BlockSizes.block_q=8: tiles must be powers" in out
+  winner = out.split("the table for choose_impl's GPU rule):")[1].split()
+  assert winner[:6] == ["S128", "D16", "GQA", "2/1", "packed", winner[5]]
+  assert winner[5] in ("flash", "xla") or winner[5:7] == ["flash", "32x32/32x32"], winner
+
+
+def test_packed_documents_are_at_least_64_tokens():
+  ids = bench_module("attention").segment_ids(3, 512, seed=0)
+  for row in ids:
+    assert row[0] == 1 and np.all(np.diff(row) >= 0)
+    lengths = np.bincount(row)[1:]
+    assert len(lengths) == 4 and lengths.min() >= 64 and lengths.sum() == 512
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--impls", "flash,triton"], "unknown or invalid ['triton']"),
+    (["--flash-tiles", "128"], "--flash-tiles '128': expected BQxBK/BQBxBKB"),
+    (["--seq", "2k"], "argument --seq: invalid ints value: '2k'"),
+])
+def test_attention_bench_bad_options_are_one_line(argv, message, capsys):
+  assert bench_module("attention").main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  assert message in err and len(err.splitlines()) == 1, err
