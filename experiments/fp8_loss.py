@@ -34,11 +34,16 @@ from tools import figures
 DEFAULT_CONFIG = os.path.join("configs", "lm_tiny.py")
 
 
-def parse(argv):
+def build_parser():
   p = common.parser("fp8_loss", __doc__)
   p.set_defaults(config=DEFAULT_CONFIG)
   p.add_argument("--seeds", default="0,1,2", help="seeds of the run pairs (at least 2)")
   p.add_argument("--eval_every", type=int, default=50)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
   args, overrides = p.parse(argv)
   try:
     args.seeds = common.ints(args.seeds)

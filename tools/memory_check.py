@@ -111,12 +111,8 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
   return timeline[-1][1].get("peak_bytes_in_use", 0), timeline
 
 
-def main(argv: list[str]) -> int:
-  platforms.choose()  # before jax starts: a machine with an NVIDIA GPU measures on it
-  from tools import aot  # noqa: PLC0415
-  from trainer.cli import CliParser, load  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.metrics import GiB  # noqa: PLC0415
+def build_parser():
+  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.memory_check", __doc__)
   parser.add_argument("--topology", required=True,
                       help="as tools.aot's (h100:1, v5e:2x2, ...), or local: this process's "
@@ -124,8 +120,17 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--measure", action="store_true",
                       help="also train a few steps here and compare with the device's peak")
   parser.add_argument("--steps", type=int, default=4, help="steps of the measuring run")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()  # before jax starts: a machine with an NVIDIA GPU measures on it
+  from tools import aot  # noqa: PLC0415
+  from trainer.cli import load  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.metrics import GiB  # noqa: PLC0415
   try:
-    args, overrides = parser.parse(argv)
+    args, overrides = build_parser().parse(argv)
     name = os.path.splitext(os.path.basename(args.config))[0]
     cfg = load(args.config, overrides)
     if args.topology == "local":
