@@ -181,10 +181,10 @@ def test_aot_and_training_build_the_same_multi_slice_mesh(two_slices, monkeypatc
   assert aot.config_slices(cfg.mesh) == 2 and two_slices.slices == 2
   sizes, aot_mesh = aot.target_mesh(cfg, two_slices, "lm_tiny")
   # Training on these devices: train.py validates against jax.devices(), trainer.loop.Run
-  # builds `make_mesh(cfg.mesh)` over them.
+  # builds `run_mesh(cfg)` (`make_mesh(cfg.mesh)`) over them.
   monkeypatch.setattr(jax, "devices", lambda *a, **k: list(two_slices.devices))
   assert validate(cfg, jax.devices()) == sizes
-  train_mesh = loop.make_mesh(cfg.mesh)
+  train_mesh = loop.run_mesh(cfg)
   ids = lambda mesh: np.vectorize(lambda d: d.id)(mesh.devices)
   np.testing.assert_array_equal(ids(aot_mesh), ids(train_mesh))
   assert dict(train_mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1, "sequence": 1,

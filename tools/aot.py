@@ -48,7 +48,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from models.attention import resolve_impl  # noqa: E402
 from models.sizes import flops_per_token, param_counts  # noqa: E402
-from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
+from sharding.mesh import data_parallel_size  # noqa: E402
 from trainer.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.config_checks import validate  # noqa: E402
@@ -64,7 +64,7 @@ from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's A
     tpu_target,
 )
 from trainer.metrics import GiB  # noqa: E402
-from trainer.program import Program  # noqa: E402
+from trainer.program import Program, run_mesh  # noqa: E402
 
 EXIT_USER_ERROR = 2
 # Custom calls that mark a compiled Pallas kernel: Mosaic on TPU, Triton on GPU.
@@ -224,9 +224,10 @@ def _no_persistent_cache():
 
 def target_mesh(cfg, target: Target, config_name: str = "config") -> tuple[dict, Mesh]:
   """The config validated against the target's devices (as train.py validates against its
-  own), and the mesh training builds on them: `sharding.make_mesh`, the one mesh builder."""
+  own), and the mesh training builds on them: `sharding.make_mesh`, the one mesh builder (through
+  `trainer.program.run_mesh`, which adds a DiLoCo run's `replica` axis)."""
   try:
-    return validate(cfg, target.devices), make_mesh(cfg.mesh, target.devices)
+    return validate(cfg, target.devices), run_mesh(cfg, target.devices)
   except ConfigError as e:
     raise AotError(f"{config_name} on {target.name}: {e}") from None
 

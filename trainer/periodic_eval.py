@@ -6,7 +6,8 @@ every time, each process holding the rows its devices hold. A score is the token
 loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers); with a mixture
 of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
 `eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
-(`eval_loss_ema`). The whole-split evaluation of a saved model is `trainer/evaluation.py`.
+(`eval_loss_ema`). A DiLoCo run scores its anchor (the outer model; evaluations fall on outer
+steps), each replica its rows of the validation batch. The whole-split evaluation of a saved model is `trainer/evaluation.py`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from optim.ema import find_ema
 from sharding.batch import assemble
 from sharding.mesh import replicated
 from trainer.program import Program
-from trainer.step import make_eval_step
 
 
 def make_evaluator(program: Program, sources: Sequence[mixture.Source],
@@ -31,7 +31,7 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
   mesh, micro_rows, cfg = program.mesh, program.micro_rows, program.cfg
   flat = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
       *program.batch_sharding.spec[1:]))
-  fn = jax.jit(make_eval_step(program.spec), in_shardings=(program.shardings.params, flat),
+  fn = jax.jit(program.eval_step(), in_shardings=(program.model_param_shardings(), flat),
                out_shardings=replicated(mesh))
   hosts = [pipeline.take(
       pipeline.StreamSpec(src.dir, "validation", cfg.data.seq_len, micro_rows,
@@ -62,7 +62,7 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
 
   def evaluate(state) -> dict[str, float]:
     """The row of one evaluation: `score` of the parameters, and eval_loss_ema of their EMA."""
-    row = score(state.params)
+    row = score(program.model_params(state))  # a DiLoCo run's anchor
     ema = find_ema(state.opt_state, like=state.params)
     if ema is not None:
       row["eval_loss_ema"] = score(ema)["eval_loss"]

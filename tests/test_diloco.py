@@ -1,0 +1,317 @@
+"""DiLoCo (optim/diloco.py, trainer/diloco.py): the maths pinned by three equivalences, no
+communication across replicas in the inner step (read from the compiled program), exact resume
+and restore onto another mesh, and the config errors."""
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import train
+from conftest import losses, metric_rows, tiny_config
+from data import pipeline
+from sharding.collectives import collectives, crossing
+from sharding.mesh import fold_replicas, make_mesh, resolve_mesh
+from trainer import checkpoint, communication
+from trainer.checkpoint import Checkpointer
+from trainer.config import ConfigError
+from trainer.config_checks import validate
+from trainer.loop import Run
+from trainer.program import Program, run_mesh
+
+TINY = "configs/lm_tiny.py"
+
+
+def _cfg(**overrides):
+  """The tiny test model with SGD (no clipping: a global-norm clip is not linear) on DiLoCo."""
+  base = {"optim.name": "sgd", "optim.learning_rate": 0.5, "optim.clip_norm": 0.0,
+          "optim.warmup_steps": 0, "optim.schedule": "constant", "optim.diloco.replicas": 2,
+          "optim.diloco.inner_steps": 1}
+  return tiny_config(**{**base, **overrides})
+
+
+def _batches(data_dir, cfg, steps, *, full_mask=False):
+  """`steps` global batches [1, B, S] of the training stream. `full_mask`: every position is a
+  target, so that each replica's block of rows has the same number of target tokens."""
+  it = iter(pipeline.dataset(pipeline.StreamSpec(
+      data_dir, "train", cfg.data.seq_len, cfg.data.global_batch_size)))
+  out = []
+  for _ in range(steps):
+    batch = {k: v[None] for k, v in next(it).items()}
+    if full_mask:
+      batch["loss_mask"] = np.ones_like(batch["loss_mask"])
+    out.append(batch)
+  return out
+
+
+def _train(cfg, batches, devices=None):
+  """(per-step mean losses, final state on the host, program): the compiled steps of `cfg`'s
+  Program, DiLoCo's outer step after every H-th."""
+  program = Program(cfg, run_mesh(cfg, devices))
+  state = program.init_state()
+  step = program.jitted_step(logs=True)
+  outer = program.jitted_outer() if program.diloco else None
+  out = []
+  with jax.set_mesh(program.mesh):
+    for n, batch in enumerate(batches, 1):
+      state, metrics = step(state, {k: jax.device_put(v, program.batch_sharding)
+                                    for k, v in batch.items()})
+      if outer is not None and program.diloco.is_outer_step(n):
+        state, _ = outer(state)
+      out.append(float(np.mean(jax.device_get(metrics["loss"]))))
+  return np.array(out), jax.device_get(state), program
+
+
+def _assert_trees_close(a, b, **tol):
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, **tol), a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# The maths
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["sgd", "sgd-momentum"])
+def test_h1_outer_sgd_rate_1_is_data_parallelism(data_dir, devices, momentum):
+  """SGD inner (with or without momentum: both are linear), H = 1, outer SGD of rate 1 without
+  momentum: the anchor after every step is data parallelism's parameters on the global batch,
+  step for step (each replica's rows carry the same number of target tokens: the outer step
+  averages replicas uniformly, as the paper, and each replica normalises by its own tokens)."""
+  cfg = _cfg(**{"optim.momentum": momentum, "optim.diloco.outer_lr": 1.0,
+                "optim.diloco.outer_momentum": 0.0, "mesh.fsdp": 2})
+  batches = _batches(data_dir, cfg, 3, full_mask=True)
+  got, state, _ = _train(cfg, batches)
+  plain = cfg.copy_and_resolve_references()
+  plain.optim.diloco.replicas = 0
+  want, dp_state, _ = _train(plain, batches)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  _assert_trees_close(state.anchor, dp_state.params, rtol=2e-5, atol=1e-7)
+  for r in range(2):  # every replica restarts from the anchor
+    _assert_trees_close(jax.tree.map(lambda p: p[r], state.params), state.anchor, rtol=0, atol=0)
+  assert want[-1] < want[0]
+
+
+def test_one_replica_is_the_lookahead_step_computed_by_hand(data_dir, devices):
+  """M = 1, H = 3, AdamW inner, outer Nesterov SGD (lr 0.7, momentum 0.9): two outer steps equal
+  plain steps from the same start with the outer update done by hand in numpy (Delta = anchor -
+  theta; m = 0.9 m + Delta; anchor -= 0.7 (Delta + 0.9 m); theta = anchor, Adam's state kept)."""
+  h = 3
+  cfg = tiny_config(**{"optim.diloco.replicas": 1, "optim.diloco.inner_steps": h,
+                       "optim.clip_norm": 0.0, "mesh.fsdp": 2})
+  batches = _batches(data_dir, cfg, 2 * h)
+  _, got, _ = _train(cfg, batches)
+
+  plain = cfg.copy_and_resolve_references()
+  plain.optim.diloco.replicas = 0
+  program = Program(plain, run_mesh(plain))
+  state = program.init_state()
+  step = program.jitted_step(logs=True)
+  anchor = jax.device_get(state.params)
+  momentum = jax.tree.map(np.zeros_like, anchor)
+  with jax.set_mesh(program.mesh):
+    for n, batch in enumerate(batches, 1):
+      state, _ = step(state, {k: jax.device_put(v, program.batch_sharding)
+                              for k, v in batch.items()})
+      if n % h == 0:
+        theta = jax.device_get(state.params)
+        delta = jax.tree.map(lambda a, t: a - t, anchor, theta)
+        momentum = jax.tree.map(lambda m, d: 0.9 * m + d, momentum, delta)
+        anchor = jax.tree.map(lambda a, d, m: a - 0.7 * (d + 0.9 * m), anchor, delta, momentum)
+        state = state.replace(params=jax.device_put(anchor, program.shardings.params))
+  # (float rounding of the two programs, amplified by Adam's division: 1.1e-7 measured)
+  _assert_trees_close(got.anchor, anchor, rtol=1e-5, atol=1e-6)
+  _assert_trees_close(got.outer_opt_state[0].trace, momentum, rtol=1e-5, atol=1e-6)
+  # The outer step is no identity: the anchor is not where the inner steps ended.
+  assert not all(np.allclose(a, t, atol=1e-4) for a, t in zip(jax.tree.leaves(got.anchor),
+                                                               jax.tree.leaves(theta)))
+
+
+def test_replicas_on_8_devices_equal_the_same_run_on_2(data_dir, devices):
+  """M = 2 on 8 devices (each replica data=2 x fsdp=2) equals M = 2 on 2 devices (one each),
+  through outer steps (H = 2, AdamW inner, the default outer optimizer)."""
+  cfg = tiny_config(**{"optim.diloco.replicas": 2, "optim.diloco.inner_steps": 2,
+                       "mesh.fsdp": 2})
+  batches = _batches(data_dir, cfg, 4)
+  got, state8, program = _train(cfg, batches)
+  assert dict(program.mesh.shape) == {"replica": 2, "data": 2, "fsdp": 2, "tensor": 1,
+                                      "sequence": 1, "expert": 1}
+  small = cfg.copy_and_resolve_references()
+  small.mesh.fsdp = 1
+  want, state2, _ = _train(small, batches, devices=jax.devices()[:2])
+  np.testing.assert_allclose(got, want, rtol=2e-6)
+  _assert_trees_close(state8.anchor, state2.anchor, rtol=1e-4, atol=1e-6)
+  _assert_trees_close(state8.opt_state, state2.opt_state, rtol=1e-4, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Communication, from the compiled programs
+
+
+def test_only_the_outer_step_communicates_across_replicas(devices):
+  """The inner step of M = 2 replicas x (data 2, fsdp 2) has collectives (inside a replica) but
+  none whose device groups join two replicas; the outer step's cross them and move about the
+  parameters' bytes per device; plain data parallelism on the same devices crosses them every
+  step (counted from the compiled programs)."""
+  cfg = tiny_config(**{"optim.diloco.replicas": 2, "optim.diloco.inner_steps": 4,
+                       "mesh.fsdp": 2})
+  program = Program(cfg, run_mesh(cfg))
+  inner, outer = program.compile(), program.compile_outer()
+  labels = communication.replica_labels(program.mesh)
+  assert labels == [0, 0, 0, 0, 1, 1, 1, 1]
+  inner_ops = collectives(inner.as_text())
+  assert inner_ops and not crossing(inner_ops, labels)
+  report = communication.measure(program, inner, outer)
+  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.spec.abstract_params))
+  assert report.inner_bytes == 0 and report.inner_ops == 0
+  assert param_bytes / 2 <= report.outer_bytes <= param_bytes / 2 * 1.1  # fsdp=2 halves it
+  assert report.data_parallel_bytes > report.outer_bytes / 4
+  assert report.per_step == report.outer_bytes / 4
+  assert "inner step 0 B" in report.lines()[0]
+
+
+@pytest.mark.parametrize("text,groups", [
+    ("replica_groups={{0,1},{2,3}}, use_global", ((0, 1), (2, 3))),
+    ("replica_groups=[2,2]<=[4], dim", ((0, 1), (2, 3))),
+    ("replica_groups=[2,2]<=[2,2]T(1,0), dim", ((0, 2), (1, 3))),
+    ("replica_groups=mesh['a'=2,'b'=4] {'b'}, use", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("replica_groups=mesh['a'=2,'b'=4] {'a'}, use", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("replica_groups=mesh['a'=2,'b'=2,'c'=2], device_ids=([2,2,2]T(0,2,1)) {'b'}, x",
+     ((0, 1), (2, 3), (4, 5), (6, 7))),
+    ("replica_groups=mesh['a'=8] {'a':(2)2}, use", ((0, 2), (1, 3), (4, 6), (5, 7))),
+    ("source_target_pairs={{0,1},{1,0}}, ch", ((0, 1), (1, 0))),
+])
+def test_replica_group_spellings(text, groups):
+  from sharding.collectives import parse_groups  # noqa: PLC0415
+  assert tuple(sorted(parse_groups(text))) == tuple(sorted(groups))
+
+
+def test_collective_runs_count_loop_trips():
+  """A collective in a while body runs its known trip count times; bytes per spelling."""
+  hlo = """HloModule m
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+  %rs = f32[2]{0} reduce-scatter(%y), replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %ag = bf16[8,2]{1,0} all-gather(%z), replica_groups=[1,2]<=[2], dimensions={0}
+}
+"""
+  ops = {op.kind: op for op in collectives(hlo)}
+  assert (ops["all-reduce"].bytes, ops["all-reduce"].count) == (16, 5)
+  assert (ops["reduce-scatter"].bytes, ops["reduce-scatter"].count) == (16, 5)
+  assert (ops["all-gather"].bytes, ops["all-gather"].count) == (32, 1)
+  assert crossing(list(ops.values()), [0, 1]) == list(ops.values())
+  assert crossing(list(ops.values()), [0, 0]) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# The mesh
+
+
+def test_replica_axis_is_outermost_and_splits_the_batch_first(devices):
+  mesh = make_mesh({"data": -1, "tensor": 2}, replicas=2)
+  assert mesh.axis_names[0] == "replica" and dict(mesh.shape)["data"] == 2
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  assert set(ids[0].flat) == {0, 1, 2, 3}  # replica 0: a contiguous block of devices
+  program = Program(tiny_config(**{"optim.diloco.replicas": 2, "mesh.tensor": 2}), mesh)
+  assert program.batch_sharding.spec[1] == ("replica", "data", "fsdp", "expert")
+  folded = fold_replicas(mesh)
+  assert dict(folded.shape)["data"] == 4 and "replica" not in folded.axis_names
+  np.testing.assert_array_equal(np.vectorize(lambda d: d.id)(folded.devices).flat, ids.flat)
+
+
+@pytest.mark.parametrize("replicas,n,slices,ici,dcn", [
+    (2, 16, 2, {"replica": 1, "data": 8}, {"replica": 2, "data": 1}),  # a replica per slice
+    (4, 16, 2, {"replica": 2, "data": 4}, {"replica": 2, "data": 1}),
+    (2, 16, 4, {"replica": 1, "data": 4}, {"replica": 2, "data": 2}),  # 2 slices per replica
+])
+def test_replicas_take_whole_slices(replicas, n, slices, ici, dcn):
+  got_ici, got_dcn = resolve_mesh({"data": -1, "dcn_data": -1}, n, slices, replicas)
+  assert {k: got_ici[k] for k in ici} == ici and {k: got_dcn[k] for k in dcn} == dcn
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs: resume bit for bit (also at an outer step), another mesh, parameters for other tools
+
+
+def _run_cfg(**overrides):
+  return tiny_config(**{"optim.diloco.replicas": 2, "optim.diloco.inner_steps": 2,
+                        "mesh.fsdp": 2, "eval_every": 4, "checkpoint.every_steps": 3,
+                        **overrides})
+
+
+def _killed_at(workdir, step: int, **overrides) -> None:
+  """A 6-step run stopped after `step` (its checkpoint there is the newest), as if killed."""
+  stop = lambda n, row: "killed" if n >= step else None
+  Run(_run_cfg(steps=6, **overrides), str(workdir), stop_when=stop).train()
+  assert Checkpointer(str(workdir / "checkpoints"), keep=3).latest_step() == step
+
+
+def test_resume_is_bit_for_bit_and_restores_onto_another_mesh(tmp_path):
+  """A straight 6-step run (outer steps after 2, 4 and 6) against runs killed after step 3
+  (between outer steps) and after step 4 (right after one) and resumed: bit for bit; and one
+  resumed on another mesh with the same M (replica=2 x data=4 instead of data=2 x fsdp=2)."""
+  straight = tmp_path / "straight"
+  assert Run(_run_cfg(steps=6), str(straight)).train().status == "done"
+  rows = metric_rows(straight)
+  assert "outer_grad_norm" in rows[2] and "outer_grad_norm" not in rows[3]
+  want = losses(straight)
+
+  for stop, every in ((3, 3), (4, 2)):
+    resumed = tmp_path / f"resumed{stop}"
+    _killed_at(resumed, stop, **{"checkpoint.every_steps": every})
+    Run(_run_cfg(steps=6), str(resumed)).train()
+    got = losses(resumed)
+    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)], stop  # bit for bit
+
+  moved = tmp_path / "moved"
+  _killed_at(moved, 3)
+  Run(_run_cfg(steps=6, **{"mesh.fsdp": 1}), str(moved)).train()
+  got = losses(moved)
+  np.testing.assert_allclose([got[s] for s in range(4, 7)], [want[s] for s in range(4, 7)],
+                             rtol=1e-5)
+  # Other tools (init_from, tools.evaluate, export) read a DiLoCo checkpoint's anchor.
+  program = Program(_run_cfg(), run_mesh(_run_cfg()))
+  params, _ = checkpoint.load_params(str(straight), program.spec.abstract_params)
+  with ocp.StandardCheckpointer() as reader:
+    state = reader.restore(straight / "checkpoints" / "6" / "state", program.abstract_state())
+  _assert_trees_close(jax.device_get(params), jax.device_get(state.anchor), rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_other_replicas_is_refused_in_user_terms(tmp_path):
+  workdir = tmp_path / "w"
+  Run(_run_cfg(steps=2, **{"eval_every": 2, "checkpoint.every_steps": 2}), str(workdir)).train()
+  with pytest.raises(checkpoint.CheckpointError, match="optim.diloco.replicas=2, the config has 4"):
+    Run(_run_cfg(steps=4, **{"optim.diloco.replicas": 4, "mesh.fsdp": 1}), str(workdir)).train()
+
+
+# ------------------------------------------------------------------------------------------------
+# Config errors: one line naming the key, before anything compiles
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ({"optim.diloco.replicas": 3}, "optim.diloco.replicas=3 does not divide the 8 devices"),
+    ({"optim.diloco.replicas": -1}, "optim.diloco.replicas=-1: must be >= 0"),
+    ({"optim.diloco.inner_steps": 0}, "optim.diloco.inner_steps=0: must be >= 1"),
+    ({"optim.diloco.outer_lr": 0.0}, "optim.diloco.outer_lr=0.0: must be positive"),
+    ({"optim.diloco.outer_momentum": 1.0}, "optim.diloco.outer_momentum=1.0: must be in [0, 1)"),
+    ({"steps": 5}, "steps=5 is not a multiple of optim.diloco.inner_steps=2"),
+    ({"eval_every": 3}, "eval_every=3 is not a multiple of optim.diloco.inner_steps=2"),
+    ({"data.global_batch_size": 12}, "data.global_batch_size=12 is not divisible by the "
+     "data-parallel size 8 (mesh.data x mesh.fsdp x mesh.expert x optim.diloco.replicas)"),
+    ({"optim.noise_scale_every": 2}, "optim.noise_scale_every=2 with optim.diloco.replicas=2"),
+    ({"optim.ema_decay": 0.9}, "optim.ema_decay=0.9 with optim.diloco.replicas=2"),
+])
+def test_config_errors(overrides, needle, devices):
+  cfg = _run_cfg(**{"steps": 4, "eval_every": 0, **overrides})
+  with pytest.raises(ConfigError) as e:
+    validate(cfg, devices)
+  assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_bad_replicas_on_the_command_line_is_one_line_exit_2(tmp_path, capsys):
+  code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w"),
+                     "--config.optim.diloco.replicas=3"])
+  err = capsys.readouterr().err
+  assert code == 2 and "optim.diloco.replicas=3" in err and len(err.strip().splitlines()) == 1
