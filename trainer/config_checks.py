@@ -146,10 +146,15 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
           f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
 
 
-def _check_diloco(cfg: ml_collections.ConfigDict) -> None:
+def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   """optim.diloco.* of a DiLoCo run (replicas >= 1; the mesh and batch splits are checked with
-  the mesh): ranges, and the settings whose meaning the replicas would change."""
+  the mesh): ranges, the settings whose meaning the replicas would change, and ring attention
+  (jax 0.10 cannot vmap its shard_map over the replicas: a varying-axes type error)."""
   o, dl = cfg.optim, cfg.optim.diloco
+  _need(sizes["sequence"] == 1 or cfg.model.attention not in ("ring", "auto"),
+        f"model.attention={cfg.model.attention!r} runs ring attention over mesh.sequence="
+        f"{sizes['sequence']}, which does not run inside DiLoCo's replicas yet; use "
+        "model.attention='xla' (XLA splits the sequence itself) or mesh.sequence=1")
   h = dl.inner_steps
   _need(h >= 1, f"optim.diloco.inner_steps={h}: must be >= 1 (the inner steps between outer "
         "steps)")
@@ -369,7 +374,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
   _check_batch_science(cfg, dp)
   if replicas:
-    _check_diloco(cfg)
+    _check_diloco(cfg, sizes)
 
   check_distributed(cfg.distributed)
 

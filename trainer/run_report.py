@@ -93,7 +93,11 @@ def log_diloco(writer: MetricsWriter, program, batch: int, step: int, inner, out
   its compiled steps for `batch`). With `measure` (the lead process) the communication across
   replicas is read from them, and plain data parallelism's step compiled to compare."""
   dl = program.diloco
-  writer.log(f"{dl.describe()}; each replica steps on {batch // dl.replicas} of the {batch} "
+  where = "; ".join(f"replica {r} on process(es) "
+                    + ",".join(map(str, sorted({d.process_index for d in block.flat})))
+                    for r, block in enumerate(program.mesh.devices))
+  writer.log(f"{dl.describe()} ({where}); each replica steps on {batch // dl.replicas} of the "
+             f"{batch} "
              "sequences of a step (the rows data parallelism reads); the batch-size rules derive "
              f"the inner optimizer's hyperparameters at the global batch {batch} (line above), "
              f"so H=1 with an outer SGD of rate 1 and a linear inner optimizer is data "
