@@ -302,7 +302,8 @@ def test_a_checkpoint_of_other_replicas_is_refused_in_user_terms(tmp_path):
      "data-parallel size 8 (mesh.data x mesh.fsdp x mesh.expert x optim.diloco.replicas)"),
     ({"optim.noise_scale_every": 2}, "optim.noise_scale_every=2 with optim.diloco.replicas=2"),
     ({"optim.ema_decay": 0.9}, "optim.ema_decay=0.9 with optim.diloco.replicas=2"),
-    ({"mesh.fsdp": 1, "mesh.sequence": 2}, "model.attention='auto' runs ring attention over "
+    ({"mesh.fsdp": 1, "mesh.sequence": 2, "model.attention": "auto"},
+     "model.attention='auto' runs ring attention over "
      "mesh.sequence=2, which does not run inside DiLoCo's replicas yet"),
 ])
 def test_config_errors(overrides, needle, devices):
