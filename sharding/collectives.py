@@ -15,6 +15,12 @@ wrapped in an `async-start`), each with
   groups  the device groups it joins, as positions in the program's device assignment (for a
           program jitted over a mesh: indices into `mesh.devices.flat`)
 
+Multi-slice TPU programs move data between slices (over the data-center network) by host
+transfers of the Megascale runtime instead: each is listed as a `dcn-<transfer type>` collective
+(`dcn-all-reduce`, ...) with the bytes of the array it sends and no groups (it joins slices,
+which `crossing` counts as joining any two labels: right when every label is its own slices, as
+DiLoCo's replicas in `tools.aot`).
+
 Replica groups come in four spellings, all read here: explicit lists `{{0,1},{2,3}}`, XLA's iota
 form `[2,4]<=[4,2]T(1,0)`, its mesh form `mesh['x'=2,'y'=4] {'y'}` (with sub-axes `'y':(2)2` and
 an optional `device_ids=(...)`), and `{}` (every device in one group); collective-permutes name
@@ -38,7 +44,11 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, 
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")
+# Multi-slice TPU programs reduce across slices with host transfers run by the Megascale runtime
+# (`send`s marked xla_megascale_runtime, one per reduced array, and their `recv`s).
+_MEGASCALE = re.compile(r'^\s*%?\S+\s*=\s*\(\s*([a-z0-9]+\[[0-9,]*\]).*\bsend\(.*xla_megascale_runtime'
+                        r'(?:.*_xla_megascale_transfer_type="(\w+)")?')
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\{\s*$")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
                     r"=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -148,16 +158,18 @@ def parse_groups(rest: str) -> tuple[tuple[int, ...], ...]:
 
 
 def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
-  """{computation name: its instruction lines}, and the entry computation's name."""
+  """{computation name: its instruction lines}, and the entry computation's name. (Some
+  instructions span lines: a Mosaic kernel's backend config holds newlines, and its continuation
+  lines may start with '}}'; a computation ends at a line that is just '}'.)"""
   comps, entry, current = {}, None, None
   for line in hlo_text.splitlines():
     head = _COMPUTATION.match(line)
-    if head and not line.startswith(" "):
+    if head:
       current = head.group(2)
       comps[current] = []
       if head.group(1):
         entry = current
-    elif line.startswith("}"):
+    elif line.rstrip() == "}":
       current = None
     elif current is not None:
       comps[current].append(line)
@@ -198,6 +210,12 @@ def collectives(hlo_text: str) -> list[Collective]:
     if name not in runs:
       continue
     for line in lines:
+      dcn = _MEGASCALE.match(line)
+      if dcn is not None:  # a transfer between slices: one array, no device groups named
+        kind = "dcn-" + (dcn.group(2) or "transfer").lower().replace("_", "-")
+        out.append(Collective(kind, float(_array_bytes(dcn.group(1))[0]), runs[name], (),
+                              line.strip()[:160]))
+        continue
       m = _INSTRUCTION.match(line)
       if m is None:
         continue

@@ -184,7 +184,8 @@ def test_replica_group_spellings(text, groups):
 
 
 def test_collective_runs_count_loop_trips():
-  """A collective in a while body runs its known trip count times; bytes per spelling."""
+  """A collective in a while body runs its known trip count times; bytes per kind; an
+  instruction spanning lines (a Mosaic kernel's config) does not end its computation."""
   hlo = """HloModule m
 
 %body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
@@ -195,12 +196,18 @@ def test_collective_runs_count_loop_trips():
 ENTRY %main (a: f32[4]) -> f32[4] {
   %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
   %ag = bf16[8,2]{1,0} all-gather(%z), replica_groups=[1,2]<=[2], dimensions={0}
+  %kernel = f32[2]{0} custom-call(%q), custom_call_target="tpu_custom_call", backend_config={"k":
+"{\"block\": 128}"
+}}, metadata={op_name="a Mosaic kernel's config spans lines"}
+  %send = (f32[16,8,128]{2,1,0:T(8,128)}, u32[], token[]) send(%b, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
 }
 """
   ops = {op.kind: op for op in collectives(hlo)}
   assert (ops["all-reduce"].bytes, ops["all-reduce"].count) == (16, 5)
   assert (ops["reduce-scatter"].bytes, ops["reduce-scatter"].count) == (16, 5)
   assert (ops["all-gather"].bytes, ops["all-gather"].count) == (32, 1)
+  # a multi-slice TPU program's reduction between slices (a Megascale host transfer)
+  assert (ops["dcn-all-reduce"].bytes, ops["dcn-all-reduce"].groups) == (16 * 8 * 128 * 4, ())
   assert crossing(list(ops.values()), [0, 1]) == list(ops.values())
   assert crossing(list(ops.values()), [0, 0]) == []
 
