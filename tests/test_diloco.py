@@ -1,13 +1,16 @@
 """DiLoCo (optim/diloco.py, trainer/diloco.py): the maths pinned by three equivalences, no
 communication across replicas in the inner step (read from the compiled program), exact resume
 and restore onto another mesh, and the config errors."""
+import csv
+import os
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
 import train
-from conftest import losses, metric_rows, tiny_config
+from conftest import losses, metric_rows, tiny_config, tiny_config_file
 from data import pipeline
 from sharding.collectives import collectives, crossing
 from sharding.mesh import fold_replicas, make_mesh, resolve_mesh
@@ -325,3 +328,40 @@ def test_bad_replicas_on_the_command_line_is_one_line_exit_2(tmp_path, capsys):
                      "--config.optim.diloco.replicas=3"])
   err = capsys.readouterr().err
   assert code == 2 and "optim.diloco.replicas=3" in err and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# The experiment (experiments/diloco.py)
+
+
+def test_experiment_optimal_batch_and_arm_configs():
+  from experiments import diloco as experiment  # noqa: PLC0415
+  # the parabola in log2(batch) through the best point and its neighbours; an edge stays
+  assert experiment.best_batch([(8, 3.0), (16, 2.0), (32, 3.0)]) == (16.0, True)
+  batch, inside = experiment.best_batch([(8, 3.0), (16, 2.0), (32, 2.5), (64, 4.0)])
+  assert inside and 16 < batch < 32
+  assert experiment.best_batch([(8, 2.0), (16, 2.5), (32, 3.0)]) == (8.0, False)
+  args, _ = experiment.parse(["--examples", "512", "--evals", "8"])
+  assert [(m, h) for _, m, h in experiment.arms(args)][:3] == [(0, 1), (1, 1), (1, 8)]
+  cfg = experiment.arm_config(tiny_config(), args, 16, 2, 8)  # 32 steps: evaluations every 8
+  assert (cfg.steps, cfg.eval_every, cfg.optim.diloco.replicas) == (32, 8, 2)
+  validate(cfg, 8)
+  with pytest.raises(ValueError, match="not a multiple of H=32"):
+    experiment.arm_config(tiny_config(), args, 64, 2, 32)
+
+
+@pytest.mark.slow
+def test_experiment_end_to_end(tmp_path):
+  from experiments import diloco as experiment  # noqa: PLC0415
+  config = tiny_config_file(tmp_path)
+  out = tmp_path / "out" / "diloco"
+  assert experiment.main([
+      "--config", str(config), "--batch_sizes", "8,16", "--replicas", "2",
+      "--inner_steps", "2", "--examples", "64", "--eval_sequences", "8", "--out", str(out),
+      "--workdir", str(tmp_path / "runs")]) == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  assert [(r["arm"], int(r["batch_size"]), int(r["steps"])) for r in rows] == [
+      ("data parallel", 8, 8), ("data parallel", 16, 4), ("DiLoCo M=2 H=2", 8, 8),
+      ("DiLoCo M=2 H=2", 16, 4)]
+  assert all(np.isfinite(float(r["final_eval_loss"])) for r in rows)
+  assert os.path.getsize(f"{out}.png") > 10_000
