@@ -289,11 +289,38 @@ def test_resume_is_bit_for_bit_and_restores_onto_another_mesh(tmp_path):
   _assert_trees_close(jax.device_get(params), jax.device_get(state.anchor), rtol=0, atol=0)
 
 
-def test_a_checkpoint_of_other_replicas_is_refused_in_user_terms(tmp_path):
+def test_another_m_is_refused_in_user_terms_and_init_from_takes_the_anchor(tmp_path):
+  """Resuming with another M is refused naming the key; a new run with another M may start
+  from the old run's outer model (`checkpoint.init_from` reads its anchor)."""
   workdir = tmp_path / "w"
   Run(_run_cfg(steps=2, **{"eval_every": 2, "checkpoint.every_steps": 2}), str(workdir)).train()
+  four = {"optim.diloco.replicas": 4, "mesh.fsdp": 1, "eval_every": 2}
   with pytest.raises(checkpoint.CheckpointError, match="optim.diloco.replicas=2, the config has 4"):
-    Run(_run_cfg(steps=4, **{"optim.diloco.replicas": 4, "mesh.fsdp": 1}), str(workdir)).train()
+    Run(_run_cfg(steps=2, **four), str(workdir)).train()
+  warm = Run(_run_cfg(steps=2, **four, **{"checkpoint.init_from": str(workdir)}),
+             str(tmp_path / "warm"))
+  assert warm.train().status == "done"
+  cold = metric_rows(workdir)
+  assert metric_rows(tmp_path / "warm")[1]["loss"] < cold[1]["loss"]  # starts where w ended
+
+
+def test_batch_rules_and_ramp_apply_to_the_inner_steps_at_the_global_batch(tmp_path):
+  """A batch ramp 8 -> 16 under DiLoCo (M = 2): every stage's inner optimizer takes the
+  hyperparameters its rules derive at the stage's global batch (here lr x sqrt(2)), and each
+  step's rows are the global batch's."""
+  cfg = _run_cfg(steps=4, **{"data.global_batch_size": 16, "data.micro_batch_size": 8,
+                             "data.batch_ramp": "8:0,16:512", "optim.lr_rule": "sqrt",
+                             "optim.reference_batch_size": 8, "optim.schedule": "constant",
+                             "optim.warmup_steps": 0, "checkpoint.every_steps": 0})
+  validate(cfg, 8)
+  Run(cfg, str(tmp_path)).train()
+  rows = metric_rows(tmp_path)
+  assert [rows[s]["batch_size"] for s in (1, 2, 3, 4)] == [8, 8, 16, 16]
+  # the replicas' target tokens add up to the global batch's (each row has up to 32)
+  assert all(0.8 < rows[s]["target_tokens"] / (32 * rows[s]["batch_size"]) <= 1 for s in rows)
+  lr = cfg.optim.learning_rate  # stated at the reference batch 8
+  assert rows[2]["learning_rate"] == pytest.approx(lr)
+  assert rows[3]["learning_rate"] == pytest.approx(lr * 2 ** 0.5)
 
 
 # ------------------------------------------------------------------------------------------------
