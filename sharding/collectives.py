@@ -9,9 +9,9 @@ wrapped in an `async-start`), each with
           gathered result, a reduce-scatter's operand (its result x the group size), an
           all-to-all's or a collective-permute's result. (What crosses the wire depends on the
           algorithm: a ring all-reduce sends 2 (g-1)/g of it per device.)
-  count   how often it runs per execution of the program: 1, times the known trip count of
-          every while loop around it (a layer scan, the micro-batch scan); `None` when a loop
-          around it has no known trip count
+  count   how often it runs per execution of the program: 1, times the trip count of every
+          while loop around it (a layer scan, the micro-batch scan: XLA's known_trip_count, or
+          read from the loop's condition and initial counter); `None` when one cannot be read
   groups  the device groups it joins, as positions in the program's device assignment (for a
           program jitted over a mesh: indices into `mesh.devices.flat`)
 
@@ -176,9 +176,69 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str]:
   return comps, entry
 
 
+def _defs(lines: list[str]) -> dict[str, str]:
+  """{instruction name: its line} of one computation."""
+  out = {}
+  for line in lines:
+    m = re.match(r"\s*(?:ROOT\s+)?(%[\w.\-]+)\s*=", line)
+    if m:
+      out[m.group(1)] = line
+  return out
+
+
+def _through_copies(defs: dict[str, str], name: str) -> str | None:
+  """The line defining `name`, looking through copies and bitcasts."""
+  for _ in range(4):
+    line = defs.get(name)
+    hop = line and re.search(r"\b(?:copy|bitcast|convert)\((%[\w.\-]+)\)", line)
+    if not hop:
+      return line
+    name = hop.group(1)
+  return None
+
+
+def _constant(defs: dict[str, str], name: str) -> int | None:
+  line = _through_copies(defs, name)
+  m = line and re.search(r"\bconstant\((-?\d+)\)", line)
+  return int(m.group(1)) if m else None
+
+
+def _trip_count(comps: dict[str, list[str]], parent: list[str], line: str) -> int | None:
+  """The trip count of the while loop `line` (in computation `parent`): XLA's
+  known_trip_count when it says (CPU and GPU programs), else read from the loop the way jax
+  writes it (TPU programs carry no count): the condition compares a counter, tuple element i,
+  with a constant (LT or LE), and element i of the loop's initial tuple is a constant. None
+  when the loop is not of that form."""
+  known = _TRIP.search(line)
+  if known:
+    return int(known.group(1))
+  cond = re.search(r"condition=%?([\w.\-]+)", line)
+  init = re.search(r"\bwhile\((%[\w.\-]+)\)", line)
+  if not cond or not init or cond.group(1) not in comps:
+    return None
+  cdefs = _defs(comps[cond.group(1)])
+  root = next((l for l in comps[cond.group(1)] if l.lstrip().startswith("ROOT")), "")
+  cmp = re.search(r"compare\((%[\w.\-]+),\s*(%[\w.\-]+)\).*direction=(LT|LE)", root)
+  if not cmp:
+    return None
+  gte = _through_copies(cdefs, cmp.group(1)) or ""
+  index = re.search(r"get-tuple-element\(%[\w.\-]+\),\s*index=(\d+)", gte)
+  bound = _constant(cdefs, cmp.group(2))
+  pdefs = _defs(parent)
+  tup = re.search(r"\btuple\((.*?)\)(?:,|$)", re.sub(r"/\*.*?\*/", "", pdefs.get(init.group(1), "")))
+  if index is None or bound is None or tup is None:
+    return None
+  operands = [o.strip() for o in tup.group(1).split(",")]
+  i = int(index.group(1))
+  start = _constant(pdefs, operands[i]) if i < len(operands) else None
+  if start is None:
+    return None
+  return max(bound - start + (cmp.group(3) == "LE"), 0)
+
+
 def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int | None]:
   """How often each computation reachable from the entry runs per execution (loop bodies times
-  their known trip counts; None where a loop's count is unknown)."""
+  their trip counts, `_trip_count`; None where a loop's count is unknown)."""
   runs: dict[str, int | None] = {}
 
   def visit(name: str, times: int | None):
@@ -187,11 +247,11 @@ def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int | None]:
     before = runs.get(name, 0)
     runs[name] = None if before is None or times is None else before + times
     for line in comps[name]:
-      trip = _TRIP.search(line)
       is_while = re.search(r"\bwhile\(", line) is not None
+      trip = _trip_count(comps, comps[name], line) if is_while else None
       for callee in _CALLS.findall(line):
         loop = is_while and re.search(rf"\b(?:body|condition)=%?{re.escape(callee)}\b", line)
-        n = (int(trip.group(1)) if trip else None) if loop else 1
+        n = trip if loop else 1
         visit(callee, None if times is None or n is None else times * n)
       for branches in _BRANCHES.findall(line):
         for callee in re.findall(r"%?([\w.\-]+)", branches):

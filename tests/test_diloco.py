@@ -187,8 +187,9 @@ def test_replica_group_spellings(text, groups):
 
 
 def test_collective_runs_count_loop_trips():
-  """A collective in a while body runs its known trip count times; bytes per kind; an
-  instruction spanning lines (a Mosaic kernel's config) does not end its computation."""
+  """A collective in a while body runs its trip count times (XLA's known_trip_count, or read
+  from the loop's condition and initial counter); bytes per kind; an instruction spanning lines
+  (a Mosaic kernel's config) does not end its computation."""
   hlo = """HloModule m
 
 %body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
@@ -196,8 +197,22 @@ def test_collective_runs_count_loop_trips():
   %rs = f32[2]{0} reduce-scatter(%y), replica_groups={{0,1}}, dimensions={0}
 }
 
+%cond2 (p: (s32[], f32[4])) -> pred[] {
+  %bound = s32[]{:T(128)} constant(3)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %bound), direction=LT
+}
+
+%body2 (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar2 = f32[2]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+}
+
 ENTRY %main (a: f32[4]) -> f32[4] {
   %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %one = s32[] constant(1)
+  %start = s32[]{:T(128)} copy(%one)
+  %init = (s32[], f32[4]) tuple(%start, /*index=1*/%a)
+  %w2 = (s32[], f32[4]) while(%init), condition=%cond2, body=%body2
   %ag = bf16[8,2]{1,0} all-gather(%z), replica_groups=[1,2]<=[2], dimensions={0}
   %kernel = f32[2]{0} custom-call(%q), custom_call_target="tpu_custom_call", backend_config={"k":
 "{\"block\": 128}"
@@ -205,7 +220,10 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   %send = (f32[16,8,128]{2,1,0:T(8,128)}, u32[], token[]) send(%b, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
 }
 """
-  ops = {op.kind: op for op in collectives(hlo)}
+  ops = {(op.kind, op.bytes): op for op in collectives(hlo)}
+  # a TPU loop states no trip count: counter from 1 (a copied constant) while < 3 runs twice
+  assert ops["all-reduce", 8].count == 2
+  ops = {kind: op for (kind, size), op in ops.items() if (kind, size) != ("all-reduce", 8)}
   assert (ops["all-reduce"].bytes, ops["all-reduce"].count) == (16, 5)
   assert (ops["reduce-scatter"].bytes, ops["reduce-scatter"].count) == (16, 5)
   assert (ops["all-gather"].bytes, ops["all-gather"].count) == (32, 1)

@@ -27,13 +27,17 @@ from trainer.program import Program
 class Communication:
   replicas: int
   inner_steps: int
-  inner_bytes: float  # per device per inner step, over collectives that cross replicas
+  # Bytes per device; None where a collective runs in a loop whose trip count is unknown.
+  inner_bytes: float | None  # per inner step, over collectives that cross replicas
   inner_ops: int  # how many such collectives the inner step has (0, or a bug)
-  outer_bytes: float  # per device per outer step
-  data_parallel_bytes: float | None  # per device per step of plain data parallelism
+  outer_bytes: float | None  # per outer step
+  data_parallel_bytes: float | None  # per step of plain data parallelism
+  data_parallel_measured: bool = True
 
   @property
-  def per_step(self) -> float:
+  def per_step(self) -> float | None:
+    if self.inner_bytes is None or self.outer_bytes is None:
+      return None
     return self.inner_bytes + self.outer_bytes / self.inner_steps
 
   def lines(self) -> list[str]:
@@ -43,9 +47,9 @@ class Communication:
     out = [f"communication across the {self.replicas} replicas, bytes per device from the "
            f"compiled programs: inner step {inner}; outer step {_size(self.outer_bytes)} every "
            f"{self.inner_steps} steps = {_size(self.per_step)} per step"]
-    if self.data_parallel_bytes is not None:
+    if self.data_parallel_measured:
       ratio = (f", {self.data_parallel_bytes / self.per_step:.1f}x DiLoCo's"
-               if self.per_step else "")
+               if self.per_step and self.data_parallel_bytes else "")
       out.append(f"plain data parallelism on the same devices: "
                  f"{_size(self.data_parallel_bytes)} per step between the same device blocks"
                  + ratio)
@@ -66,14 +70,11 @@ def replica_labels(mesh) -> list[int]:
   return [p // (n // m) for p in range(n)]
 
 
-def crossing_bytes(compiled, labels) -> tuple[float, int]:
+def crossing_bytes(compiled, labels) -> tuple[float | None, int]:
   """(bytes per device per execution, count) of the collectives of a compiled program that join
-  devices of different `labels`; an unknown loop count is an error (nothing to report)."""
+  devices of different `labels`; the bytes are None if one runs in a loop of unknown count."""
   ops = crossing(collectives(compiled.as_text() or ""), labels)
-  total = total_bytes(ops)
-  if total is None:
-    raise ValueError("a collective across replicas runs in a loop of unknown trip count")
-  return total, len(ops)
+  return total_bytes(ops), len(ops)
 
 
 def measure(program: Program, inner, outer, num_micro: int | None = None, *,
@@ -91,10 +92,12 @@ def measure(program: Program, inner, outer, num_micro: int | None = None, *,
     dp = Program(cfg, fold_replicas(program.mesh))
     dp_bytes, _ = crossing_bytes(dp.compile(num_micro), labels)
   return Communication(program.diloco.replicas, program.diloco.inner_steps, inner_bytes,
-                       inner_ops, outer_bytes, dp_bytes)
+                       inner_ops, outer_bytes, dp_bytes, data_parallel)
 
 
-def _size(n: float) -> str:
+def _size(n: float | None) -> str:
+  if n is None:
+    return "an unknown number of bytes (a loop of unknown trip count)"
   for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
     if n >= scale:
       return f"{n / scale:.3g} {unit}"

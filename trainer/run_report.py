@@ -102,7 +102,9 @@ def log_diloco(writer: MetricsWriter, program, batch: int, step: int, inner, out
              f"the inner optimizer's hyperparameters at the global batch {batch} (line above), "
              f"so H=1 with an outer SGD of rate 1 and a linear inner optimizer is data "
              f"parallelism at {batch}")
-  if measure:
+  if dl.replicas == 1:
+    writer.log("one replica: nothing crosses replicas (the outer step is Lookahead-like)")
+  elif measure:
     report = communication.measure(program, inner, outer, batch // program.micro_rows)
     for line in report.lines():
       writer.log(line)
