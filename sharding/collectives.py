@@ -46,8 +46,8 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?\S+\s*=\s*(.*?)\s+(" + "|".join(KINDS) + r")(-start)?\((.*)$")
 # Multi-slice TPU programs reduce across slices with host transfers run by the Megascale runtime
 # (`send`s marked xla_megascale_runtime, one per reduced array, and their `recv`s).
-_MEGASCALE = re.compile(r'^\s*%?\S+\s*=\s*\(\s*([a-z0-9]+\[[0-9,]*\]).*\bsend\(.*xla_megascale_runtime'
-                        r'(?:.*_xla_megascale_transfer_type="(\w+)")?')
+_MEGASCALE = re.compile(r'^\s*%?\S+\s*=\s*\(\s*([a-z0-9]+\[[0-9,]*\]).*\bsend\('
+                        r'.*xla_megascale_runtime(?:.*_xla_megascale_transfer_type="(\w+)")?')
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\{\s*$")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
                     r"=%?([\w.\-]+)")
@@ -141,8 +141,10 @@ def parse_groups(rest: str) -> tuple[tuple[int, ...], ...]:
   pairs = re.search(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}", rest)
   if pairs:
     return tuple(tuple(_int_list(p)) for p in re.findall(r"\{([\d,\s]*)\}", pairs.group(1)))
-  m = re.search(r"replica_groups=(mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
-                r"\{(?:\{[\d,\s]*\},?\s*)*\})", rest)
+  m = re.search(r"replica_groups=("
+                r"mesh\[[^\]]*\](?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{[^}]*\}"
+                r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+                r"|\{(?:\{[\d,\s]*\},?\s*)*\})", rest)
   if m is None:
     return ()
   text = m.group(1)
@@ -225,7 +227,8 @@ def _trip_count(comps: dict[str, list[str]], parent: list[str], line: str) -> in
   index = re.search(r"get-tuple-element\(%[\w.\-]+\),\s*index=(\d+)", gte)
   bound = _constant(cdefs, cmp.group(2))
   pdefs = _defs(parent)
-  tup = re.search(r"\btuple\((.*?)\)(?:,|$)", re.sub(r"/\*.*?\*/", "", pdefs.get(init.group(1), "")))
+  init_line = re.sub(r"/\*.*?\*/", "", pdefs.get(init.group(1), ""))  # drop /*index=5*/
+  tup = re.search(r"\btuple\((.*?)\)(?:,|$)", init_line)
   if index is None or bound is None or tup is None:
     return None
   operands = [o.strip() for o in tup.group(1).split(",")]

@@ -162,7 +162,8 @@ def test_only_the_outer_step_communicates_across_replicas(devices):
   inner_ops = collectives(inner.as_text())
   assert inner_ops and not crossing(inner_ops, labels)
   report = communication.measure(program, inner, outer)
-  param_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.spec.abstract_params))
+  param_bytes = sum(x.size * x.dtype.itemsize
+                    for x in jax.tree.leaves(program.spec.abstract_params))
   assert report.inner_bytes == 0 and report.inner_ops == 0
   assert param_bytes / 2 <= report.outer_bytes <= param_bytes / 2 * 1.1  # fsdp=2 halves it
   assert report.data_parallel_bytes > report.outer_bytes / 4

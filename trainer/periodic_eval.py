@@ -7,7 +7,8 @@ loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers);
 of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
 `eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
 (`eval_loss_ema`). A DiLoCo run scores its anchor (the outer model; evaluations fall on outer
-steps), each replica its rows of the validation batch. The whole-split evaluation of a saved model is `trainer/evaluation.py`.
+steps), each replica its rows of the validation batch. The whole-split evaluation of a saved
+model is `trainer/evaluation.py`.
 """
 from __future__ import annotations
 
