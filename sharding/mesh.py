@@ -76,8 +76,10 @@ def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int, slices: int = 1,
         f"divisor of {slices} whose share of a slice divides {per_slice}")
   dcn = _fill({name: int(mesh_cfg.get(f"dcn_{name}", 1)) for name in MESH_AXES},
               slices // dcn_r, "dcn_", "slice(s)",
-              f"the devices form {slices}{f' for {replicas} replicas' if replicas else ''} "
-              "(device.slice_index; usually only mesh.dcn_data crosses slices)")
+              (f"each of the {replicas} replicas (optim.diloco.replicas) spans "
+               f"{slices // dcn_r} of the {slices} slices" if replicas else
+               f"the devices form {slices}") +
+              " (device.slice_index; usually only mesh.dcn_data crosses slices)")
   per_replica = per_slice // ici_r
   available = (f"{per_slice} are available" if slices == 1 and not replicas else
                f"each of the {slices} slices has {per_slice}" if not replicas else
