@@ -270,42 +270,68 @@ def _run_cfg(**overrides):
                         **overrides})
 
 
-def _killed_at(workdir, step: int, **overrides) -> None:
-  """A 6-step run stopped after `step` (its checkpoint there is the newest), as if killed."""
+def _killed_at(workdir, step: int) -> None:
+  """A 6-step run (resumed from `workdir` if it has a checkpoint) stopped after `step`, as if
+  killed there: it saves every step, so its newest checkpoint is `step`."""
   stop = lambda n, row: "killed" if n >= step else None
-  Run(_run_cfg(steps=6, **overrides), str(workdir), stop_when=stop).train()
+  Run(_run_cfg(steps=6, **{"checkpoint.every_steps": 1}), str(workdir), stop_when=stop).train()
   assert Checkpointer(str(workdir / "checkpoints"), keep=3).latest_step() == step
 
 
-def test_resume_is_bit_for_bit_and_restores_onto_another_mesh(tmp_path):
-  """A straight 6-step run (outer steps after 2, 4 and 6) against runs killed after step 3
-  (between outer steps) and after step 4 (right after one) and resumed: bit for bit; and one
-  resumed on another mesh with the same M (replica=2 x data=4 instead of data=2 x fsdp=2)."""
+def test_resume_is_bit_for_bit_between_and_at_outer_steps(tmp_path):
+  """A straight 6-step run (outer steps after 2, 4 and 6) against one killed after step 3
+  (between outer steps), resumed and killed after step 4 (right after one), and resumed to the
+  end: the same losses bit for bit; a DiLoCo checkpoint's anchor is what other tools read."""
   straight = tmp_path / "straight"
   assert Run(_run_cfg(steps=6), str(straight)).train().status == "done"
   rows = metric_rows(straight)
   assert "outer_grad_norm" in rows[2] and "outer_grad_norm" not in rows[3]
   want = losses(straight)
 
-  for stop, every in ((3, 3), (4, 2)):
-    resumed = tmp_path / f"resumed{stop}"
-    _killed_at(resumed, stop, **{"checkpoint.every_steps": every})
-    Run(_run_cfg(steps=6), str(resumed)).train()
-    got = losses(resumed)
-    assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)], stop  # bit for bit
-
-  moved = tmp_path / "moved"
-  _killed_at(moved, 3)
-  Run(_run_cfg(steps=6, **{"mesh.fsdp": 1}), str(moved)).train()
-  got = losses(moved)
-  np.testing.assert_allclose([got[s] for s in range(4, 7)], [want[s] for s in range(4, 7)],
-                             rtol=1e-5)
+  resumed = tmp_path / "resumed"
+  _killed_at(resumed, 3)
+  _killed_at(resumed, 4)
+  Run(_run_cfg(steps=6), str(resumed)).train()
+  got = losses(resumed)
+  assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]  # bit for bit
   # Other tools (init_from, tools.evaluate, export) read a DiLoCo checkpoint's anchor.
   program = Program(_run_cfg(), run_mesh(_run_cfg()))
   params, _ = checkpoint.load_params(str(straight), program.spec.abstract_params)
   with ocp.StandardCheckpointer() as reader:
     state = reader.restore(straight / "checkpoints" / "6" / "state", program.abstract_state())
   _assert_trees_close(jax.device_get(params), jax.device_get(state.anchor), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh,ndev", [({"data": 4}, 8), ({"tensor": 2}, 4), ({"data": 1}, 2)],
+                         ids=["data4", "tensor2-4dev", "2dev"])
+def test_checkpoint_restores_onto_another_mesh_with_the_same_m(tmp_path, data_dir, mesh, ndev):
+  """A DiLoCo state saved on replica=2 x (data=2, fsdp=2) restores exactly onto other meshes
+  with the same M: the replicas' parameters and inner states, the anchor and outer momentum."""
+  saved_cfg = _run_cfg()
+  program = Program(saved_cfg, run_mesh(saved_cfg))
+  state = program.init_state()
+  step, outer = program.jitted_step(), program.jitted_outer()
+  # two inner steps (the first at warmup's lr 0), outer, inner: the whole state non-trivial
+  with jax.set_mesh(program.mesh):
+    for n, batch in enumerate(_batches(data_dir, saved_cfg, 3)):
+      state, _ = step(state, {k: jax.device_put(v, program.batch_sharding)
+                              for k, v in batch.items()})
+      if n == 1:
+        state, _ = outer(state)
+  want = jax.device_get(state)
+  embed = lambda tree: tree["embed_VE"]
+  assert not np.allclose(embed(want.params)[0], embed(want.params)[1])  # the replicas differ
+  assert np.abs(embed(want.outer_opt_state[0].trace)).max() > 0
+  spec = pipeline.StreamSpec(data_dir, "train", 32, 8)
+  ckpt = Checkpointer(str(tmp_path), keep=1)
+  ckpt.save(1, state, iter(pipeline.dataset(spec)), spec, saved_cfg.to_dict())
+  ckpt.wait()
+  cfg = _run_cfg(**{"mesh.fsdp": 1, **{f"mesh.{k}": v for k, v in mesh.items()}})
+  other = Program(cfg, run_mesh(cfg, jax.devices()[:ndev]))
+  got, _, step = Checkpointer(str(tmp_path), keep=1).restore_latest(
+      other.abstract_state(), spec, cfg.to_dict())
+  assert step == 1 and len(embed(got.anchor).sharding.device_set) == ndev
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), want)
 
 
 def test_another_m_is_refused_in_user_terms_and_init_from_takes_the_anchor(tmp_path):
