@@ -29,8 +29,9 @@ DiLoCo needs M devices: on a CPU the run uses `--devices` (4) host devices of th
 before jax starts; they share its cores), and data parallelism runs on the same 4-device mesh.
 Measured runtime: 22 minutes on 2 CPU cores shared with other jobs (50 trainings of 8,192
 sequences; the compilation cache warm from a short trial run).
-Outputs: OUT.csv (one row per arm and batch), OUT.png (final loss vs batch per arm; the optimal
-batch of each arm). Deterministic on a given machine.
+Outputs: OUT.csv (one row per arm and batch, with the arm's optimal batch), OUT.png (final loss
+vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism).
+Deterministic on a given machine.
 """
 from __future__ import annotations
 
