@@ -1,5 +1,5 @@
-"""Device mesh from the config's `mesh` block (one slice or several), and the NamedShardings
-the trainer needs."""
+"""Device mesh from the config's `mesh` block (one slice or several; with DiLoCo's `replica` axis in
+front), and the NamedShardings the trainer needs."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sharding.rules import BATCH_AXES, MESH_AXES
+from sharding.rules import BATCH_AXES, MESH_AXES, REPLICA_AXIS
 
 
 class MeshError(ValueError):
@@ -53,33 +53,58 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, unit: str,
   return sizes
 
 
-def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int,
-                 slices: int = 1) -> tuple[dict[str, int], dict[str, int]]:
+def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int, slices: int = 1,
+                 replicas: int = 0) -> tuple[dict[str, int], dict[str, int]]:
   """(sizes inside a slice, sizes across slices) of every mesh axis, each with at most one -1
-  filled: `mesh.<axis>` multiply to the devices of one slice, `mesh.dcn_<axis>` to `slices`."""
-  dcn = _fill({name: int(mesh_cfg.get(f"dcn_{name}", 1)) for name in MESH_AXES}, slices, "dcn_",
-              "slice(s)", f"the devices form {slices} (device.slice_index; usually only "
-              "mesh.dcn_data crosses slices)")
+  filled: `mesh.<axis>` multiply to the devices of one slice, `mesh.dcn_<axis>` to `slices`.
+
+  `replicas` M >= 1 (DiLoCo, `optim.diloco.replicas`) adds the `replica` axis in front: it
+  crosses as many slices as it can (gcd(M, slices) of its M, the rest inside a slice), so that
+  replicas are whole slices where the slices allow; the other axes then fill one replica (the
+  `mesh.dcn_*` multiply to the slices of one replica, `mesh.*` to its devices in a slice)."""
   if num_devices % slices:
     raise MeshError(f"{num_devices} devices do not split evenly into {slices} slices")
   per_slice = num_devices // slices
-  available = (f"{num_devices} are available" if slices == 1 else
-               f"each of the {slices} slices has {per_slice}")
-  ici = _fill({name: int(mesh_cfg.get(name, 1)) for name in MESH_AXES}, per_slice, "",
+  dcn_r = math.gcd(replicas, slices) if replicas else 1
+  ici_r = replicas // dcn_r if replicas else 1
+  if per_slice % ici_r:
+    raise MeshError(
+        f"optim.diloco.replicas={replicas} does not divide the {num_devices} devices into equal "
+        f"replicas; use a divisor of {num_devices}" if slices == 1 else
+        f"optim.diloco.replicas={replicas} does not split {slices} slices of {per_slice} devices "
+        f"into equal replicas ({ici_r} per slice do not divide {per_slice}); use a multiple or "
+        f"divisor of {slices} whose share of a slice divides {per_slice}")
+  dcn = _fill({name: int(mesh_cfg.get(f"dcn_{name}", 1)) for name in MESH_AXES},
+              slices // dcn_r, "dcn_", "slice(s)",
+              (f"each of the {replicas} replicas (optim.diloco.replicas) spans "
+               f"{slices // dcn_r} of the {slices} slices" if replicas else
+               f"the devices form {slices}") +
+              " (device.slice_index; usually only mesh.dcn_data crosses slices)")
+  per_replica = per_slice // ici_r
+  available = (f"{per_slice} are available" if slices == 1 and not replicas else
+               f"each of the {slices} slices has {per_slice}" if not replicas else
+               f"each of the {replicas} replicas (optim.diloco.replicas) has {per_replica}"
+               + (" in a slice" if slices > 1 else ""))
+  ici = _fill({name: int(mesh_cfg.get(name, 1)) for name in MESH_AXES}, per_replica, "",
               "devices", available)
+  if replicas:
+    ici, dcn = {REPLICA_AXIS: ici_r, **ici}, {REPLICA_AXIS: dcn_r, **dcn}
   return ici, dcn
 
 
-def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int,
-                       slices: int = 1) -> dict[str, int]:
+def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, slices: int = 1,
+                       replicas: int = 0) -> dict[str, int]:
   """Size of every mesh axis over all devices (inside-slice size x across-slice size)."""
-  ici, dcn = resolve_mesh(mesh_cfg, num_devices, slices)
-  return {name: ici[name] * dcn[name] for name in MESH_AXES}
+  ici, dcn = resolve_mesh(mesh_cfg, num_devices, slices, replicas)
+  return {name: ici[name] * dcn[name] for name in ici}
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
+def make_mesh(mesh_cfg: Mapping[str, int], devices=None, *, replicas: int = 0) -> Mesh:
   """A `jax.sharding.Mesh` with the five named axes, all of type Auto: the one mesh builder of
-  training, the tools and the ahead-of-time compiles.
+  training, the tools and the ahead-of-time compiles. `replicas` M >= 1 (a DiLoCo run) puts a
+  sixth axis, `replica` of size M, in front of them (outermost: a replica is a contiguous block
+  of devices, whole slices where `resolve_mesh` can make it so, else whole hosts where the
+  devices' order allows); 0 (the default) builds the five-axis mesh of every other run.
 
   One slice: `jax.make_mesh` (it orders devices for the chips' interconnect). It defaults to
   Explicit axes, which breaks `with_sharding_constraint`, so Auto is passed.
@@ -91,16 +116,35 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices=None) -> Mesh:
   """
   devices = jax.devices() if devices is None else list(devices)
   slices = num_slices(devices)
-  ici, dcn = resolve_mesh(mesh_cfg, len(devices), slices)
-  axis_types = (AxisType.Auto,) * len(MESH_AXES)
+  ici, dcn = resolve_mesh(mesh_cfg, len(devices), slices, replicas)
+  names = tuple(ici)
+  axis_types = (AxisType.Auto,) * len(names)
   if slices == 1:
-    return jax.make_mesh(tuple(ici[name] for name in MESH_AXES), MESH_AXES,
-                         axis_types=axis_types, devices=devices)
+    return jax.make_mesh(tuple(ici.values()), names, axis_types=axis_types, devices=devices)
   from jax.experimental import mesh_utils  # noqa: PLC0415
   grid = mesh_utils.create_hybrid_device_mesh(
-      [ici[name] for name in MESH_AXES], [dcn[name] for name in MESH_AXES], devices,
-      allow_split_physical_axes=True)
-  return Mesh(grid, MESH_AXES, axis_types=axis_types)
+      list(ici.values()), [dcn[name] for name in names], devices, allow_split_physical_axes=True)
+  return Mesh(grid, names, axis_types=axis_types)
+
+
+def replica_count(mesh) -> int:
+  """M of a DiLoCo mesh (the size of its `replica` axis); 1 for a mesh without one."""
+  return dict(mesh.shape).get(REPLICA_AXIS, 1)
+
+
+def over_replicas(sharding: NamedSharding) -> NamedSharding:
+  """The sharding of an array with a leading [M] replica dimension whose every replica is laid
+  out as `sharding` inside its replica."""
+  return NamedSharding(sharding.mesh, P(REPLICA_AXIS, *sharding.spec))
+
+
+def fold_replicas(mesh: Mesh) -> Mesh:
+  """The same devices in the same order as a plain five-axis mesh: the `replica` axis merged into
+  `data` (the replicas' devices become data-parallel), what plain data parallelism runs on in
+  place of DiLoCo (trainer/diloco.py compares the two programs' communication)."""
+  shape = dict(mesh.shape)
+  grid = mesh.devices.reshape(shape[REPLICA_AXIS] * shape["data"], *mesh.devices.shape[2:])
+  return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def data_parallel_size(mesh_sizes: Mapping[str, int]) -> int:
@@ -109,8 +153,11 @@ def data_parallel_size(mesh_sizes: Mapping[str, int]) -> int:
 
 
 def batch_sharding(mesh: Mesh, *, microbatched: bool = False) -> NamedSharding:
-  """Sharding of a token batch [B, S], or [M, B, S] with a leading micro-batch axis."""
-  spec = (BATCH_AXES, "sequence")
+  """Sharding of a token batch [B, S], or [M, B, S] with a leading micro-batch axis. On a DiLoCo
+  mesh the rows are split over the replicas first (replica r holds the r-th block of B/M rows:
+  the global batch is the one plain data parallelism would read), then over the batch axes."""
+  rows = (REPLICA_AXIS, *BATCH_AXES) if REPLICA_AXIS in mesh.axis_names else BATCH_AXES
+  spec = (rows, "sequence")
   return NamedSharding(mesh, P(None, *spec) if microbatched else P(*spec))
 
 

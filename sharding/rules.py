@@ -21,6 +21,11 @@ tokens over it with all-to-all (models/moe_dispatch.py). Expert weights are also
 `fsdp` on their embed dimension (ZeRO-3 like every weight).
 Activations (prefixed `act_`): batch over every data-parallel axis, sequence over `sequence`,
 heads / mlp / vocab over `tensor` so that they line up with the weights above.
+
+DiLoCo (`optim.diloco.replicas` M, trainer/diloco.py) adds one more mesh axis, `replica`
+(REPLICA_AXIS), outermost, that no logical name maps to: the replica-local train state carries a
+leading [M] dimension over it, and the inner step runs once per replica (`jax.vmap` with
+`spmd_axis_name`), so every rule above applies inside a replica unchanged.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+# DiLoCo's replicas (only in a DiLoCo run's mesh, before MESH_AXES): see the module docstring.
+REPLICA_AXIS = "replica"
 # Axes the batch is split over. `expert` joins data parallelism for dense models (as in MaxText),
 # so no device idles when a dense model runs on a mesh that has an expert axis.
 BATCH_AXES = ("data", "fsdp", "expert")

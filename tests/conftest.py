@@ -52,6 +52,22 @@ def tiny_config(**overrides):
   return override(c, **overrides)
 
 
+def tiny_config_file(directory) -> str:
+  """A config file of a one-layer model on 8-sequence batches (for commands run end to end, as
+  the experiments are); returns its path."""
+  path = os.path.join(str(directory), "tiny.py")
+  with open(path, "w") as f:
+    f.write("from trainer.config import default_config\n"
+            "def get_config():\n"
+            "  c = default_config()\n"
+            "  c.model.update(vocab_size=512, d_model=32, num_layers=1, num_heads=4,\n"
+            "                 num_kv_heads=2, mlp_dim=64)\n"
+            "  c.data.update(global_batch_size=8, seq_len=32, prefetch=0)\n"
+            "  c.trainer.update(peak_flops_per_device=1e9)\n"
+            "  return c\n")
+  return path
+
+
 def override(cfg, **overrides):
   """Set dotted keys (`**{"model.d_model": 64}`) on a ConfigDict; returns it."""
   for key, value in overrides.items():

@@ -181,10 +181,10 @@ def test_aot_and_training_build_the_same_multi_slice_mesh(two_slices, monkeypatc
   assert aot.config_slices(cfg.mesh) == 2 and two_slices.slices == 2
   sizes, aot_mesh = aot.target_mesh(cfg, two_slices, "lm_tiny")
   # Training on these devices: train.py validates against jax.devices(), trainer.loop.Run
-  # builds `make_mesh(cfg.mesh)` over them.
+  # builds `run_mesh(cfg)` (`make_mesh(cfg.mesh)`) over them.
   monkeypatch.setattr(jax, "devices", lambda *a, **k: list(two_slices.devices))
   assert validate(cfg, jax.devices()) == sizes
-  train_mesh = loop.make_mesh(cfg.mesh)
+  train_mesh = loop.run_mesh(cfg)
   ids = lambda mesh: np.vectorize(lambda d: d.id)(mesh.devices)
   np.testing.assert_array_equal(ids(aot_mesh), ids(train_mesh))
   assert dict(train_mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1, "sequence": 1,
@@ -220,3 +220,20 @@ def test_shipped_configs_fit_their_documented_topologies(config, topology):
   cfg = load(os.path.join(ROOT, "configs", f"{config}.py"), [])
   report = aot.compile_report(cfg, aot.tpu_target(topology), config)
   assert report.total_bytes < report.hbm_bytes
+
+
+@pytest.mark.slow
+def test_diloco_replicas_are_slices_and_only_the_outer_step_crosses_them(two_slices):
+  """DiLoCo with M = 2 on two v5e:2x2 slices: each replica is one whole slice, and compiled for
+  TPU the inner step sends nothing between slices while the outer step reduces the parameters
+  across them (Megascale host transfers) and plain data parallelism on the same chips does
+  so at every step."""
+  cfg = tiny(**{"optim.diloco.replicas": 2, "optim.diloco.inner_steps": 4, "eval_every": 0,
+                "steps": 8})
+  _, mesh = aot.target_mesh(cfg, two_slices, "lm_tiny")
+  slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert mesh.axis_names[0] == "replica" and (slices[0] == 0).all() and (slices[1] == 1).all()
+  report = aot.compile_report(cfg, two_slices, "lm_tiny")
+  inner, dp = report.communication
+  assert "inner step 0 B (no collective joins two replicas)" in inner
+  assert "outer step 0 B" not in inner and " 0 B per step" not in dp, report.communication

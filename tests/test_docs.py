@@ -325,9 +325,10 @@ def devices_for(env: dict, args, cfg) -> int | list:
   from sharding.mesh import DCN_AXES, MESH_AXES  # noqa: PLC0415
   from tools.targets import config_slices, topology_devices  # noqa: PLC0415
   slices = config_slices(cfg.mesh)
+  replicas = max(int(cfg.optim.diloco.replicas), 1)  # DiLoCo: the mesh is one replica's
   flags = re.search(r"device_count=(\d+)", env.get("XLA_FLAGS", ""))
-  if getattr(args, "topology", None):
-    n = topology_devices(args.topology, slices)
+  if getattr(args, "topology", None):  # tools.aot compiles one copy of it per replica
+    n = topology_devices(args.topology, slices) * replicas
   elif "JAX_NUM_CPU_DEVICES" in env:
     n = int(env["JAX_NUM_CPU_DEVICES"]) * int(env.get("JAX_NUM_PROCESSES", 1))
   elif flags:
@@ -335,7 +336,7 @@ def devices_for(env: dict, args, cfg) -> int | list:
   elif getattr(args, "devices", 0):
     n = args.devices
   else:  # nothing named: as many as the mesh asks for
-    n = math.prod(max(int(cfg.mesh[a]), 1) for a in MESH_AXES + DCN_AXES)
+    n = math.prod(max(int(cfg.mesh[a]), 1) for a in MESH_AXES + DCN_AXES) * replicas
   if slices == 1:
     return n
   return [types.SimpleNamespace(slice_index=i * slices // n) for i in range(n)]

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import losses, tiny_config
+from conftest import losses, tiny_config, tiny_config_file
 from experiments import autopilot_vs_fixed, common, large_batch_optimizers, schedules
 
 
@@ -147,16 +147,7 @@ def test_branch_from_a_checkpoint_equals_a_run_from_scratch(tmp_path, data_dir):
 def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
   """The command with a tiny config: LARS at batch 16 and at its reference batch 8, the linear
   rule doubling the rate; a CSV row per run and the PNG."""
-  config = tmp_path / "tiny.py"
-  config.write_text(
-      "from trainer.config import default_config\n"
-      "def get_config():\n"
-      "  c = default_config()\n"
-      "  c.model.update(vocab_size=512, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2,\n"
-      "                 mlp_dim=64)\n"
-      "  c.data.update(global_batch_size=8, seq_len=32, prefetch=0)\n"
-      "  c.trainer.update(peak_flops_per_device=1e9)\n"
-      "  return c\n")
+  config = tiny_config_file(tmp_path)
   out = tmp_path / "out" / "opt"
   code = large_batch_optimizers.main([
       "--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",

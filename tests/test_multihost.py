@@ -1,6 +1,6 @@
 """Several processes: start-up from config/environment, agreement checks, and a real two-process
 run on CPU (gloo collectives, 4 devices per process) that equals one process with 8 devices and
-resumes from its own checkpoint."""
+resumes from its own checkpoint; DiLoCo with a replica per process."""
 import inspect
 import json
 import os
@@ -279,3 +279,24 @@ def test_batch_rows_replicated_across_processes(tmp_path):
   got, want = losses(tmp_path / "multi"), losses(tmp_path / "single")
   assert sorted(got) == sorted(want) == [1, 2, 3]
   np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_diloco_replicas_on_separate_processes(tmp_path):
+  """DiLoCo with M = 2 replicas on 2 processes x 4 devices: each replica is one process's
+  devices (the replica axis is outermost), the inner step has no collective between them (read
+  from the compiled program), and the run equals one process with 8 devices step for step,
+  through two outer steps and an evaluation of the anchor."""
+  args = MODEL_ARGS + ["--config.optim.diloco.replicas=2", "--config.optim.diloco.inner_steps=2",
+                       "--config.mesh.data=1", "--config.steps=4", "--config.eval_every=4",
+                       "--config.data.global_batch_size=16"]
+  results = launch_beside_reference(tmp_path / "multi", tmp_path / "single", args, args)
+  out = results[0][1]
+  assert "replica 0 on process(es) 0; replica 1 on process(es) 1" in out, out[-3000:]
+  assert "inner step 0 B (no collective joins two replicas)" in out, out[-3000:]
+  got, want = losses(tmp_path / "multi"), losses(tmp_path / "single")
+  assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+  np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-5)
+  evals = lambda w: [json.loads(line)["eval_loss"] for line in open(w / "metrics.jsonl")
+                     if "eval_loss" in line]
+  np.testing.assert_allclose(evals(tmp_path / "multi"), evals(tmp_path / "single"), rtol=1e-5)

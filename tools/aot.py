@@ -3,13 +3,18 @@
     python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4
     python -m tools.aot --config configs/lm_8b.py --topology v5:4x4x4 --config.mesh.fsdp=-1
     python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 --config.mesh.dcn_data=2
+    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 \
+        --config.optim.diloco.replicas=2 --config.optim.diloco.inner_steps=32
 
 The program compiled is the one `train.py` runs: the same `trainer.program.Program` (model,
 logical->mesh rules, optimizer, micro-batching, donated state) on the mesh `sharding.make_mesh`
 builds from the config, as in training, but over the devices of a TPU topology description made
 by libtpu's compiler on this CPU machine (`jax.experimental.topologies`; install with
 `pip install -e ".[tpu]"`). Multi-slice: the target has as many slices as the config's
-`mesh.dcn_*` sizes multiply to (the last example: two v5e:2x2 slices, data across them).
+`mesh.dcn_*` sizes multiply to (the third example: two v5e:2x2 slices, data across them), times
+`optim.diloco.replicas` for DiLoCo (a replica per copy of the topology; the last example), whose
+report adds the bytes that cross replicas per step, next to plain data parallelism's on the
+same chips (`trainer/communication.py`).
 On TPU the attention is jax's splash attention (a Mosaic kernel) when `model.attention` is
 `auto` or `flash`, so a kernel that does not lower for TPU fails here, before anyone pays for a
 slice.
@@ -48,7 +53,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 from models.attention import resolve_impl  # noqa: E402
 from models.sizes import flops_per_token, param_counts  # noqa: E402
-from sharding.mesh import data_parallel_size, make_mesh  # noqa: E402
+from sharding.mesh import data_parallel_size  # noqa: E402
 from trainer.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.config_checks import validate  # noqa: E402
@@ -64,7 +69,8 @@ from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's A
     tpu_target,
 )
 from trainer.metrics import GiB  # noqa: E402
-from trainer.program import Program  # noqa: E402
+from trainer import communication  # noqa: E402
+from trainer.program import Program, run_mesh  # noqa: E402
 
 EXIT_USER_ERROR = 2
 # Custom calls that mark a compiled Pallas kernel: Mosaic on TPU, Triton on GPU.
@@ -102,6 +108,8 @@ class Report:
   remat_mfu_bound: float  # MFU ceiling from recomputation alone
   kernel_flops: float = 0.0  # per step, all chips: model FLOPs inside compiled kernels (attention)
   loops: int = 0  # while loops in the lowered program (`while_loops`)
+  # DiLoCo: the bytes that cross replicas, next to data parallelism's (trainer/communication.py)
+  communication: list = dataclasses.field(default_factory=list)
 
   @property
   def total_bytes(self) -> int:
@@ -136,7 +144,7 @@ class Report:
                  "interpret mode (the kernel chose that from this machine's backend, not the "
                  "target's), so the kernel itself was not compiled for the target")
     out += self.roofline.lines()
-    return out
+    return out + [f"  {line}" for line in self.communication]
 
   def markdown_row(self) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items() if v > 1) or "-"
@@ -225,9 +233,10 @@ def no_persistent_cache():
 
 def target_mesh(cfg, target: Target, config_name: str = "config") -> tuple[dict, Mesh]:
   """The config validated against the target's devices (as train.py validates against its
-  own), and the mesh training builds on them: `sharding.make_mesh`, the one mesh builder."""
+  own), and the mesh training builds on them: `sharding.make_mesh`, the one mesh builder (through
+  `trainer.program.run_mesh`, which adds a DiLoCo run's `replica` axis)."""
   try:
-    return validate(cfg, target.devices), make_mesh(cfg.mesh, target.devices)
+    return validate(cfg, target.devices), run_mesh(cfg, target.devices)
   except ConfigError as e:
     raise AotError(f"{config_name} on {target.name}: {e}") from None
 
@@ -260,6 +269,10 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   seconds = time.perf_counter() - t0
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
                    state_bytes, while_loops(lowered))
+  if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
+    with _no_persistent_cache():
+      report.communication = communication.measure(program, compiled,
+                                                   program.compile_outer()).lines()
   if report.hbm_bytes and report.total_bytes > report.hbm_bytes:
     # The compiler accepted it, but its own numbers say it cannot be resident at once.
     raise AotError(
@@ -352,7 +365,9 @@ def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     name = os.path.splitext(os.path.basename(args.config))[0]
     cfg = load(args.config, overrides)
-    target = make_target(args.topology, config_slices(cfg.mesh))
+    # A DiLoCo config compiles for one copy of the topology per replica (replicas across slices)
+    target = make_target(args.topology,
+                         config_slices(cfg.mesh) * max(cfg.optim.diloco.replicas, 1))
     report = compile_report(cfg, target, name)
   except (ConfigError, AotError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -54,7 +54,7 @@ class CheckpointError(RuntimeError):
 # that changes what the weights compute (models/config.py FUNCTIONAL, compared as the weights see
 # them), and these, which the rest of the saved state depends on. Everything else (steps, mesh,
 # learning rate, intervals, logging, ...) may change between restarts.
-MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len")
+MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len", "optim.diloco.replicas")
 
 
 def _get(tree: dict, dotted: str):
@@ -371,7 +371,8 @@ def resolve_step_dir(path: str) -> str:
 
 
 def load_params(path: str, abstract_params) -> tuple[Any, str]:
-  """Parameters of another run's checkpoint, resharded to `abstract_params`' shardings."""
+  """Parameters of another run's checkpoint, resharded to `abstract_params`' shardings (a DiLoCo
+  run's: its anchor, the outer model the replicas agreed on)."""
   step_dir = resolve_step_dir(path)
   state_dir = os.path.join(step_dir, "state")
   with ocp.PyTreeCheckpointer() as checkpointer:
@@ -380,13 +381,14 @@ def load_params(path: str, abstract_params) -> tuple[Any, str]:
     except Exception as e:  # noqa: BLE001
       raise CheckpointError(f"checkpoint.init_from: cannot read {state_dir} "
                             f"({first_line(e)})") from None
-    if "params" not in saved:
+    key = "anchor" if "anchor" in saved else "params"
+    if key not in saved:
       raise CheckpointError(f"checkpoint.init_from: {state_dir} holds no params")
-    reason = describe_mismatch({}, {}, saved["params"], abstract_params)
+    reason = describe_mismatch({}, {}, saved[key], abstract_params)
     if reason:
       raise CheckpointError(f"checkpoint.init_from={path!r} does not fit this model: {reason}")
-    target = {"params": abstract_params}
+    target = {key: abstract_params}
     restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
-  return restored["params"], step_dir
+  return restored[key], step_dir

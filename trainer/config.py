@@ -129,7 +129,15 @@ def default_config() -> ml_collections.ConfigDict:
       # Gradient noise scale (optim/noise_scale.py): measured and logged every N steps (0 = off;
       # the other steps are the plain step); its EMA coefficient per measurement at
       # reference_batch_size (** (B/B_ref) at batch B).
-      noise_scale_every=0, noise_scale_ema=0.95))
+      noise_scale_every=0, noise_scale_ema=0.95,
+      # DiLoCo (optim/diloco.py, trainer/diloco.py): `replicas` M >= 1 replicas train apart,
+      # each on its B/M rows of the global batch with the optimizer above (the inner optimizer)
+      # and no communication between replicas (a mesh axis of their own, `replica`, outermost;
+      # the mesh.* sizes split one replica); after every `inner_steps` H steps the outer step
+      # averages their parameter changes and applies Nesterov SGD (outer_lr, outer_momentum;
+      # 0 = plain SGD) to the shared parameters. 0 = off (plain data parallelism).
+      diloco=ml_collections.ConfigDict(dict(
+          replicas=0, inner_steps=32, outer_lr=0.7, outer_momentum=0.9))))
 
   c.checkpoint = ml_collections.ConfigDict(dict(
       every_steps=100,  # save every N steps (0: not by steps); always at the end

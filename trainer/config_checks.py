@@ -145,6 +145,37 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
           f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
 
 
+def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
+  """optim.diloco.* of a DiLoCo run (replicas >= 1; the mesh and batch splits are checked with
+  the mesh): ranges, the settings whose meaning the replicas would change, and ring attention
+  (jax 0.10 cannot vmap its shard_map over the replicas: a varying-axes type error)."""
+  o, dl = cfg.optim, cfg.optim.diloco
+  _need(sizes["sequence"] == 1 or cfg.model.attention not in ("ring", "auto"),
+        f"model.attention={cfg.model.attention!r} runs ring attention over mesh.sequence="
+        f"{sizes['sequence']}, which does not run inside DiLoCo's replicas yet; use "
+        "model.attention='xla' (XLA splits the sequence itself) or mesh.sequence=1")
+  h = dl.inner_steps
+  _need(h >= 1, f"optim.diloco.inner_steps={h}: must be >= 1 (the inner steps between outer "
+        "steps)")
+  _need(dl.outer_lr > 0, f"optim.diloco.outer_lr={dl.outer_lr}: must be positive (the paper's "
+        "0.7; 1 without momentum replaces the anchor by the replicas' mean)")
+  _need(0 <= dl.outer_momentum < 1,
+        f"optim.diloco.outer_momentum={dl.outer_momentum}: must be in [0, 1) (Nesterov; 0 = "
+        "plain SGD)")
+  _need(cfg.steps % h == 0, f"steps={cfg.steps} is not a multiple of optim.diloco.inner_steps="
+        f"{h}: a DiLoCo run ends on an outer step (the replicas' agreed model); use a multiple "
+        f"of {h}")
+  _need(cfg.eval_every % h == 0, f"eval_every={cfg.eval_every} is not a multiple of "
+        f"optim.diloco.inner_steps={h}: evaluations score the outer model, which exists after "
+        f"outer steps only; use a multiple of {h} (or 0)")
+  refused = (("optim.noise_scale_every", o.noise_scale_every, "the noise-scale meter"),
+             ("data.batch_ramp", cfg.data.batch_ramp == "auto" and "'auto'", "the batch autopilot"),
+             ("optim.ema_decay", o.ema_decay, "the parameter EMA"))
+  for key, value, what in refused:
+    _need(not value, f"{key}={value} with optim.diloco.replicas={dl.replicas}: {what} would "
+          "measure each replica apart, not the run; turn it off for DiLoCo runs")
+
+
 def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
   """data.batch_auto.* (optim/autopilot.py), on the config with the autopilot's defaults filled
   in (`with_defaults`); returns the batches it may choose."""
@@ -231,12 +262,15 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
   _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
 
+  replicas = cfg.optim.diloco.replicas
+  _need(replicas >= 0, f"optim.diloco.replicas={replicas}: must be >= 0 (0 = off, plain data "
+        "parallelism; M >= 1 replicas)")
   try:
     if isinstance(devices, int):
       num_devices, slices = devices, 1
     else:
       num_devices, slices = len(devices), num_slices(devices)
-    sizes = resolve_mesh_shape(cfg.mesh, num_devices, slices)
+    sizes = resolve_mesh_shape(cfg.mesh, num_devices, slices, replicas)
   except MeshError as e:
     raise ConfigError(str(e)) from None
 
@@ -289,10 +323,11 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   micro = d.micro_batch_size or gbs
   _need(gbs % micro == 0,
         f"data.micro_batch_size={micro} must divide data.global_batch_size={gbs}")
-  _need(micro % dp == 0,
+  splits = dp * max(replicas, 1)  # a DiLoCo replica takes 1/M of every micro-batch's rows
+  _need(micro % splits == 0,
         f"data.{'micro_batch_size' if d.micro_batch_size else 'global_batch_size'}={micro} is "
-        f"not divisible by the data-parallel size {dp} (mesh.data x mesh.fsdp x mesh.expert); "
-        f"use a multiple of {dp}")
+        f"not divisible by the data-parallel size {splits} (mesh.data x mesh.fsdp x mesh.expert"
+        + (" x optim.diloco.replicas" if replicas else "") + f"); use a multiple of {splits}")
   _need(d.seq_len >= 1, f"data.seq_len={d.seq_len}: must be positive")
   _need(d.seq_len % sizes["sequence"] == 0,
         f"data.seq_len={d.seq_len} is not divisible by mesh.sequence={sizes['sequence']}; "
@@ -343,6 +378,8 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) as the run fills
   # them in (trainer/program.py)
   _check_batch_science(with_defaults(cfg)[0], dp)
+  if replicas:
+    _check_diloco(cfg, sizes)
 
   check_distributed(cfg.distributed)
 

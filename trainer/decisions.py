@@ -1,8 +1,9 @@
 """When a run logs, evaluates, checkpoints and stops: decided in one place, the same on every
 process.
 
-Step counts (`log_every`, `eval_every`, `checkpoint.every_steps`, the last step) give the same
-answer on every process by construction. Two inputs are per process: a stop signal and the wall
+Step counts (`log_every`, `eval_every`, `checkpoint.every_steps`, the last step, a DiLoCo run's
+outer steps every `optim.diloco.inner_steps`) give the same answer on every process by
+construction. Two inputs are per process: a stop signal and the wall
 clock (`checkpoint.every_seconds`). A save, an evaluation or a stop leads into collectives, so a
 decision taken from a per-process input alone can send processes down different paths and
 deadlock them. Hence:
@@ -88,6 +89,7 @@ class Decision:
   evaluate: bool = False
   final: bool = False
   preempted: str | None = None  # the reason, when a stop signal ends the run
+  outer: bool = False  # a DiLoCo run's outer step follows this step (before any save or eval)
 
   @property
   def read(self) -> bool:
@@ -102,6 +104,7 @@ class Decider:
     self.log_every = cfg.log_every
     self.eval_every = cfg.eval_every if evaluating else 0
     self.noise_every = cfg.optim.noise_scale_every
+    self.outer_every = cfg.optim.diloco.inner_steps if cfg.optim.diloco.replicas else 0
     self.save_every = cfg.checkpoint.every_steps
     self.save_seconds = cfg.checkpoint.every_seconds
     self.signals = signals
@@ -142,15 +145,19 @@ class Decider:
     preempted = self._preempted(step)
     save = (bool(self.save_every) and step % self.save_every == 0) or due_time or final
     evaluate = bool(self.eval_every) and (step % self.eval_every == 0 or final)
+    outer = bool(self.outer_every) and step % self.outer_every == 0
     return Decision(log=log, save=save or preempted is not None, evaluate=evaluate,
-                    final=final, preempted=preempted)
+                    final=final, preempted=preempted, outer=outer)
 
 
 class MetricsWindow:
-  """The device's metrics of the steps not yet read back, read in one transfer."""
+  """The device's metrics of the steps not yet read back, read in one transfer. `reduce` (a
+  DiLoCo run's `trainer.diloco.reduce_metrics`) turns a step's metrics into the replicated row
+  to read, on the read steps only."""
 
-  def __init__(self):
+  def __init__(self, reduce=None):
     self._pending: list[tuple[int, dict, bool]] = []
+    self._reduce = reduce
 
   def add(self, step: int, metrics: dict, log: bool) -> None:
     """`log`: the whole row is wanted; otherwise only `FLAG_KEYS` are read back."""
@@ -163,6 +170,8 @@ class MetricsWindow:
     if not take:
       return []
     wanted = [m if log else {k: m[k] for k in FLAG_KEYS} for _, m, log in take]
+    if self._reduce is not None:
+      wanted = [self._reduce(m) for m in wanted]
     host = jax.device_get(wanted)
     return [(s, {k: _scalar(v) for k, v in h.items()}, log)
             for (s, _, log), h in zip(take, host)]

@@ -64,18 +64,17 @@ from data.prepare import ensure_default_corpus, read_meta
 from models.sizes import flops_per_token
 from optim.autopilot import AutoConfig, Autopilot
 from sharding.batch import assemble, process_rows
-from sharding.mesh import make_mesh
 from trainer.checkpoint import CheckpointError, Checkpointer, first_line, load_params
 from trainer.decisions import Decider, MetricsWindow, StopSignals
+from trainer.diloco import reduce_metrics
 from trainer.inference import init_from_mismatch
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.periodic_eval import make_evaluator
 from trainer.profiling import ProfileWindow
-from trainer.program import Program
-from trainer.run_report import (StepTimer, log_batch_plan, log_hyperparameters, log_setup,
-                                repair_jsonl)
+from trainer.program import Program, run_mesh
+from trainer.run_report import (StepTimer, log_batch_plan, log_diloco, log_hyperparameters,
+                                log_setup, repair_jsonl)
 from trainer.saver import Saver
-from trainer.state import init_state
 
 EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
 
@@ -119,7 +118,7 @@ class Run:
     self.workdir = os.path.abspath(workdir)
     self.is_lead = jax.process_index() == 0
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
-    self.mesh = make_mesh(cfg.mesh)
+    self.mesh = run_mesh(cfg)
     self.program = p = Program(cfg, self.mesh)
     self.cfg = cfg = p.cfg  # with the batch autopilot's defaults filled in (logged at start)
     self.micro_rows, self.num_micro = p.micro_rows, p.num_micro
@@ -217,8 +216,8 @@ class Run:
         raise CheckpointError(reason)
       params, source = load_params(self.cfg.checkpoint.init_from, self.spec.abstract_params)
       self.log(f"initialised parameters from {source} (optimizer state and data start fresh)")
-      return init_state(self.spec, self.tx, params), make_iterator(), None
-    return init_state(self.spec, self.tx), make_iterator(), None
+      return self.program.init_state(params), make_iterator(), None
+    return self.program.init_state(), make_iterator(), None
 
   # --------------------------------------------------------------------------------------------
 
@@ -268,6 +267,7 @@ class Run:
     t0 = time.perf_counter()
     self.train_step_for(self.ramp.batch_at(start) // self.micro_rows,
                         decider.measures_noise(start + 1), decider.logs(start + 1))
+    self.outer_step = self.program.compile_outer() if self.program.diloco else None
     compile_seconds = time.perf_counter() - t0
     evaluate = make_evaluator(self.program, self.sources, self.local_rows) \
         if cfg.eval_every else None
@@ -276,6 +276,10 @@ class Run:
                                                 cfg.model.dtype)
     self.log(f"compiled train step in {compile_seconds:.1f}s; {self.flops_token / 1e6:.2f} "
              f"MFLOPs per token; peak {self.peak / 1e12:.3g} TFLOP/s ({peak_source})")
+    if self.program.diloco is not None:  # replicas, and the bytes that cross them
+      log_diloco(self.writer, self.program, self.ramp.batch_at(start), start,
+                 next(iter(self.compiled_steps.values())), self.outer_step,
+                 measure=self.is_lead)
     if start >= cfg.steps:
       self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
       return RunResult("done", start, {})
@@ -283,7 +287,7 @@ class Run:
     self.timer = timer = StepTimer()
     self.last_metrics = {}
     self._stage = None  # the batch ramp's stage of the last step dispatched
-    window = MetricsWindow()
+    window = MetricsWindow(reduce_metrics(self.mesh) if self.program.diloco else None)
     save = Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
                   autopilot=self.autopilot)
     outcome = None  # (status, message) once the run must end early
@@ -298,6 +302,9 @@ class Run:
         step += 1
         profile.after_step(step, metrics)
         decision = decider.after(step)
+        if decision.outer:  # DiLoCo: average the replicas into the anchor, restart them there
+          state, outer_metrics = self.outer_step(state)
+          metrics = {**metrics, **outer_metrics}
         window.add(step, metrics, decision.log)
         if deferred is not None:
           outcome, deferred = self._read(window, upto=deferred), None

@@ -10,7 +10,9 @@ nothing scored would be no score). A score is the token-weighted mean
 loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers); with a mixture
 of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
 `eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
-(`eval_loss_ema`). The whole-split evaluation of a saved model is `trainer/evaluation.py`.
+(`eval_loss_ema`). A DiLoCo run scores its anchor (the outer model; evaluations fall on outer
+steps), each replica its rows of the validation batch. The whole-split evaluation of a saved
+model is `trainer/evaluation.py`.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from optim.ema import find_ema
 from sharding.batch import assemble
 from sharding.mesh import replicated
 from trainer.program import Program
-from trainer.step import make_eval_step
 
 
 def jitted_eval_step(program: Program):
@@ -33,7 +34,7 @@ def jitted_eval_step(program: Program):
   compiles, the sharding of one micro-batch [B, S])."""
   flat = jax.sharding.NamedSharding(program.mesh, jax.sharding.PartitionSpec(
       *program.batch_sharding.spec[1:]))
-  fn = jax.jit(make_eval_step(program.spec), in_shardings=(program.shardings.params, flat),
+  fn = jax.jit(program.eval_step(), in_shardings=(program.model_param_shardings(), flat),
                out_shardings=replicated(program.mesh))
   return fn, flat
 
@@ -73,7 +74,7 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
 
   def evaluate(state) -> dict[str, float]:
     """The row of one evaluation: `score` of the parameters, and eval_loss_ema of their EMA."""
-    row = score(state.params)
+    row = score(program.model_params(state))  # a DiLoCo run's anchor
     ema = find_ema(state.opt_state, like=state.params)
     if ema is not None:
       row["eval_loss_ema"] = score(ema)["eval_loss"]

@@ -3,6 +3,10 @@
 Everything here depends only on the config and a mesh, not on data or devices being real, so
 the same object serves training (`trainer/loop.py`), benchmarks, and ahead-of-time compilation
 for hardware this machine does not have (a mesh over a TPU topology's devices).
+
+A DiLoCo run (`optim.diloco.replicas` >= 1, `run_mesh` adds the `replica` axis) has the same
+interface: its state is a `trainer.diloco.DiLoCoState`, its train step the replicas' inner step,
+and it has one more program, the outer step (`jitted_outer`, run every `inner_steps` steps).
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ from data.pipeline import BATCH_KEYS
 from models.llama import ModelConfig
 from optim import BatchRamp, build_optimizer
 from optim.autopilot import with_defaults
-from sharding.mesh import batch_sharding, mesh_platform, replicated
-from trainer.state import ModelSpec, abstract_state, state_shardings
-from trainer.step import GuardConfig, make_train_step
+from optim.diloco import DiLoCoConfig, outer_optimizer
+from sharding.mesh import batch_sharding, make_mesh, mesh_platform, replicated
+from trainer import diloco
+from trainer.state import ModelSpec, abstract_state, init_state, state_shardings
+from trainer.step import GuardConfig, make_eval_step, make_train_step
 
 
 # XLA options the train step is compiled with, by platform. CPU: copy insertion with region
@@ -27,6 +33,12 @@ from trainer.step import GuardConfig, make_train_step
 # analysis cannot order the two (tests/test_train_step.py counts the copies; the TPU compiler
 # makes none). XLA's own host-offloading programs compile with this option on.
 COMPILER_OPTIONS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True}}
+
+
+def run_mesh(cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
+  """The mesh a run of `cfg` trains on (`sharding.make_mesh`, with DiLoCo's `replica` axis when
+  `optim.diloco.replicas` asks for one)."""
+  return make_mesh(cfg.mesh, devices, replicas=cfg.optim.diloco.replicas)
 
 
 class Program:
@@ -47,11 +59,37 @@ class Program:
     self.tx, self.schedule = build_optimizer(
         cfg.optim, self.spec.logical_names, cfg.steps, cfg.data,
         width_multiplier=self.model_cfg.width_multiplier, ramp=self.ramp)
-    self.shardings = state_shardings(self.spec, self.tx)
+    self.diloco = DiLoCoConfig.from_config(cfg.optim)
+    if self.diloco is None:
+      self.shardings = state_shardings(self.spec, self.tx)
+    else:
+      self.outer_tx = outer_optimizer(self.diloco)
+      self.shardings = diloco.state_shardings(self.spec, self.tx, self.outer_tx)
     self.batch_sharding = batch_sharding(mesh, microbatched=True)
 
   def abstract_state(self):
-    return abstract_state(self.spec, self.tx)
+    if self.diloco is None:
+      return abstract_state(self.spec, self.tx)
+    return diloco.abstract_state(self.spec, self.tx, self.outer_tx, self.diloco.replicas)
+
+  def init_state(self, params=None):
+    """A fresh train state (from the seed, or with `params` and a fresh optimizer state)."""
+    if self.diloco is None:
+      return init_state(self.spec, self.tx, params)
+    return diloco.init_state(self.spec, self.tx, self.outer_tx, self.diloco.replicas, params)
+
+  def model_params(self, state):
+    """The parameters of the model the run has trained so far: a DiLoCo run's anchor."""
+    return state.params if self.diloco is None else state.anchor
+
+  def model_param_shardings(self):
+    return self.shardings.params if self.diloco is None else self.shardings.anchor
+
+  def eval_step(self):
+    """eval(model params, batch[B, S]) -> (loss sum, target tokens), not jitted."""
+    if self.diloco is None:
+      return make_eval_step(self.spec)
+    return diloco.make_eval_step(self.spec, self.diloco.replicas)
 
   def abstract_batch(self, num_micro: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     shape = (num_micro or self.num_micro, self.micro_rows, self.cfg.data.seq_len)
@@ -70,14 +108,33 @@ class Program:
     scale (trainer/step.py), else the plain step (the meter's state passes through). `logs`:
     the variant for the steps whose metrics row is written (with the norm metrics under
     `trainer.norm_metrics="log_steps"`); the default is the step every other step runs."""
-    return jax.jit(make_train_step(self.spec, self.tx, self.schedule,
-                                   GuardConfig.from_config(self.cfg.trainer),
-                                   measure_noise=measure_noise,
-                                   norm_metrics=self.computes_norms(logs)),
-                   in_shardings=(self.shardings, self.batch_sharding),
-                   out_shardings=(self.shardings, replicated(self.mesh)),
-                   donate_argnums=0,
+    guard = GuardConfig.from_config(self.cfg.trainer)
+    if self.diloco is None:
+      step = make_train_step(self.spec, self.tx, self.schedule, guard,
+                             measure_noise=measure_noise, norm_metrics=self.computes_norms(logs))
+      metrics = replicated(self.mesh)
+    else:
+      if measure_noise:
+        raise ValueError("the noise-scale meter does not run under DiLoCo (config checks say so)")
+      step = diloco.make_inner_step(self.spec, self.tx, self.schedule, guard,
+                                    self.diloco.replicas, norm_metrics=self.computes_norms(logs))
+      metrics = diloco.metrics_sharding(self.mesh)
+    return jax.jit(step, in_shardings=(self.shardings, self.batch_sharding),
+                   out_shardings=(self.shardings, metrics), donate_argnums=0,
                    compiler_options=COMPILER_OPTIONS.get(mesh_platform(self.mesh)))
+
+  def jitted_outer(self):
+    """A DiLoCo run's outer step, jitted: state -> (state, metrics) (trainer/diloco.py)."""
+    return jax.jit(diloco.make_outer_step(self.outer_tx, self.diloco.replicas),
+                   in_shardings=(self.shardings,),
+                   out_shardings=(self.shardings, replicated(self.mesh)), donate_argnums=0,
+                   compiler_options=COMPILER_OPTIONS.get(mesh_platform(self.mesh)))
+
+  def compile_outer(self):
+    """AOT-compile a DiLoCo run's outer step."""
+    state = self.abstract_state()
+    with jax.set_mesh(self.mesh):
+      return self.jitted_outer().lower(state).compile()
 
   def lower(self, num_micro: int | None = None, *, measure_noise: bool = False,
             logs: bool = False):

@@ -6,6 +6,9 @@
                     hyperparameters the batch-size rules derive (`optim/scaling.py`)
   log_hyperparameters  one batch size's derived hyperparameters, printed and written to
                     metrics.jsonl as a `{"event": "hyperparameters", "hparams/...": ...}` row
+  log_diloco        a DiLoCo run's replicas and steps, and the bytes that cross replicas next
+                    to plain data parallelism's (`trainer/communication.py`), also as a
+                    `{"event": "communication", "comm/...": ...}` row
   StepTimer         the timing columns of a log row: step_time, data_wait_ms, tokens_per_sec, mfu
   repair_jsonl      drop the partial last line of metrics.jsonl a killed process left
 
@@ -29,6 +32,7 @@ from optim import BatchRamp, derive
 from optim import schedules as schedules_lib
 from optim.autopilot import Autopilot
 from optim.scaling import describe as describe_hyperparameters
+from trainer import communication
 from trainer.metrics import MetricsWriter
 
 
@@ -81,6 +85,30 @@ def log_hyperparameters(writer: MetricsWriter, cfg: ml_collections.ConfigDict, s
   writer.log(describe_hyperparameters(cfg.optim, hp))
   row = {f"hparams/{k}": v for k, v in hp.as_dict().items()}  # apart from the metrics
   writer.write(step, {"event": "hyperparameters", **row}, console=False)
+
+
+def log_diloco(writer: MetricsWriter, program, batch: int, step: int, inner, outer, *,
+               measure: bool) -> None:
+  """A DiLoCo run's opening lines (`program`: its `trainer.program.Program`; `inner`, `outer`:
+  its compiled steps for `batch`). With `measure` (the lead process) the communication across
+  replicas is read from them, and plain data parallelism's step compiled to compare."""
+  dl = program.diloco
+  where = "; ".join(f"replica {r} on process(es) "
+                    + ",".join(map(str, sorted({d.process_index for d in block.flat})))
+                    for r, block in enumerate(program.mesh.devices))
+  writer.log(f"{dl.describe()} ({where}); each replica steps on {batch // dl.replicas} of the "
+             f"{batch} "
+             "sequences of a step (the rows data parallelism reads); the batch-size rules derive "
+             f"the inner optimizer's hyperparameters at the global batch {batch} (line above), "
+             f"so H=1 with an outer SGD of rate 1 and a linear inner optimizer is data "
+             f"parallelism at {batch}")
+  if dl.replicas == 1:
+    writer.log("one replica: nothing crosses replicas (the outer step is Lookahead-like)")
+  elif measure:
+    report = communication.measure(program, inner, outer, batch // program.micro_rows)
+    for line in report.lines():
+      writer.log(line)
+    writer.write(step, {"event": "communication", **report.row()}, console=False)
 
 
 class StepTimer:

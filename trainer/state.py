@@ -73,7 +73,15 @@ class ModelSpec:
 
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
-  """NamedShardings of the whole TrainState, the optimizer state's derived from its own shapes.
+  """NamedShardings of the whole TrainState, the optimizer state's from `optimizer_shardings`."""
+  replicated = NamedSharding(spec.mesh, P())
+  guard = jax.tree.map(lambda _: replicated, init_guard())
+  return TrainState(step=replicated, params=spec.param_shardings,
+                    opt_state=optimizer_shardings(spec, tx), guard=guard)
+
+
+def optimizer_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> Any:
+  """NamedShardings of `tx`'s state for the model's parameters, derived from its own shapes.
 
   Each optimizer-state leaf that lives under a parameter's path (Adam's moments, Adafactor's
   factored statistics, the parameter EMA, ...) is matched to that parameter: a leaf of the
@@ -99,10 +107,7 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainS
     spec_ = _kept_dims_spec(leaf.shape, *match)
     return replicated if spec_ is None else NamedSharding(spec.mesh, spec_)
 
-  opt_shardings = jax.tree_util.tree_map_with_path(shard, abstract_opt)
-  guard = jax.tree.map(lambda _: replicated, init_guard())
-  return TrainState(step=replicated, params=spec.param_shardings, opt_state=opt_shardings,
-                    guard=guard)
+  return jax.tree_util.tree_map_with_path(shard, abstract_opt)
 
 
 def _kept_dims_spec(shape, param_shape, param_spec) -> P | None:

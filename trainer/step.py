@@ -192,12 +192,14 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
-                    measure_noise: bool = False, norm_metrics: bool = True):
+                    measure_noise: bool = False, norm_metrics: bool = True, replicas: int = 1):
   """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
   the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
   and the meter's state passes through unchanged. `norm_metrics=False` leaves param_norm and
   update_norm out of the metrics (and their passes over the state out of the program; the loop
-  runs that variant on the steps that do not log, `trainer.norm_metrics`)."""
+  runs that variant on the steps that do not log, `trainer.norm_metrics`). `replicas`: the step
+  is one of that many DiLoCo replicas' inner steps (trainer/diloco.py), each on B of the
+  replicas x B rows of the global batch; the optimizer and schedule are told the global batch."""
   if measure_noise and noise_scale.find_state(jax.eval_shape(
       tx.init, spec.abstract_params)) is None:
     raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
@@ -205,7 +207,7 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
-    batch_size = num_micro * rows
+    batch_size = num_micro * rows * replicas
     if measure_noise and num_micro == 1:
       batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(

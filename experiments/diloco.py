@@ -1,0 +1,190 @@
+"""DiLoCo vs data parallelism at equal tokens across global batch sizes: where is each one's
+optimal batch? (Charles et al. 2025 report that DiLoCo's is larger.)
+
+    python -m experiments.diloco [--batch_sizes 8,16,32,64,128] [--replicas 1,2,4] \\
+        [--inner_steps 1,8,32] [--examples 8192] [--out docs/diloco]
+
+Claim (Charles et al. 2025, "Communication-Efficient Language Model Training Scales Reliably and
+Robustly: Scaling Laws for DiLoCo"; Douillard et al. 2023 for the method): at a fixed token
+budget, DiLoCo's final loss is less hurt by a large global batch than data parallelism's, so
+its optimal global batch is larger, and more so with more replicas M; with M = 1 (no
+communication saved, Lookahead-like outer steps) it can even beat data parallelism.
+
+Setup: the model and data of configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the
+embedded corpus, micro-batches of 8 rows: the same sequences in the same order in every run).
+Every run trains `--examples` sequences at a fixed global batch B: plain data parallelism, and
+DiLoCo with each M in `--replicas` and H in `--inner_steps` (replica r takes the r-th B/M rows
+of each step's batch; the outer step every H steps is Nesterov SGD with lr 0.7 and momentum 0.9,
+the paper's). The inner optimizer is data parallelism's own: AdamW with sweep_tiny's
+hyperparameters stated at batch 16 (lr 3e-3, b2 0.99) and moved to the global batch B by its
+rules (lr ~ sqrt(B), b2 ** (B/16); optim/scaling.py); a linear warmup over the first 1/16 of
+the examples and cosine decay to 0.1x at the budget, in examples (the same data at every batch);
+clipping at norm 1 (per replica). No learning rate is tuned per arm (the paper tunes each).
+Scored by the final validation loss on 128 sequences (after the last outer step: the number of
+steps is a multiple of H). The optimal batch of an arm is the minimum of its loss-vs-log2(B)
+curve: the parabola through the best grid point and its two neighbours when the best is
+inside the grid, else that edge (marked as such).
+
+DiLoCo needs M devices: on a CPU the run uses `--devices` (4) host devices of the one CPU (set
+before jax starts; they share its cores), and data parallelism runs on the same 4-device mesh.
+Measured runtime: 22 minutes on 2 CPU cores shared with other jobs (50 trainings of 8,192
+sequences; the compilation cache warm from a short trial run).
+Outputs: OUT.csv (one row per arm and batch, with the arm's optimal batch), OUT.png (final loss
+vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism).
+Deterministic on a given machine.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from experiments import common
+from tools import figures
+
+
+def build_parser():
+  p = common.parser("diloco", __doc__)
+  p.add_argument("--batch_sizes", default="8,16,32,64,128")
+  p.add_argument("--replicas", default="1,2,4", help="DiLoCo's M values")
+  p.add_argument("--inner_steps", default="1,8,32", help="DiLoCo's H values")
+  p.add_argument("--examples", type=int, default=8192, help="training sequences per run")
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--evals", type=int, default=4, help="evaluations per run (at least)")
+  p.add_argument("--eval_sequences", type=int, default=128)
+  p.add_argument("--devices", type=int, default=4,
+                 help="CPU host devices to run on (DiLoCo's M must divide them)")
+  return p
+
+
+def parse(argv):
+  p = build_parser()
+  args, overrides = p.parse(argv)
+  try:
+    for key in ("batch_sizes", "replicas", "inner_steps"):
+      setattr(args, key, common.ints(getattr(args, key)))
+  except ValueError as e:
+    p.error(f"--batch_sizes, --replicas and --inner_steps take comma-separated integers ({e})")
+  return args, overrides
+
+
+def arms(args) -> list[tuple[str, int, int]]:
+  """(name, M, H) of every arm; M = 0 is plain data parallelism."""
+  return [("data parallel", 0, 1)] + [(f"DiLoCo M={m} H={h}", m, h)
+                                      for m in args.replicas for h in args.inner_steps]
+
+
+def arm_config(base, args, batch: int, replicas: int, inner_steps: int):
+  cfg = common.at_budget(base, batch, args.examples, micro=args.micro_batch_size,
+                         evals=args.evals, eval_sequences=args.eval_sequences)
+  if cfg.steps % inner_steps:
+    raise ValueError(f"{args.examples} examples at batch {batch} are {cfg.steps} steps, not a "
+                     f"multiple of H={inner_steps}")
+  if replicas:  # evaluations fall on outer steps
+    cfg.eval_every = max(cfg.eval_every, inner_steps)
+    while cfg.steps % cfg.eval_every or cfg.eval_every % inner_steps:
+      cfg.eval_every += 1
+  cfg.optim.update(schedule="cosine", schedule_unit="examples", warmup_steps=0, decay_steps=0,
+                   warmup_examples=args.examples // 16, decay_examples=args.examples,
+                   min_lr_ratio=0.1)
+  cfg.optim.diloco.update(replicas=replicas, inner_steps=inner_steps)
+  cfg.mesh.update(data=-1, fsdp=1, tensor=1, sequence=1, expert=1)
+  return cfg
+
+
+def best_batch(points: list[tuple[int, float]]) -> tuple[float, bool]:
+  """(optimal batch, inside the grid?) of [(batch, loss)]: the vertex of the parabola in
+  log2(batch) through the best point and its neighbours, or the best point at an edge."""
+  points = sorted((b, y) for b, y in points if math.isfinite(y))
+  i = min(range(len(points)), key=lambda j: points[j][1])
+  if i == 0 or i == len(points) - 1:
+    return float(points[i][0]), False
+  (x0, y0), (x1, y1), (x2, y2) = [(math.log2(b), y) for b, y in points[i - 1:i + 2]]
+  denom = (x0 - x1) * (x0 - x2) * (x1 - x2)
+  a = (x2 * (y1 - y0) + x1 * (y0 - y2) + x0 * (y2 - y1)) / denom
+  b = (x2 * x2 * (y0 - y1) + x1 * x1 * (y2 - y0) + x0 * x0 * (y1 - y2)) / denom
+  vertex = -b / (2 * a) if a > 0 else x1
+  return 2 ** min(max(vertex, x0), x2), True
+
+
+def experiment(args, cfg) -> list[dict]:
+  from optim import derive  # noqa: PLC0415
+  rows = []
+  for name, m, h in arms(args):
+    for batch in args.batch_sizes:
+      c = arm_config(cfg, args, batch, m, h)
+      slug = f"b{batch}_m{m}_h{h}"
+      t = common.train(c, os.path.join(args.workdir, slug))
+      outer = [r for r in t.rows if "outer_grad_norm" in r]
+      rows.append({"arm": name, "replicas": m, "inner_steps": h if m else 0,
+                   "batch_size": batch, "rows_per_replica": batch // max(m, 1),
+                   "learning_rate": derive(c.optim, batch).learning_rate, "steps": t.steps_run,
+                   "outer_steps": t.steps_run // h if m else 0,
+                   "final_eval_loss": t.final_eval, "last_outer_grad_norm":
+                   outer[-1]["outer_grad_norm"] if outer else None, "seconds": t.seconds})
+      print(f"[diloco] {name:18s} batch {batch:4d}: final eval {t.final_eval:.4f}; "
+            f"{t.seconds:.0f}s", flush=True)
+  for name, _, _ in arms(args):
+    arm = [r for r in rows if r["arm"] == name]
+    opt, inside = best_batch([(r["batch_size"], r["final_eval_loss"]) for r in arm])
+    for r in arm:
+      r.update(optimal_batch=opt, optimum_inside_grid=inside)
+  common.write(args, rows)
+  summary = [r for r in rows if r["batch_size"] == args.batch_sizes[0]]
+  print(common.table(summary, SUMMARY, "diloco"))
+  plotted = plot(args.out + ".png", rows, args)
+  print(f"[diloco] wrote {args.out}.csv" + (f", {args.out}.png" if plotted else figures.NO_PLOT))
+  return rows
+
+
+SUMMARY = [("arm", "arm", "s"), ("optimal_batch", "optimal batch", ".1f"),
+           ("optimum_inside_grid", "inside grid", "")]
+
+
+def plot(path: str, rows: list[dict], args) -> bool:
+  """Final loss vs batch per arm (colour: M, line style: H; data parallelism black, each arm's
+  optimal batch circled); each DiLoCo arm's loss minus data parallelism's at the same batch (a
+  gap that shrinks with the batch is an optimum that moves to larger batches)."""
+  plt = figures.pyplot()
+  if plt is None:
+    return False
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+  styles = dict(zip(args.inner_steps, ("-", "--", ":", "-.")))
+  colour = lambda m: "k" if not m else f"C{args.replicas.index(m)}"
+  dp = {r["batch_size"]: r["final_eval_loss"] for r in rows if not r["replicas"]}
+  for name, m, h in arms(args):
+    arm = sorted((r for r in rows if r["arm"] == name), key=lambda r: r["batch_size"])
+    batches, losses = [r["batch_size"] for r in arm], [r["final_eval_loss"] for r in arm]
+    style = dict(c=colour(m), lw=2.5 if not m else 1.3, ms=4, label=name)
+    ax1.plot(batches, losses, "o" + (styles[h] if m else "-"), **style)
+    best = min(arm, key=lambda r: r["final_eval_loss"])
+    ax1.plot([best["batch_size"]], [best["final_eval_loss"]], "o", ms=10, mfc="none",
+             c=colour(m))
+    if m:
+      ax2.plot(batches, [y - dp[b] for b, y in zip(batches, losses)], "o" + styles[h], **style)
+  edge = sum(not r["optimum_inside_grid"] for r in rows if r["batch_size"] ==
+             args.batch_sizes[0])
+  ax1.set(xscale="log", xlabel="global batch (sequences)", ylabel="final eval loss",
+          title=f"{args.examples:,} sequences per run (equal tokens); circles: each arm's best"
+          + (f"\n({edge} of {len(arms(args))} arms best at a grid edge)" if edge else ""))
+  ax2.axhline(0, c="k", lw=1)
+  ax2.set(xscale="log", xlabel="global batch (sequences)",
+          ylabel="DiLoCo loss - data parallel loss", title="the gap to data parallelism")
+  for ax in (ax1, ax2):
+    ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
+  ax1.legend(fontsize=7, ncol=2)
+  figures.save(fig, path, "DiLoCo vs data parallelism across global batch sizes, sweep_tiny model")
+  return True
+
+
+def main(argv: list[str]) -> int:
+  devices = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), None)
+  if devices is None and "--devices" in argv:
+    devices = argv[argv.index("--devices") + 1]
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={devices or 4}").strip()
+  return common.main("diloco", parse, experiment, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
