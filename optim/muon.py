@@ -37,10 +37,16 @@ Jordan's original scaling, sqrt(max(1, fan_out / fan_in)), with which Muon needs
 larger learning rate (0.02 in modded-nanogpt). Weight decay is the factory's for every
 optimizer: w -= lr * (update + wd * w), Liu et al.'s decoupled decay.
 
-Sharding. Nothing here knows about the mesh: each matrix is orthogonalised as the array it is,
-and XLA's SPMD partitioner runs the Newton-Schulz matmuls on the sharded operands (X X^T
-contracts the fsdp-sharded embed axis: a partial product per device and an all-reduce of the
-small Gram matrix; see docs/muon.md for what a compiled step communicates, counted).
+Sharding. Newton-Schulz multiplies whole matrices five times; left to XLA's SPMD partitioner
+on FSDP/tensor-sharded operands, it all-gathers the matrices again inside every iteration (a
+3.3M-parameter step on fsdp=4 x tensor=2 gathered 8.4x the bytes of AdamW's step, bench/
+collectives.py). So the orthogonalisation runs in a layout of its own (`ns_spec`): each matrix
+whole on a device, the stack axes (layers, experts) spread over the mesh axes that shard the
+parameter, as far as they divide them (a [layers=8, E, F] stack on fsdp=4: two layers per
+device, like torchtitan's DistMuon hands whole matrices to ranks); mesh axes that divide no stack
+axis leave the matrix replicated over them (those devices repeat the work). Moving there and back
+is one all-to-all / all-gather of the momentum each way per step; docs/muon.md counts the bytes.
+Outside a mesh (one device, tests) nothing is constrained.
 """
 from __future__ import annotations
 
@@ -49,13 +55,18 @@ from typing import Any
 
 import jax
 import optax
-from optax.contrib import MuonDimensionNumbers
-from optax.contrib import scale_by_muon as optax_scale_by_muon
-from optax.contrib._muon import scale_by_shape  # optax's, not re-exported (optax 0.2.8)
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers, MuonState
+# optax's, not re-exported by optax.contrib (optax 0.2.8)
+from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
 from optax.transforms import MaskedNode
+
+from sharding.rules import constrain, logical_to_spec, spec_axes
 
 STACK_AXES = ("layers", "experts")  # batch axes: every slice is its own matrix
 FALLBACKS = ("adamw", "adafactor", "lion")  # optimizers whose step does not scale with the grad
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic (optax's default)
 
 
 def _is_names(x) -> bool:
@@ -93,17 +104,74 @@ def fan_in_out(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
           math.prod(shape[a] for a in dims.output_axis))
 
 
+def ns_spec(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> P:
+  """The PartitionSpec a parameter's momentum is orthogonalised in (module docstring): matrix
+  axes whole, stack axes over the mesh axes that shard the parameter, where they divide."""
+  axes = sorted((a for entry in logical_to_spec(names) for a in spec_axes(entry)
+                 if mesh.shape.get(a, 1) > 1), key=lambda a: -mesh.shape[a])  # largest first
+  matrix = set(dims.reduction_axis) | set(dims.output_axis)
+  out = [None] * len(shape)
+  for d in range(len(shape)):
+    if d in matrix:
+      continue
+    taken, size = [], 1
+    for a in list(axes):
+      if shape[d] % (size * mesh.shape[a]) == 0:
+        taken.append(a)
+        size *= mesh.shape[a]
+        axes.remove(a)
+    out[d] = None if not taken else taken[0] if len(taken) == 1 else tuple(taken)
+  return P(*out)
+
+
 def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
                   nesterov: bool = True, rms: float = 0.2, eps: float = 1e-8
                   ) -> optax.GradientTransformation:
   """Muon's direction for the matrices of `param_names` (a tree of logical axis names): momentum,
-  Newton-Schulz, the shape scaling; the other parameters must be masked out (`muon` below does
-  so with `optax.partition`, which leaves a `MaskedNode` where they were). No learning rate."""
+  Newton-Schulz in its own layout (`ns_spec`), the shape scaling; no learning rate. The other
+  parameters must be masked out (`muon` below does so with `optax.partition`, which leaves a
+  `MaskedNode` where they were).
+
+  optax's `scale_by_muon` with the layout added: the same momentum and Nesterov combination, the
+  same state (optax's MuonState), optax's `orthogonalize_via_newton_schulz` and `scale_by_shape`
+  (consistent RMS when rms > 0)."""
+  masked = lambda x: isinstance(x, MaskedNode)
   dims = jax.tree.map(lambda n: dimension_numbers(n) or MaskedNode(), param_names,
                       is_leaf=_is_names)
+  coeffs = jnp.asarray(NS_COEFFS)
+
+  def orthogonalize(x, names, dim):
+    mesh = jax.sharding.get_abstract_mesh()
+    pin = (lambda y: y) if mesh.empty else (
+        lambda y: jax.lax.with_sharding_constraint(y, ns_spec(names, dim, x.shape, mesh)))
+    # Pinned on both sides: with the output left free, the partitioner carries the parameter's
+    # layout back into the iterations (and all-reduces a partial X X^T in each).
+    x = pin(orthogonalize_via_newton_schulz(pin(x), coeffs, ns_steps, eps=eps,
+                                            dimension_numbers=dim))
+    return constrain(x, names)  # back to the parameter's layout
+
+  def init(params):
+    return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),
+                     ns_coeffs=coeffs)
+
+  def update(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+      mu_hat = jax.tree.map(
+          lambda m, g: beta * m + (1 - beta) * g,
+          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+          optax.tree.bias_correction(updates, beta, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, beta, count)
+    out = jax.tree.map(lambda d, x, n: x if masked(d) else orthogonalize(x, n, d), dims, mu_hat,
+                       param_names, is_leaf=lambda x: isinstance(x, (MuonDimensionNumbers,
+                                                                     MaskedNode)))
+    return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
   return optax.chain(
-      optax_scale_by_muon(beta=beta, ns_steps=ns_steps, nesterov=nesterov, eps=eps,
-                          weight_dimension_numbers=dims),
+      optax.GradientTransformation(init, update),
       scale_by_shape(weight_dimension_numbers=dims, consistent_rms=rms if rms > 0 else None))
 
 

@@ -2,16 +2,18 @@
 weight is, a scanned stack is updated layer by layer, sharded = one device, every optim.muon key
 reaches the update, it trains and resumes exactly."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import losses, tiny_config
 from models.llama import ModelConfig
 from optim import build_optimizer
-from optim.muon import dimension_numbers, fan_in_out, labels, scale_by_muon
+from optim.muon import dimension_numbers, fan_in_out, labels, ns_spec, scale_by_muon
 from sharding import make_mesh
 from trainer.config import ConfigError
 from trainer.config_checks import validate
@@ -19,6 +21,36 @@ from trainer.loop import Run
 from trainer.state import ModelSpec, init_state, state_shardings
 
 IS_NAMES = lambda x: isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+def test_same_as_optax_scale_by_muon_on_one_device():
+  """Our transformation is optax's `scale_by_muon` + `scale_by_shape` with a layout added."""
+  from optax.contrib import scale_by_muon as optax_muon  # noqa: PLC0415
+  from optax.contrib._muon import scale_by_shape  # noqa: PLC0415
+  names = {"w": ("layers", "embed", "heads", "head_dim")}
+  dims = {"w": dimension_numbers(names["w"])}
+  ref = optax.chain(optax_muon(beta=0.9, weight_dimension_numbers=dims),
+                    scale_by_shape(dims, consistent_rms=0.2))
+  ours = scale_by_muon(names, beta=0.9, rms=0.2)
+  s_ref, s_ours = ref.init({"w": jnp.zeros((2, 16, 4, 8))}), ours.init({"w": jnp.zeros((2, 16, 4, 8))})
+  for seed in range(3):
+    g = {"w": jax.random.normal(jax.random.key(seed), (2, 16, 4, 8))}
+    (u_ref, s_ref), (u_ours, s_ours) = ref.update(g, s_ref), ours.update(g, s_ours)
+    np.testing.assert_array_equal(u_ours["w"], u_ref["w"])
+  jax.tree.map(np.testing.assert_array_equal, s_ours, s_ref)
+
+
+def test_newton_schulz_layout():
+  """Whole matrices per device, the stack over the parameter's largest mesh axes that divide it."""
+  mesh = jax.sharding.AbstractMesh((2, 4, 2), ("data", "fsdp", "tensor"))
+  spec = lambda names, shape: tuple(ns_spec(names, dimension_numbers(names), shape, mesh))
+  wq = ("layers", "embed", "heads", "head_dim")
+  assert spec(wq, (8, 64, 4, 16)) == (("fsdp", "tensor"), None, None, None)
+  assert spec(wq, (4, 64, 4, 16)) == ("fsdp", None, None, None)  # replicated over tensor
+  assert spec(wq, (2, 64, 4, 16)) == ("tensor", None, None, None)
+  assert spec(("layers", "mlp", "embed"), (3, 64, 32)) == (None, None, None)
+  moe = ("layers", "experts", "embed", "expert_mlp")  # experts (expert axis absent: size 1)
+  assert spec(moe, (2, 4, 64, 32)) == ("tensor", "fsdp", None, None)
 
 
 def _muon_config(**overrides):
@@ -155,7 +187,14 @@ def test_sharded_update_equals_one_device(mesh_cfg):
     kw = {} if shard is None else dict(in_shardings=(shard.params, shard.opt_state, shard.params),
                                        out_shardings=(shard.params, shard.opt_state))
     with jax.set_mesh(spec.mesh):
-      outs.append(jax.device_get(jax.jit(update, **kw)(state.params, state.opt_state, g)))
+      jitted = jax.jit(update, **kw)
+      outs.append(jax.device_get(jitted(state.params, state.opt_state, g)))
+      hlo = jitted.lower(state.params, state.opt_state, g).compile().as_text()
+  # Newton-Schulz on whole matrices (optim/muon.py ns_spec): no partial X X^T is all-reduced
+  # (only clipping's scalar norms are); left to the partitioner, every iteration reduced one
+  reduced = [line.split(" = ")[1].split(" all-reduce(")[0] for line in hlo.splitlines()
+             if " all-reduce(" in line and " = " in line]
+  assert not [r for r in reduced if re.search(r"\[\d+,\d+", r)], reduced
   # equal up to fp32 rounding (sharded contractions sum in another order); updates are ~1e-4
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-8), *outs)
 
