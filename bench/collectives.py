@@ -10,8 +10,9 @@ run: the numbers are read from the optimized HLO, so they are exact for XLA's CP
 partitioner, and the same partitioner (GSPMD/Shardy) decides the collectives on GPU and TPU,
 whose backends may still combine or reorder them. Per variant: the number of all-gather,
 all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes of their
-results (for an all-reduce the bytes reduced, for an all-gather the gathered array), then the
-difference from the first variant. Counts are per step program (a micro-batched step's loop body
+results on one device (the partitioned program's shapes are per device: for an all-reduce the
+bytes reduced, for an all-gather the gathered array), then the difference from the first
+variant. Counts are per step program (a micro-batched step's loop body
 counted once).
 """
 from __future__ import annotations

@@ -39,14 +39,15 @@ optimizer: w -= lr * (update + wd * w), Liu et al.'s decoupled decay.
 
 Sharding. Newton-Schulz multiplies whole matrices five times; left to XLA's SPMD partitioner
 on FSDP/tensor-sharded operands, it all-gathers the matrices again inside every iteration (a
-3.3M-parameter step on fsdp=4 x tensor=2 gathered 8.4x the bytes of AdamW's step, bench/
-collectives.py). So the orthogonalisation runs in a layout of its own (`ns_spec`): each matrix
-whole on a device, the stack axes (layers, experts) spread over the mesh axes that shard the
-parameter, as far as they divide them (a [layers=8, E, F] stack on fsdp=4: two layers per
-device, like torchtitan's DistMuon hands whole matrices to ranks); mesh axes that divide no stack
-axis leave the matrix replicated over them (those devices repeat the work). Moving there and back
-is one all-to-all / all-gather of the momentum each way per step; docs/muon.md counts the bytes.
-Outside a mesh (one device, tests) nothing is constrained.
+3.3M-parameter step on fsdp=4 x tensor=2: 98 MiB gathered per device against AdamW's 11,
+bench/collectives.py). So the orthogonalisation runs in a layout of its own (`ns_path`): each
+matrix whole on a device, the stack axes (layers, experts) spread over the mesh axes that shard
+the parameter, as far as they divide them (a [layers=8, E, F] stack on fsdp=4: two layers per
+device, as torchtitan's DistMuon hands whole matrices to ranks); a mesh axis that divides no
+stack axis is gathered (those devices repeat the work). The momentum moves there one mesh axis
+at a time (an all-to-all each; moved two at once, the partitioner gathers the whole array) and
+the update comes back the same way. docs/muon.md counts what this communicates. Outside a mesh
+(one device, tests) nothing is constrained.
 """
 from __future__ import annotations
 
@@ -104,24 +105,38 @@ def fan_in_out(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
           math.prod(shape[a] for a in dims.output_axis))
 
 
-def ns_spec(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> P:
-  """The PartitionSpec a parameter's momentum is orthogonalised in (module docstring): matrix
-  axes whole, stack axes over the mesh axes that shard the parameter, where they divide."""
-  axes = sorted((a for entry in logical_to_spec(names) for a in spec_axes(entry)
-                 if mesh.shape.get(a, 1) > 1), key=lambda a: -mesh.shape[a])  # largest first
+def ns_path(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> list[P]:
+  """The layouts a parameter's momentum passes through on its way to the one it is
+  orthogonalised in (the last; module docstring), one mesh axis moved per layout: matrix axes
+  whole, stack axes over the mesh axes that shard the parameter (largest first), where they
+  divide; the axes that divide no stack axis are gathered last. One axis per step, because the
+  partitioner turns a move of two axes at once into a gather of the whole array."""
+  live = lambda e: tuple(a for a in spec_axes(e) if mesh.shape.get(a, 1) > 1)
+  spec = [live(e) for e in logical_to_spec(names)] + [()] * (len(shape) - len(names))
+  axes = sorted((a for e in spec for a in e), key=lambda a: -mesh.shape[a])
   matrix = set(dims.reduction_axis) | set(dims.output_axis)
-  out = [None] * len(shape)
-  for d in range(len(shape)):
-    if d in matrix:
-      continue
-    taken, size = [], 1
+  moves = []  # (mesh axis, the stack dimension it goes to, or None: gathered)
+  for d in (d for d in range(len(shape)) if d not in matrix):
+    size = 1
     for a in list(axes):
       if shape[d] % (size * mesh.shape[a]) == 0:
-        taken.append(a)
         size *= mesh.shape[a]
+        moves.append((a, d))
         axes.remove(a)
-    out[d] = None if not taken else taken[0] if len(taken) == 1 else tuple(taken)
-  return P(*out)
+  moves += [(a, None) for a in axes if any(a in spec[d] for d in matrix)]
+  path = []
+  for a, to in moves:
+    spec = [tuple(x for x in e if x != a) for e in spec]
+    if to is not None:
+      spec[to] = spec[to] + (a,)
+    path.append(P(*(None if not e else e[0] if len(e) == 1 else e for e in spec)))
+  return path
+
+
+def ns_spec(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> P:
+  """The layout a parameter's momentum is orthogonalised in (the end of `ns_path`)."""
+  path = ns_path(names, dims, shape, mesh)
+  return path[-1] if path else P(*logical_to_spec(names))
 
 
 def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
@@ -142,13 +157,15 @@ def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
 
   def orthogonalize(x, names, dim):
     mesh = jax.sharding.get_abstract_mesh()
-    pin = (lambda y: y) if mesh.empty else (
-        lambda y: jax.lax.with_sharding_constraint(y, ns_spec(names, dim, x.shape, mesh)))
-    # Pinned on both sides: with the output left free, the partitioner carries the parameter's
-    # layout back into the iterations (and all-reduces a partial X X^T in each).
-    x = pin(orthogonalize_via_newton_schulz(pin(x), coeffs, ns_steps, eps=eps,
-                                            dimension_numbers=dim))
-    return constrain(x, names)  # back to the parameter's layout
+    path = [] if mesh.empty else ns_path(names, dim, x.shape, mesh)
+    for spec in path:  # there, one mesh axis at a time
+      x = jax.lax.with_sharding_constraint(x, spec)
+    x = orthogonalize_via_newton_schulz(x, coeffs, ns_steps, eps=eps, dimension_numbers=dim)
+    # Back the same way. Its first step pins the output too: left free, the partitioner carries
+    # the parameter's layout back into the iterations (and all-reduces a partial X X^T in each).
+    for spec in path[::-1]:
+      x = jax.lax.with_sharding_constraint(x, spec)
+    return constrain(x, names)  # the parameter's layout
 
   def init(params):
     return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),

@@ -13,7 +13,8 @@ import pytest
 from conftest import losses, tiny_config
 from models.llama import ModelConfig
 from optim import build_optimizer
-from optim.muon import dimension_numbers, fan_in_out, labels, ns_spec, scale_by_muon
+from optim.muon import (dimension_numbers, fan_in_out, labels, ns_path, ns_spec,
+                        scale_by_muon)
 from sharding import make_mesh
 from trainer.config import ConfigError
 from trainer.config_checks import validate
@@ -51,6 +52,12 @@ def test_newton_schulz_layout():
   assert spec(("layers", "mlp", "embed"), (3, 64, 32)) == (None, None, None)
   moe = ("layers", "experts", "embed", "expert_mlp")  # experts (expert axis absent: size 1)
   assert spec(moe, (2, 4, 64, 32)) == ("tensor", "fsdp", None, None)
+  # one mesh axis moved per step (two at once the partitioner gathers whole), gathers last
+  path = lambda names, shape: [tuple(p) for p in ns_path(names, dimension_numbers(names), shape,
+                                                          mesh)]
+  assert path(wq, (8, 64, 4, 16)) == [("fsdp", None, "tensor", None),
+                                      (("fsdp", "tensor"), None, None, None)]
+  assert path(wq, (4, 64, 4, 16)) == [("fsdp", None, "tensor", None), ("fsdp", None, None, None)]
 
 
 def _muon_config(**overrides):
