@@ -12,7 +12,7 @@ whose backends may still combine or reorder them. Per variant: the number of all
 all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes of their
 results on one device (the partitioned program's shapes are per device: for an all-reduce the
 bytes reduced, for an all-gather the gathered array), then the difference from the first
-variant. Counts are per step program (a micro-batched step's loop body
+variant; and each variant's FLOPs per device from XLA's cost analysis (`tools.aot`). Counts are per step program (a micro-batched step's loop body
 counted once).
 """
 from __future__ import annotations
@@ -103,15 +103,24 @@ def main(argv=None):
   import jax  # noqa: PLC0415
 
   from sharding.mesh import make_mesh  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415
   from trainer.program import Program  # noqa: PLC0415
   print(f"mesh {args.mesh} on {devices} fake CPU devices; collectives of the compiled step")
   for (label, _), cfgs in zip(configs, variants):
     print(f"\n{label}: {baseline.describe(cfgs[0][1])}")
-    counts = {}
+    counts, flops = {}, {}
     for value, cfg in cfgs:
       program = Program(cfg, make_mesh(cfg.mesh, jax.devices()[:devices]))
-      counts[value] = collectives(program.lower().compile().as_text())
+      lowered = program.lower()
+      compiled = lowered.compile()
+      counts[value] = collectives(compiled.as_text())
+      loops = aot.while_loops(lowered)
+      flops[value] = (aot.compiled_costs(compiled).xla_flops or 0.0,
+                      f" (a loop body counted once: {loops} loops)" if loops else "")
     first = counts[values[0]]
+    for value, (f, note) in flops.items():
+      print(f"  {key}={value}: {f / 1e9:.2f} GFLOP per device (XLA's cost analysis{note}), "
+            f"x{f / flops[values[0]][0]:.3f} the first's")
     for value, c in counts.items():
       parts = []
       for kind in KINDS:
@@ -119,7 +128,7 @@ def main(argv=None):
         if ops or ops0:
           delta = "" if c is first else f" ({ops - ops0:+d} ops, {(size - size0) / 2**20:+.2f} MiB)"
           parts.append(f"{kind} {ops} ops {size / 2**20:.2f} MiB{delta}")
-      print(f"  {key}={value}: " + "; ".join(parts))
+      print(f"  {key}={value}: " + ("; ".join(parts) or "no collectives"))
   return 0
 
 
