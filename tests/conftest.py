@@ -52,6 +52,23 @@ def override(cfg, **overrides):
   return cfg
 
 
+def write_sweep_config(directory):
+  """A config file for sweep commands (tools.batch_sweep, experiments): a one-layer tiny model
+  at batch 16, AdamW stated there with the sqrt rule, constant rate after 32 sequences."""
+  path = directory / "tiny_sweep.py"
+  path.write_text(
+      "from trainer.config import default_config\n"
+      "def get_config():\n"
+      "  c = default_config()\n"
+      "  c.model.update(d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64)\n"
+      "  c.data.update(global_batch_size=16, seq_len=32, prefetch=0)\n"
+      "  c.optim.update(learning_rate=1e-2, schedule='constant', warmup_steps=0,\n"
+      "                 warmup_examples=32, reference_batch_size=16, lr_rule='sqrt')\n"
+      "  c.trainer.update(peak_flops_per_device=1e9)\n"
+      "  return c\n")
+  return path
+
+
 def metric_rows(workdir) -> dict[int, dict]:
   """{step: training row} of a workdir's metrics.jsonl; a restarted run redoes steps, and the
   last record of each step wins."""

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import losses, tiny_config
+from conftest import losses, tiny_config, write_sweep_config
 from experiments import (autopilot_vs_fixed, common, large_batch_optimizers, muon_critical_batch,
                          schedules)
 
@@ -179,17 +179,7 @@ def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
 def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
   """The command with a tiny config and an easy target: AdamW and Muon at batches 16 and 32, the
   learning-rate grid at 32; a CSV row per run with each optimizer's fitted B_crit, and the PNG."""
-  config = tmp_path / "tiny.py"
-  config.write_text(
-      "from trainer.config import default_config\n"
-      "def get_config():\n"
-      "  c = default_config()\n"
-      "  c.model.update(d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64)\n"
-      "  c.data.update(global_batch_size=16, seq_len=32, prefetch=0)\n"
-      "  c.optim.update(learning_rate=1e-2, schedule='constant', warmup_steps=0,\n"
-      "                 warmup_examples=32, reference_batch_size=16, lr_rule='sqrt')\n"
-      "  c.trainer.update(peak_flops_per_device=1e9)\n"
-      "  return c\n")
+  config = write_sweep_config(tmp_path)
   out = tmp_path / "out" / "bcrit"
   code = muon_critical_batch.main([
       "--config", str(config), "--batch_sizes", "16,32", "--micro_batch_size", "16",
