@@ -184,6 +184,7 @@ def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
   code = muon_critical_batch.main([
       "--config", str(config), "--batch_sizes", "16,32", "--micro_batch_size", "16",
       "--target_loss", "5.0", "--lr_grid", "2", "--lr_grid_batches", "32",
+      "--stated_lr", "adamw=0.01,muon=0.02",
       "--max_examples", "1280",
       "--eval_examples", "32", "--smooth_examples", "64", "--eval_sequences", "8",
       "--out", str(out), "--workdir", str(tmp_path / "runs")])
@@ -192,10 +193,15 @@ def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
   got = [(r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"])) for r in rows]
   assert got == [(o, b, m) for o in ("adamw", "muon") for b, m in ((16, 1), (32, 1), (32, 2))]
   assert all(r["steps"] not in ("", "None") for r in rows), rows
+  lr = {(r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"])): float(r["learning_rate"])
+        for r in rows}
+  assert lr[("adamw", 16, 1.0)] == pytest.approx(1e-2) and lr[("muon", 16, 1.0)] == 0.02
+  assert lr[("muon", 32, 2.0)] == pytest.approx(2 * 2 ** 0.5 * 0.02)  # sqrt rule, then x2
   for name in ("adamw", "muon"):
     assert len({r["b_crit"] for r in rows if r["optimizer"] == name}) == 1
   assert os.path.getsize(f"{out}.png") > 10_000
-  assert muon_critical_batch.main(["--config", str(config), "--optimizers", "adam"]) == 2
+  for bad in (["--optimizers", "adam"], ["--stated_lr", "adam=0.1"], ["--stated_lr", "muon"]):
+    assert muon_critical_batch.main(["--config", str(config), *bad]) == 2, bad
 
 
 def test_divergence_is_flagged():
