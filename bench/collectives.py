@@ -12,8 +12,8 @@ whose backends may still combine or reorder them. Per variant: the number of all
 all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes of their
 results on one device (the partitioned program's shapes are per device: for an all-reduce the
 bytes reduced, for an all-gather the gathered array), then the difference from the first
-variant; and each variant's FLOPs per device from XLA's cost analysis (`tools.aot`). Counts are per step program (a micro-batched step's loop body
-counted once).
+variant; and each variant's FLOPs per device from XLA's cost analysis (`tools.aot`). Counts
+are per step program (a micro-batched step's loop body counted once).
 """
 from __future__ import annotations
 

@@ -33,16 +33,16 @@ model EMA decay, `optim.ema_rule`
              optimizer's own rule for the learning rate.
 
 Muon (optim/muon.py). No paper we know states how Muon's learning rate should follow the
-batch. Liu et al. 2025 match its update RMS to AdamW's so that AdamW's hyperparameters carry
-over at a given batch; its step, like Adam's, does not scale with the gradient (an
-orthogonalised matrix has fixed singular values), the premise of the sqrt rule for Adam-type
-optimizers. Measured instead (experiments/muon_critical_batch.py, docs/muon.md; sweep_tiny, one
-seed): at 4x the reference batch the fastest of 0.5x, 1x, 2x the sqrt-rule rate was 2x for Muon,
-i.e. the linear rule's rate (lr x k) and the edge of the grid, while AdamW's was 0.5x (its
-reference rate unchanged). So Muon wants a steeper rule than AdamW here, at least linear up to
-4x; no rule is built in for it: state `lr_rule` in the config (`linear` is what the measurement
-supports, `sqrt` is AdamW's). `timescale` weight decay applies as to AdamW (decay multiplied by
-the learning rate), and `b2_rule` moves the fallback AdamW's b2.
+batch. Its step, like Adam's, does not scale with the gradient (an orthogonalised matrix has
+fixed singular values), the premise of the sqrt rule for Adam-type optimizers, and the
+critical-batch experiment measures it (experiments/muon_critical_batch.py, docs/muon.md;
+sweep_tiny, one seed): with Muon's rate tuned at batch 16, the sqrt rule's rate at batch 64 was
+the fastest of 0.5x, 1x and 2x (58 steps to the target; 2x 60, 0.5x 67). So Muon uses
+`lr_rule="sqrt"`, as AdamW does. Liu et al. 2025 match Muon's update RMS to AdamW's so that
+AdamW's rate carries over at a given batch (the default learning rate below); at this tiny
+scale it did not: Muon's best rate at batch 16 was 8x AdamW's (docs/muon.md). `timescale`
+weight decay applies as to AdamW (decay multiplied by the learning rate), and `b2_rule` moves
+the fallback AdamW's b2.
 
 Each optimizer's own defaults. `optim.learning_rate`, `weight_decay`, `b2` and
 `trust_coefficient` left at their "unset" values (0, -1, 0, 0) take the optimizer's default

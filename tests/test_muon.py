@@ -33,7 +33,8 @@ def test_same_as_optax_scale_by_muon_on_one_device():
   ref = optax.chain(optax_muon(beta=0.9, weight_dimension_numbers=dims),
                     scale_by_shape(dims, consistent_rms=0.2))
   ours = scale_by_muon(names, beta=0.9, rms=0.2)
-  s_ref, s_ours = ref.init({"w": jnp.zeros((2, 16, 4, 8))}), ours.init({"w": jnp.zeros((2, 16, 4, 8))})
+  zeros = {"w": jnp.zeros((2, 16, 4, 8))}
+  s_ref, s_ours = ref.init(zeros), ours.init(zeros)
   for seed in range(3):
     g = {"w": jax.random.normal(jax.random.key(seed), (2, 16, 4, 8))}
     (u_ref, s_ref), (u_ours, s_ours) = ref.update(g, s_ref), ours.update(g, s_ours)
