@@ -169,7 +169,8 @@ def plot(path: str, results: dict, fits: dict, summaries: dict, args) -> bool:
   ax2.set(xscale="log", yscale="log", xlabel="batch (sequences)",
           ylabel="sequences to target", title="data to the target")
   ax3.set(xscale="log", xlabel="learning rate / the rule-derived rate", ylabel="steps to target",
-          title="around the stated rate (16) and the sqrt rule's (64)")
+          title="rates around the rule's, at batch "
+          + ", ".join(str(b) for b in args.lr_grid_batches))
   for ax in (ax1, ax2, ax3):
     ax.legend(fontsize=8)
   figures.save(fig, path, f"Muon vs AdamW: eval loss {args.target_loss} across batch sizes "
