@@ -55,8 +55,8 @@ import math
 from typing import Any
 
 import jax
-import optax
 import jax.numpy as jnp
+import optax
 from jax.sharding import PartitionSpec as P
 from optax.contrib import MuonDimensionNumbers, MuonState
 # optax's, not re-exported by optax.contrib (optax 0.2.8)
@@ -143,7 +143,7 @@ def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
                   nesterov: bool = True, rms: float = 0.2, eps: float = 1e-8
                   ) -> optax.GradientTransformation:
   """Muon's direction for the matrices of `param_names` (a tree of logical axis names): momentum,
-  Newton-Schulz in its own layout (`ns_spec`), the shape scaling; no learning rate. The other
+  Newton-Schulz in its own layout (`ns_path`), the shape scaling; no learning rate. The other
   parameters must be masked out (`muon` below does so with `optax.partition`, which leaves a
   `MaskedNode` where they were).
 
