@@ -73,13 +73,14 @@ def compiler_option(name: str, value):
       program.COMPILER_OPTIONS[platform] = saved
 
 
-def vary(cfg, key: str, value: str):
-  """A copy of `cfg` with `--config.KEY=VALUE` applied (and checked, as train.py checks it)."""
+def vary(cfg, key: str, value: str, devices: int = 1):
+  """A copy of `cfg` with `--config.KEY=VALUE` applied (and checked, as train.py checks it, for
+  `devices` devices)."""
   from trainer.cli import apply_override  # noqa: PLC0415
   from trainer.config_checks import validate  # noqa: PLC0415
   out = cfg.copy_and_resolve_references()
   apply_override(out, key, value)
-  validate(out, 1)
+  validate(out, devices)
   return out
 
 

@@ -1,11 +1,13 @@
-"""LAMB and LARS vs AdamW at a large batch: the same token budget, each optimizer with the
+"""LAMB, LARS and Muon vs AdamW at a large batch: the same token budget, each optimizer with the
 learning rate its batch-size rule derives; and each at the small reference batch.
 
     python -m experiments.large_batch_optimizers [--batch 256] [--reference_batch 16] \\
         [--examples 32768] [--out docs/large_batch_optimizers]
 
 The claim (You et al. 2017, LARS; You et al. 2019, LAMB): layer-wise trust ratios keep large
-batches trainable with a scaled-up learning rate where the plain optimizer loses accuracy.
+batches trainable with a scaled-up learning rate where the plain optimizer loses accuracy. And
+Muon's (Essential AI 2025, "Practical Efficiency of Muon for Pretraining"): it keeps its data
+efficiency over AdamW at larger batches.
 
 Setup: the model and data of configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the
 embedded corpus, micro-batches of 8 rows: the same data in the same order in every run). Each
@@ -19,13 +21,15 @@ optimizer states its hyperparameters at `--reference_batch` sequences and moves 
          of the batch), b2_rule half_life
   lars   lr 2.0, momentum 0.9, trust coefficient 1e-3, decay 5e-4 (defaults); lr_rule linear
          (You et al. 2017 scale the base rate linearly, with warmup)
+  muon   AdamW's own values (lr 3e-3, b2 0.99 for its AdamW fallback, decay 0.1): the update RMS
+         is matched to AdamW's (optim.muon.rms 0.2, Liu et al. 2025), so they transfer; AdamW's
+         rules (optim/scaling.py says why)
 
 Every run trains `--examples` sequences: a linear warmup over the first 1/8 of them (in
 examples, so the same data at both batches), then cosine decay to 0.1x; gradient clipping at
-norm 1 (the config's) for all three. Scored by the final validation loss on 128 sequences.
+norm 1 (the config's) for all four. Scored by the final validation loss on 128 sequences.
 
-Measured runtime: 9.4 minutes on 2 CPU cores shared with other jobs (6 trainings of 32,768
-sequences). Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences,
+Measured runtime: see docs/muon.md (8 trainings of 32,768 sequences on 2 shared CPU cores). Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences,
 one panel per batch). Deterministic on a given machine.
 """
 from __future__ import annotations
@@ -42,6 +46,7 @@ OPTIMIZERS = (
     ("adamw", dict(learning_rate=3e-3, b2=0.99, weight_decay=0.1), "sqrt"),
     ("lamb", dict(learning_rate=0.0, b2=0.0, weight_decay=-1.0), "sqrt"),
     ("lars", dict(learning_rate=0.0, weight_decay=-1.0, trust_coefficient=0.0), "linear"),
+    ("muon", dict(learning_rate=3e-3, b2=0.99, weight_decay=0.1), "sqrt"),
 )
 
 
@@ -52,7 +57,7 @@ def build_parser():
                  help="where the hyperparameters are stated (and the small-batch runs; 0: skip "
                       "them)")
   p.add_argument("--examples", type=int, default=32768, help="training sequences per run")
-  p.add_argument("--optimizers", default="adamw,lamb,lars")
+  p.add_argument("--optimizers", default="adamw,lamb,lars,muon")
   p.add_argument("--micro_batch_size", type=int, default=8)
   p.add_argument("--evals", type=int, default=16)
   p.add_argument("--eval_sequences", type=int, default=128)
@@ -76,7 +81,7 @@ def optimizer_config(base, args, name: str, batch: int):
   cfg = common.at_budget(base, batch, args.examples, micro=args.micro_batch_size,
                          evals=args.evals, eval_sequences=args.eval_sequences)
   cfg.optim.update(name=name, **stated, reference_batch_size=ref, lr_rule=rule,
-                   b2_rule="half_life" if name in ("adamw", "lamb") else "constant",
+                   b2_rule="half_life" if name in ("adamw", "lamb", "muon") else "constant",
                    weight_decay_rule="constant", ema_decay=0.0, schedule="cosine",
                    schedule_unit="examples", warmup_steps=0, warmup_tokens=0, decay_steps=0,
                    decay_tokens=0, warmup_examples=args.examples // 8,
@@ -137,7 +142,7 @@ def plot(path: str, rows: list[dict], curves: dict, batches: list[int], args) ->
            ylim=(min(finite) - 0.05, min(finite) + 1.5))
     ax.legend(fontsize=8)
   axes[0][0].set_ylabel("eval loss")
-  figures.save(fig, path, f"LAMB / LARS vs AdamW at the same {args.examples:,} sequences, "
+  figures.save(fig, path, f"LAMB / LARS / Muon vs AdamW at the same {args.examples:,} sequences, "
                "rule-derived learning rates (sweep_tiny model)")
   return True
 

@@ -8,8 +8,11 @@
              multiplication off so that `learning_rate` is an absolute step as for Adam
   lion   Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (sign of an
          interpolated momentum)
+  muon   Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training": Newton-Schulz
+         orthogonalised momentum for the weight matrices, update RMS matched to AdamW's, and
+         `optim.muon.fallback` (AdamW) for embeddings, head, norms (optim/muon.py)
 
-Weight decay means the same for all six: it is added to the update before the learning rate
+Weight decay means the same for all seven: it is added to the update before the learning rate
 scales it, w -= lr * (u + wd * w) (optax.adamw's convention; for LAMB/LARS inside the trust
 ratio, as in their papers). Each has its own defaults for the learning rate, decay, b2 and
 trust coefficient, used when the config leaves them unset (`OPTIMIZER_DEFAULTS`,
@@ -32,7 +35,12 @@ LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-ind
 whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
 change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
 is untested here, so they are refused rather than guessed. SGD's muP rule differs (lr ~ m for
-vector-like parameters) and is not implemented.
+vector-like parameters) and is not implemented. Muon is refused too: its shape scaling already
+sets each matrix's spectral step (an orthogonal update has spectral norm 1; with `muon.rms=0`,
+Jordan's sqrt(max(1, fan_out/fan_in)) keeps it width-independent when the widths grow together,
+the spectral condition of Yang, Simon & Bernstein 2023; the RMS-matched 0.2 sqrt(max(fan_in,
+fan_out)) grows as sqrt(m) and would need 1/sqrt(m)), so muP's 1/m Adam multiplier is wrong for
+it, and the right one is not coordinate-checked here.
 
 Batch size. Hyperparameters are stated at a reference batch and derived for the batch a step
 actually has (`optim/scaling.py`). The transformation returned here is one optax
@@ -56,12 +64,13 @@ import optax
 
 from optim import noise_scale
 from optim.ema import ema_params
+from optim.muon import muon
 from optim.ramp import BatchRamp
 from optim.scaling import Hyperparameters, derive
 from optim.schedules import build_schedule
 from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
 
-OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion")
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion", "muon")
 MUP_OPTIMIZERS = ("adamw", "adafactor", "lion")  # scale-invariant steps: muP's Adam rule
 
 
@@ -134,6 +143,7 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
   `width_multiplier`: muP's m (`ModelConfig.width_multiplier`); hidden matrices step lr/m.
   `ramp`: the run's own ramp object, shared with the trainer (the batch autopilot grows it)."""
   m = masks(param_names, decay_embeddings=bool(cfg.decay_embeddings))
+  m["names"] = param_names
   if width_multiplier != 1.0:
     if cfg.name not in MUP_OPTIMIZERS:
       raise ValueError(f"muP learning-rate multipliers are defined for {MUP_OPTIMIZERS}, "
@@ -160,6 +170,22 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
   return tx, BatchSchedule(for_batch, default_batch)
 
 
+def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransformation]:
+  """The transformations of an optimizer whose step size does not depend on the gradient's
+  scale, before its weight decay and learning rate: the whole of adamw, adafactor and lion, and
+  Muon's fallback (a list, so that `optax.chain(*...)` keeps each optimizer's state structure)."""
+  if name == "adamw":
+    return [optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps)]
+  if name == "adafactor":
+    # No parameter-scale multiplication, so `learning_rate` is an absolute step as for Adam;
+    # updates clipped to block RMS 1.
+    return [optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0)]
+  if name == "lion":
+    return [optax.scale_by_lion(b1=cfg.b1, b2=hp.b2)]
+  raise ValueError(f"{name!r} has no scale-invariant direction; choose from adamw, adafactor, "
+                   "lion")
+
+
 def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransformationExtraArgs:
   """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA.
 
@@ -171,8 +197,16 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransform
   decay = optax.add_decayed_weights(wd, mask=m["decay"])
   lr = scale_by_learning_rate_at(schedule)
   name = cfg.name
-  if name == "adamw":  # = optax.adamw, same state
-    tx = optax.chain(optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps), decay, lr)
+  if name in ("adamw", "adafactor", "lion"):
+    # adamw = optax.adamw, lion = optax.lion, same states. optax.adafactor adds its decay after
+    # the learning rate (w -= lr * u + wd * w); here it is AdamW's decoupled decay.
+    tx = optax.chain(*_direction(name, cfg, hp), decay, lr)
+  elif name == "muon":  # optim/muon.py; the fallback's direction on the non-matrices
+    mc = cfg.muon
+    tx = optax.chain(
+        muon(m["names"], optax.chain(*_direction(mc.fallback, cfg, hp)), beta=float(mc.beta),
+             ns_steps=int(mc.ns_steps), nesterov=bool(mc.nesterov), rms=float(mc.rms)),
+        decay, lr)
   elif name == "lamb":
     tx = optax.chain(
         optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps), decay,
@@ -188,13 +222,6 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransform
     momentum = optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov) if cfg.momentum else \
         optax.identity()
     tx = optax.chain(decay, optax.chain(momentum, lr))  # = decay + optax.sgd, same state
-  elif name == "adafactor":
-    # optax.adafactor adds its decay after the learning rate (w -= lr * u + wd * w); here it
-    # is AdamW's decoupled decay, w -= lr * (u + wd * w). No parameter-scale multiplication,
-    # so `learning_rate` is an absolute step as for Adam; updates clipped to block RMS 1.
-    tx = optax.chain(optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0), decay, lr)
-  elif name == "lion":  # = optax.lion, same state
-    tx = optax.chain(optax.scale_by_lion(b1=cfg.b1, b2=hp.b2), decay, lr)
   else:
     raise ValueError(f"optim.name={name!r}: choose from {OPTIMIZERS}")
   if "lr_multipliers" in m:  # muP: per-parameter learning rates (module docstring)

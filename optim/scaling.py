@@ -32,6 +32,18 @@ model EMA decay, `optim.ema_rule`
   half_life  rho ** k (Busbridge et al. 2023, "How to Scale Your EMA"), to be used with the
              optimizer's own rule for the learning rate.
 
+Muon (optim/muon.py). No paper we know states how Muon's learning rate should follow the
+batch. Its step, like Adam's, does not scale with the gradient (an orthogonalised matrix has
+fixed singular values), the premise of the sqrt rule for Adam-type optimizers, and the
+critical-batch experiment measures it (experiments/muon_critical_batch.py, docs/muon.md;
+sweep_tiny, one seed): with Muon's rate tuned at batch 16, the sqrt rule's rate at batch 64 was
+the fastest of 0.5x, 1x and 2x (58 steps to the target; 2x 60, 0.5x 67). So Muon uses
+`lr_rule="sqrt"`, as AdamW does. Liu et al. 2025 match Muon's update RMS to AdamW's so that
+AdamW's rate carries over at a given batch (the default learning rate below); at this tiny
+scale it did not: Muon's best rate at batch 16 was 8x AdamW's (docs/muon.md). `timescale`
+weight decay applies as to AdamW (decay multiplied by the learning rate), and `b2_rule` moves
+the fallback AdamW's b2.
+
 Each optimizer's own defaults. `optim.learning_rate`, `weight_decay`, `b2` and
 `trust_coefficient` left at their "unset" values (0, -1, 0, 0) take the optimizer's default
 from `OPTIMIZER_DEFAULTS` (the papers' values, at the scale of the default tiny model); a value
@@ -69,6 +81,9 @@ OPTIMIZER_DEFAULTS = {
     # Chen et al. 2023: b2 0.99; lr 3x smaller and decay 3x larger than AdamW's (the paper:
     # 3-10x), so that lr * wd, the per-step shrink, is AdamW's
     "lion": dict(learning_rate=1e-3, weight_decay=0.3, b2=0.99, trust_coefficient=1.0),
+    # Liu et al. 2025: the update RMS matched to AdamW's (optim.muon.rms = 0.2), so AdamW's lr
+    # and decay carry over; b2 is the fallback AdamW's
+    "muon": dict(learning_rate=3e-3, weight_decay=0.1, b2=0.95, trust_coefficient=1.0),
 }
 UNSET = {"learning_rate": 0.0, "weight_decay": -1.0, "b2": 0.0, "trust_coefficient": 0.0}
 
@@ -84,8 +99,9 @@ def stated(cfg) -> dict:
 
 
 # Which optimizers each non-trivial rule makes sense for (checked by trainer/config_checks.py).
-TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor")  # decay multiplied by the learning rate
-B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment
+# decay multiplied by the learning rate
+TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
+B2_OPTIMIZERS = ("adamw", "lamb", "muon")  # Adam's second moment (muon: its fallback AdamW's)
 
 
 def lr_factor(rule: str, k: float) -> float:

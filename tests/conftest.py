@@ -52,17 +52,19 @@ def tiny_config(**overrides):
   return override(c, **overrides)
 
 
-def tiny_config_file(directory) -> str:
-  """A config file of a one-layer model on 8-sequence batches (for commands run end to end, as
-  the experiments are); returns its path."""
-  path = os.path.join(str(directory), "tiny.py")
+def tiny_config_file(directory, name: str = "tiny.py", global_batch_size: int = 8,
+                     **optim) -> str:
+  """A config file of a one-layer model on `global_batch_size`-sequence batches, for commands run
+  end to end (experiments, sweeps), with `optim` as optim.* values; returns its path."""
+  path = os.path.join(str(directory), name)
   with open(path, "w") as f:
     f.write("from trainer.config import default_config\n"
             "def get_config():\n"
             "  c = default_config()\n"
             "  c.model.update(vocab_size=512, d_model=32, num_layers=1, num_heads=4,\n"
             "                 num_kv_heads=2, mlp_dim=64)\n"
-            "  c.data.update(global_batch_size=8, seq_len=32, prefetch=0)\n"
+            f"  c.data.update(global_batch_size={global_batch_size}, seq_len=32, prefetch=0)\n"
+            + (f"  c.optim.update(**{optim!r})\n" if optim else "") +
             "  c.trainer.update(peak_flops_per_device=1e9)\n"
             "  return c\n")
   return path
@@ -77,6 +79,14 @@ def override(cfg, **overrides):
       node = node[p]
     node[last] = value
   return cfg
+
+
+def write_sweep_config(directory) -> str:
+  """A config file for sweep commands (tools.batch_sweep, experiments): the tiny model at batch
+  16, AdamW stated there with the sqrt rule, constant rate after 32 sequences."""
+  return tiny_config_file(directory, "tiny_sweep.py", global_batch_size=16, learning_rate=1e-2,
+                          schedule="constant", warmup_steps=0, warmup_examples=32,
+                          reference_batch_size=16, lr_rule="sqrt")
 
 
 def metric_rows(workdir) -> dict[int, dict]:

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from conftest import write_sweep_config
 from tools import batch_sweep
 from tools.batch_sweep import Fit, crossing, fit_tradeoff, smooth
 
@@ -78,17 +79,7 @@ def test_plot_writes_the_png(tmp_path):
 @pytest.mark.slow
 def test_sweep_end_to_end(tmp_path, data_dir):
   """Two batch sizes of a tiny model to an easy target: CSV, JSON, plot, and a fit."""
-  config = tmp_path / "tiny_sweep.py"
-  config.write_text(
-      "from trainer.config import default_config\n"
-      "def get_config():\n"
-      "  c = default_config()\n"
-      "  c.model.update(d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, mlp_dim=64)\n"
-      "  c.data.update(global_batch_size=16, seq_len=32, prefetch=0)\n"
-      "  c.optim.update(learning_rate=1e-2, schedule='constant', warmup_steps=0,\n"
-      "                 warmup_examples=32, reference_batch_size=16, lr_rule='sqrt')\n"
-      "  c.trainer.update(peak_flops_per_device=1e9)\n"
-      "  return c\n")
+  config = write_sweep_config(tmp_path)
   out = tmp_path / "out"
   code = batch_sweep.main(["--config", str(config), "--batch_sizes", "16,32", "--target_loss",
                            "4.5", "--out", str(out), "--eval_examples", "32",

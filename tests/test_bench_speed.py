@@ -4,6 +4,8 @@ import os
 import re
 import statistics
 
+import pytest
+
 from conftest import ROOT, bench_module
 
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -96,3 +98,31 @@ def test_step_profile_sorts_the_traced_kernels_into_kinds(capsys):
   # every kind of a train step's work shows up, the forward and backward matmuls among them
   for kind in bench.KINDS[:4] + bench.KINDS[5:]:
     assert kinds.get(kind, 0) > 0, (kind, kinds)
+
+
+def test_collectives_reads_ops_and_bytes_from_hlo():
+  """bench/collectives.py's HLO reader: ops by kind and the bytes of their (per-device) results."""
+  bench = _bench("collectives")
+  hlo = ("  %all-gather.1 = f32[4,8]{1,0} all-gather(f32[1,8]{1,0} %p), dimensions={0}\n"
+         "  %ar = (f32[2]{0}, bf16[3,4]{1,0}) all-reduce(%a, %b), to_apply=%sum\n"
+         "  %x = f32[4]{0} add(%all-gather.1, %y)\n")
+  got = bench.collectives(hlo)
+  assert got["all-gather"] == (1, 128) and got["all-reduce"] == (1, 8 + 24)
+  assert got["all-to-all"] == (0, 0)
+
+
+@pytest.mark.slow  # two compiles on 4 devices, ~15-35 s on 2 shared cores
+def test_collectives_counts_what_a_sharded_muon_step_adds(capsys):
+  """On fsdp x tensor Muon adds all-to-alls (its Newton-Schulz layout, optim/muon.py) and no
+  all-reduce; a mesh over the fake devices is one line, exit 2."""
+  bench = _bench("collectives")
+  assert bench.main(["--size", "none", "--config", TINY, "--config.model.num_layers=2",
+                     "--config.model.d_model=64", "--config.model.mlp_dim=128",
+                     "--vary", "optim.name=adamw,muon", "--mesh", "fsdp=2,tensor=2"]) == 0
+  out = capsys.readouterr().out
+  muon = next(line for line in out.splitlines() if "optim.name=muon: all-" in line)
+  assert re.search(r"all-to-all \d+ ops [\d.]+ MiB \(\+\d+ ops", muon), muon
+  assert "all-reduce" not in muon or "(+0 ops, +0.00 MiB)" in muon.split("all-reduce")[1], muon
+  assert re.search(r"optim.name=muon: [\d.]+ GFLOP per device .* x1\.\d+", out), out
+  assert bench.main(["--size", "none", "--config", TINY, "--vary", "optim.name=adamw,muon",
+                     "--mesh", "fsdp=16"]) == 2

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import losses, tiny_config, tiny_config_file
-from experiments import autopilot_vs_fixed, common, large_batch_optimizers, schedules
+from experiments import (autopilot_vs_fixed, common, large_batch_optimizers, muon_critical_batch,
+                         schedules)
 
 
 def _record():
@@ -145,22 +146,53 @@ def test_branch_from_a_checkpoint_equals_a_run_from_scratch(tmp_path, data_dir):
 
 
 def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
-  """The command with a tiny config: LARS at batch 16 and at its reference batch 8, the linear
-  rule doubling the rate; a CSV row per run and the PNG."""
+  """The command with a tiny config: LARS and Muon at batch 16 and at their reference batch 8,
+  the linear rule doubling LARS's rate, the sqrt rule Muon's by sqrt(2); a CSV row per run and
+  the PNG."""
   config = tiny_config_file(tmp_path)
   out = tmp_path / "out" / "opt"
   code = large_batch_optimizers.main([
       "--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",
-      "--optimizers", "lars", "--evals", "2", "--eval_sequences", "8", "--out", str(out),
+      "--optimizers", "lars,muon", "--evals", "2", "--eval_sequences", "8", "--out", str(out),
       "--workdir", str(tmp_path / "runs")])
   assert code == 0
   rows = list(csv.DictReader(open(f"{out}.csv")))
   assert [(r["optimizer"], int(r["batch_size"]), int(r["steps"])) for r in rows] == [
-      ("lars", 16, 4), ("lars", 8, 8)]
-  assert float(rows[0]["learning_rate"]) == pytest.approx(2 * float(rows[1]["learning_rate"]))
+      ("lars", 16, 4), ("muon", 16, 4), ("lars", 8, 8), ("muon", 8, 8)]
+  lr = [float(r["learning_rate"]) for r in rows]
+  assert lr[0] == pytest.approx(2 * lr[2]) and lr[1] == pytest.approx(2 ** 0.5 * lr[3])
   assert all(np.isfinite(float(r["final_eval_loss"])) for r in rows)
   assert os.path.getsize(f"{out}.png") > 10_000
   assert large_batch_optimizers.main(["--config", str(config), "--optimizers", "adam"]) == 2
+
+
+@pytest.mark.slow  # six trainings, ~30-70 s on 2 shared cores
+def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
+  """The command with a tiny config and an easy target: AdamW and Muon at batches 16 and 32, the
+  learning-rate grid at 32; a CSV row per run with each optimizer's fitted B_crit, and the PNG."""
+  config = write_sweep_config(tmp_path)
+  out = tmp_path / "out" / "bcrit"
+  code = muon_critical_batch.main([
+      "--config", str(config), "--batch_sizes", "16,32", "--micro_batch_size", "16",
+      "--target_loss", "5.0", "--lr_grid", "2", "--lr_grid_batches", "32",
+      "--stated_lr", "adamw=0.01,muon=0.02",
+      "--max_examples", "1280",
+      "--eval_examples", "32", "--smooth_examples", "64", "--eval_sequences", "8",
+      "--out", str(out), "--workdir", str(tmp_path / "runs")])
+  assert code == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  got = [(r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"])) for r in rows]
+  assert got == [(o, b, m) for o in ("adamw", "muon") for b, m in ((16, 1), (32, 1), (32, 2))]
+  assert all(r["steps"] not in ("", "None") for r in rows), rows
+  lr = {(r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"])): float(r["learning_rate"])
+        for r in rows}
+  assert lr[("adamw", 16, 1.0)] == pytest.approx(1e-2) and lr[("muon", 16, 1.0)] == 0.02
+  assert lr[("muon", 32, 2.0)] == pytest.approx(2 * 2 ** 0.5 * 0.02)  # sqrt rule, then x2
+  for name in ("adamw", "muon"):
+    assert len({r["b_crit"] for r in rows if r["optimizer"] == name}) == 1
+  assert os.path.getsize(f"{out}.png") > 10_000
+  for bad in (["--optimizers", "adam"], ["--stated_lr", "adam=0.1"], ["--stated_lr", "muon"]):
+    assert muon_critical_batch.main(["--config", str(config), *bad]) == 2, bad
 
 
 def test_divergence_is_flagged():

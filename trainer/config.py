@@ -98,15 +98,15 @@ def default_config() -> ml_collections.ConfigDict:
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
-      # adamw | lamb | lars | sgd | adafactor | lion (optim/factory.py). Keys marked (*) left
+      # adamw | lamb | lars | sgd | adafactor | lion | muon (optim/factory.py). Keys marked (*) left
       # at their "unset" value take the named optimizer's own default (OPTIMIZER_DEFAULTS in
       # optim/scaling.py; printed in the "hyperparameters at batch" line at start).
       name="adamw", schedule="cosine", warmup_steps=20,
       learning_rate=0.0,  # (*) 0 = default: adamw 3e-3, lamb 3e-2, lars 2, sgd 0.1,
-      #                     adafactor 3e-3, lion 1e-3
+      #                     adafactor 3e-3, lion 1e-3, muon 3e-3
       weight_decay=-1.0,  # (*) -1 = default: adamw 0.1, lamb 0.01, lars 5e-4, sgd 1e-4,
-      #                     adafactor 0.1, lion 0.3. Always w -= lr * (update + wd * w).
-      b2=0.0,  # (*) 0 = default: adamw 0.95, lamb 0.999, lion 0.99 (others have none)
+      #                     adafactor 0.1, lion 0.3, muon 0.1. Always w -= lr * (update + wd * w).
+      b2=0.0,  # (*) 0 = default: adamw 0.95, lamb 0.999, lion 0.99, muon 0.95 (its fallback's)
       trust_coefficient=0.0,  # (*) 0 = default: lars 0.001, lamb 1
       decay_steps=0,  # schedule horizon; 0 = `steps`
       min_lr_ratio=0.1, wsd_decay_fraction=0.2, wsd_decay_shape="sqrt",
@@ -137,7 +137,13 @@ def default_config() -> ml_collections.ConfigDict:
       # averages their parameter changes and applies Nesterov SGD (outer_lr, outer_momentum;
       # 0 = plain SGD) to the shared parameters. 0 = off (plain data parallelism).
       diloco=ml_collections.ConfigDict(dict(
-          replicas=0, inner_steps=32, outer_lr=0.7, outer_momentum=0.9))))
+          replicas=0, inner_steps=32, outer_lr=0.7, outer_momentum=0.9)),
+      # optim.name="muon" (optim/muon.py): Nesterov momentum `beta`, `ns_steps` Newton-Schulz
+      # iterations, the update's RMS per matrix (0.2: AdamW's, so its lr and weight_decay carry
+      # over; 0: Jordan's sqrt(max(1, fan_out/fan_in)), which needs a larger lr), and the
+      # optimizer of the embeddings, head and norms: adamw | adafactor | lion (same lr)
+      muon=ml_collections.ConfigDict(dict(beta=0.95, ns_steps=5, nesterov=True, rms=0.2,
+                                          fallback="adamw"))))
 
   c.checkpoint = ml_collections.ConfigDict(dict(
       every_steps=100,  # save every N steps (0: not by steps); always at the end

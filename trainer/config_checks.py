@@ -176,6 +176,17 @@ def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
           "measure each replica apart, not the run; turn it off for DiLoCo runs")
 
 
+def _check_muon(cfg: ml_collections.ConfigDict) -> None:
+  """optim.muon.* (optim/muon.py)."""
+  from optim.muon import FALLBACKS  # noqa: PLC0415
+  mc = cfg.optim.muon
+  _choice(cfg, "optim.muon.fallback", FALLBACKS)
+  _need(0 <= mc.beta < 1, f"optim.muon.beta={mc.beta}: must be in [0, 1)")
+  _need(mc.ns_steps >= 1, f"optim.muon.ns_steps={mc.ns_steps}: must be at least 1 (5 is usual)")
+  _need(mc.rms >= 0, f"optim.muon.rms={mc.rms}: must be >= 0 (0.2 = AdamW's update RMS, 0 = "
+        "Jordan's scaling)")
+
+
 def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
   """data.batch_auto.* (optim/autopilot.py), on the config with the autopilot's defaults filled
   in (`with_defaults`); returns the batches it may choose."""
@@ -286,6 +297,10 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
     _need(m.head_dim or m.base_width % m.num_heads == 0,
           f"model.base_width={m.base_width} is not divisible by model.num_heads={m.num_heads} "
           "(muP's base head dim); use a multiple of it or set model.head_dim")
+    _need(m.base_width == m.d_model or cfg.optim.name != "muon",
+          "model.parametrization='mup' with optim.name='muon': refused, Muon's shape scaling "
+          "already sets each matrix's spectral step (optim/factory.py), so muP's 1/m Adam rule "
+          "would be wrong and its replacement is untested; use model.parametrization='sp'")
     _need(m.base_width == m.d_model or cfg.optim.name in MUP_OPTIMIZERS,
           f"model.parametrization='mup' sets learning rates for Adam-type optimizers "
           f"({', '.join(MUP_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; use one of them "
@@ -375,6 +390,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
         f"optim.trust_coefficient={o.trust_coefficient}: must be > 0 (0 = the optimizer's "
         "default)")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
+  _check_muon(cfg)
   # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) as the run fills
   # them in (trainer/program.py)
   _check_batch_science(with_defaults(cfg)[0], dp)

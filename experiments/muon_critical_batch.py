@@ -1,0 +1,191 @@
+"""Critical batch of Muon vs AdamW: steps and sequences to a target loss across batch sizes, the
+McCandlish fit per optimizer, and a learning-rate check of the batch rule.
+
+    python -m experiments.muon_critical_batch [--batch_sizes 8,16,32,64,128] \\
+        [--target_loss 2.7] [--stated_lr adamw=0.0015,muon=0.012] \\
+        [--lr_grid 0.5,1,2 --lr_grid_batches 16,64] [--out docs/muon_critical_batch]
+
+The claim (Essential AI 2025, "Practical Efficiency of Muon for Pretraining"): Muon keeps its
+data efficiency over AdamW to larger batches, i.e. its critical batch is larger.
+
+Every run is one run of the critical-batch sweep (`tools.batch_sweep.run_one`: one fixed
+micro-batch of 8 rows accumulated B/8 times, so every batch reads the same data in the same
+order; evaluated every 256 sequences on the same 64 validation sequences; the eval curve
+averaged over a centered window of 1,024 sequences; stopped once that curve is at the target),
+and each optimizer's runs get the sweep's fit S(B) = S_min + E_min / B with B_crit = E_min /
+S_min (`tools.batch_sweep.summarise`). The same sweep for one optimizer is
+`python -m tools.batch_sweep --config configs/sweep_tiny.py --config.optim.name=muon
+--batch_sizes 8,16,32,64,128 --target_loss 2.7`.
+
+Setup: configs/sweep_tiny.py (0.16M parameters, 64-byte sequences): hyperparameters stated at
+batch 16, moved to each batch by the sqrt rule for the learning rate and the half-life rule for
+b2 (0.99 at 16), constant rate after a 256-sequence warmup, decay 0.1. Each optimizer at its own
+best rate at batch 16 (`--stated_lr`): AdamW 1.5e-3, Muon 1.2e-2, the fastest to the target of
+2x grids run with this command's settings (AdamW 7.5e-4 ... 1.2e-2: 371, 349, 430, 616, 657
+steps; Muon 1.5e-3 ... 4.8e-2: 392, 237, 188, 138, 182, 235 steps; docs/muon.md). The
+`--lr_grid` multiples at `--lr_grid_batches` show where each stands: at 16, that the stated
+rate is the best of its neighbours; at 64, whether the sqrt rule still gives the best rate
+there (x1 winning is the measured check of the rule).
+
+Outputs: OUT.csv (one row per run: optimizer, batch, lr multiplier, steps / sequences to the
+target, B_simple measured on the way), OUT.png (steps and sequences to the target vs batch with
+each optimizer's fit; the learning-rate check). One seed; deterministic on a given machine.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+import numpy as np
+
+from experiments import common
+from tools import batch_sweep, figures
+
+
+def build_parser():
+  p = common.parser("muon_critical_batch", __doc__)
+  p.add_argument("--optimizers", default="adamw,muon")
+  p.add_argument("--batch_sizes", default="8,16,32,64,128")
+  p.add_argument("--target_loss", type=float, default=2.7)
+  p.add_argument("--lr_grid", default="0.5,1,2", help="multipliers of the rule-derived rate")
+  p.add_argument("--lr_grid_batches", default="16,64",
+                 help="the batches that also run the --lr_grid multipliers (others: x1 only)")
+  p.add_argument("--stated_lr", default="adamw=0.0015,muon=0.012",
+                 help="NAME=LR,...: an optimizer's learning rate at the reference batch, "
+                      "(default: each one's best at batch 16 of a 2x grid; others: the config's)")
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--max_examples", type=int, default=49152,
+                 help="give up on a run after this many sequences")
+  p.add_argument("--eval_examples", type=int, default=256)
+  p.add_argument("--eval_sequences", type=int, default=64)
+  p.add_argument("--smooth_examples", type=int, default=1024)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
+  args, overrides = p.parse(argv)
+  from optim import OPTIMIZERS  # noqa: PLC0415
+  args.optimizers = [o for o in args.optimizers.split(",") if o]
+  bad = [o for o in args.optimizers if o not in OPTIMIZERS]
+  if bad:
+    p.error(f"--optimizers: unknown {bad[0]!r}; choose from {', '.join(OPTIMIZERS)}")
+  try:
+    args.stated_lr = {k: float(v) for k, v in (x.split("=") for x in args.stated_lr.split(",")
+                                               if x)}
+  except ValueError:
+    p.error(f"--stated_lr {args.stated_lr!r}: give NAME=LR pairs, e.g. muon=0.012")
+  unknown = set(args.stated_lr) - set(OPTIMIZERS)
+  if unknown:
+    p.error(f"--stated_lr: unknown optimizer {sorted(unknown)[0]!r}")
+  args.batch_sizes = common.ints(args.batch_sizes)
+  args.lr_grid = sorted(set(common.floats(args.lr_grid)) | {1.0})
+  args.lr_grid_batches = common.ints(args.lr_grid_batches)
+  odd = [b for b in args.batch_sizes if b % args.micro_batch_size]
+  if odd:
+    p.error(f"--batch_sizes: {odd[0]} is not a multiple of --micro_batch_size="
+            f"{args.micro_batch_size}")
+  return args, overrides
+
+
+def sweep_args(args) -> argparse.Namespace:
+  """What `tools.batch_sweep.run_one` reads of its own command line."""
+  return argparse.Namespace(
+      target_loss=args.target_loss, micro_batch_size=args.micro_batch_size,
+      max_examples=args.max_examples, eval_examples=args.eval_examples,
+      eval_sequences=args.eval_sequences, smooth_examples=args.smooth_examples)
+
+
+def experiment(args, cfg) -> list[dict]:
+  results, fits, summaries = {}, {}, {}
+  for name in args.optimizers:
+    base = cfg.copy_and_resolve_references()
+    base.optim.name = name
+    base.optim.learning_rate = args.stated_lr.get(name, base.optim.learning_rate)
+    runs = []
+    for batch in args.batch_sizes:
+      for mult in (args.lr_grid if batch in args.lr_grid_batches else [1.0]):
+        workdir = os.path.join(args.workdir, f"{name}_b{batch}_lr{mult:g}")
+        r = batch_sweep.run_one(base, batch, mult, sweep_args(args), workdir)
+        runs.append(r)
+        reached = (f"target at step {r.steps:.1f} ({r.examples:,.0f} sequences)" if r.steps
+                   else f"target not reached in {r.steps_run} steps")
+        print(f"[muon_bcrit] {name} batch {batch} lr x{mult:g} ({r.learning_rate:.3g}): "
+              f"{reached}; {r.seconds:.0f}s", flush=True)
+    chosen, fit, summary = batch_sweep.summarise(runs)
+    results[name], fits[name], summaries[name] = runs, fit, summary
+    if fit is not None:
+      print(f"[muon_bcrit] {name}: S_min {fit.s_min:.1f} steps, E_min {fit.e_min:,.0f} "
+            f"sequences, B_crit {fit.b_crit:.1f}" + (f" ({fit.note})" if fit.note else ""),
+            flush=True)
+  rows = [dict(optimizer=name, **dataclasses.asdict(r), b_crit=_b_crit(fits[name]))
+          for name in args.optimizers for r in results[name]]
+  for row in rows:
+    row.pop("workdir")
+  common.write(args, rows)
+  print(common.table(rows, COLUMNS, "muon_bcrit"))
+  plotted = plot(args.out + ".png", results, fits, summaries, args)
+  print(f"[muon_bcrit] wrote {args.out}.csv" + (f", {args.out}.png" if plotted
+                                                else figures.NO_PLOT))
+  return rows
+
+
+def _b_crit(fit) -> float | None:
+  return None if fit is None else fit.b_crit
+
+
+COLUMNS = [("optimizer", "optimizer", "s"), ("batch_size", "batch", "d"),
+           ("lr_multiplier", "lr x", "g"), ("learning_rate", "lr", ".3g"),
+           ("steps", "steps to target", ".1f"), ("examples", "sequences", ",.0f"),
+           ("noise_scale", "B_simple", ".1f"), ("best", "best", ""),
+           ("b_crit", "fitted B_crit", ".1f"), ("seconds", "seconds", ".0f")]
+
+
+def plot(path: str, results: dict, fits: dict, summaries: dict, args) -> bool:
+  plt = figures.pyplot()
+  if plt is None:
+    return False
+  fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
+  for i, name in enumerate(args.optimizers):
+    best = [r for r in results[name] if r.best]
+    if not best:
+      continue
+    b = [r.batch_size for r in best]
+    fit = fits[name]
+    label = name if fit is None else f"{name}: B_crit {fit.b_crit:.0f}"
+    ax1.plot(b, [r.steps for r in best], "o", c=f"C{i}", label=label)
+    ax2.plot(b, [r.examples for r in best], "o-", c=f"C{i}", label=name)
+    if fit is not None:
+      bs = np.geomspace(min(b) / 1.5, max(b) * 1.5)
+      ax1.plot(bs, fit.steps(bs), "-", c=f"C{i}", lw=1)
+      ax2.plot(bs, fit.steps(bs) * bs, ":", c=f"C{i}", lw=1)
+      if fit.s_min > 0:
+        ax1.axvline(fit.b_crit, c=f"C{i}", ls="--", lw=1)
+    for j, batch in enumerate(args.lr_grid_batches):
+      grid = sorted((r.lr_multiplier, r.steps) for r in results[name] if r.batch_size == batch)
+      if len(grid) > 1:
+        ax3.plot([m for m, _ in grid], [s if s is not None else math.nan for _, s in grid],
+                 "os-^"[j % 4] + "-", c=f"C{i}", label=f"{name}, batch {batch}")
+  ax1.set(xscale="log", yscale="log", xlabel="batch (sequences)", ylabel="steps to target",
+          title="steps to the target (lines: S_min + E_min/B)")
+  ax2.set(xscale="log", yscale="log", xlabel="batch (sequences)",
+          ylabel="sequences to target", title="data to the target")
+  ax3.set(xscale="log", xlabel="learning rate / the rule-derived rate", ylabel="steps to target",
+          title="rates around the rule's, at batch "
+          + ", ".join(str(b) for b in args.lr_grid_batches))
+  for ax in (ax1, ax2, ax3):
+    ax.legend(fontsize=8)
+  figures.save(fig, path, f"Muon vs AdamW: eval loss {args.target_loss} across batch sizes "
+               "(sweep_tiny; each at its own best rate at batch 16)")
+  return True
+
+
+def main(argv: list[str]) -> int:
+  return common.main("muon_critical_batch", parse, experiment, argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

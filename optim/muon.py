@@ -1,0 +1,202 @@
+"""Muon: orthogonalised momentum for the matrices, a fallback optimizer for everything else.
+
+Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks"; Liu et al.
+2025, "Muon is Scalable for LLM Training") keeps a Nesterov momentum M of each weight matrix's
+gradient and steps along its orthogonalisation, the polar factor U V^T of M = U S V^T,
+approximated by five quintic Newton-Schulz iterations on M / ||M||_F (optax's
+`orthogonalize_via_newton_schulz`, coefficients (3.4445, -4.7750, 2.0315); its singular values
+come out in ~[0.7, 1.2], not exactly 1, which the paper shows does not hurt). Parameters that are
+not matrices (norm scales, biases) and the embedding table and LM head go to a fallback
+optimizer (`optim.muon.fallback`, AdamW by default), as in both papers.
+
+Which weights are matrices, and which of their axes are the matrix's input and output, is read
+from the logical axis names the model annotates and `sharding/rules.py` maps (no reshaping of
+the parameters, no per-model table):
+
+  * stack axes, `layers` (the scanned layer stack) and `experts` (an MoE layer's experts), are
+    batch axes: each slice is its own matrix (optax vmaps over them), so a scanned [layers, ...]
+    stack gets exactly the update its layers would get one by one in an unrolled model;
+  * of the remaining (core) axes, a weight lays out its input axes first and its output axes
+    last (`models/llama.py:dense`), and every matrix of the model reads from or writes to the
+    residual stream: [embed, *out] reads it (wq [embed, heads, head_dim]: one embed x
+    (heads*head_dim) matrix, heads folded into the output dimension; w_gate, w_up, the router
+    [embed, experts]), [*in, embed] writes it (wo [heads, head_dim, embed], w_down
+    [mlp, embed]); a weight without an embed axis and exactly two core axes is [in, out];
+  * a weight with a `vocab` axis (the embedding table, the LM head) and anything with fewer than
+    two core axes goes to the fallback.
+
+The model keeps q, k, v and gate, up as separate weights, so each projection is orthogonalised on
+its own, never their concatenation (Muon on a fused [E, 3HD] qkv weight would couple the three).
+
+Update size (`optim.muon.rms`). With rms = r > 0 the orthogonalised update of a fan_in x fan_out
+matrix is multiplied by r sqrt(max(fan_in, fan_out)) (Liu et al. 2025, eq. 4: an orthogonal
+matrix's RMS is 1/sqrt(max(...)), so the update's RMS becomes r; r = 0.2 matches AdamW's typical
+update RMS of 0.2-0.4), so an AdamW config's learning rate and weight decay carry over
+unchanged, also to the fallback parameters, which share the one learning rate. rms = 0 is
+Jordan's original scaling, sqrt(max(1, fan_out / fan_in)), with which Muon needs its own,
+larger learning rate (0.02 in modded-nanogpt). Weight decay is the factory's for every
+optimizer: w -= lr * (update + wd * w), Liu et al.'s decoupled decay.
+
+Sharding. Newton-Schulz multiplies whole matrices five times; left to XLA's SPMD partitioner
+on FSDP/tensor-sharded operands, it all-gathers the matrices again inside every iteration (a
+3.3M-parameter step on fsdp=4 x tensor=2: 98 MiB gathered per device against AdamW's 11,
+bench/collectives.py). So the orthogonalisation runs in a layout of its own (`ns_path`): each
+matrix whole on a device, the stack axes (layers, experts) spread over the mesh axes that shard
+the parameter, as far as they divide them (a [layers=8, E, F] stack on fsdp=4: two layers per
+device, as torchtitan's DistMuon hands whole matrices to ranks); a mesh axis that divides no
+stack axis is gathered (those devices repeat the work). The momentum moves there one mesh axis
+at a time (an all-to-all each; moved two at once, the partitioner gathers the whole array) and
+the update comes back the same way. docs/muon.md counts what this communicates. Outside a mesh
+(one device, tests) nothing is constrained.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+from optax.contrib import MuonDimensionNumbers, MuonState
+# optax's, not re-exported by optax.contrib (optax 0.2.8)
+from optax.contrib._muon import orthogonalize_via_newton_schulz, scale_by_shape
+from optax.transforms import MaskedNode
+
+from sharding.rules import constrain, logical_to_spec, spec_axes
+
+STACK_AXES = ("layers", "experts")  # batch axes: every slice is its own matrix
+FALLBACKS = ("adamw", "adafactor", "lion")  # optimizers whose step does not scale with the grad
+NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic (optax's default)
+
+
+def _is_names(x) -> bool:
+  return isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
+
+
+def dimension_numbers(names: tuple) -> MuonDimensionNumbers | None:
+  """The matrix a parameter with these logical axis names is, for Muon (input axes
+  `reduction_axis`, output axes `output_axis`, every other axis a stack axis), or None when the
+  fallback optimizer takes it (module docstring)."""
+  core = [i for i, n in enumerate(names) if n not in STACK_AXES]
+  if len(core) < 2 or "vocab" in names:
+    return None
+  if names[core[0]] == "embed":
+    inputs, outputs = core[:1], core[1:]
+  elif names[core[-1]] == "embed":
+    inputs, outputs = core[:-1], core[-1:]
+  elif len(core) == 2:
+    inputs, outputs = core[:1], core[1:]
+  else:
+    raise ValueError(f"Muon cannot tell the input from the output axes of a weight named "
+                     f"{names}: name an `embed` axis, or make it [in, out]")
+  return MuonDimensionNumbers(reduction_axis=tuple(inputs), output_axis=tuple(outputs))
+
+
+def labels(param_names: Any) -> Any:
+  """'muon' or 'fallback' per parameter (the params' structure)."""
+  return jax.tree.map(lambda n: "fallback" if dimension_numbers(n) is None else "muon",
+                      param_names, is_leaf=_is_names)
+
+
+def fan_in_out(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
+  """(fan_in, fan_out) of one matrix slice of a parameter of this shape."""
+  return (math.prod(shape[a] for a in dims.reduction_axis),
+          math.prod(shape[a] for a in dims.output_axis))
+
+
+def ns_path(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> list[P]:
+  """The layouts a parameter's momentum passes through on its way to the one it is
+  orthogonalised in (the last; module docstring), one mesh axis moved per layout: matrix axes
+  whole, stack axes over the mesh axes that shard the parameter (largest first), where they
+  divide; the axes that divide no stack axis are gathered last. One axis per step, because the
+  partitioner turns a move of two axes at once into a gather of the whole array."""
+  live = lambda e: tuple(a for a in spec_axes(e) if mesh.shape.get(a, 1) > 1)
+  spec = [live(e) for e in logical_to_spec(names)] + [()] * (len(shape) - len(names))
+  axes = sorted((a for e in spec for a in e), key=lambda a: -mesh.shape[a])
+  matrix = set(dims.reduction_axis) | set(dims.output_axis)
+  moves = []  # (mesh axis, the stack dimension it goes to, or None: gathered)
+  for d in (d for d in range(len(shape)) if d not in matrix):
+    size = 1
+    for a in list(axes):
+      if shape[d] % (size * mesh.shape[a]) == 0:
+        size *= mesh.shape[a]
+        moves.append((a, d))
+        axes.remove(a)
+  moves += [(a, None) for a in axes if any(a in spec[d] for d in matrix)]
+  path = []
+  for a, to in moves:
+    spec = [tuple(x for x in e if x != a) for e in spec]
+    if to is not None:
+      spec[to] = spec[to] + (a,)
+    path.append(P(*(None if not e else e[0] if len(e) == 1 else e for e in spec)))
+  return path
+
+
+def ns_spec(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> P:
+  """The layout a parameter's momentum is orthogonalised in (the end of `ns_path`)."""
+  path = ns_path(names, dims, shape, mesh)
+  return path[-1] if path else P(*logical_to_spec(names))
+
+
+def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
+                  nesterov: bool = True, rms: float = 0.2, eps: float = 1e-8
+                  ) -> optax.GradientTransformation:
+  """Muon's direction for the matrices of `param_names` (a tree of logical axis names): momentum,
+  Newton-Schulz in its own layout (`ns_path`), the shape scaling; no learning rate. The other
+  parameters must be masked out (`muon` below does so with `optax.partition`, which leaves a
+  `MaskedNode` where they were).
+
+  optax's `scale_by_muon` with the layout added: the same momentum and Nesterov combination, the
+  same state (optax's MuonState), optax's `orthogonalize_via_newton_schulz` and `scale_by_shape`
+  (consistent RMS when rms > 0)."""
+  masked = lambda x: isinstance(x, MaskedNode)
+  dims = jax.tree.map(lambda n: dimension_numbers(n) or MaskedNode(), param_names,
+                      is_leaf=_is_names)
+  coeffs = jnp.asarray(NS_COEFFS)
+
+  def orthogonalize(x, names, dim):
+    mesh = jax.sharding.get_abstract_mesh()
+    path = [] if mesh.empty else ns_path(names, dim, x.shape, mesh)
+    for spec in path:  # there, one mesh axis at a time
+      x = jax.lax.with_sharding_constraint(x, spec)
+    x = orthogonalize_via_newton_schulz(x, coeffs, ns_steps, eps=eps, dimension_numbers=dim)
+    # Back the same way. Its first step pins the output too: left free, the partitioner carries
+    # the parameter's layout back into the iterations (and all-reduces a partial X X^T in each).
+    for spec in path[::-1]:
+      x = jax.lax.with_sharding_constraint(x, spec)
+    return constrain(x, names)  # the parameter's layout
+
+  def init(params):
+    return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),
+                     ns_coeffs=coeffs)
+
+  def update(updates, state, params=None):
+    del params
+    mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+    count = optax.safe_increment(state.count)
+    if nesterov:
+      mu_hat = jax.tree.map(
+          lambda m, g: beta * m + (1 - beta) * g,
+          optax.tree.bias_correction(mu, beta, optax.safe_increment(count)),
+          optax.tree.bias_correction(updates, beta, count))
+    else:
+      mu_hat = optax.tree.bias_correction(mu, beta, count)
+    out = jax.tree.map(lambda d, x, n: x if masked(d) else orthogonalize(x, n, d), dims, mu_hat,
+                       param_names, is_leaf=lambda x: isinstance(x, (MuonDimensionNumbers,
+                                                                     MaskedNode)))
+    return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
+
+  return optax.chain(
+      optax.GradientTransformation(init, update),
+      scale_by_shape(weight_dimension_numbers=dims, consistent_rms=rms if rms > 0 else None))
+
+
+def muon(param_names: Any, fallback: optax.GradientTransformation, **muon_args
+         ) -> optax.GradientTransformationExtraArgs:
+  """Muon's direction on the matrices, `fallback`'s (a direction, no learning rate) elsewhere;
+  the caller adds weight decay and the learning rate after it, as for every optimizer
+  (optim/factory.py). The state is optax's: a PartitionState with a MuonState (count, mu shaped
+  like the matrices, ns_coeffs) and the fallback's state."""
+  return optax.partition({"muon": scale_by_muon(param_names, **muon_args),
+                          "fallback": fallback}, labels(param_names))
