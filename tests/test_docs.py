@@ -354,8 +354,8 @@ def check_command(env: dict, tokens: list[str]) -> str:
       args, overrides = parser.parse_args(argv), []
     except SystemExit:
       raise ConfigError(f"{' '.join(argv)}: argparse refused it (see the output above)") from None
-  if getattr(args, "vary", None):  # bench/variants.py: each value is one more override
-    key, values = module.parse_vary(args.vary)
+  if getattr(args, "vary", None):  # bench/variants.py, collectives.py: each value an override
+    key, values = bench_module("variants").parse_vary(args.vary)
     overrides += [(key, v) for v in values]
   path = getattr(args, "config", None)
   if path and placeholder(path):
