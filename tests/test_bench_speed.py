@@ -102,7 +102,7 @@ def test_step_profile_sorts_the_traced_kernels_into_kinds(capsys):
 
 def test_collectives_reads_ops_and_bytes_from_hlo():
   """bench/collectives.py's HLO reader: ops by kind and the bytes of their (per-device) results."""
-  bench = _bench("collectives")
+  bench = bench_module("collectives")
   hlo = ("  %all-gather.1 = f32[4,8]{1,0} all-gather(f32[1,8]{1,0} %p), dimensions={0}\n"
          "  %ar = (f32[2]{0}, bf16[3,4]{1,0}) all-reduce(%a, %b), to_apply=%sum\n"
          "  %x = f32[4]{0} add(%all-gather.1, %y)\n")
@@ -115,7 +115,7 @@ def test_collectives_reads_ops_and_bytes_from_hlo():
 def test_collectives_counts_what_a_sharded_muon_step_adds(capsys):
   """On fsdp x tensor Muon adds all-to-alls (its Newton-Schulz layout, optim/muon.py) and no
   all-reduce; a mesh over the fake devices is one line, exit 2."""
-  bench = _bench("collectives")
+  bench = bench_module("collectives")
   assert bench.main(["--size", "none", "--config", TINY, "--config.model.num_layers=2",
                      "--config.model.d_model=64", "--config.model.mlp_dim=128",
                      "--vary", "optim.name=adamw,muon", "--mesh", "fsdp=2,tensor=2"]) == 0

@@ -67,8 +67,9 @@ def test_dense_equals_einsum(contract, spec):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), got, want)
 
 
-def _einsum_dense(x, w, contract):
+def _einsum_dense(x, w, contract, fp8=False):
   """The einsum formulation the model used before `dense` (tensordot over the same axes)."""
+  assert not fp8
   return jnp.tensordot(x, w, axes=contract)
 
 
