@@ -17,7 +17,6 @@ are per step program (a micro-batched step's loop body counted once).
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -27,14 +26,8 @@ FAKE_DEVICES = 8  # CPU devices the program is compiled for (set before jax is i
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={FAKE_DEVICES}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_here = os.path.dirname(os.path.abspath(__file__))
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(_here, f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from bench import variants as variants_bench  # noqa: E402
 
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -83,7 +76,7 @@ def build_parser():
                       help="the config key to vary and its values, e.g. optim.name=adamw,muon")
   parser.add_argument("--mesh", default="fsdp=4,tensor=2",
                       help=f"axis=size pairs, at most {FAKE_DEVICES} devices in all")
-  _load("variants").baseline.add_size_args(parser)
+  variants_bench.baseline.add_size_args(parser)
   return parser
 
 
@@ -91,7 +84,6 @@ def main(argv=None):
   from trainer import platforms  # noqa: PLC0415
   platforms.choose()
   from trainer.config import ConfigError  # noqa: PLC0415
-  variants_bench = _load("variants")
   baseline = variants_bench.baseline
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv)

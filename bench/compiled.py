@@ -40,16 +40,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: no step runs here
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as tools/aot.py
 
 import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
 import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-_spec = importlib.util.spec_from_file_location("bench_nanodo",
-                                               os.path.join(ROOT, "bench", "nanodo.py"))
-nanodo_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(nanodo_bench)
-baseline = nanodo_bench.baseline  # bench/baseline.py: SIZES, load_sized, plain_step
+from bench import baseline  # noqa: E402  (SIZES, load_sized, plain_step)
+from bench import nanodo as nanodo_bench  # noqa: E402
 
 MiB = 2**20
 

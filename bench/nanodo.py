@@ -29,16 +29,12 @@ has read as low as half the idle peak on this CPU.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "bench_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.py"))
-baseline = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(baseline)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from bench import baseline  # noqa: E402
 
 
 def _train_step(state, in_BxL, c, get_loss_fn):

@@ -35,24 +35,13 @@ uses: at d2048 four ~1B-parameter runners at once may not fit 80 GB (run two, e.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax starts
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _bench_module(name: str):
-  spec = importlib.util.spec_from_file_location(
-      f"bench_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-baseline = _bench_module("baseline")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from bench import baseline, nanodo, torch_peer  # noqa: E402
 
 RUNNERS = ("nanodo", "plain", "ours", "torch")
 
@@ -61,7 +50,6 @@ def build_parser():
   import jax  # noqa: PLC0415
 
   from trainer.cli import CliParser  # noqa: PLC0415
-  torch_peer = _bench_module("torch_peer")
   parser = CliParser("bench/peers.py", __doc__, config=False)
   parser.add_argument("--runners", default="plain,ours,torch",
                       help=f"comma-separated, of {', '.join(RUNNERS)} (default plain,ours,torch; "
@@ -80,7 +68,6 @@ def build_parser():
 def parse(argv):
   """(args, [(label, config)], runners); a mistake raises ConfigError."""
   from trainer.config import ConfigError  # noqa: PLC0415
-  torch_peer = _bench_module("torch_peer")
   args, configs = baseline.load_sized(build_parser(), argv, sizes=baseline.SHAPES)
   runners = [r for r in args.runners.split(",") if r]
   unknown = [r for r in runners if r not in RUNNERS]
@@ -91,7 +78,7 @@ def parse(argv):
   if args.nanodo_dir:
     runners.append("nanodo")
   if "nanodo" in runners:
-    missing = (_bench_module("nanodo").find_nanodo(args.nanodo_dir) if args.nanodo_dir else
+    missing = (nanodo.find_nanodo(args.nanodo_dir) if args.nanodo_dir else
                "the nanodo runner needs --nanodo_dir (a checkout of google-deepmind/nanodo)")
     if missing:
       raise ConfigError(missing)
@@ -111,11 +98,11 @@ def make_runners(names, cfg, args) -> dict:
     elif name == "plain":
       out[name] = baseline.Plain(cfg, model_cfg)
     elif name == "torch":
-      out[name] = _bench_module("torch_peer").Torch(
+      out[name] = torch_peer.Torch(
           cfg, model_cfg, baseline.random_tokens(cfg, model_cfg.vocab_size),
           compile_mode=args.torch_compile)
     else:
-      out[name] = _bench_module("nanodo").Nanodo(cfg, model_cfg.vocab_size)
+      out[name] = nanodo.Nanodo(cfg, model_cfg.vocab_size)
   return out
 
 

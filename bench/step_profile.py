@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import glob
 import gzip
-import importlib.util
 import json
 import os
 import re
@@ -34,11 +33,8 @@ import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location(
-    "bench_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.py"))
-baseline = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(baseline)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from bench import baseline  # noqa: E402
 
 from models.attention import CAUSAL_BLOCK  # noqa: E402
 

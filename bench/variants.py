@@ -23,15 +23,12 @@ text.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import statistics
 import sys
 
-_spec = importlib.util.spec_from_file_location(
-    "bench_baseline", os.path.join(os.path.dirname(os.path.abspath(__file__)), "baseline.py"))
-baseline = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(baseline)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+from bench import baseline  # noqa: E402
 
 
 def parse_vary(text: str) -> tuple[str, list[str]]:

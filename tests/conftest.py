@@ -1,5 +1,5 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and small shared fixtures."""
-import importlib.util
+import importlib
 import json
 import os
 import sys
@@ -28,13 +28,9 @@ from trainer.config import default_config  # noqa: E402
 
 
 def bench_module(name: str):
-  """bench/<name>.py as a module (bench/ holds scripts, not a package)."""
-  spec = importlib.util.spec_from_file_location(f"bench_{name}",
-                                                os.path.join(ROOT, "bench", f"{name}.py"))
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # a dataclass in it looks its module up
-  spec.loader.exec_module(module)
-  return module
+  """bench/<name>.py as a module: `bench.<name>` (bench/ holds scripts; they import each other
+  the same way)."""
+  return importlib.import_module(f"bench.{name}")
 
 
 def tiny_config(**overrides):

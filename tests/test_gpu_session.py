@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from conftest import bench_module
 from trainer.config import default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,10 +31,7 @@ def test_script_is_valid_bash_and_refuses_an_unknown_stage():
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_step_names_what_exists(stage):
   import importlib.util  # noqa: PLC0415
-  spec = importlib.util.spec_from_file_location("bench_baseline",
-                                                os.path.join(ROOT, "bench", "baseline.py"))
-  baseline = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(baseline)
+  baseline = bench_module("baseline")
   cfg = default_config()
   steps = _steps(stage)
   assert steps, stage
