@@ -41,9 +41,11 @@ from tools import batch_sweep, figures
 
 def build_parser():
   p = common.parser("autopilot_vs_fixed", __doc__)
-  p.add_argument("--batch_sizes", default="8,16,32,64,128,256", help="fixed batches")
-  p.add_argument("--margins", default="2,1", help="one autopilot run per margin")
-  p.add_argument("--targets", default="2.7,2.6,2.45",
+  p.add_argument("--batch_sizes", type=common.ints, default="8,16,32,64,128,256",
+                 help="fixed batches")
+  p.add_argument("--margins", type=common.floats, default="2,1",
+                 help="one autopilot run per margin")
+  p.add_argument("--targets", type=common.floats, default="2.7,2.6,2.45",
                  help="validation losses; runs stop at the lowest, the others are read from "
                       "the same runs' records")
   p.add_argument("--micro_batch_size", type=int, default=8)
@@ -57,11 +59,7 @@ def build_parser():
 def parse(argv):
   p = build_parser()
   args, overrides = p.parse(argv)
-  try:
-    args.batch_sizes, args.margins = common.ints(args.batch_sizes), common.floats(args.margins)
-    args.targets = sorted(common.floats(args.targets), reverse=True)
-  except ValueError as e:
-    p.error(f"--batch_sizes / --margins / --targets take comma-separated numbers ({e})")
+  args.targets = sorted(args.targets, reverse=True)
   if not args.targets:
     p.error("--targets needs at least one loss")
   args.target_loss = args.targets[-1]  # what tools.batch_sweep.run_one stops at

@@ -203,11 +203,21 @@ def parser(name: str, doc: str):
 
 
 def ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
+  """An argparse type: "8,16,32" -> [8, 16, 32] (a mistake is argparse's one-line error)."""
+  return _numbers(text, int, "integers")
 
 
 def floats(text: str) -> list[float]:
-  return [float(x) for x in text.split(",") if x]
+  """An argparse type: "0.5,1,2" -> [0.5, 1.0, 2.0]."""
+  return _numbers(text, float, "numbers")
+
+
+def _numbers(text: str, kind, what: str) -> list:
+  import argparse  # noqa: PLC0415
+  try:
+    return [kind(x) for x in text.split(",") if x]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}") from None
 
 
 def main(name: str, parse: Callable, experiment: Callable, argv: list[str]) -> int:

@@ -45,9 +45,9 @@ from tools import figures
 
 def build_parser():
   p = common.parser("diloco", __doc__)
-  p.add_argument("--batch_sizes", default="8,16,32,64,128")
-  p.add_argument("--replicas", default="1,2,4", help="DiLoCo's M values")
-  p.add_argument("--inner_steps", default="1,8,32", help="DiLoCo's H values")
+  p.add_argument("--batch_sizes", type=common.ints, default="8,16,32,64,128")
+  p.add_argument("--replicas", type=common.ints, default="1,2,4", help="DiLoCo's M values")
+  p.add_argument("--inner_steps", type=common.ints, default="1,8,32", help="DiLoCo's H values")
   p.add_argument("--examples", type=int, default=8192, help="training sequences per run")
   p.add_argument("--micro_batch_size", type=int, default=8)
   p.add_argument("--evals", type=int, default=4, help="evaluations per run (at least)")
@@ -58,14 +58,7 @@ def build_parser():
 
 
 def parse(argv):
-  p = build_parser()
-  args, overrides = p.parse(argv)
-  try:
-    for key in ("batch_sizes", "replicas", "inner_steps"):
-      setattr(args, key, common.ints(getattr(args, key)))
-  except ValueError as e:
-    p.error(f"--batch_sizes, --replicas and --inner_steps take comma-separated integers ({e})")
-  return args, overrides
+  return build_parser().parse(argv)
 
 
 def arms(args) -> list[tuple[str, int, int]]:

@@ -37,7 +37,7 @@ DEFAULT_CONFIG = os.path.join("configs", "lm_tiny.py")
 def build_parser():
   p = common.parser("fp8_loss", __doc__)
   p.set_defaults(config=DEFAULT_CONFIG)
-  p.add_argument("--seeds", default="0,1,2", help="seeds of the run pairs (at least 2)")
+  p.add_argument("--seeds", type=common.ints, default="0,1,2", help="seeds of the run pairs (at least 2)")
   p.add_argument("--eval_every", type=int, default=50)
   return p
 
@@ -45,10 +45,6 @@ def build_parser():
 def parse(argv):
   p = build_parser()
   args, overrides = p.parse(argv)
-  try:
-    args.seeds = common.ints(args.seeds)
-  except ValueError as e:
-    p.error(f"--seeds takes comma-separated integers ({e})")
   if len(args.seeds) < 2 or len(set(args.seeds)) != len(args.seeds):
     p.error("--seeds needs two or more different seeds (the noise is their spread)")
   return args, overrides

@@ -46,7 +46,7 @@ ARMS = (("linear + warmup", "linear", True), ("linear, no warmup", "linear", Fal
 
 def build_parser():
   p = common.parser("linear_scaling", __doc__)
-  p.add_argument("--batch_sizes", default="8,16,32,64,128,256")
+  p.add_argument("--batch_sizes", type=common.ints, default="8,16,32,64,128,256")
   p.add_argument("--examples", type=int, default=16384, help="training sequences per run")
   p.add_argument("--lr", type=float, default=0.15, help="SGD rate at the smallest batch")
   p.add_argument("--warmup_fraction", type=float, default=1 / 16)
@@ -57,13 +57,7 @@ def build_parser():
 
 
 def parse(argv):
-  p = build_parser()
-  args, overrides = p.parse(argv)
-  try:
-    args.batch_sizes = common.ints(args.batch_sizes)
-  except ValueError as e:
-    p.error(f"--batch_sizes takes comma-separated integers ({e})")
-  return args, overrides
+  return build_parser().parse(argv)
 
 
 def arm_config(base, args, batch: int, rule: str, warmup: bool):

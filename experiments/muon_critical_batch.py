@@ -48,10 +48,11 @@ from tools import batch_sweep, figures
 def build_parser():
   p = common.parser("muon_critical_batch", __doc__)
   p.add_argument("--optimizers", default="adamw,muon")
-  p.add_argument("--batch_sizes", default="8,16,32,64,128")
+  p.add_argument("--batch_sizes", type=common.ints, default="8,16,32,64,128")
   p.add_argument("--target_loss", type=float, default=2.7)
-  p.add_argument("--lr_grid", default="0.5,1,2", help="multipliers of the rule-derived rate")
-  p.add_argument("--lr_grid_batches", default="16,64",
+  p.add_argument("--lr_grid", type=common.floats, default="0.5,1,2",
+                 help="multipliers of the rule-derived rate")
+  p.add_argument("--lr_grid_batches", type=common.ints, default="16,64",
                  help="the batches that also run the --lr_grid multipliers (others: x1 only)")
   p.add_argument("--stated_lr", default="adamw=0.0015,muon=0.012",
                  help="NAME=LR,...: an optimizer's learning rate at the reference batch, "
@@ -81,9 +82,7 @@ def parse(argv):
   unknown = set(args.stated_lr) - set(OPTIMIZERS)
   if unknown:
     p.error(f"--stated_lr: unknown optimizer {sorted(unknown)[0]!r}")
-  args.batch_sizes = common.ints(args.batch_sizes)
-  args.lr_grid = sorted(set(common.floats(args.lr_grid)) | {1.0})
-  args.lr_grid_batches = common.ints(args.lr_grid_batches)
+  args.lr_grid = sorted(set(args.lr_grid) | {1.0})
   odd = [b for b in args.batch_sizes if b % args.micro_batch_size]
   if odd:
     p.error(f"--batch_sizes: {odd[0]} is not a multiple of --micro_batch_size="

@@ -46,7 +46,7 @@ from tools import figures
 def build_parser():
   p = common.parser("schedules", __doc__)
   p.add_argument("--examples", type=int, default=32768, help="the budget T in sequences")
-  p.add_argument("--branches", default="0.25,0.5,0.75,1",
+  p.add_argument("--branches", type=common.floats, default="0.25,0.5,0.75,1",
                  help="WSD runs end at these fractions of T (each decays over the last "
                       "decay_fraction x T)")
   p.add_argument("--decay_fraction", type=float, default=0.2)
@@ -59,10 +59,7 @@ def build_parser():
 def parse(argv):
   p = build_parser()
   args, overrides = p.parse(argv)
-  try:
-    args.branches = sorted(common.floats(args.branches))
-  except ValueError as e:
-    p.error(f"--branches takes comma-separated fractions ({e})")
+  args.branches = sorted(args.branches)
   if not 0 < args.decay_fraction < min(args.branches) or max(args.branches) > 1:
     p.error(f"--branches must be in ({args.decay_fraction}, 1], above --decay_fraction")
   return args, overrides
