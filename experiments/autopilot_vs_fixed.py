@@ -48,11 +48,7 @@ def build_parser():
   p.add_argument("--targets", type=common.floats, default="2.7,2.6,2.45",
                  help="validation losses; runs stop at the lowest, the others are read from "
                       "the same runs' records")
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--max_examples", type=int, default=80_000)
-  p.add_argument("--eval_examples", type=int, default=256)
-  p.add_argument("--eval_sequences", type=int, default=64)
-  p.add_argument("--smooth_examples", type=int, default=1024)
+  common.add_to_target_args(p, max_examples=80_000)
   return p
 
 

@@ -202,6 +202,19 @@ def parser(name: str, doc: str):
   return p
 
 
+def add_to_target_args(p, max_examples: int) -> None:
+  """The flags of an experiment whose runs train to a target loss (`target_stop`, `to_target`):
+  micro-batch, the give-up budget, evaluation interval and size, and the smoothing window."""
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--max_examples", type=int, default=max_examples,
+                 help="give up on a run after this many sequences")
+  p.add_argument("--eval_examples", type=int, default=256,
+                 help="sequences between evaluations")
+  p.add_argument("--eval_sequences", type=int, default=64, help="validation sequences")
+  p.add_argument("--smooth_examples", type=int, default=1024,
+                 help="the eval curve is averaged over this many sequences before a crossing")
+
+
 def ints(text: str) -> list[int]:
   """An argparse type: "8,16,32" -> [8, 16, 32] (a mistake is argparse's one-line error)."""
   return _numbers(text, int, "integers")

@@ -57,12 +57,7 @@ def build_parser():
   p.add_argument("--stated_lr", default="adamw=0.0015,muon=0.012",
                  help="NAME=LR,...: an optimizer's learning rate at the reference batch, "
                       "(default: each one's best at batch 16 of a 2x grid; others: the config's)")
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--max_examples", type=int, default=49152,
-                 help="give up on a run after this many sequences")
-  p.add_argument("--eval_examples", type=int, default=256)
-  p.add_argument("--eval_sequences", type=int, default=64)
-  p.add_argument("--smooth_examples", type=int, default=1024)
+  common.add_to_target_args(p, max_examples=49152)
   return p
 
 
