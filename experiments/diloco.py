@@ -171,13 +171,19 @@ def plot(path: str, rows: list[dict], args) -> bool:
 
 
 def main(argv: list[str]) -> int:
+  return common.main("diloco", parse, experiment, argv)
+
+
+def host_devices(argv: list[str]) -> None:
+  """`--devices` host devices for this process (the command's own, set before jax starts its
+  backend; in-process callers such as the tests keep the devices they have)."""
   devices = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), None)
   if devices is None and "--devices" in argv:
     devices = argv[argv.index("--devices") + 1]
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={devices or 4}").strip()
-  return common.main("diloco", parse, experiment, argv)
 
 
 if __name__ == "__main__":
+  host_devices(sys.argv[1:])
   sys.exit(main(sys.argv[1:]))

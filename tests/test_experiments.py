@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import losses, tiny_config, tiny_config_file
+from conftest import losses, tiny_config, tiny_config_file, write_sweep_config
 from experiments import (autopilot_vs_fixed, common, large_batch_optimizers, muon_critical_batch,
                          schedules)
 

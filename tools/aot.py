@@ -270,7 +270,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
                    state_bytes, while_loops(lowered))
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
-    with _no_persistent_cache():
+    with no_persistent_cache():
       report.communication = communication.measure(program, compiled,
                                                    program.compile_outer()).lines()
   if report.hbm_bytes and report.total_bytes > report.hbm_bytes:
