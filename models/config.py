@@ -176,7 +176,12 @@ def functional_differences(saved: ModelConfig, config: ModelConfig) -> list[tupl
   """[(field, saved value, config value)] of the FUNCTIONAL fields where two model configs
   compute different functions, in FUNCTIONAL's order (values as in `functional_values`)."""
   a, b = functional_values(saved), functional_values(config)
-  return [(key, a[key], b[key]) for key in FUNCTIONAL if a[key] != b[key]]
+  out = [(key, a[key], b[key]) for key in FUNCTIONAL if a[key] != b[key]]
+  if not out and saved.query_multiplier != config.query_multiplier:
+    # muP off its base width: head_dim 0 scales the queries by sqrt(D_base / D), the same
+    # head_dim stated explicitly does not (`ModelConfig.query_multiplier`)
+    out.append(("head_dim", saved.head_dim, config.head_dim))
+  return out
 
 
 def overrides_to_match(differences: list[tuple[str, Any, Any]]) -> str:

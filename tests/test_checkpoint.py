@@ -177,3 +177,7 @@ def test_functional_differences_compare_what_the_weights_compute():
       router_z_loss=0.0))) == []
   assert functional_differences(moe, dataclasses.replace(moe, moe=MoEConfig(
       num_experts=4, top_k=1))) == [("moe.top_k", 2, 1)]
+  # muP off its base width: head_dim 0 scales the queries, the same head_dim stated does not
+  assert mup.query_multiplier != dataclasses.replace(mup, head_dim=16).query_multiplier
+  assert functional_differences(mup, dataclasses.replace(mup, head_dim=16)) == [
+      ("head_dim", 0, 16)]
