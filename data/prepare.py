@@ -95,17 +95,21 @@ def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "
   Every step can be interrupted and the same call run again: the work lives in `out_dir.partial`
   with the plan of the call (plan.json); each unit's shards are complete once its done-*.json
   exists, the move of a document to validation once moved.json exists, and the whole once
-  meta.json exists; the files that meta.json does not name are removed only after that, and the
-  directory is renamed to `out_dir` last."""
+  meta.json exists; the files that meta.json does not name are removed only after that, the
+  directory is renamed to `out_dir`, and its plan.json removed last."""
+  work = os.path.abspath(out_dir).rstrip("/") + ".partial"
+  plan = {"format": FORMAT_VERSION, "units": [dataclasses_asdict(u) for u in units],
+          "tokenizer_spec": tokenizer, "split_rule": split_rule, "text_field": text_field,
+          "validation_fraction": validation_fraction}
+  finished_plan = os.path.join(out_dir, "plan.json")
+  if os.path.exists(os.path.join(out_dir, "meta.json")) and read_json(finished_plan) == plan:
+    os.remove(finished_plan)  # killed after its rename: only the plan was left to remove
+    return out_dir
   _refuse_existing(out_dir)
   if not 0 <= validation_fraction < 1:
     raise DataError(f"--validation_fraction={validation_fraction}: must be in [0, 1)")
   if not units:
     raise DataError("data.prepare: no input documents found")
-  work = os.path.abspath(out_dir).rstrip("/") + ".partial"
-  plan = {"format": FORMAT_VERSION, "units": [dataclasses_asdict(u) for u in units],
-          "tokenizer_spec": tokenizer, "split_rule": split_rule, "text_field": text_field,
-          "validation_fraction": validation_fraction}
   plan_path = os.path.join(work, "plan.json")
   if os.path.exists(work) and read_json(plan_path) != plan:
     shutil.rmtree(work)  # another preparation was interrupted here, or this one's clean-up
@@ -122,13 +126,14 @@ def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "
       shutil.rmtree(path)
     else:
       os.remove(path)
-  os.remove(plan_path)
   try:
     os.rename(work, out_dir)
   except OSError:
     if not os.path.exists(os.path.join(out_dir, "meta.json")):
       raise
     shutil.rmtree(work)  # someone else finished the same corpus first; theirs is identical
+    return out_dir
+  os.remove(finished_plan)
   return out_dir
 
 
@@ -263,7 +268,7 @@ def ensure_default_corpus(data_dir: str = "") -> str:
 def prepare_files(out_dir: str, inputs: list[str], *, text_field: str = "text",
                   validation_fraction: float = 0.01, tokenizer: str = "byte",
                   workers: int = 1) -> str:
-  _refuse_existing(out_dir)
+  _refuse_existing(out_dir, finishing=True)  # before reading the inputs; prepare() decides
   paths, datasets = sources.expand(inputs)
   if not paths and not datasets:
     raise DataError(f"data.prepare: no input files found in {inputs}")
@@ -280,9 +285,13 @@ def prepare_files(out_dir: str, inputs: list[str], *, text_field: str = "text",
                  validation_fraction=validation_fraction, workers=workers)
 
 
-def _refuse_existing(out_dir: str) -> None:
+def _refuse_existing(out_dir: str, finishing: bool = False) -> None:
   """Preparation writes a new directory (renamed into place at the end): an --out that holds
-  anything is refused before any work. An empty directory is taken."""
+  anything is refused before any work. An empty directory is taken; with `finishing`, also one
+  that still holds the plan.json of a preparation killed right after its rename (`prepare`
+  finishes it if the plan is this one's, else refuses)."""
+  if finishing and os.path.exists(os.path.join(out_dir, "plan.json")):
+    return
   if os.path.exists(os.path.join(out_dir, "meta.json")):
     raise DataError(f"{out_dir} already holds prepared data; remove it or choose another --out")
   if os.path.isdir(out_dir) and os.listdir(out_dir):

@@ -283,11 +283,21 @@ def test_preparation_interrupted_at_any_file_operation_resumes_exactly(tmp_path,
     prepare.prepare_files(out, [str(d)])
     assert _prepared(out) == want, k
     assert not os.path.exists(out + ".partial")
-  # Killed at the last rename, its clean-up done: another preparation there starts over.
+  # Killed at its last operation (the plan's removal, after the rename): the data is in place,
+  # and another preparation there is refused (the same one finishes, above).
   out = str(tmp_path / "other")
   interrupt_at(total)
   with pytest.raises(KeyboardInterrupt):
     prepare.prepare_files(out, [str(d)])
   interrupt_at(0)
-  prepare.prepare_files(out, [str(d)], validation_fraction=0.5)
-  assert prepare.read_meta(out)["validation_fraction"] == 0.5
+  with pytest.raises(prepare.DataError, match="already holds prepared data"):
+    prepare.prepare_files(out, [str(d)], validation_fraction=0.5)
+  # Killed just before its rename, its clean-up done: the rerun renames, nothing is redone.
+  out = str(tmp_path / "again")
+  interrupt_at(total - 1)
+  with pytest.raises(KeyboardInterrupt):
+    prepare.prepare_files(out, [str(d)])
+  assert calls[-1] == "rename"
+  interrupt_at(0)
+  prepare.prepare_files(out, [str(d)])
+  assert calls == ["replace", "rename", "remove"] and _prepared(out) == want  # plan.json rewritten
