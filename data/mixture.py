@@ -116,8 +116,7 @@ class MixtureSelection:
 
   def __init__(self, weights, seed: int, block: int = BLOCK):
     units = [round(float(w) * UNITS) for w in weights]
-    if min(units) <= 0:
-      raise MixtureError(f"data.mixture: weights {list(weights)} include one below 2^-48")
+    assert min(units) > 0, weights  # `parse` refuses a weight below one unit
     self.units = units
     self.order = sorted(range(len(units)), key=lambda s: (units[s], s))  # smallest first
     self.seed, self.block = seed, block

@@ -268,7 +268,8 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
 def shard_state(iterator_state: dict, spec: StreamSpec) -> dict:
   """What one process saves: its rows' states and which global rows they are."""
   extra = {"micro_batch": iterator_state["micro_batch"]} if spec.mixture else {}
-  return {"rows": list(spec.local_rows), "total_rows": spec.rows,
+  names = {"sources": [s.name for s in spec.mixture]} if spec.mixture else {}
+  return {"rows": list(spec.local_rows), "total_rows": spec.rows, **names,
           "row_states": [{"doc": k, "offset": o, **extra}
                          for k, o in zip(iterator_state["doc"], iterator_state["offset"])]}
 
@@ -300,9 +301,11 @@ def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
   if saved == {0}:
     raise DataError("the saved data state was written by a single directory or by the earlier "
                     f"mixture of documents (not of sequences), {restart}")
-  if saved != {len(spec.mixture)}:
-    raise DataError(f"the saved data state is a mixture of {max(saved)} sources; data.mixture "
-                    f"names {len(spec.mixture)}: give the saved run's sources")
+  names = [s.name for s in spec.mixture]
+  for shard in shards:  # each source's position is kept by its place in data.mixture
+    if shard.get("sources") != names:
+      raise DataError(f"the saved data state is of the mixture {shard.get('sources')}; "
+                      f"data.mixture names {names}: give the saved run's sources in its order")
   micro_batch = {int(s["micro_batch"]) for s in states}
   if len(micro_batch) != 1:
     raise DataError(f"the saved data state's rows are at different micro-batches {micro_batch}")

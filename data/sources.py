@@ -70,13 +70,10 @@ def _decode(raw: bytes) -> tuple[str, bool]:
 
 def _read_text(path: str) -> tuple[str, bool]:
   """(text, whether some bytes were invalid and replaced by U+FFFD) of a whole file, read as
-  text (newlines made \\n)."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      return f.read(), False
-  except UnicodeDecodeError:
-    with open(path, encoding="utf-8", errors="replace") as f:
-      return f.read(), True
+  text (newlines made \\n, as reading in text mode makes them)."""
+  with open(path, "rb") as f:
+    text, replaced = _decode(f.read())
+  return text.replace("\r\n", "\n").replace("\r", "\n"), replaced
 
 
 @dataclasses.dataclass(frozen=True)

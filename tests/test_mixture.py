@@ -195,8 +195,12 @@ def test_a_state_of_another_stream_is_refused_in_one_line(sources):
   with pytest.raises(prepare.DataError, match="mixture of documents .* start a new run"):
     pipeline.state_from_shards([old], spec)
   one = _spec(sources, mixture=mixture.parse(f"a={sources['a']}:1"))
-  with pytest.raises(prepare.DataError, match="mixture of 2 sources; data.mixture names 1"):
+  with pytest.raises(prepare.DataError, match=r"mixture \['a', 'b'\]; data.mixture names \['a'\]"):
     pipeline.state_from_shards([shard], one)
+  swapped = _spec(sources, mixture=mixture.parse(f"b={sources['b']}:0.4,a={sources['a']}:0.6"))
+  with pytest.raises(prepare.DataError, match=r"names \['b', 'a'\]: give the saved run's "
+                                              "sources in its order"):
+    pipeline.state_from_shards([shard], swapped)
   with pytest.raises(prepare.DataError, match="mixture's of 2 sources; this run reads one"):
     pipeline.state_from_shards([shard], _spec(sources, data_dir=sources["a"], mixture=()))
 
