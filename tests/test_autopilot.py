@@ -109,6 +109,10 @@ def test_defaults_make_auto_one_override():
           out.optim.schedule_unit) == (8, 10, 64, "steps")
   assert len(notes) == 3
   validate(bare, jax.devices()[:1])
+  # 8 rows on 8 data-parallel devices cannot be split into two halves for the noise scale: the
+  # error says that the values it names are the autopilot's defaults
+  with pytest.raises(ConfigError, match="are the autopilot's default here, set them to choose"):
+    validate(tiny_config(**{"data.batch_ramp": "auto", "mesh.data": 8}), 8)
   assert with_defaults(tiny_config()) == (tiny_config(), [])  # no autopilot: nothing to do
 
 

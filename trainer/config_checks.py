@@ -142,7 +142,9 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
     _need(micro % (2 * dp) == 0,
           f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
           f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
-          f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)")
+          f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)"
+          + ("; data.micro_batch_size and optim.noise_scale_every are the autopilot's default "
+             "here, set them to choose" if d.batch_ramp == "auto" else ""))
 
 
 def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
