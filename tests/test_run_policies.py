@@ -98,7 +98,8 @@ def test_mismatched_config_is_refused(tmp_path):
   with pytest.raises(CheckpointError, match="rows per micro-batch"):
     _run(tmp_path, **{"steps": 4, "data.global_batch_size": 16})
   # Same shapes, another function: an SP checkpoint does not resume as muP.
-  with pytest.raises(CheckpointError, match="model.parametrization='sp', the config has 'mup'"):
+  with pytest.raises(CheckpointError, match="model.parametrization='sp', the config has 'mup' "
+                                            r"\(its config: --config.model.parametrization=sp\)"):
     _run(tmp_path, **{"steps": 4, "model.parametrization": "mup", "model.base_width": 16})
   # Run length, logging, checkpoint intervals and the learning rate may change, and muP at its
   # base width (SP exactly; models/config.py compares what the weights compute).

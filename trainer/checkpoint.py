@@ -40,7 +40,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data import pipeline
-from models.config import ModelConfig, functional_differences
+from models.config import ModelConfig, functional_differences, overrides_to_match
 
 
 SAVE_SWITCH_INTERVAL = 2e-4  # seconds; see _short_gil_switch_interval
@@ -96,7 +96,8 @@ def describe_mismatch(saved_config: dict, config: dict, saved_tree, target_tree)
                                          ModelConfig.from_config(config["model"]))
     if differences:
       key, a, b = differences[0]
-      return f"it was written with model.{key}={a!r}, the config has {b!r}"
+      return (f"it was written with model.{key}={a!r}, the config has {b!r} (its config: "
+              f"{overrides_to_match(differences)})")
   for key in MUST_MATCH:
     a, b = _get(saved_config, key), _get(config, key)
     if a is not None and a != b:
