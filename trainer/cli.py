@@ -101,9 +101,7 @@ def _parse_value(text: str, current, key: str):
         return False
       raise ValueError
     if kind is int:
-      value = ast.literal_eval(text)
-      if isinstance(value, float) and value.is_integer():  # 2e9 tokens, 1e6 steps
-        value = int(value)
+      value = in_type(int, ast.literal_eval(text))  # 2e9 tokens, 1e6 steps
       if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError
       return value
@@ -199,6 +197,16 @@ def load_from_cli(path: str, args: Sequence[str], *, devices=None) -> ml_collect
   return cfg
 
 
+def in_type(want: type, value):
+  """A number in the key's numeric type when that keeps its value: an int for a float key, an
+  integral float (2e9) for an int key; anything else as it is."""
+  if want is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if want is int and isinstance(value, float) and value.is_integer():
+    return int(value)
+  return value
+
+
 def _merge(dst, src, where, prefix=""):
   for key in src.keys():
     value = src[key]
@@ -206,10 +214,7 @@ def _merge(dst, src, where, prefix=""):
       _merge(dst[key], value, where, prefix + key + ".")
       continue
     want = type(dst[key])
-    if want is float and isinstance(value, int) and not isinstance(value, bool):
-      value = float(value)
-    if want is int and isinstance(value, float) and value.is_integer():  # 2e9 tokens
-      value = int(value)
+    value = in_type(want, value)
     if type(value) is not want:
       raise ConfigError(f"{where}: {prefix}{key}={value!r} should be a {want.__name__}")
     dst[key] = value
