@@ -151,8 +151,7 @@ class HFTokenizer:
     return out
 
   def decode(self, ids) -> str:
-    special = {self.bos_id, self.eos_id, self.pad_id}
-    return self._tok.decode([int(i) for i in np.asarray(ids) if int(i) not in special],
+    return self._tok.decode([int(i) for i in np.asarray(ids) if int(i) not in self._special],
                             skip_special_tokens=True)
 
   def files(self) -> list[str]:
