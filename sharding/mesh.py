@@ -141,7 +141,7 @@ def over_replicas(sharding: NamedSharding) -> NamedSharding:
 def fold_replicas(mesh: Mesh) -> Mesh:
   """The same devices in the same order as a plain five-axis mesh: the `replica` axis merged into
   `data` (the replicas' devices become data-parallel), what plain data parallelism runs on in
-  place of DiLoCo (trainer/diloco.py compares the two programs' communication)."""
+  place of DiLoCo (trainer/communication.py compares the two programs' communication)."""
   shape = dict(mesh.shape)
   grid = mesh.devices.reshape(shape[REPLICA_AXIS] * shape["data"], *mesh.devices.shape[2:])
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from optim.diloco import DiLoCoConfig
+
 # What is read back for a step that is not a log step: enough to report a skipped update.
 FLAG_KEYS = ("loss", "skipped", "nonfinite", "spike")
 
@@ -104,7 +106,7 @@ class Decider:
     self.log_every = cfg.log_every
     self.eval_every = cfg.eval_every if evaluating else 0
     self.noise_every = cfg.optim.noise_scale_every
-    self.outer_every = cfg.optim.diloco.inner_steps if cfg.optim.diloco.replicas else 0
+    self.diloco = DiLoCoConfig.from_config(cfg.optim)
     self.save_every = cfg.checkpoint.every_steps
     self.save_seconds = cfg.checkpoint.every_seconds
     self.signals = signals
@@ -145,7 +147,7 @@ class Decider:
     preempted = self._preempted(step)
     save = (bool(self.save_every) and step % self.save_every == 0) or due_time or final
     evaluate = bool(self.eval_every) and (step % self.eval_every == 0 or final)
-    outer = bool(self.outer_every) and step % self.outer_every == 0
+    outer = self.diloco is not None and self.diloco.is_outer_step(step)
     return Decision(log=log, save=save or preempted is not None, evaluate=evaluate,
                     final=final, preempted=preempted, outer=outer)
 

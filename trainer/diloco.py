@@ -37,15 +37,14 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optim.diloco import outer_update
 from sharding.mesh import over_replicas, replicated
 from sharding.rules import REPLICA_AXIS
-from trainer.state import (ModelSpec, TrainState, init_guard, optimizer_shardings,
-                           state_shardings as plain_state_shardings)
+from trainer.state import (ModelSpec, TrainState, fresh_state, init_sharded, optimizer_shardings,
+                           state_shardings as plain_state_shardings, with_shardings)
 from trainer.step import loss_sums, make_train_step
 
 # Metrics summed over the replicas when read back (counts); the others are averaged.
@@ -83,29 +82,25 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation,
 
 def _state_from_params(params, tx, outer_tx, replicas: int) -> DiLoCoState:
   """Every replica at `params` with a fresh inner optimizer state; anchor `params`."""
+  inner = fresh_state(tx, params)
   stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
-  return DiLoCoState(step=jnp.zeros((), jnp.int32), params=stack(params),
-                     opt_state=stack(tx.init(params)), guard=stack(init_guard()),
-                     anchor=params, outer_opt_state=outer_tx.init(params))
+  return DiLoCoState(step=inner.step, params=stack(params), opt_state=stack(inner.opt_state),
+                     guard=stack(inner.guard), anchor=params,
+                     outer_opt_state=outer_tx.init(params))
 
 
 def abstract_state(spec: ModelSpec, tx, outer_tx, replicas: int) -> DiLoCoState:
   """ShapeDtypeStructs (with target shardings) of the DiLoCoState, for restoring checkpoints."""
   shapes = jax.eval_shape(lambda p: _state_from_params(p, tx, outer_tx, replicas),
                           spec.abstract_params)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      shapes, state_shardings(spec, tx, outer_tx))
+  return with_shardings(shapes, state_shardings(spec, tx, outer_tx))
 
 
 def init_state(spec: ModelSpec, tx, outer_tx, replicas: int, params=None) -> DiLoCoState:
   """A fresh state: the model initialised from the run's seed (the same parameters a plain run
   starts from) or `params`, copied to every replica and the anchor."""
-  shardings = state_shardings(spec, tx, outer_tx)
-  build = lambda p: _state_from_params(p, tx, outer_tx, replicas)
-  if params is not None:
-    return jax.jit(build, in_shardings=(shardings.anchor,), out_shardings=shardings)(params)
-  return jax.jit(lambda: build(nnx.to_pure_dict(nnx.state(spec.make_model(), nnx.Param))),
-                 out_shardings=shardings)()
+  return init_sharded(spec, lambda p: _state_from_params(p, tx, outer_tx, replicas),
+                      state_shardings(spec, tx, outer_tx), params)
 
 
 def split_rows(x: jax.Array, replicas: int, axis: int) -> jax.Array:
