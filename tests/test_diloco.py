@@ -18,6 +18,8 @@ from trainer import checkpoint, communication
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError
 from trainer.config_checks import validate
+from trainer.decisions import FLAG_KEYS, MetricsWindow
+from trainer.diloco import reduce_metrics
 from trainer.loop import Run
 from trainer.program import Program, run_mesh
 
@@ -90,6 +92,36 @@ def test_h1_outer_sgd_rate_1_is_data_parallelism(data_dir, devices, momentum):
   for r in range(2):  # every replica restarts from the anchor
     _assert_trees_close(jax.tree.map(lambda p: p[r], state.params), state.anchor, rtol=0, atol=0)
   assert want[-1] < want[0]
+
+
+def test_the_logged_loss_weights_the_replicas_by_their_target_tokens(data_dir, devices):
+  """The row a DiLoCo run logs (`reduce_metrics`, dispatched as the step is added to the metrics
+  window) is the global batch's: at step 1, every replica at the same parameters, its loss is
+  data parallelism's loss per target token although the replicas' rows hold different numbers
+  of target tokens; counts are summed; on a step that does not log, the flags alone reduce."""
+  cfg = _cfg()
+  batch = _batches(data_dir, cfg, 1)[0]
+  rows, seq = batch["loss_mask"].shape[1:]
+  batch["loss_mask"][:, :rows // 2, seq // 4:] = 0  # replica 0's rows: a quarter of the targets
+  rows_out = {}
+  for replicas in (2, 0):
+    c = cfg.copy_and_resolve_references()
+    c.optim.diloco.replicas = replicas
+    program = Program(c, run_mesh(c, devices))
+    window = MetricsWindow(reduce_metrics(program.mesh) if replicas else None)
+    with jax.set_mesh(program.mesh):
+      sharded = {k: jax.device_put(v, program.batch_sharding) for k, v in batch.items()}
+      _, metrics = program.jitted_step(logs=True)(program.init_state(), sharded)
+      if replicas:
+        tokens = jax.device_get(metrics["target_tokens"])
+        assert tokens[0] < tokens[1] / 2, tokens  # the replicas' counts differ
+      window.add(1, metrics, log=True)
+      window.add(2, metrics, log=False)
+      rows_out[replicas] = {s: m for s, m, _ in window.read()}
+  diloco, plain = rows_out[2], rows_out[0]
+  assert diloco[1]["target_tokens"] == plain[1]["target_tokens"]
+  np.testing.assert_allclose(diloco[1]["loss"], plain[1]["loss"], rtol=1e-6)
+  assert set(diloco[2]) == set(FLAG_KEYS) and diloco[2]["loss"] == diloco[1]["loss"]
 
 
 def test_one_replica_is_the_lookahead_step_computed_by_hand(data_dir, devices):

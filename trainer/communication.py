@@ -17,6 +17,7 @@ all-gathers, tensor-parallel reductions) is the same in both and not counted.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from sharding.collectives import collectives, crossing, total_bytes
 from sharding.mesh import fold_replicas, replica_count
@@ -32,7 +33,7 @@ class Communication:
   inner_ops: int  # how many such collectives the inner step has (0, or a bug)
   outer_bytes: float | None  # per outer step
   data_parallel_bytes: float | None  # per step of plain data parallelism
-  data_parallel_measured: bool = True
+  data_parallel_compile_seconds: float = 0.0  # what compiling that step to count it took
 
   @property
   def per_step(self) -> float | None:
@@ -47,12 +48,12 @@ class Communication:
     out = [f"communication across the {self.replicas} replicas, bytes per device from the "
            f"compiled programs: inner step {inner}; outer step {_size(self.outer_bytes)} every "
            f"{self.inner_steps} steps = {_size(self.per_step)} per step"]
-    if self.data_parallel_measured:
-      ratio = (f", {self.data_parallel_bytes / self.per_step:.1f}x DiLoCo's"
-               if self.per_step and self.data_parallel_bytes else "")
-      out.append(f"plain data parallelism on the same devices: "
-                 f"{_size(self.data_parallel_bytes)} per step between the same device blocks"
-                 + ratio)
+    ratio = (f", {self.data_parallel_bytes / self.per_step:.1f}x DiLoCo's"
+             if self.per_step and self.data_parallel_bytes else "")
+    out.append(f"plain data parallelism on the same devices: "
+               f"{_size(self.data_parallel_bytes)} per step between the same device blocks"
+               f"{ratio} (its step compiled to count them in "
+               f"{self.data_parallel_compile_seconds:.1f}s)")
     return out
 
   def row(self) -> dict:
@@ -60,7 +61,8 @@ class Communication:
     return {"comm/replicas": self.replicas, "comm/inner_steps": self.inner_steps,
             "comm/inner_step_bytes": self.inner_bytes, "comm/inner_step_ops": self.inner_ops,
             "comm/outer_step_bytes": self.outer_bytes, "comm/bytes_per_step": self.per_step,
-            "comm/data_parallel_bytes_per_step": self.data_parallel_bytes}
+            "comm/data_parallel_bytes_per_step": self.data_parallel_bytes,
+            "comm/data_parallel_compile_seconds": self.data_parallel_compile_seconds}
 
 
 def replica_labels(mesh) -> list[int]:
@@ -77,22 +79,21 @@ def crossing_bytes(compiled, labels) -> tuple[float | None, int]:
   return total_bytes(ops), len(ops)
 
 
-def measure(program: Program, inner, outer, num_micro: int | None = None, *,
-            data_parallel: bool = True) -> Communication:
-  """The `Communication` of a DiLoCo `program` from its compiled inner and outer steps; with
-  `data_parallel`, plain data parallelism's step (for `num_micro` micro-batches, default the
-  config's) is compiled and counted too."""
+def measure(program: Program, inner, outer, num_micro: int | None = None) -> Communication:
+  """The `Communication` of a DiLoCo `program` from its compiled inner and outer steps, and of
+  plain data parallelism's step (for `num_micro` micro-batches, default the config's), compiled
+  here to be counted (its compile time is reported: it is start-up time DiLoCo runs spend)."""
   labels = replica_labels(program.mesh)
   inner_bytes, inner_ops = crossing_bytes(inner, labels)
   outer_bytes, _ = crossing_bytes(outer, labels)
-  dp_bytes = None
-  if data_parallel:
-    cfg = program.cfg.copy_and_resolve_references()
-    cfg.optim.diloco.replicas = 0
-    dp = Program(cfg, fold_replicas(program.mesh))
-    dp_bytes, _ = crossing_bytes(dp.compile(num_micro), labels)
+  cfg = program.cfg.copy_and_resolve_references()
+  cfg.optim.diloco.replicas = 0
+  t0 = time.perf_counter()
+  dp = Program(cfg, fold_replicas(program.mesh)).compile(num_micro)
+  seconds = time.perf_counter() - t0
+  dp_bytes, _ = crossing_bytes(dp, labels)
   return Communication(program.diloco.replicas, program.diloco.inner_steps, inner_bytes,
-                       inner_ops, outer_bytes, dp_bytes, data_parallel)
+                       inner_ops, outer_bytes, dp_bytes, seconds)
 
 
 def _size(n: float | None) -> str:
