@@ -9,17 +9,18 @@ devices (`--mesh`, axis=size pairs; the device count is their product), compiled
 run: the numbers are read from the optimized HLO, so they are exact for XLA's CPU SPMD
 partitioner, and the same partitioner (GSPMD/Shardy) decides the collectives on GPU and TPU,
 whose backends may still combine or reorder them. Per variant: the number of all-gather,
-all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes of their
-results on one device (the partitioned program's shapes are per device: for an all-reduce the
-bytes reduced, for an all-gather the gathered array), then the difference from the first
-variant; and each variant's FLOPs per device from XLA's cost analysis (`tools.aot`). Counts
-are per step program (a micro-batched step's loop body counted once).
+all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes they move per
+device per step, then the difference from the first variant; and each variant's FLOPs per
+device from XLA's cost analysis (`tools.aot`). The HLO is read by `sharding.collectives`, the
+reader DiLoCo's communication report uses (its docstring says which array of each kind is
+counted: an all-reduce's, an all-gather's gathered result, a reduce-scatter's operand): each op
+is counted once, and its bytes times the trips of the loops around it (the scanned layers, the
+micro-batches).
 """
 from __future__ import annotations
 
 import math
 import os
-import re
 import sys
 
 FAKE_DEVICES = 8  # CPU devices the program is compiled for (set before jax is imported)
@@ -28,33 +29,21 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import variants as variants_bench  # noqa: E402
+from sharding.collectives import collectives, total_bytes  # noqa: E402
 
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"\s(" + "|".join(KINDS) + r")(?:-start)?\(")
-_SHAPE = re.compile(r"\b(f64|f32|bf16|f16|s64|s32|u32|s16|u16|s8|u8|pred|f8e4m3fn|f8e5m2)"
-                    r"\[([0-9,]*)\]")
-_BYTES = {"f64": 8, "s64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-          "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}
 
 
-def collectives(hlo_text: str) -> dict[str, tuple[int, int]]:
-  """{kind: (ops, bytes of their results)} of an optimized HLO module's text."""
-  out = {k: [0, 0] for k in KINDS}
-  for line in hlo_text.splitlines():
-    m = _OP.search(line)
-    if m is None or " = " not in line:
-      continue
-    result = line.split(" = ", 1)[1][:m.start()]
-    size = 0
-    for dtype, dims in _SHAPE.findall(result):
-      n = 1
-      for d in filter(None, dims.split(",")):
-        n *= int(d)
-      size += n * _BYTES[dtype]
-    out[m.group(1)][0] += 1
-    out[m.group(1)][1] += size
-  return {k: (v[0], v[1]) for k, v in out.items()}
+def summarize(hlo_text: str) -> dict[str, tuple[int, float | None]]:
+  """{kind: (ops, bytes per device per step)} of an optimized HLO module's text, read by
+  `sharding.collectives` (the bytes of each op times the runs of the loops around it; None
+  where a loop's trip count is unknown). Kinds outside KINDS (multi-slice transfers) are kept
+  under their own names."""
+  ops = collectives(hlo_text)
+  kinds = list(KINDS) + sorted({op.kind for op in ops} - set(KINDS))
+  return {k: (sum(op.kind == k for op in ops), total_bytes([op for op in ops if op.kind == k]))
+          for k in kinds}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -110,7 +99,7 @@ def main(argv=None):
       program = Program(cfg, make_mesh(cfg.mesh, jax.devices()[:devices]))
       lowered = program.lower()
       compiled = lowered.compile()
-      counts[value] = collectives(compiled.as_text())
+      counts[value] = summarize(compiled.as_text())
       loops = aot.while_loops(lowered)
       flops[value] = (aot.compiled_costs(compiled).xla_flops or 0.0,
                       f" (a loop body counted once: {loops} loops)" if loops else "")
@@ -118,13 +107,15 @@ def main(argv=None):
     for value, (f, note) in flops.items():
       print(f"  {key}={value}: {f / 1e9:.2f} GFLOP per device (XLA's cost analysis{note}), "
             f"x{f / flops[values[0]][0]:.3f} the first's")
+    mib = lambda b: "? MiB (a loop of unknown trip count)" if b is None else f"{b / 2**20:.2f} MiB"
     for value, c in counts.items():
       parts = []
-      for kind in KINDS:
-        (ops, size), (ops0, size0) = c[kind], first[kind]
+      for kind in c:
+        (ops, size), (ops0, size0) = c[kind], first.get(kind, (0, 0.0))
         if ops or ops0:
-          delta = "" if c is first else f" ({ops - ops0:+d} ops, {(size - size0) / 2**20:+.2f} MiB)"
-          parts.append(f"{kind} {ops} ops {size / 2**20:.2f} MiB{delta}")
+          delta = "" if c is first else f" ({ops - ops0:+d} ops, " + (
+              f"{(size - size0) / 2**20:+.2f} MiB)" if None not in (size, size0) else "? MiB)")
+          parts.append(f"{kind} {ops} ops {mib(size)}{delta}")
       print(f"  {key}={value}: " + ("; ".join(parts) or "no collectives"))
   return 0
 

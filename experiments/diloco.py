@@ -176,12 +176,15 @@ def main(argv: list[str]) -> int:
 
 def host_devices(argv: list[str]) -> None:
   """`--devices` host devices for this process (the command's own, set before jax starts its
-  backend; in-process callers such as the tests keep the devices they have)."""
-  devices = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), None)
-  if devices is None and "--devices" in argv:
-    devices = argv[argv.index("--devices") + 1]
+  backend; in-process callers such as the tests keep the devices they have). A mistake on the
+  command line is left to `main`, which reports it in one line."""
+  from trainer.config import ConfigError  # noqa: PLC0415
+  try:
+    devices = build_parser().parse_known_args(argv)[0].devices
+  except ConfigError:
+    return
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             f" --xla_force_host_platform_device_count={devices or 4}").strip()
+                             f" --xla_force_host_platform_device_count={devices}").strip()
 
 
 if __name__ == "__main__":

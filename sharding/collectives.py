@@ -17,15 +17,17 @@ wrapped in an `async-start`), each with
 
 Multi-slice TPU programs move data between slices (over the data-center network) by host
 transfers of the Megascale runtime instead: each is listed as a `dcn-<transfer type>` collective
-(`dcn-all-reduce`, ...) with the bytes of the array it sends and no groups (it joins slices,
-which `crossing` counts as joining any two labels: right when every label is its own slices, as
-DiLoCo's replicas in `tools.aot`).
+(`dcn-all-reduce`, ...) with the bytes of the array it sends and no groups: it joins devices of
+different slices, but which slices the HLO does not say. `crossing` therefore counts one as
+joining two labels when no label spans two slices (DiLoCo's replicas each inside one slice:
+then any two slices hold different replicas), and `unattributed` lists those it cannot place
+(a label spanning several slices: the transfer may stay inside it or cross).
 
 Replica groups come in four spellings, all read here: explicit lists `{{0,1},{2,3}}`, XLA's iota
 form `[2,4]<=[4,2]T(1,0)`, its mesh form `mesh['x'=2,'y'=4] {'y'}` (with sub-axes `'y':(2)2` and
 an optional `device_ids=(...)`), and `{}` (every device in one group); collective-permutes name
 `source_target_pairs`. `crossing(ops, labels)` keeps the ops whose groups join devices with
-different labels (e.g. DiLoCo's replicas: `trainer/diloco.py` counts the bytes that cross them).
+different labels (e.g. DiLoCo's replicas: `trainer/communication.py` counts the bytes that cross them).
 """
 from __future__ import annotations
 
@@ -297,16 +299,46 @@ def collectives(hlo_text: str) -> list[Collective]:
   return out
 
 
-def crossing(ops: Sequence[Collective], labels: Sequence) -> list[Collective]:
+def is_dcn(op: Collective) -> bool:
+  """A transfer between slices (module docstring): its groups are unknown, not `{}`."""
+  return op.kind.startswith("dcn-")
+
+
+def spans_slices(labels: Sequence, slices: Sequence | None) -> bool:
+  """Whether some label's devices lie in more than one slice (`slices`: the slice of each device
+  position; None: one slice)."""
+  if slices is None:
+    return False
+  seen: dict = {}
+  return any(seen.setdefault(label, s) != s for label, s in zip(labels, slices))
+
+
+def crossing(ops: Sequence[Collective], labels: Sequence,
+             slices: Sequence | None = None) -> list[Collective]:
   """The collectives some group of which joins devices of different `labels` (one label per
-  device position of the program). A group-less op (`{}`: all devices) crosses any two labels."""
+  device position of the program). A group-less op (`{}`: all devices) crosses any two labels; a
+  transfer between slices does when no label spans two `slices` (module docstring; those it
+  cannot place are `unattributed`)."""
   distinct = len(set(labels)) > 1
   out = []
   for op in ops:
+    if is_dcn(op):
+      if distinct and not spans_slices(labels, slices):
+        out.append(op)
+      continue
     groups = op.groups or ((),)
     if any(len({labels[i] for i in g}) > 1 if g else distinct for g in groups):
       out.append(op)
   return out
+
+
+def unattributed(ops: Sequence[Collective], labels: Sequence,
+                 slices: Sequence | None = None) -> list[Collective]:
+  """The transfers between slices that `crossing` cannot place: with more than one label and a
+  label spanning several slices, the HLO does not say whether a transfer joins two labels."""
+  if len(set(labels)) < 2 or not spans_slices(labels, slices):
+    return []
+  return [op for op in ops if is_dcn(op)]
 
 
 def total_bytes(ops: Sequence[Collective]) -> float | None:

@@ -58,12 +58,17 @@ def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int, slices: int = 1,
   """(sizes inside a slice, sizes across slices) of every mesh axis, each with at most one -1
   filled: `mesh.<axis>` multiply to the devices of one slice, `mesh.dcn_<axis>` to `slices`.
 
-  `replicas` M >= 1 (DiLoCo, `optim.diloco.replicas`) adds the `replica` axis in front: it
-  crosses as many slices as it can (gcd(M, slices) of its M, the rest inside a slice), so that
-  replicas are whole slices where the slices allow; the other axes then fill one replica (the
+  `replicas` M >= 1 (DiLoCo, `optim.diloco.replicas`) adds the `replica` axis in front: M is a
+  multiple of the slices (each slice holds M / slices replicas) or a divisor (each replica is
+  slices / M whole slices), and the axis crosses min(M, slices) slices; the other axes then fill one replica (the
   `mesh.dcn_*` multiply to the slices of one replica, `mesh.*` to its devices in a slice)."""
   if num_devices % slices:
     raise MeshError(f"{num_devices} devices do not split evenly into {slices} slices")
+  if replicas and replicas % slices and slices % replicas:
+    raise MeshError(
+        f"optim.diloco.replicas={replicas} on {slices} slices: a replica must be whole slices "
+        f"or lie inside one (a multiple or a divisor of {slices}), so that what crosses "
+        f"replicas is what crosses slices; use e.g. {slices} or {2 * slices}")
   per_slice = num_devices // slices
   dcn_r = math.gcd(replicas, slices) if replicas else 1
   ici_r = replicas // dcn_r if replicas else 1
@@ -141,7 +146,7 @@ def over_replicas(sharding: NamedSharding) -> NamedSharding:
 def fold_replicas(mesh: Mesh) -> Mesh:
   """The same devices in the same order as a plain five-axis mesh: the `replica` axis merged into
   `data` (the replicas' devices become data-parallel), what plain data parallelism runs on in
-  place of DiLoCo (trainer/diloco.py compares the two programs' communication)."""
+  place of DiLoCo (trainer/communication.py compares the two programs' communication)."""
   shape = dict(mesh.shape)
   grid = mesh.devices.reshape(shape[REPLICA_AXIS] * shape["data"], *mesh.devices.shape[2:])
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -101,13 +101,24 @@ def test_step_profile_sorts_the_traced_kernels_into_kinds(capsys):
 
 
 def test_collectives_reads_ops_and_bytes_from_hlo():
-  """bench/collectives.py's HLO reader: ops by kind and the bytes of their (per-device) results."""
+  """bench/collectives.py's summary (read by sharding.collectives): ops by kind, bytes per device
+  per step, a collective in a loop counted once as an op and its trips times in the bytes."""
   bench = bench_module("collectives")
-  hlo = ("  %all-gather.1 = f32[4,8]{1,0} all-gather(f32[1,8]{1,0} %p), dimensions={0}\n"
-         "  %ar = (f32[2]{0}, bf16[3,4]{1,0}) all-reduce(%a, %b), to_apply=%sum\n"
-         "  %x = f32[4]{0} add(%all-gather.1, %y)\n")
-  got = bench.collectives(hlo)
-  assert got["all-gather"] == (1, 128) and got["all-reduce"] == (1, 8 + 24)
+  hlo = """HloModule m
+
+%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %ar2 = f32[2]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %all-gather.1 = f32[4,8]{1,0} all-gather(f32[1,8]{1,0} %p), replica_groups={{0,1,2,3}}, dimensions={0}
+  %ar = (f32[2]{0}, bf16[3,4]{1,0}) all-reduce(%a, %b), replica_groups={{0,1}}, to_apply=%sum
+  %x = f32[4]{0} add(%all-gather.1, %y)
+  %w = (s32[], f32[4]) while(%t), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+}
+"""
+  got = bench.summarize(hlo)
+  assert got["all-gather"] == (1, 128) and got["all-reduce"] == (2, 8 + 24 + 5 * 8)
   assert got["all-to-all"] == (0, 0)
 
 

@@ -79,7 +79,8 @@ def test_window_reads_flags_of_unlogged_steps():
   window = MetricsWindow()
   for step in (1, 2, 3):
     m = {"loss": np.float32(step), "skipped": np.int32(step == 2), "nonfinite": np.int32(0),
-         "spike": np.int32(step == 2), "grad_norm": np.float32(1.0)}
+         "spike": np.int32(step == 2), "grad_norm": np.float32(1.0),
+         "target_tokens": np.int32(64)}
     window.add(step, m, log=step == 3)
   first = window.read(upto=2)
   assert [(s, h["skipped"], "grad_norm" in h) for s, h, _ in first] == [(1, 0, False),

@@ -12,12 +12,14 @@ import pytest
 import train
 from conftest import losses, metric_rows, tiny_config, tiny_config_file
 from data import pipeline
-from sharding.collectives import collectives, crossing
-from sharding.mesh import fold_replicas, make_mesh, resolve_mesh
+from sharding.collectives import collectives, crossing, unattributed
+from sharding.mesh import MeshError, fold_replicas, make_mesh, resolve_mesh
 from trainer import checkpoint, communication
 from trainer.checkpoint import Checkpointer
 from trainer.config import ConfigError
 from trainer.config_checks import validate
+from trainer.decisions import FLAG_KEYS, MetricsWindow
+from trainer.diloco import reduce_metrics
 from trainer.loop import Run
 from trainer.program import Program, run_mesh
 
@@ -90,6 +92,36 @@ def test_h1_outer_sgd_rate_1_is_data_parallelism(data_dir, devices, momentum):
   for r in range(2):  # every replica restarts from the anchor
     _assert_trees_close(jax.tree.map(lambda p: p[r], state.params), state.anchor, rtol=0, atol=0)
   assert want[-1] < want[0]
+
+
+def test_the_logged_loss_weights_the_replicas_by_their_target_tokens(data_dir, devices):
+  """The row a DiLoCo run logs (`reduce_metrics`, dispatched as the step is added to the metrics
+  window) is the global batch's: at step 1, every replica at the same parameters, its loss is
+  data parallelism's loss per target token although the replicas' rows hold different numbers
+  of target tokens; counts are summed; on a step that does not log, the flags alone reduce."""
+  cfg = _cfg()
+  batch = _batches(data_dir, cfg, 1)[0]
+  rows, seq = batch["loss_mask"].shape[1:]
+  batch["loss_mask"][:, :rows // 2, seq // 4:] = 0  # replica 0's rows: a quarter of the targets
+  rows_out = {}
+  for replicas in (2, 0):
+    c = cfg.copy_and_resolve_references()
+    c.optim.diloco.replicas = replicas
+    program = Program(c, run_mesh(c, devices))
+    window = MetricsWindow(reduce_metrics(program.mesh) if replicas else None)
+    with jax.set_mesh(program.mesh):
+      sharded = {k: jax.device_put(v, program.batch_sharding) for k, v in batch.items()}
+      _, metrics = program.jitted_step(logs=True)(program.init_state(), sharded)
+      if replicas:
+        tokens = jax.device_get(metrics["target_tokens"])
+        assert tokens[0] < tokens[1] / 2, tokens  # the replicas' counts differ
+      window.add(1, metrics, log=True)
+      window.add(2, metrics, log=False)
+      rows_out[replicas] = {s: m for s, m, _ in window.read()}
+  diloco, plain = rows_out[2], rows_out[0]
+  assert diloco[1]["target_tokens"] == plain[1]["target_tokens"]
+  np.testing.assert_allclose(diloco[1]["loss"], plain[1]["loss"], rtol=1e-6)
+  assert set(diloco[2]) == set(FLAG_KEYS) and diloco[2]["loss"] == diloco[1]["loss"]
 
 
 def test_one_replica_is_the_lookahead_step_computed_by_hand(data_dir, devices):
@@ -234,6 +266,39 @@ ENTRY %main (a: f32[4]) -> f32[4] {
   assert crossing(list(ops.values()), [0, 0]) == []
 
 
+def test_a_transfer_between_slices_is_placed_only_where_no_replica_spans_two_slices():
+  """A Megascale transfer names no slices: it crosses replicas for sure when each replica lies
+  inside one slice (one or several replicas per slice); when a replica spans slices it may stay
+  inside one, so it is unplaced and the bytes that include it are unknown, said in a line."""
+  hlo = ("HloModule m\n\nENTRY %main (a: f32[4]) -> f32[4] {\n"
+         '  %send = (f32[4,8]{1,0}, u32[], token[]) send(%b, %t), channel_id=2, '
+         'is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name='
+         '"xla_megascale_runtime",_xla_megascale_transfer_type="ALL_REDUCE"}\n'
+         "  %ar = f32[2]{0} all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%add\n}\n")
+  ops = collectives(hlo)
+  dcn = [op for op in ops if op.kind == "dcn-all-reduce"]
+  replicas = [0, 0, 1, 1]
+  for slices in ([0, 0, 1, 1], [0, 0, 0, 0], None):  # a replica per slice; two in one slice
+    assert crossing(ops, replicas, slices) == dcn and unattributed(ops, replicas, slices) == []
+  in_slice = [op for op in ops if op not in dcn]
+  # replicas interleaved over two slices: the in-slice all-reduce crosses, the transfer unplaced
+  assert crossing(ops, [0, 1, 0, 1], [0, 0, 1, 1]) == in_slice
+  assert unattributed(ops, [0, 1, 0, 1], [0, 0, 1, 1]) == dcn
+  spanning = [0, 1, 2, 3]  # each replica two slices
+  assert crossing(ops, replicas, spanning) == [] and unattributed(ops, replicas, spanning) == dcn
+  assert crossing(ops, [0, 0, 0, 0], spanning) == unattributed(ops, [0] * 4, spanning) == []
+
+  class Compiled:
+    def as_text(self):
+      return hlo
+
+  assert communication.crossing_bytes(Compiled(), replicas, [0, 0, 1, 1]) == (128.0, 1, 0)
+  assert communication.crossing_bytes(Compiled(), replicas, spanning) == (None, 0, 1)
+  report = communication.Communication(2, 4, None, 0, None, None, 1.0, unplaced=2)
+  assert "inner step an unknown number of bytes" in report.lines()[0]
+  assert "2 transfer(s) between slices could not be placed" in report.lines()[-1]
+
+
 # ------------------------------------------------------------------------------------------------
 # The mesh
 
@@ -258,6 +323,14 @@ def test_replica_axis_is_outermost_and_splits_the_batch_first(devices):
 def test_replicas_take_whole_slices(replicas, n, slices, ici, dcn):
   got_ici, got_dcn = resolve_mesh({"data": -1, "dcn_data": -1}, n, slices, replicas)
   assert {k: got_ici[k] for k in ici} == ici and {k: got_dcn[k] for k in dcn} == dcn
+
+
+@pytest.mark.parametrize("replicas,slices", [(3, 2), (6, 4), (4, 6)])
+def test_replicas_that_neither_fill_nor_divide_slices_are_refused(replicas, slices):
+  """6 replicas on 4 slices would put parts of slices in a replica and replicas across slices."""
+  with pytest.raises(MeshError, match=rf"optim.diloco.replicas={replicas} on {slices} slices: "
+                     "a replica must be whole slices or lie inside one"):
+    resolve_mesh({"data": -1, "dcn_data": -1}, 48, slices, replicas)
 
 
 # ------------------------------------------------------------------------------------------------

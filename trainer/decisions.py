@@ -37,8 +37,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-# What is read back for a step that is not a log step: enough to report a skipped update.
-FLAG_KEYS = ("loss", "skipped", "nonfinite", "spike")
+from optim.diloco import DiLoCoConfig
+
+# What is read back for a step that is not a log step: enough to report a skipped update (and
+# the target tokens that weight a DiLoCo run's replicas' losses, `trainer.diloco.reduce_metrics`).
+FLAG_KEYS = ("loss", "skipped", "nonfinite", "spike", "target_tokens")
 
 
 class StopSignals:
@@ -104,7 +107,7 @@ class Decider:
     self.log_every = cfg.log_every
     self.eval_every = cfg.eval_every if evaluating else 0
     self.noise_every = cfg.optim.noise_scale_every
-    self.outer_every = cfg.optim.diloco.inner_steps if cfg.optim.diloco.replicas else 0
+    self.diloco = DiLoCoConfig.from_config(cfg.optim)
     self.save_every = cfg.checkpoint.every_steps
     self.save_seconds = cfg.checkpoint.every_seconds
     self.signals = signals
@@ -145,7 +148,7 @@ class Decider:
     preempted = self._preempted(step)
     save = (bool(self.save_every) and step % self.save_every == 0) or due_time or final
     evaluate = bool(self.eval_every) and (step % self.eval_every == 0 or final)
-    outer = bool(self.outer_every) and step % self.outer_every == 0
+    outer = self.diloco is not None and self.diloco.is_outer_step(step)
     return Decision(log=log, save=save or preempted is not None, evaluate=evaluate,
                     final=final, preempted=preempted, outer=outer)
 
@@ -153,7 +156,8 @@ class Decider:
 class MetricsWindow:
   """The device's metrics of the steps not yet read back, read in one transfer. `reduce` (a
   DiLoCo run's `trainer.diloco.reduce_metrics`) turns a step's metrics into the replicated row
-  to read, on the read steps only."""
+  to read; it is dispatched when the step is added, so it queues behind that step and runs while
+  the next one does (a read then only transfers)."""
 
   def __init__(self, reduce=None):
     self._pending: list[tuple[int, dict, bool]] = []
@@ -161,7 +165,10 @@ class MetricsWindow:
 
   def add(self, step: int, metrics: dict, log: bool) -> None:
     """`log`: the whole row is wanted; otherwise only `FLAG_KEYS` are read back."""
-    self._pending.append((step, metrics, log))
+    wanted = metrics if log else {k: metrics[k] for k in FLAG_KEYS}
+    if self._reduce is not None:
+      wanted = self._reduce(wanted)
+    self._pending.append((step, wanted, log))
 
   def read(self, upto: int | None = None) -> list[tuple[int, dict, bool]]:
     """[(step, host metrics, log)] for the pending steps up to `upto` (all by default)."""
@@ -169,10 +176,7 @@ class MetricsWindow:
     self._pending = self._pending[len(take):]
     if not take:
       return []
-    wanted = [m if log else {k: m[k] for k in FLAG_KEYS} for _, m, log in take]
-    if self._reduce is not None:
-      wanted = [self._reduce(m) for m in wanted]
-    host = jax.device_get(wanted)
+    host = jax.device_get([m for _, m, _ in take])
     return [(s, {k: _scalar(v) for k, v in h.items()}, log)
             for (s, _, log), h in zip(take, host)]
 

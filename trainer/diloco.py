@@ -17,8 +17,11 @@ into M blocks of B/M rows, and replica r steps on block r. The program has no co
 `replica` (each replica's reductions stay inside its devices; `trainer/communication.py` reads
 that from the compiled program and the tests assert it). Its metrics keep the [M] dimension,
 sharded over `replica` (gathering them would be a collective over `replica`); `reduce_metrics`
-summarises them when the loop reads them back: counts (`target_tokens`, `skipped`, `nonfinite`,
-`spike`) are summed over the replicas, everything else averaged.
+summarises them into the run's row, dispatched right after the step it reads (so it runs while
+the next step does): counts (`target_tokens`, `skipped`, `nonfinite`, `spike`) are summed over
+the replicas, the loss is weighted by each replica's target tokens (the global batch's mean
+loss per token, as plain data parallelism reports it), everything else averaged (grad_norm,
+update_norm and param_norm are then the replicas' mean norms).
 
 Outer step (`make_outer_step`). A separate small program, run after every H-th inner step
 (`trainer/decisions.py`): the mean over `replica` of the parameters (the only collective that
@@ -37,19 +40,20 @@ import flax
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optim.diloco import outer_update
 from sharding.mesh import over_replicas, replicated
 from sharding.rules import REPLICA_AXIS
-from trainer.state import (ModelSpec, TrainState, init_guard, optimizer_shardings,
-                           state_shardings as plain_state_shardings)
+from trainer.state import (ModelSpec, TrainState, fresh_state, init_sharded, optimizer_shardings,
+                           state_shardings as plain_state_shardings, with_shardings)
 from trainer.step import loss_sums, make_train_step
 
-# Metrics summed over the replicas when read back (counts); the others are averaged.
+# Metrics summed over the replicas (counts); per-token means weighted by the replicas' target
+# tokens; the others are averaged (`reduce_metrics`).
 SUMMED = ("target_tokens", "skipped", "nonfinite", "spike")
+TOKEN_WEIGHTED = ("loss",)
 
 
 @flax.struct.dataclass
@@ -83,29 +87,25 @@ def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation,
 
 def _state_from_params(params, tx, outer_tx, replicas: int) -> DiLoCoState:
   """Every replica at `params` with a fresh inner optimizer state; anchor `params`."""
+  inner = fresh_state(tx, params)
   stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (replicas, *x.shape)), tree)
-  return DiLoCoState(step=jnp.zeros((), jnp.int32), params=stack(params),
-                     opt_state=stack(tx.init(params)), guard=stack(init_guard()),
-                     anchor=params, outer_opt_state=outer_tx.init(params))
+  return DiLoCoState(step=inner.step, params=stack(params), opt_state=stack(inner.opt_state),
+                     guard=stack(inner.guard), anchor=params,
+                     outer_opt_state=outer_tx.init(params))
 
 
 def abstract_state(spec: ModelSpec, tx, outer_tx, replicas: int) -> DiLoCoState:
   """ShapeDtypeStructs (with target shardings) of the DiLoCoState, for restoring checkpoints."""
   shapes = jax.eval_shape(lambda p: _state_from_params(p, tx, outer_tx, replicas),
                           spec.abstract_params)
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                      shapes, state_shardings(spec, tx, outer_tx))
+  return with_shardings(shapes, state_shardings(spec, tx, outer_tx))
 
 
 def init_state(spec: ModelSpec, tx, outer_tx, replicas: int, params=None) -> DiLoCoState:
   """A fresh state: the model initialised from the run's seed (the same parameters a plain run
   starts from) or `params`, copied to every replica and the anchor."""
-  shardings = state_shardings(spec, tx, outer_tx)
-  build = lambda p: _state_from_params(p, tx, outer_tx, replicas)
-  if params is not None:
-    return jax.jit(build, in_shardings=(shardings.anchor,), out_shardings=shardings)(params)
-  return jax.jit(lambda: build(nnx.to_pure_dict(nnx.state(spec.make_model(), nnx.Param))),
-                 out_shardings=shardings)()
+  return init_sharded(spec, lambda p: _state_from_params(p, tx, outer_tx, replicas),
+                      state_shardings(spec, tx, outer_tx), params)
 
 
 def split_rows(x: jax.Array, replicas: int, axis: int) -> jax.Array:
@@ -152,13 +152,25 @@ def metrics_sharding(mesh) -> NamedSharding:
 
 
 def reduce_metrics(mesh):
-  """A jitted `metrics -> metrics` summing the per-replica counts and averaging the rest over
-  the replicas (scalars, e.g. the outer step's, pass through); replicated, so every process can
-  read it (the one collective over `replica` for metrics, run only on the steps read back)."""
+  """A jitted `metrics -> metrics` over the replicas' [M] metrics (module docstring): counts
+  summed, the loss weighted by target tokens, the rest averaged; scalars (the outer step's)
+  pass through. Replicated, so every process can read it: the one collective over `replica`
+  for metrics, a few scalars per step."""
 
   def reduce(metrics: dict) -> dict:
-    return {k: (jnp.sum if k in SUMMED else jnp.mean)(v, axis=0) if v.ndim else v
-            for k, v in metrics.items()}
+    tokens = metrics["target_tokens"].astype(jnp.float32)
+    weights = tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+
+    def one(k, v):
+      if not v.ndim:
+        return v
+      if k in SUMMED:
+        return jnp.sum(v, axis=0)
+      if k in TOKEN_WEIGHTED:
+        return jnp.sum(v * weights, axis=0)
+      return jnp.mean(v, axis=0)
+
+    return {k: one(k, v) for k, v in metrics.items()}
 
   return jax.jit(reduce, out_shardings=replicated(mesh))
 

@@ -124,27 +124,36 @@ def _kept_dims_spec(shape, param_shape, param_spec) -> P | None:
   return P(*found.pop()) if len(found) == 1 else None
 
 
-def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
-  """ShapeDtypeStructs (with target shardings) of the TrainState, for restoring checkpoints."""
-  shardings = state_shardings(spec, tx)
-  shapes = jax.eval_shape(
-      lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), init_guard()),
-      spec.abstract_params)
+def fresh_state(tx: optax.GradientTransformation, params) -> TrainState:
+  """Step 0 at `params`: a fresh optimizer state and guard (traceable: `init_sharded` and
+  `jax.eval_shape` call it; a DiLoCo state builds each replica's part from it)."""
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                    guard=init_guard())
+
+
+def with_shardings(shapes, shardings):
+  """`shapes` (ShapeDtypeStructs, e.g. `jax.eval_shape`'s) carrying `shardings` (a tree of the
+  same structure): the abstract state a checkpoint is restored into."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       shapes, shardings)
 
 
+def init_sharded(spec: ModelSpec, build, shardings, params=None):
+  """`build(params)`, a state made from the model's parameters, jitted straight into
+  `shardings`: from `params` (laid out as `spec.param_shardings`), or from the model initialised
+  from the seed inside the same program, so each device computes only its shards."""
+  if params is not None:
+    return jax.jit(build, in_shardings=(spec.param_shardings,), out_shardings=shardings)(params)
+  init = lambda: build(nnx.to_pure_dict(nnx.state(spec.make_model(), nnx.Param)))
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
+  """ShapeDtypeStructs (with target shardings) of the TrainState, for restoring checkpoints."""
+  return with_shardings(jax.eval_shape(lambda p: fresh_state(tx, p), spec.abstract_params),
+                        state_shardings(spec, tx))
+
+
 def init_state(spec: ModelSpec, tx: optax.GradientTransformation, params=None) -> TrainState:
   """A fresh state; with `params` (e.g. from another run) only the optimizer state is new."""
-  shardings = state_shardings(spec, tx)
-  if params is not None:
-    fresh = lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                 opt_state=tx.init(p), guard=init_guard())
-    return jax.jit(fresh, in_shardings=(shardings.params,), out_shardings=shardings)(params)
-
-  def init():
-    params = nnx.to_pure_dict(nnx.state(spec.make_model(), nnx.Param))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      guard=init_guard())
-
-  return jax.jit(init, out_shardings=shardings)()
+  return init_sharded(spec, lambda p: fresh_state(tx, p), state_shardings(spec, tx), params)
