@@ -18,9 +18,10 @@ Cases: every combination of `--seq`, `--head-dim`, `--kv-heads` (= `--heads`: MH
 GQA) and packing (`--packed`: none, one document per row; docs, rows of packed documents of
 random lengths, at least 64 tokens each), with `--tokens` tokens per call (batch = tokens /
 seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against XLA's
-in fp32 (the largest error relative to the largest output is printed; over 5e-2 in bf16/fp16
-or 1e-3 in fp32 the implementation is reported WRONG and not timed; one that fails to compile,
-e.g. for its tiles, is reported with the error), then timed: jitted, two warm-up calls, then
+in fp32 at the highest matmul precision (not a GPU's TF32 or a TPU's bf16 passes): the largest
+error relative to the largest output is printed; over 5e-2 in bf16/fp16 or 1e-3 in fp32 the
+implementation is reported WRONG and not timed (one that fails to compile, e.g. for its tiles,
+is reported with the error); then it is timed: jitted, two warm-up calls, then
 `--reps` timings of `--calls` calls launched back to back (so launch gaps do not count); the
 median.
 
@@ -127,6 +128,15 @@ def implementation(name: str, tiles):
                                                block_sizes=blocks)), None
 
 
+def fp32_reference(q, k, v, seg):
+  """XLA's attention of fp32 inputs at the highest matmul precision: by default a GPU runs fp32
+  dots in TF32 and a TPU in bf16 passes, which would make the reference as coarse as what it
+  checks."""
+  import jax  # noqa: PLC0415
+  with jax.default_matmul_precision("highest"):  # read when the function is traced, below
+    return jax.jit(implementation("xla", None)[0])(q, k, v, seg)
+
+
 def time_calls(fn, args, reps: int, calls: int) -> float:
   """Median seconds per call over `reps` timings of `calls` back-to-back calls."""
   import jax  # noqa: PLC0415
@@ -177,7 +187,7 @@ def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
   v = jax.random.normal(keys[2], (batch, seq, kv_heads, head_dim), jnp.float32)
   do = jax.random.normal(keys[3], q.shape, jnp.float32).astype(dtype)
   seg = None if packed == "none" else jnp.asarray(segment_ids(batch, seq, seq + head_dim))
-  reference = jax.jit(implementation("xla", None)[0])(q, k, v, seg)
+  reference = fp32_reference(q, k, v, seg)
   q, k, v = (x.astype(dtype) for x in (q, k, v))
   out = {}
   for name, tiles in args.variants.items():

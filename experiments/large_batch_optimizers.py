@@ -3,6 +3,8 @@ learning rate its batch-size rule derives; and each at the small reference batch
 
     python -m experiments.large_batch_optimizers [--batch 256] [--reference_batch 16] \\
         [--examples 32768] [--out docs/large_batch_optimizers]
+        # the defaults: 998 s on this project's 2-core CPU machine (cores shared), for 8
+        # trainings of 32,768 sequences (docs/muon.md)
 
 The claim (You et al. 2017, LARS; You et al. 2019, LAMB): layer-wise trust ratios keep large
 batches trainable with a scaled-up learning rate where the plain optimizer loses accuracy. And
@@ -29,8 +31,8 @@ Every run trains `--examples` sequences: a linear warmup over the first 1/8 of t
 examples, so the same data at both batches), then cosine decay to 0.1x; gradient clipping at
 norm 1 (the config's) for all four. Scored by the final validation loss on 128 sequences.
 
-Measured runtime: see docs/muon.md (8 trainings of 32,768 sequences on 2 shared CPU cores). Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences,
-one panel per batch). Deterministic on a given machine.
+Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences, one panel
+per batch). Deterministic on a given machine.
 """
 from __future__ import annotations
 

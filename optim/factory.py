@@ -30,7 +30,7 @@ update of every *hidden* matrix (a matrix without a `vocab` axis: attention and 
 not the embedding or the LM head) by 1/m after the learning rate (and the weight decay inside
 it), i.e. a per-parameter learning rate lr/m, the Adam rule of Tensor Programs V. It is derived
 for optimizers whose per-coordinate step does not depend on the gradient's scale: adamw,
-adafactor, lion (`MUP_OPTIMIZERS`; trainer/config_checks.py refuses the others). LAMB and
+adafactor, lion (`SCALE_INVARIANT_OPTIMIZERS`; trainer/config_checks.py refuses the others). LAMB and
 LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
 whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
 change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
@@ -66,12 +66,11 @@ from optim import noise_scale
 from optim.ema import ema_params
 from optim.muon import muon
 from optim.ramp import BatchRamp
-from optim.scaling import Hyperparameters, derive
+from optim.scaling import SCALE_INVARIANT_OPTIMIZERS, Hyperparameters, derive
 from optim.schedules import build_schedule
 from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion", "muon")
-MUP_OPTIMIZERS = ("adamw", "adafactor", "lion")  # scale-invariant steps: muP's Adam rule
 
 
 def _is_names(x) -> bool:
@@ -143,11 +142,10 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
   `width_multiplier`: muP's m (`ModelConfig.width_multiplier`); hidden matrices step lr/m.
   `ramp`: the run's own ramp object, shared with the trainer (the batch autopilot grows it)."""
   m = masks(param_names, decay_embeddings=bool(cfg.decay_embeddings))
-  m["names"] = param_names
   if width_multiplier != 1.0:
-    if cfg.name not in MUP_OPTIMIZERS:
-      raise ValueError(f"muP learning-rate multipliers are defined for {MUP_OPTIMIZERS}, "
-                       f"not optim.name={cfg.name!r}")
+    if cfg.name not in SCALE_INVARIANT_OPTIMIZERS:
+      raise ValueError(f"muP learning-rate multipliers are defined for "
+                       f"{SCALE_INVARIANT_OPTIMIZERS}, not optim.name={cfg.name!r}")
     m["lr_multipliers"] = lr_multipliers(param_names, width_multiplier)
   if ramp is None and data is not None:
     ramp = BatchRamp.from_config(data)
@@ -158,7 +156,7 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
     hp = derive(cfg, batch_size, default_batch)
     schedule = build_schedule(cfg, total_steps, ramp, peak=hp.learning_rate,
                               batch_size=batch_size)
-    return _optimizer(cfg, hp, schedule, m), schedule
+    return _optimizer(cfg, hp, schedule, m, param_names), schedule
 
   reference_tx = for_batch(default_batch)[0]
 
@@ -172,8 +170,8 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
 
 def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransformation]:
   """The transformations of an optimizer whose step size does not depend on the gradient's
-  scale, before its weight decay and learning rate: the whole of adamw, adafactor and lion, and
-  Muon's fallback (a list, so that `optax.chain(*...)` keeps each optimizer's state structure)."""
+  scale (SCALE_INVARIANT_OPTIMIZERS), before its weight decay and learning rate: the whole of
+  such an optimizer, and Muon's fallback (a list, so that `optax.chain(*...)` keeps each optimizer's state structure)."""
   if name == "adamw":
     return [optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps)]
   if name == "adafactor":
@@ -182,12 +180,14 @@ def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransf
     return [optax.scale_by_factored_rms(), optax.clip_by_block_rms(1.0)]
   if name == "lion":
     return [optax.scale_by_lion(b1=cfg.b1, b2=hp.b2)]
-  raise ValueError(f"{name!r} has no scale-invariant direction; choose from adamw, adafactor, "
-                   "lion")
+  raise ValueError(f"{name!r} has no scale-invariant direction; choose from "
+                   f"{', '.join(SCALE_INVARIANT_OPTIMIZERS)}")
 
 
-def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransformationExtraArgs:
-  """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA.
+def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names
+               ) -> optax.GradientTransformationExtraArgs:
+  """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA. `m`: the
+  `masks` of `param_names` (+ muP's "lr_multipliers"); `param_names`: the logical axis names.
 
   Every optimizer ends in `scale_by_learning_rate_at(schedule)` (the trainer's step drives the
   schedule) with the weight decay added just before it, so decay is multiplied by the learning
@@ -197,14 +197,14 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m) -> optax.GradientTransform
   decay = optax.add_decayed_weights(wd, mask=m["decay"])
   lr = scale_by_learning_rate_at(schedule)
   name = cfg.name
-  if name in ("adamw", "adafactor", "lion"):
+  if name in SCALE_INVARIANT_OPTIMIZERS:
     # adamw = optax.adamw, lion = optax.lion, same states. optax.adafactor adds its decay after
     # the learning rate (w -= lr * u + wd * w); here it is AdamW's decoupled decay.
     tx = optax.chain(*_direction(name, cfg, hp), decay, lr)
   elif name == "muon":  # optim/muon.py; the fallback's direction on the non-matrices
     mc = cfg.muon
     tx = optax.chain(
-        muon(m["names"], optax.chain(*_direction(mc.fallback, cfg, hp)), beta=float(mc.beta),
+        muon(param_names, optax.chain(*_direction(mc.fallback, cfg, hp)), beta=float(mc.beta),
              ns_steps=int(mc.ns_steps), nesterov=bool(mc.nesterov), rms=float(mc.rms)),
         decay, lr)
   elif name == "lamb":

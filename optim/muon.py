@@ -19,32 +19,42 @@ the parameters, no per-model table):
   * of the remaining (core) axes, a weight lays out its input axes first and its output axes
     last (`models/llama.py:dense`), and every matrix of the model reads from or writes to the
     residual stream: [embed, *out] reads it (wq [embed, heads, head_dim]: one embed x
-    (heads*head_dim) matrix, heads folded into the output dimension; w_gate, w_up, the router
-    [embed, experts]), [*in, embed] writes it (wo [heads, head_dim, embed], w_down
-    [mlp, embed]); a weight without an embed axis and exactly two core axes is [in, out];
+    (heads*head_dim) matrix, heads folded into the output dimension; w_gate, w_up, the MoE
+    router), [*in, embed] writes it (wo [heads, head_dim, embed], w_down [mlp, embed]); a weight
+    without an embed axis and exactly two core axes is [in, out]. The router is named
+    [embed, None] (models/moe.py): its experts axis is unnamed on purpose, replicated (every
+    token scores every expert) and no stack axis, so Muon orthogonalises the whole
+    embed x num_experts router as one matrix;
   * a weight with a `vocab` axis (the embedding table, the LM head) and anything with fewer than
     two core axes goes to the fallback.
 
 The model keeps q, k, v and gate, up as separate weights, so each projection is orthogonalised on
 its own, never their concatenation (Muon on a fused [E, 3HD] qkv weight would couple the three).
 
-Update size (`optim.muon.rms`). With rms = r > 0 the orthogonalised update of a fan_in x fan_out
-matrix is multiplied by r sqrt(max(fan_in, fan_out)) (Liu et al. 2025, eq. 4: an orthogonal
-matrix's RMS is 1/sqrt(max(...)), so the update's RMS becomes r; r = 0.2 matches AdamW's typical
-update RMS of 0.2-0.4), so an AdamW config's learning rate and weight decay carry over
-unchanged, also to the fallback parameters, which share the one learning rate. rms = 0 is
-Jordan's original scaling, sqrt(max(1, fan_out / fan_in)), with which Muon needs its own,
-larger learning rate (0.02 in modded-nanogpt). Weight decay is the factory's for every
-optimizer: w -= lr * (update + wd * w), Liu et al.'s decoupled decay.
+Update size (`optim.muon.rms`). The matrices and the fallback share one learning rate
+(`optim.learning_rate`); `rms` sets the matrices' step relative to the fallback's. With
+rms = r > 0 the orthogonalised update of a fan_in x fan_out matrix is multiplied by
+r sqrt(max(fan_in, fan_out)) (Liu et al. 2025, eq. 4: an orthogonal matrix's RMS is
+1/sqrt(max(...)), so the update's RMS becomes r, times the learning rate), while an AdamW
+update's RMS is about 0.2-0.4: r = 0.2 matches the two (so an AdamW config's learning rate and
+weight decay carry over), a larger r steps the matrices further and leaves the fallback's step
+as it was, and the learning rate moves both. rms = 0 is Jordan's original scaling,
+sqrt(max(1, fan_out / fan_in)), an update RMS of ~1/sqrt(max(fan_in, fan_out)) times that:
+modded-nanogpt gives it a learning rate of its own (0.02) and its Adam parameters theirs;
+here raising the one rate for the matrices raises the fallback's as much, so to step the
+matrices further than the fallback raise rms, not the rate. Weight decay is the factory's for
+every optimizer: w -= lr * (update + wd * w), Liu et al.'s decoupled decay.
 
 Sharding. Newton-Schulz multiplies whole matrices five times; left to XLA's SPMD partitioner
 on FSDP/tensor-sharded operands, it all-gathers the matrices again inside every iteration (a
 3.3M-parameter step on fsdp=4 x tensor=2: 98 MiB gathered per device against AdamW's 11,
 bench/collectives.py). So the orthogonalisation runs in a layout of its own (`ns_path`): each
-matrix whole on a device, the stack axes (layers, experts) spread over the mesh axes that shard
-the parameter, as far as they divide them (a [layers=8, E, F] stack on fsdp=4: two layers per
-device, as torchtitan's DistMuon hands whole matrices to ranks); a mesh axis that divides no
-stack axis is gathered (those devices repeat the work). The momentum moves there one mesh axis
+matrix whole on a device, the mesh axes that shard its matrix dimensions moved onto the stack
+axes (layers, experts) as far as they divide them, counting the axes a stack axis already has
+(a [layers=8, E, F] stack on fsdp=4: two layers per device, as torchtitan's DistMuon hands
+whole matrices to ranks; an [experts, ...] stack keeps its `expert` sharding and takes fsdp
+too where the experts per device divide by it); a mesh axis that divides no stack axis is
+gathered (those devices repeat the work). The momentum moves there one mesh axis
 at a time (an all-to-all each; moved two at once, the partitioner gathers the whole array) and
 the update comes back the same way. docs/muon.md counts what this communicates. Outside a mesh
 (one device, tests) nothing is constrained.
@@ -66,7 +76,6 @@ from optax.transforms import MaskedNode
 from sharding.rules import constrain, logical_to_spec, spec_axes
 
 STACK_AXES = ("layers", "experts")  # batch axes: every slice is its own matrix
-FALLBACKS = ("adamw", "adafactor", "lion")  # optimizers whose step does not scale with the grad
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic (optax's default)
 
 
@@ -107,23 +116,25 @@ def fan_in_out(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
 
 def ns_path(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> list[P]:
   """The layouts a parameter's momentum passes through on its way to the one it is
-  orthogonalised in (the last; module docstring), one mesh axis moved per layout: matrix axes
-  whole, stack axes over the mesh axes that shard the parameter (largest first), where they
-  divide; the axes that divide no stack axis are gathered last. One axis per step, because the
-  partitioner turns a move of two axes at once into a gather of the whole array."""
+  orthogonalised in (the last; module docstring), one mesh axis moved per layout. The mesh axes
+  on the matrix dimensions move: each to a stack dimension that it divides together with the
+  axes already there (a stack dimension keeps its own axes: an `experts` dimension on `expert`
+  stays there), largest first; the ones that divide no stack dimension are gathered last. One
+  axis per step, because the partitioner turns a move of two axes at once into a gather of the
+  whole array."""
   live = lambda e: tuple(a for a in spec_axes(e) if mesh.shape.get(a, 1) > 1)
   spec = [live(e) for e in logical_to_spec(names)] + [()] * (len(shape) - len(names))
-  axes = sorted((a for e in spec for a in e), key=lambda a: -mesh.shape[a])
   matrix = set(dims.reduction_axis) | set(dims.output_axis)
+  axes = sorted((a for d in sorted(matrix) for a in spec[d]), key=lambda a: -mesh.shape[a])
   moves = []  # (mesh axis, the stack dimension it goes to, or None: gathered)
   for d in (d for d in range(len(shape)) if d not in matrix):
-    size = 1
+    size = math.prod(mesh.shape[a] for a in spec[d])  # what already shards it
     for a in list(axes):
       if shape[d] % (size * mesh.shape[a]) == 0:
         size *= mesh.shape[a]
         moves.append((a, d))
         axes.remove(a)
-  moves += [(a, None) for a in axes if any(a in spec[d] for d in matrix)]
+  moves += [(a, None) for a in axes]
   path = []
   for a, to in moves:
     spec = [tuple(x for x in e if x != a) for e in spec]
@@ -153,9 +164,8 @@ def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
   masked = lambda x: isinstance(x, MaskedNode)
   dims = jax.tree.map(lambda n: dimension_numbers(n) or MaskedNode(), param_names,
                       is_leaf=_is_names)
-  coeffs = jnp.asarray(NS_COEFFS)
 
-  def orthogonalize(x, names, dim):
+  def orthogonalize(x, names, dim, coeffs):
     mesh = jax.sharding.get_abstract_mesh()
     path = [] if mesh.empty else ns_path(names, dim, x.shape, mesh)
     for spec in path:  # there, one mesh axis at a time
@@ -169,7 +179,7 @@ def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
 
   def init(params):
     return MuonState(count=jnp.zeros([], jnp.int32), mu=optax.tree.zeros_like(params),
-                     ns_coeffs=coeffs)
+                     ns_coeffs=jnp.asarray(NS_COEFFS))
 
   def update(updates, state, params=None):
     del params
@@ -182,9 +192,9 @@ def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
           optax.tree.bias_correction(updates, beta, count))
     else:
       mu_hat = optax.tree.bias_correction(mu, beta, count)
-    out = jax.tree.map(lambda d, x, n: x if masked(d) else orthogonalize(x, n, d), dims, mu_hat,
-                       param_names, is_leaf=lambda x: isinstance(x, (MuonDimensionNumbers,
-                                                                     MaskedNode)))
+    out = jax.tree.map(
+        lambda d, x, n: x if masked(d) else orthogonalize(x, n, d, state.ns_coeffs), dims,
+        mu_hat, param_names, is_leaf=lambda x: isinstance(x, (MuonDimensionNumbers, MaskedNode)))
     return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
 
   return optax.chain(

@@ -40,9 +40,11 @@ sweep_tiny, one seed): with Muon's rate tuned at batch 16, the sqrt rule's rate 
 the fastest of 0.5x, 1x and 2x (58 steps to the target; 2x 60, 0.5x 67). So Muon uses
 `lr_rule="sqrt"`, as AdamW does. Liu et al. 2025 match Muon's update RMS to AdamW's so that
 AdamW's rate carries over at a given batch (the default learning rate below); at this tiny
-scale it did not: Muon's best rate at batch 16 was 8x AdamW's (docs/muon.md). `timescale`
-weight decay applies as to AdamW (decay multiplied by the learning rate), and `b2_rule` moves
-the fallback AdamW's b2.
+scale it did not: Muon's best rate at batch 16 was 8x AdamW's (docs/muon.md; the one rate of
+the matrices and of the AdamW fallback was varied together). `timescale` weight decay applies
+as to AdamW (decay multiplied by the learning rate). Muon's b2 is its fallback's (`b2_owner`):
+left unset, the fallback optimizer's default (AdamW 0.95, Lion 0.99), and `b2_rule` applies
+as it does to the fallback optimizer itself (half_life for AdamW; Lion and Adafactor refuse it).
 
 Each optimizer's own defaults. `optim.learning_rate`, `weight_decay`, `b2` and
 `trust_coefficient` left at their "unset" values (0, -1, 0, 0) take the optimizer's default
@@ -82,26 +84,41 @@ OPTIMIZER_DEFAULTS = {
     # 3-10x), so that lr * wd, the per-step shrink, is AdamW's
     "lion": dict(learning_rate=1e-3, weight_decay=0.3, b2=0.99, trust_coefficient=1.0),
     # Liu et al. 2025: the update RMS matched to AdamW's (optim.muon.rms = 0.2), so AdamW's lr
-    # and decay carry over; b2 is the fallback AdamW's
-    "muon": dict(learning_rate=3e-3, weight_decay=0.1, b2=0.95, trust_coefficient=1.0),
+    # and decay carry over; no b2 of its own: its fallback's default (`b2_owner`)
+    "muon": dict(learning_rate=3e-3, weight_decay=0.1, trust_coefficient=1.0),
 }
 UNSET = {"learning_rate": 0.0, "weight_decay": -1.0, "b2": 0.0, "trust_coefficient": 0.0}
 
 
+def b2_owner(cfg) -> str:
+  """The optimizer whose b2 `optim.b2` is: Muon's is its fallback's (optim/muon.py), which takes
+  that optimizer's default b2 and rules."""
+  return cfg.muon.fallback if cfg.name == "muon" else cfg.name
+
+
+def _default_source(cfg, key: str) -> str:
+  """The optimizer whose OPTIMIZER_DEFAULTS row gives `key` when the config leaves it unset."""
+  return b2_owner(cfg) if key == "b2" else cfg.name
+
+
 def stated(cfg) -> dict:
   """{key: (value, "set" | "default")} of the keys with per-optimizer defaults."""
-  defaults = OPTIMIZER_DEFAULTS[cfg.name]
   out = {}
   for key, unset in UNSET.items():
     value = float(cfg.get(key, unset))
-    out[key] = (defaults[key], "default") if value == unset else (value, "set")
+    default = OPTIMIZER_DEFAULTS[_default_source(cfg, key)][key]
+    out[key] = (default, "default") if value == unset else (value, "set")
   return out
 
+
+# Optimizers whose per-coordinate step does not scale with the gradient: muP's Adam rule is
+# derived for them (optim/factory.py), and Muon's fallback is one of them (optim/muon.py).
+SCALE_INVARIANT_OPTIMIZERS = ("adamw", "adafactor", "lion")
 
 # Which optimizers each non-trivial rule makes sense for (checked by trainer/config_checks.py).
 # decay multiplied by the learning rate
 TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
-B2_OPTIMIZERS = ("adamw", "lamb", "muon")  # Adam's second moment (muon: its fallback AdamW's)
+B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment (Muon's: `b2_owner`, its fallback's)
 
 
 def lr_factor(rule: str, k: float) -> float:
@@ -193,19 +210,20 @@ def describe(cfg, hp: Hyperparameters) -> str:
   def item(name, rule, a, b, key=None):
     text = f"{name} {a:.4g}" if a == b else f"{name} {a:.4g} -> {b:.4g} ({rule})"
     if key is not None and source[key][1] == "default":
-      text += f" [{cfg.name} default]"
+      text += f" [{_default_source(cfg, key)} default]"
     return text
 
   parts = [item("lr", cfg.get("lr_rule", "none"), ref.learning_rate, hp.learning_rate,
                 "learning_rate"),
            item("weight_decay", cfg.get("weight_decay_rule", "constant"), ref.weight_decay,
                 hp.weight_decay, "weight_decay")]
-  if cfg.name in B2_OPTIMIZERS or cfg.name == "lion":
+  owner = b2_owner(cfg)
+  if owner in B2_OPTIMIZERS or owner == "lion":
     parts.append(item("b2", cfg.get("b2_rule", "constant"), ref.b2, hp.b2, "b2"))
   if cfg.name in ("lamb", "lars"):
     parts.append(item("trust_coefficient", "", hp.trust_coefficient, hp.trust_coefficient,
                       "trust_coefficient"))
-  if cfg.name in B2_OPTIMIZERS:
+  if owner in B2_OPTIMIZERS:
     if hp.b2 < float(cfg.b1) ** 2:
       # |m / sqrt(v)| <= (1 - b1) / sqrt(1 - b2) * sum_k (b1 / sqrt(b2))^k: finite iff b1^2 < b2
       parts.append(f"WARNING b2 < b1^2 = {float(cfg.b1) ** 2:.4g}: Adam's per-step update "

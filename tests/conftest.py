@@ -4,12 +4,27 @@ import json
 import os
 import sys
 
-# Optimisation level 0 makes XLA:CPU compile ~3x faster; tests compare programs compiled with
-# the same flags, and subprocesses (train.py) inherit them.
+# Which platforms JAX may use is decided here, before jax is imported (this module is imported
+# before any test module and before pytest_configure runs, so the `-m gpu` marker expression is
+# not known yet; reading sys.argv would miss PYTEST_ADDOPTS, ini addopts and `-mgpu`). JAX picks
+# its backends from JAX_PLATFORMS alone, so that variable is the robust signal: the suite runs
+# on CPU (the default set here), and the GPU tier sees a GPU only when run as
+# `JAX_PLATFORMS=cuda,cpu python -m pytest -m gpu` (without it the tier is skipped, below).
+# An empty JAX_PLATFORMS lets JAX choose an accelerator by itself, so it counts as one.
+_CPU_ONLY = os.environ.setdefault("JAX_PLATFORMS", "cpu").split(",") == ["cpu"]
+# 8 fake CPU devices for the sharding tests. On CPU only: optimisation level 0 makes XLA:CPU
+# compile ~3x faster (tests compare programs compiled with the same flags, and subprocesses such
+# as train.py inherit them); it also applies to XLA:GPU's code generation, so where a GPU runs
+# the tier's programs (kernels, fp8 GEMMs, memory and speed as a user gets them) it is left out.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+                           " --xla_force_host_platform_device_count=8" +
+                           (" --xla_backend_optimization_level=0" if _CPU_ONLY else "")).strip()
+if not _CPU_ONLY:
+  # JAX's GPU client reserves 75% of the GPU's memory at start; the tier's processes (pytest and
+  # the train.py / tools.memory_check subprocesses it starts, which inherit this) would each
+  # try to. Allocate on demand instead (tools.memory_check reads peak_bytes_in_use, which counts
+  # what was handed out, not the reservation).
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 

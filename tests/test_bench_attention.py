@@ -1,7 +1,7 @@
 """bench/attention.py on CPU: one tiny case (the flash kernel interpreted, a tile variant, XLA;
 cuDNN and a variant that does not compile skipped with their reasons), each output checked
-against the fp32 reference before it is timed; the packed-document ids it draws; a bad option
-is one line."""
+against the fp32 reference (computed at the highest matmul precision) before it is timed; the
+packed-document ids it draws; a bad option is one line."""
 import re
 
 import numpy as np
@@ -26,6 +26,24 @@ def test_attention_bench_tiny_case_on_cpu(capsys):
   winner = out.split("the table for choose_impl's GPU rule):")[1].split()
   assert winner[:6] == ["S128", "D16", "GQA", "2/1", "packed", winner[5]]
   assert winner[5] in ("flash", "xla") or winner[5:7] == ["flash", "32x32/32x32"], winner
+
+
+def test_reference_is_traced_at_highest_matmul_precision(monkeypatch):
+  """The fp32 reference's dots run at full precision (not TF32 / bf16 passes on an
+  accelerator): the precision in force when XLA's attention is traced for it."""
+  import jax
+  import jax.numpy as jnp
+  attention = bench_module("attention")
+  seen = []
+
+  def xla(q, k, v, seg):
+    seen.append(jax.config.jax_default_matmul_precision)
+    return q
+
+  monkeypatch.setattr(attention, "implementation", lambda name, tiles: (xla, None))
+  q = jnp.ones((1, 8, 1, 4), jnp.float32)
+  attention.fp32_reference(q, q, q, None)
+  assert seen == ["highest"], seen
 
 
 def test_packed_documents_are_at_least_64_tokens():

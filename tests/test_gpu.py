@@ -8,7 +8,8 @@ left out of the default run): what only a GPU can check.
   * fp8 dense layers compiled to cuBLASLt fp8 GEMMs, equal to the CPU emulation;
   * a short bf16 training run with the flash kernel in the model, resumed from its checkpoint
     (the same curve), and `auto` attention (cuDNN) on the same data;
-  * greedy generation with the KV cache equal to greedy decoding by full forward passes;
+  * greedy generation with the KV cache equal to greedy decoding by full forward passes (up to
+    bf16 ties between the top two logits);
   * tools.memory_check's prediction of a run's peak memory against the measured
     `peak_bytes_in_use` (issue 25's goal: within 10%).
 """
@@ -141,21 +142,51 @@ def test_train_and_resume_on_gpu(trained):
   np.testing.assert_allclose(auto[1], a[1], rtol=1e-2)  # cuDNN vs our kernel, same data
 
 
+# Two logits closer than this, relative to the step's largest |logit|, are a tie in bf16: 4 bf16
+# steps (2^-8 each) at that magnitude. The cached path (jax.nn.dot_product_attention over the KV
+# cache) and the full forward (the flash kernel) round bf16 activations differently; on this
+# tiny model (CPU, the kernel interpreted) their logits differ by up to 0.015 at |logits| <= 3,
+# and top-2 gaps of 0.013 and 0.018 occur, so an exact argmax match would fail on rounding.
+TIE = 4 * 2.0**-8
+
+
+def greedy_mismatches(generated, logits_NV, tie=TIE) -> tuple[list[str], int]:
+  """(the steps where greedy token `generated[i]` is not the argmax of reference logits
+  `logits_NV[i]` up to a bf16 tie, how many steps were decided: a top-2 gap over the tie)."""
+  bad, decided = [], 0
+  for i, (token, row) in enumerate(zip(generated, np.asarray(logits_NV, np.float64))):
+    margin = tie * np.abs(row).max()
+    top2 = np.sort(row)[-2:]
+    decided += top2[1] - top2[0] > margin
+    if row.max() - row[token] > margin:  # exact where decided; a near-top token in a tie
+      bad.append(f"step {i}: token {token} at {row[token]:.4f}, argmax {int(row.argmax())} at "
+                 f"{row.max():.4f} (tie margin {margin:.4f})")
+  return bad, decided
+
+
 def test_greedy_generation_on_gpu_equals_full_forward_argmax(trained):
+  """Greedy decoding with the KV cache against the full forward pass over the same tokens (the
+  prompt and what was generated, one causal pass: the logits every step saw, so after a tie the
+  rest is still compared on the cached path's own context). Where the reference's top two
+  logits are closer than a bf16 tie (TIE), either token is greedy; elsewhere the generated
+  token must be the argmax. It still fails on a cache bug (a wrong position, a stale or
+  missing entry gives tokens far below the top; at least one step in 3 must be decided, or the
+  model is too flat for the check to mean anything)."""
   from models.decode import Generator
   from sharding import make_mesh
   from trainer.inference import restore_params
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1},
                    jax.devices()[:1])
   spec, params, _, _ = restore_params(str(trained / "straight"), mesh)
-  prompt, n = [5, 17, 33, 2, 9], 8
+  prompt, n = [5, 17, 33, 2, 9], 16
   generated = Generator(spec, params, temperature=0.0).generate([prompt], n)[0]
-  tokens = list(prompt)
-  with jax.set_mesh(mesh):
-    model = spec.model(params)
-    for _ in range(n):  # no cache: the whole sequence again for every token
-      tokens.append(int(jnp.argmax(model(jnp.asarray([tokens], jnp.int32))[0, -1])))
-  assert generated == tokens[len(prompt):]
+  assert len(generated) == n
+  tokens = prompt + generated
+  with jax.set_mesh(mesh):  # no cache: logits at every position of the whole sequence
+    logits = spec.model(params)(jnp.asarray([tokens], jnp.int32))[0]
+  bad, decided = greedy_mismatches(generated, logits[len(prompt) - 1:-1])
+  assert not bad, bad
+  assert decided >= n // 3, (decided, n)
 
 
 def test_memory_prediction_within_ten_percent_of_the_measured_peak():

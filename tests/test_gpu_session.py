@@ -1,7 +1,9 @@
 """bench/gpu_session.sh, the script a GPU session runs in a few device calls: valid bash, every
 stage's steps name files and modules that exist, shapes the benches know and config keys the
-config has, an unknown stage is refused; and the stage runner itself, on CPU with a stand-in
-for python: limits, skipping what no longer fits, the summary."""
+config has, an unknown stage is refused; each stage's step limits fit its deadline, the memory
+check runs once in the session and fp8's speed before the table's longer shapes; and the stage
+runner itself, on CPU with a stand-in for python: limits, skipping what no longer fits, the
+summary."""
 import os
 import re
 import subprocess
@@ -16,10 +18,20 @@ SCRIPT = os.path.join(ROOT, "bench", "gpu_session.sh")
 STAGES = ("table", "checks", "tune", "extra")
 
 
+def _dry_run(stage, **env):
+  """(the steps' [name, limit in seconds, command], the budget line) of DRY_RUN=1."""
+  proc = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT,
+                        env={**os.environ, "DRY_RUN": "1", **env}, capture_output=True,
+                        text=True)
+  *lines, budget = proc.stdout.strip().splitlines()
+  steps = [re.fullmatch(r"(.+) \[(\d+)s\]: (.+)", line).groups() for line in lines]
+  return [[name, int(limit), command] for name, limit, command in steps], budget, proc.returncode
+
+
 def _steps(stage):
-  out = subprocess.run(["bash", SCRIPT, stage], cwd=ROOT, env={**os.environ, "DRY_RUN": "1"},
-                       capture_output=True, text=True, check=True).stdout
-  return [line.split(": ", 1) for line in out.strip().splitlines()]
+  steps, _, rc = _dry_run(stage)
+  assert rc == 0, stage
+  return [[name, command] for name, _, command in steps]
 
 
 def test_script_is_valid_bash_and_refuses_an_unknown_stage():
@@ -53,9 +65,42 @@ def test_every_step_names_what_exists(stage):
         node = node[part]
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_step_limits_fit_the_stage(stage):
+  """A stage's limits add up to its STAGE_SECONDS (default 500) less the 50 s kept for setup and
+  a stopped step's grace, so no step is promised time the stage does not have; the dry run
+  says so, and refuses a stage whose limits do not fit (a smaller STAGE_SECONDS)."""
+  steps, budget, rc = _dry_run(stage)
+  total = sum(limit for _, limit, _ in steps)
+  assert rc == 0 and total <= 450 and budget == f"budget: {total}s of 450s", (steps, budget)
+  assert all(limit <= 450 for _, limit, _ in steps)
+  _, budget, rc = _dry_run(stage, STAGE_SECONDS=str(total + 49))
+  assert rc == 1 and budget == f"budget: {total}s of {total - 1}s", budget
+
+
+def test_memory_is_measured_once_and_fp8_speed_early():
+  """One measuring run of tools.memory_check in the session: the tier's memory test (the same
+  check at a smaller batch) is deselected where the tier runs, and the deselected id exists.
+  fp8's speed comes right after the table's first shape, before its longer ones."""
+  gpu_tests = open(os.path.join(ROOT, "tests", "test_gpu.py")).read()
+  measuring = []
+  for stage in STAGES:
+    for name, command in _steps(stage):
+      if "tools.memory_check" in command and "--measure" in command:
+        measuring.append(name)
+      if "pytest -m gpu" in command:
+        deselected = re.findall(r"--deselect tests/test_gpu.py::(\w+)", command)
+        memory_tests = re.findall(r"def (test_memory\w*)\(", gpu_tests)
+        assert memory_tests and set(memory_tests) <= set(deselected), (command, memory_tests)
+        assert all(f"def {t}(" in gpu_tests for t in deselected), deselected
+  assert measuring == ["memory lm_125m as shipped"], measuring
+  names = [name for name, _ in _steps("table")]
+  assert names[:2] == ["table d768 1024x32", "fp8 speed d768 1024x32"], names
+
+
 @pytest.mark.slow  # ~35 s of waiting for a time limit
 def test_stage_runner_limits_skips_and_summarises(tmp_path):
-  """A stand-in `python3` that prints, and sleeps 45 s for pytest: the first step's limit (330
+  """A stand-in `python3` that prints, and sleeps 45 s for pytest: the first step's limit (260
   s) is cut to the stage's time left (~34 s) and it is stopped there, saying so; the next step
   no longer fits and is skipped; the summary comes last."""
   fake = tmp_path / "python3"

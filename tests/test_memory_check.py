@@ -1,6 +1,8 @@
 """tools.memory_check: the predicted memory of every program a run holds memory for (train step,
-logging step, evaluation) on a TPU topology compiled here, each with the whole train state;
-measuring needs devices that count their memory (one-line refusal on CPU)."""
+logging step, evaluation; a DiLoCo run's outer step) on a TPU topology compiled here, each with
+the whole train state (DiLoCo's: a replica's parameters and inner optimizer state, the anchor
+and the outer momentum), on the target tools.aot compiles the config for; measuring needs
+devices that count their memory (one-line refusal on CPU)."""
 import os
 
 import pytest
@@ -26,12 +28,66 @@ def test_phases_each_hold_the_whole_state():
   assert all(v > report.state_bytes for v in phases.values()), (phases, report.state_bytes)
 
 
+def test_diloco_prediction_holds_the_replicas_state_and_the_outer_step(monkeypatch, capsys):
+  """DiLoCo, 2 replicas of data=4 on the 8 CPU devices, parameters replicated inside a replica:
+  each device holds its replica's parameters and AdamW moments, the anchor and the outer
+  momentum, 5 x the parameters' bytes (+ counters); evaluation scores the anchor; the outer
+  step is a phase of its own; every phase holds that state, and the printed line says what it
+  is. (norm_metrics=every_step: no separate logging step to compile.)"""
+  import jax
+
+  from models.llama import ModelConfig
+  from models.sizes import param_counts
+  diloco = {"mesh.data": 4, "optim.diloco.replicas": 2, "optim.diloco.inner_steps": 2,
+            "eval_every": 2, "steps": 4, "trainer.norm_metrics": "every_step"}
+  cfg = override(load(TINY, []), **diloco)
+  report, phases = memory_check.predict(cfg, aot.Target("local", jax.devices()), "lm_tiny")
+  param_bytes = 4 * param_counts(ModelConfig.from_config(cfg.model))["total"]  # fp32
+  assert 0 <= report.state_bytes - 5 * param_bytes < 256, (report.state_bytes, param_bytes)
+  assert list(phases) == ["train step", "evaluation", "outer step"], phases
+  assert all(v > report.state_bytes for v in phases.values()), (phases, report.state_bytes)
+  monkeypatch.setattr(memory_check, "predict", lambda *a: (report, phases))
+  assert memory_check.main(["--config", TINY, "--topology", "local",
+                            *(f"--config.{k}={v}" for k, v in diloco.items())]) == 0
+  out = capsys.readouterr().out
+  assert "(DiLoCo: one of 2 replicas' parameters and inner optimizer state, the anchor and the " \
+      "outer momentum)" in out and ", outer step " in out, out
+
+
+@pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed: no TPU "
+                    "topology can be described here (pip install -e \".[tpu]\")")
+def test_diloco_target_is_tools_aots(monkeypatch):
+  """A DiLoCo config is predicted on the devices tools.aot compiles it for: a copy of the TPU
+  topology per replica (2 x v5e:2x2 = 8 chips), not one copy."""
+  seen = []
+
+  def predict(cfg, target, name):
+    seen.append(target)
+    raise aot.AotError("stop here")
+
+  monkeypatch.setattr(memory_check, "predict", predict)
+  assert memory_check.main(["--config", TINY, "--topology", "v5e:2x2",
+                            "--config.optim.diloco.replicas=2"]) == 2
+  assert len(seen[0].devices) == 8 and seen[0].slices == 2, seen
+
+
 def test_measure_needs_devices_that_count_memory(capsys):
   assert memory_check.main(["--config", TINY, "--topology", "local", "--measure",
                             "--config.mesh.data=8"]) == 2
   err = capsys.readouterr().err.strip()
   assert err == ("error: --measure: cpu devices report no memory statistics (memory_stats() is "
                  "None); measure on a GPU or TPU"), err
+
+
+def test_measuring_diloco_covers_an_outer_step(capsys):
+  """The outer step is a predicted phase, so the measuring run must reach one: --steps a
+  multiple of optim.diloco.inner_steps, else one line (before any device is asked)."""
+  assert memory_check.main(["--config", TINY, "--topology", "local", "--measure",
+                            "--config.mesh.data=4", "--config.optim.diloco.replicas=2"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == ("error: --steps 4: a DiLoCo run's outer step (a phase predicted here) runs "
+                 "every optim.diloco.inner_steps=32 steps; measure over a multiple of it "
+                 "(--steps 32)"), err
 
 
 def test_measure_records_the_allocator_through_the_run(monkeypatch):
@@ -52,3 +108,20 @@ def test_measure_records_the_allocator_through_the_run(monkeypatch):
   assert "step 2 train row" in names and "step 4 eval row" in names
   assert "before compiling the train step (measure_noise=False, logs=True)" in names, names
   assert names[-1] == "end (checkpoint written)" and peak == 100 * len(calls)
+
+
+def test_a_measuring_run_that_raises_shows_its_own_error(monkeypatch):
+  """An exception inside the measuring run reaches the caller as itself (not as a failure to
+  read the run's result), with Program.compile restored."""
+  from conftest import tiny_config
+  from trainer.loop import Run
+  from trainer.program import Program
+  compile_before = Program.compile
+
+  def train(self):
+    raise ValueError("the run failed")
+
+  monkeypatch.setattr(Run, "train", train)
+  with pytest.raises(ValueError, match="the run failed"):
+    memory_check.measure(tiny_config(), 2)
+  assert Program.compile is compile_before

@@ -42,6 +42,24 @@ def test_same_as_optax_scale_by_muon_on_one_device():
   jax.tree.map(np.testing.assert_array_equal, s_ours, s_ref)
 
 
+def test_the_states_newton_schulz_coefficients_are_the_ones_used():
+  """The coefficients live in the state (optax's MuonState.ns_coeffs) and are read from it: a
+  state carrying a cubic's orthogonalises as optax's transformation built with the cubic does."""
+  from optax.contrib import scale_by_muon as optax_muon  # noqa: PLC0415
+  names = {"w": ("embed", "mlp")}  # 32 x 16: Jordan's scaling (rms 0) is 1
+  cubic = (1.5, -0.5, 0.0)
+  ref = optax_muon(ns_coeffs=cubic, weight_dimension_numbers={"w": dimension_numbers(names["w"])})
+  ours = scale_by_muon(names, rms=0.0)
+  g = {"w": jax.random.normal(jax.random.key(0), (32, 16))}
+  state = ours.init(g)
+  default = ours.update(g, state)[0]["w"]
+  state = (state[0]._replace(ns_coeffs=jnp.asarray(cubic)), *state[1:])
+  (u, state), (u_ref, _) = ours.update(g, state), ref.update(g, ref.init(g))
+  np.testing.assert_array_equal(u["w"], u_ref["w"])
+  assert not np.allclose(u["w"], default, rtol=1e-2)
+  np.testing.assert_array_equal(state[0].ns_coeffs, cubic)  # carried on
+
+
 def test_newton_schulz_layout():
   """Whole matrices per device, the stack over the parameter's largest mesh axes that divide it."""
   mesh = jax.sharding.AbstractMesh((2, 4, 2), ("data", "fsdp", "tensor"))
@@ -59,6 +77,27 @@ def test_newton_schulz_layout():
   assert path(wq, (8, 64, 4, 16)) == [("fsdp", None, "tensor", None),
                                       (("fsdp", "tensor"), None, None, None)]
   assert path(wq, (4, 64, 4, 16)) == [("fsdp", None, "tensor", None), ("fsdp", None, None, None)]
+
+
+def test_newton_schulz_layout_keeps_a_stack_dimensions_own_axes():
+  """Expert parallelism: `experts` is already sharded over `expert`; only the matrix
+  dimensions' axes (fsdp on embed, tensor on expert_mlp) move, and a stack dimension counts the
+  axes it has when they are checked for dividing it."""
+  moe = ("layers", "experts", "embed", "expert_mlp")
+  dims = dimension_numbers(moe)
+  path = lambda shape, mesh: [tuple(p) for p in ns_path(moe, dims, shape, mesh)]
+  mesh = jax.sharding.AbstractMesh((4, 2), ("fsdp", "expert"))
+  # 4 experts on expert=2: fsdp (4) does not divide the 2 per device left, so it is gathered
+  # (not 8-way on 4 experts), and expert stays on the experts (not moved to the layers)
+  assert path((1, 4, 64, 32), mesh) == [(None, "expert", None, None)]
+  assert path((2, 4, 64, 32), mesh) == [(None, "expert", None, None)]
+  assert path((1, 8, 64, 32), mesh) == [(None, ("expert", "fsdp"), None, None)]  # 2 x 4 = 8
+  assert path((8, 4, 64, 32), mesh) == [("fsdp", "expert", None, None)]
+  mesh = jax.sharding.AbstractMesh((4, 2, 2), ("fsdp", "tensor", "expert"))
+  assert path((2, 4, 64, 32), mesh) == [("tensor", "expert", "fsdp", None),
+                                        ("tensor", "expert", None, None)]
+  # nothing on the matrix dimensions: nothing moves
+  assert path((2, 4, 64, 32), jax.sharding.AbstractMesh((2,), ("expert",))) == []
 
 
 def _muon_config(**overrides):
@@ -174,16 +213,26 @@ def test_a_scanned_stack_is_updated_as_its_layers_would_be_unrolled():
   assert labels(names_u)["layer0"]["attn"]["wq_EHD"] == "muon"
 
 
-@pytest.mark.parametrize("mesh_cfg", [{"fsdp": 4, "tensor": 2}, {"data": 2, "fsdp": 2,
-                                                                   "tensor": 2}])
-def test_sharded_update_equals_one_device(mesh_cfg):
-  cfg = _muon_config(**{"model.d_model": 64, "model.mlp_dim": 128})
+MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.mlp_dim": 32,
+       "model.moe.every": 1}
+
+
+@pytest.mark.parametrize("mesh_cfg,model", [
+    ({"fsdp": 4, "tensor": 2}, {}), ({"data": 2, "fsdp": 2, "tensor": 2}, {}),
+    ({"fsdp": 4, "expert": 2}, MOE)])  # 8 experts on expert x fsdp, the router gathered
+def test_sharded_update_equals_one_device(mesh_cfg, model):
+  cfg = _muon_config(**{"model.d_model": 64, "model.mlp_dim": 128, **model})
   spec1, tx1, state1 = _tiny_params(cfg, make_mesh({"data": 1}, jax.devices()[:1]))
   spec8, tx8, state8 = _tiny_params(cfg, make_mesh(mesh_cfg))
   sh = state_shardings(spec8, tx8)
-  mu = sh.opt_state[1][0].inner_states["muon"].inner_state[0].mu  # Muon's momentum
-  assert mu["blocks"]["attn"]["wq_EHD"].spec == sh.params["blocks"]["attn"]["wq_EHD"].spec
-  assert len(mu["blocks"]["mlp"]["w_up_EF"].device_set) == 8
+  mu = sh.opt_state[1][0].inner_states["muon"].inner_state[0].mu["blocks"]  # Muon's momentum
+  params = sh.params["blocks"]
+  if model:  # the MoE layers' block
+    mu, params = mu["moe"], params["moe"]
+  mlp, up = ("moe", "w_up_NEF") if model else ("mlp", "w_up_EF")
+  assert mu["attn"]["wq_EHD"].spec == params["attn"]["wq_EHD"].spec
+  assert mu[mlp][up].spec == params[mlp][up].spec
+  assert len(mu[mlp][up].device_set) == 8
   outs = []
   for spec, tx, state, shard in ((spec1, tx1, state1, None), (spec8, tx8, state8, sh)):
     def update(params, opt, g, tx=tx):

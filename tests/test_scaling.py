@@ -36,9 +36,10 @@ def test_unset_keys_take_the_optimizers_own_defaults(name):
   """learning_rate 0, weight_decay -1, b2 0, trust_coefficient 0 mean "the optimizer's default";
   a value the config states is used as stated; the start-up line says which is which."""
   own = OPTIMIZER_DEFAULTS[name]
+  b2 = OPTIMIZER_DEFAULTS["adamw" if name == "muon" else name]["b2"]  # Muon's: its fallback's
   hp = derive(_optim(name=name), 16)
   assert (hp.learning_rate, hp.weight_decay, hp.b2, hp.trust_coefficient) == (
-      own["learning_rate"], own["weight_decay"], own["b2"], own["trust_coefficient"])
+      own["learning_rate"], own["weight_decay"], b2, own["trust_coefficient"])
   cfg = _optim(name=name, learning_rate=0.25, weight_decay=0.0, b2=0.5, trust_coefficient=0.5)
   hp = derive(cfg, 16)
   assert (hp.learning_rate, hp.weight_decay, hp.b2, hp.trust_coefficient) == (0.25, 0, 0.5, 0.5)
@@ -46,6 +47,18 @@ def test_unset_keys_take_the_optimizers_own_defaults(name):
   line = describe(_optim(name=name, weight_decay=0.0), derive(_optim(name=name), 16))
   assert f"lr {own['learning_rate']:.4g} [{name} default]" in line, line
   assert "weight_decay 0 [" not in line
+
+
+def test_muons_b2_is_its_fallbacks():
+  """Muon has no second moment of its own: an unset b2 is the fallback optimizer's default, the
+  start-up line names that optimizer, and b2_rule is refused where the fallback has no Adam b2."""
+  cfg = _optim(name="muon")
+  cfg.muon.fallback = "lion"
+  hp = derive(cfg, 16)
+  assert hp.b2 == OPTIMIZER_DEFAULTS["lion"]["b2"] == 0.99
+  assert "b2 0.99 [lion default]" in describe(cfg, hp)
+  cfg.muon.fallback = "adamw"
+  assert derive(cfg, 16).b2 == OPTIMIZER_DEFAULTS["adamw"]["b2"]
 
 
 def test_lion_and_lars_defaults_are_the_papers():
@@ -207,6 +220,8 @@ def test_schedule_at_a_derived_batch():
     ({"optim.name": "lamb", "optim.weight_decay_rule": "timescale"},
      "optim.weight_decay_rule='timescale' needs a decay multiplied by the learning rate"),
     ({"optim.name": "sgd", "optim.b2_rule": "half_life"}, "optim.b2_rule='half_life' scales"),
+    ({"optim.name": "muon", "optim.muon.fallback": "lion", "optim.b2_rule": "half_life"},
+     "optim.name='muon' with optim.muon.fallback='lion' (Muon's b2 is its fallback's)"),
     ({"optim.warmup_tokens": 1000}, "optim.warmup_steps=2 and optim.warmup_tokens=1000 both"),
     ({"optim.schedule": "power", "optim.lr_rule": "sqrt"}, "set optim.lr_rule='none'"),
     ({"optim.schedule": "rsqrt", "optim.warmup_steps": 0}, "needs a warmup"),

@@ -62,6 +62,7 @@ from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's A
     AotError,
     Target,
     config_slices,
+    config_target,
     first_line,
     gpu_target,
     libtpu_available,
@@ -365,9 +366,7 @@ def main(argv: list[str]) -> int:
     args, overrides = parse_args(argv)
     name = os.path.splitext(os.path.basename(args.config))[0]
     cfg = load(args.config, overrides)
-    # A DiLoCo config compiles for one copy of the topology per replica (replicas across slices)
-    target = make_target(args.topology,
-                         config_slices(cfg.mesh) * max(cfg.optim.diloco.replicas, 1))
+    target = config_target(cfg, args.topology)  # DiLoCo: a copy of the topology per replica
     report = compile_report(cfg, target, name)
   except (ConfigError, AotError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -13,11 +13,17 @@ with the train state alive throughout,
                  "log_steps": param_norm and update_norm), the same sum;
   evaluation     the eval step on one micro-batch: the state + its batch + temporaries +
                  outputs + code;
-and the run's peak is the largest of them (tools.aot reports the train step alone).
+  outer step     DiLoCo only (`optim.diloco.replicas` >= 1): the outer step's program, run
+                 every `inner_steps` steps, the same sum as the train step's;
+and the run's peak is the largest of them (tools.aot reports the train step alone). The train
+state is the run's own: for DiLoCo a `trainer.diloco.DiLoCoState`, each device holding its
+replica's parameters and inner optimizer state, the anchor and the outer momentum, and the
+target is tools.aot's for the config (a copy of a TPU topology per replica).
 
 `--measure` (on devices of the target's kind, e.g. `JAX_PLATFORMS=cuda` on a GPU machine; a
-machine with an NVIDIA GPU picks that by itself): trains the config for `--steps` steps in a
-temporary workdir, logging every second step, evaluating and saving a checkpoint at the last
+machine with an NVIDIA GPU picks that by itself): trains the config for `--steps` steps (for
+DiLoCo a multiple of `optim.diloco.inner_steps`, so that an outer step runs) in a temporary
+workdir, logging every second step, evaluating and saving a checkpoint at the last
 step, as train.py does, then reads each device's `memory_stats()["peak_bytes_in_use"]` (the
 most bytes JAX's allocator had handed out at once) and prints measured / predicted; the goal
 is within 10% (issue 25). The allocator's statistics before and after each compile of a train
@@ -53,14 +59,19 @@ def predict(cfg, target, name: str):
   state, batch = program.abstract_state(), program.abstract_batch()
   eval_fn, flat = jitted_eval_step(program)
   micro = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype, sharding=flat) for k, v in batch.items()}
+  # What the evaluation scores: the parameters, or a DiLoCo run's anchor (part of the state).
+  model_params = program.model_params(state)
   with jax.set_mesh(mesh), aot.no_persistent_cache():
     if program.computes_norms(True) != program.computes_norms(False):
       logging = program.jitted_step(logs=True).lower(state, batch).compile()
       phases["logging step"] = aot.compiled_costs(logging).total_bytes
-    costs = aot.compiled_costs(eval_fn.lower(state.params, micro).compile())
-  # The eval step's arguments are the parameters (part of the state, counted once) + a batch.
+    costs = aot.compiled_costs(eval_fn.lower(model_params, micro).compile())
+  # The eval step's arguments are the parameters (in the state, counted once) + a batch.
   phases["evaluation"] = (report.state_bytes + costs.total_bytes
-                          - aot.per_device_bytes(state.params))
+                          - aot.per_device_bytes(model_params))
+  if program.diloco is not None:  # its argument is the whole (donated) state
+    with aot.no_persistent_cache():
+      phases["outer step"] = aot.compiled_costs(program.compile_outer()).total_bytes
   return report, phases
 
 
@@ -105,8 +116,8 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
       result = Run(run_cfg, workdir, stop_when=record).train()
   finally:
     Program.compile = compile_step
-    if result.status != "done":
-      raise RuntimeError(f"the measuring run ended {result.status}: {result.message}")
+  if result.status != "done":
+    raise RuntimeError(f"the measuring run ended {result.status}: {result.message}")
   timeline.append(("end (checkpoint written)", _stats()))
   return timeline[-1][1].get("peak_bytes_in_use", 0), timeline
 
@@ -119,7 +130,9 @@ def build_parser():
                       "own devices")
   parser.add_argument("--measure", action="store_true",
                       help="also train a few steps here and compare with the device's peak")
-  parser.add_argument("--steps", type=int, default=4, help="steps of the measuring run")
+  parser.add_argument("--steps", type=int, default=4,
+                      help="steps of the measuring run (DiLoCo: a multiple of "
+                      "optim.diloco.inner_steps)")
   return parser
 
 
@@ -137,8 +150,15 @@ def main(argv: list[str]) -> int:
       import jax  # noqa: PLC0415
       target = aot.Target("local", jax.devices())
     else:
-      target = aot.make_target(args.topology, aot.config_slices(cfg.mesh))
+      target = aot.config_target(cfg, args.topology)  # as tools.aot compiles for
     if args.measure:
+      if args.steps < 2:
+        raise ConfigError(f"--steps {args.steps}: measure over at least 2 steps")
+      inner = cfg.optim.diloco.inner_steps
+      if cfg.optim.diloco.replicas and args.steps % inner:
+        raise ConfigError(f"--steps {args.steps}: a DiLoCo run's outer step (a phase predicted "
+                          f"here) runs every optim.diloco.inner_steps={inner} steps; measure "
+                          f"over a multiple of it (--steps {inner})")
       import jax  # noqa: PLC0415
       local = jax.local_devices()
       if local[0].device_kind != target.kind or len(jax.devices()) != len(target.devices):
@@ -148,16 +168,18 @@ def main(argv: list[str]) -> int:
       if local[0].memory_stats() is None:
         raise ConfigError(f"--measure: {local[0].platform} devices report no memory statistics "
                           "(memory_stats() is None); measure on a GPU or TPU")
-      if args.steps < 2:
-        raise ConfigError(f"--steps {args.steps}: measure over at least 2 steps")
-    _, phases = predict(cfg, target, name)
+    report, phases = predict(cfg, target, name)
   except (ConfigError, aot.AotError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   peak = max(phases.values())
   hbm = f" of {target.hbm_bytes / GiB:.1f} GiB" if target.hbm_bytes else ""
+  replicas = cfg.optim.diloco.replicas
+  state = (f"train state {report.state_bytes / GiB:.2f} GiB" + (
+      f" (DiLoCo: one of {replicas} replicas' parameters and inner optimizer state, the anchor "
+      "and the outer momentum)" if replicas else ""))
   print(f"{name} on {target.name} ({len(target.devices)} x {target.kind}), predicted per "
-        "device: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in phases.items())
+        f"device, {state}: " + ", ".join(f"{k} {v / GiB:.2f} GiB" for k, v in phases.items())
         + f" -> run peak {peak / GiB:.2f} GiB{hbm}")
   if args.measure:
     measured, timeline = measure(cfg, args.steps)

@@ -191,3 +191,10 @@ def make_target(topology: str, slices: int = 1) -> Target:
                      "for several GPU hosts use h100:HOSTSxGPUS with the dcn_* sizes at 1")
     return gpu_target(topology)
   return tpu_target(topology, slices)
+
+
+def config_target(cfg, topology: str) -> Target:
+  """The target a run of `cfg` compiles for on `topology`: as many copies of it as the config's
+  mesh spans slices (`config_slices`), times `optim.diloco.replicas` for DiLoCo (a replica per
+  copy of the topology, replicas across slices)."""
+  return make_target(topology, config_slices(cfg.mesh) * max(int(cfg.optim.diloco.replicas), 1))

@@ -84,7 +84,7 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
   """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys."""
   from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES  # noqa: PLC0415
   from optim.ramp import parse_ramp  # noqa: PLC0415
-  from optim.scaling import B2_OPTIMIZERS, TIMESCALE_OPTIMIZERS  # noqa: PLC0415
+  from optim.scaling import B2_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner  # noqa: PLC0415
   o, d = cfg.optim, cfg.data
   for key, choices in (("lr_rule", LR_RULES), ("weight_decay_rule", WEIGHT_DECAY_RULES),
                        ("b2_rule", B2_RULES), ("ema_rule", EMA_RULES),
@@ -96,9 +96,12 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
   _need(o.weight_decay_rule == "constant" or o.name in TIMESCALE_OPTIMIZERS,
         f"optim.weight_decay_rule='timescale' needs a decay multiplied by the learning rate "
         f"({', '.join(TIMESCALE_OPTIMIZERS)}), not optim.name={o.name!r}; use 'constant'")
-  _need(o.b2_rule == "constant" or o.name in B2_OPTIMIZERS,
-        f"optim.b2_rule='half_life' scales Adam's second moment, which optim.name={o.name!r} "
-        f"does not have ({', '.join(B2_OPTIMIZERS)} do); use 'constant'")
+  owner = b2_owner(o)
+  which = (f"optim.name={o.name!r}" if owner == o.name else
+           f"optim.name='muon' with optim.muon.fallback={owner!r} (Muon's b2 is its fallback's)")
+  _need(o.b2_rule == "constant" or owner in B2_OPTIMIZERS,
+        f"optim.b2_rule={o.b2_rule!r} scales Adam's second moment, which {which} does not have "
+        f"({', '.join(B2_OPTIMIZERS)} do); use 'constant'")
   _need(0 <= o.ema_decay < 1, f"optim.ema_decay={o.ema_decay}: must be in [0, 1) (0 = off)")
   for what in ("warmup", "decay"):
     keys = [f"{what}_{u}" for u in UNITS]
@@ -180,9 +183,9 @@ def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
 
 def _check_muon(cfg: ml_collections.ConfigDict) -> None:
   """optim.muon.* (optim/muon.py)."""
-  from optim.muon import FALLBACKS  # noqa: PLC0415
+  from optim.scaling import SCALE_INVARIANT_OPTIMIZERS  # noqa: PLC0415
   mc = cfg.optim.muon
-  _choice(cfg, "optim.muon.fallback", FALLBACKS)
+  _choice(cfg, "optim.muon.fallback", SCALE_INVARIANT_OPTIMIZERS)
   _need(0 <= mc.beta < 1, f"optim.muon.beta={mc.beta}: must be in [0, 1)")
   _need(mc.ns_steps >= 1, f"optim.muon.ns_steps={mc.ns_steps}: must be at least 1 (5 is usual)")
   _need(mc.rms >= 0, f"optim.muon.rms={mc.rms}: must be >= 0 (0.2 = AdamW's update RMS, 0 = "
@@ -262,7 +265,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   from models.rope import ROPE_SCALING_TYPES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
   from optim.autopilot import with_defaults  # noqa: PLC0415
-  from optim.factory import MUP_OPTIMIZERS  # noqa: PLC0415
+  from optim.scaling import SCALE_INVARIANT_OPTIMIZERS  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
   for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
@@ -303,9 +306,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           "model.parametrization='mup' with optim.name='muon': refused, Muon's shape scaling "
           "already sets each matrix's spectral step (optim/factory.py), so muP's 1/m Adam rule "
           "would be wrong and its replacement is untested; use model.parametrization='sp'")
-    _need(m.base_width == m.d_model or cfg.optim.name in MUP_OPTIMIZERS,
+    _need(m.base_width == m.d_model or cfg.optim.name in SCALE_INVARIANT_OPTIMIZERS,
           f"model.parametrization='mup' sets learning rates for Adam-type optimizers "
-          f"({', '.join(MUP_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; use one of them "
+          f"({', '.join(SCALE_INVARIANT_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; use one of them "
           "or model.parametrization='sp'")
   data_vocab, data_name = _data_vocab(cfg)
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
