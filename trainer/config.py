@@ -139,9 +139,10 @@ def default_config() -> ml_collections.ConfigDict:
       diloco=ml_collections.ConfigDict(dict(
           replicas=0, inner_steps=32, outer_lr=0.7, outer_momentum=0.9)),
       # optim.name="muon" (optim/muon.py): Nesterov momentum `beta`, `ns_steps` Newton-Schulz
-      # iterations, the update's RMS per matrix (0.2: AdamW's, so its lr and weight_decay carry
-      # over; 0: Jordan's sqrt(max(1, fan_out/fan_in)), which needs a larger lr), and the
-      # optimizer of the embeddings, head and norms: adamw | adafactor | lion (same lr)
+      # iterations, the update's RMS per matrix relative to the learning rate it shares with the
+      # fallback (0.2: AdamW's, so its lr and weight_decay carry over; larger steps the matrices
+      # further than the fallback; 0: Jordan's sqrt(max(1, fan_out/fan_in)), a much smaller
+      # step), and the optimizer of the embeddings, head and norms: adamw | adafactor | lion
       muon=ml_collections.ConfigDict(dict(beta=0.95, ns_steps=5, nesterov=True, rms=0.2,
                                           fallback="adamw"))))
 
