@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from conftest import override
+from conftest import override, tiny_config
 from tools import aot, memory_check
 from trainer.cli import load
 
@@ -69,6 +69,18 @@ def test_diloco_target_is_tools_aots(monkeypatch):
   assert memory_check.main(["--config", TINY, "--topology", "v5e:2x2",
                             "--config.optim.diloco.replicas=2"]) == 2
   assert len(seen[0].devices) == 8 and seen[0].slices == 2, seen
+
+
+def test_diloco_on_a_gpu_topology_splits_its_devices(monkeypatch):
+  """h100:HOSTSxGPUS names every device: DiLoCo's replicas split them (one topology, as in
+  training), where a TPU topology is copied per replica."""
+  from tools import targets  # noqa: PLC0415
+  built = []
+  monkeypatch.setattr(targets, "gpu_target", lambda topology: built.append(topology) or "gpu")
+  monkeypatch.setattr(targets, "tpu_target", lambda topology, slices: (topology, slices))
+  cfg = tiny_config(**{"optim.diloco.replicas": 2})
+  assert targets.config_target(cfg, "h100:2x8") == "gpu" and built == ["h100:2x8"]
+  assert targets.config_target(cfg, "v5e:2x2") == ("v5e:2x2", 2)
 
 
 def test_measure_needs_devices_that_count_memory(capsys):

@@ -195,6 +195,10 @@ def make_target(topology: str, slices: int = 1) -> Target:
 
 def config_target(cfg, topology: str) -> Target:
   """The target a run of `cfg` compiles for on `topology`: as many copies of it as the config's
-  mesh spans slices (`config_slices`), times `optim.diloco.replicas` for DiLoCo (a replica per
-  copy of the topology, replicas across slices)."""
-  return make_target(topology, config_slices(cfg.mesh) * max(int(cfg.optim.diloco.replicas), 1))
+  mesh spans slices (`config_slices`), times `optim.diloco.replicas` for DiLoCo on a TPU
+  topology (a replica per copy of the topology, replicas across slices). A GPU topology
+  (`h100:HOSTSxGPUS`) names all the devices: DiLoCo's replicas split them, as in training."""
+  copies = config_slices(cfg.mesh)
+  if not GPU_TOPOLOGY_RE.match(topology):
+    copies *= max(int(cfg.optim.diloco.replicas), 1)
+  return make_target(topology, copies)
