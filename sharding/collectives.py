@@ -27,7 +27,8 @@ Replica groups come in four spellings, all read here: explicit lists `{{0,1},{2,
 form `[2,4]<=[4,2]T(1,0)`, its mesh form `mesh['x'=2,'y'=4] {'y'}` (with sub-axes `'y':(2)2` and
 an optional `device_ids=(...)`), and `{}` (every device in one group); collective-permutes name
 `source_target_pairs`. `crossing(ops, labels)` keeps the ops whose groups join devices with
-different labels (e.g. DiLoCo's replicas: `trainer/communication.py` counts the bytes that cross them).
+different labels (e.g. DiLoCo's replicas: `trainer/communication.py` counts the bytes that
+cross them).
 """
 from __future__ import annotations
 
@@ -320,10 +321,11 @@ def crossing(ops: Sequence[Collective], labels: Sequence,
   transfer between slices does when no label spans two `slices` (module docstring; those it
   cannot place are `unattributed`)."""
   distinct = len(set(labels)) > 1
+  dcn_crosses = distinct and not spans_slices(labels, slices)
   out = []
   for op in ops:
     if is_dcn(op):
-      if distinct and not spans_slices(labels, slices):
+      if dcn_crosses:
         out.append(op)
       continue
     groups = op.groups or ((),)

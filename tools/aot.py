@@ -111,6 +111,7 @@ class Report:
   loops: int = 0  # while loops in the lowered program (`while_loops`)
   # DiLoCo: the bytes that cross replicas, next to data parallelism's (trainer/communication.py)
   communication: list = dataclasses.field(default_factory=list)
+  outer_step_bytes: int | None = None  # DiLoCo: the outer step's memory sum, as total_bytes
 
   @property
   def total_bytes(self) -> int:
@@ -272,8 +273,9 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
                    state_bytes, while_loops(lowered))
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
     with no_persistent_cache():
-      report.communication = communication.measure(program, compiled,
-                                                   program.compile_outer()).lines()
+      outer = program.compile_outer()
+      report.communication = communication.measure(program, compiled, outer).lines()
+    report.outer_step_bytes = compiled_costs(outer).total_bytes
   if report.hbm_bytes and report.total_bytes > report.hbm_bytes:
     # The compiler accepted it, but its own numbers say it cannot be resident at once.
     raise AotError(
