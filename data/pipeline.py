@@ -71,11 +71,12 @@ class _Decode:
     return np.frombuffer(record, dtype=self.dtype).astype(np.int32)
 
 
-def documents(data_dir: str, split: str, what: str = "") -> grain.MapDataset:
+def documents(data_dir: str, split: str, what: str = "", meta: dict | None = None
+              ) -> grain.MapDataset:
   """The raw records (one per document) of one split of a prepared directory (`what` names it
-  in errors; default `data.dir=DIR`)."""
+  in errors; default `data.dir=DIR`; `meta`: its meta.json when the caller has read it)."""
   what = what or f"data.dir={data_dir!r}"
-  meta = read_meta(data_dir, what)
+  meta = meta or read_meta(data_dir, what)
   files = [os.path.join(data_dir, f) for f in meta["splits"][split]["files"]]
   missing = [f for f in files if not os.path.exists(f)]
   if missing:
@@ -99,23 +100,30 @@ class _BatchedArrayRecord(grain.sources.ArrayRecordDataSource):
     return out
 
 
+def decoded_documents(data_dir: str, split: str) -> grain.MapDataset:
+  """Every document of one split, in stored order, as int32 token ids."""
+  meta = read_meta(data_dir)
+  return documents(data_dir, split, meta=meta).map(_Decode(meta["token_dtype"]))
+
+
 def _shuffled(data_dir: str, split: str, seed: int, shuffle: bool,
-              what: str = "") -> grain.MapDataset:
+              what: str = "", meta: dict | None = None) -> grain.MapDataset:
   """Decoded documents, shuffled anew every epoch (when `shuffle`) and repeated forever."""
-  docs = documents(data_dir, split, what)
+  meta = meta or read_meta(data_dir, what or f"data.dir={data_dir!r}")
+  docs = documents(data_dir, split, what, meta)
   if shuffle:
     docs = docs.shuffle(seed=seed)
-  return docs.repeat(None).map(_Decode(read_meta(data_dir, what)["token_dtype"]))
+  return docs.repeat(None).map(_Decode(meta["token_dtype"]))
 
 
 def _mixed(spec: "StreamSpec") -> tuple[tuple[grain.MapDataset, ...],
                                         mixture_lib.MixtureSelection]:
   """The sources' document streams (each shuffled with a seed of its own) and the selection of
   the source of every sequence."""
-  mixture_lib.read_metas(spec.mixture)
+  metas = mixture_lib.read_metas(spec.mixture)
   parents = tuple(_shuffled(s.dir, spec.split, spec.seed + 1_000_003 * (i + 1), spec.shuffle,
-                            f"data.mixture entry {s.name}={s.dir}")
-                  for i, s in enumerate(spec.mixture))
+                            f"data.mixture entry {s.name}={s.dir}", meta)
+                  for i, (s, meta) in enumerate(zip(spec.mixture, metas)))
   return parents, mixture_lib.MixtureSelection([s.weight for s in spec.mixture], spec.seed)
 
 

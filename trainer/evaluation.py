@@ -89,10 +89,9 @@ def packed_rows(docs: Iterator[np.ndarray], seq_len: int,
 
 def split_documents(data_dir: str, split: str) -> Iterator[np.ndarray]:
   """Every document of a prepared split, in stored order, as int32 token ids."""
-  dtype = read_meta(data_dir)["token_dtype"]  # how the ids are stored
-  docs = pipeline.documents(data_dir, split)
+  docs = pipeline.decoded_documents(data_dir, split)
   for i in range(len(docs)):
-    yield np.frombuffer(docs[i], dtype=dtype).astype(np.int32)
+    yield docs[i]
 
 
 def split_bytes(data_dir: str, split: str, decode: Callable[[np.ndarray], str]) -> int:
