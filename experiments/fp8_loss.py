@@ -37,7 +37,8 @@ DEFAULT_CONFIG = os.path.join("configs", "lm_tiny.py")
 def build_parser():
   p = common.parser("fp8_loss", __doc__)
   p.set_defaults(config=DEFAULT_CONFIG)
-  p.add_argument("--seeds", type=common.ints, default="0,1,2", help="seeds of the run pairs (at least 2)")
+  p.add_argument("--seeds", type=common.ints, default="0,1,2",
+                 help="seeds of the run pairs (at least 2)")
   p.add_argument("--eval_every", type=int, default=50)
   return p
 

@@ -30,8 +30,8 @@ update of every *hidden* matrix (a matrix without a `vocab` axis: attention and 
 not the embedding or the LM head) by 1/m after the learning rate (and the weight decay inside
 it), i.e. a per-parameter learning rate lr/m, the Adam rule of Tensor Programs V. It is derived
 for optimizers whose per-coordinate step does not depend on the gradient's scale: adamw,
-adafactor, lion (`SCALE_INVARIANT_OPTIMIZERS`; trainer/config_checks.py refuses the others). LAMB and
-LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
+adafactor, lion (`SCALE_INVARIANT_OPTIMIZERS`; trainer/config_checks.py refuses the others).
+LAMB and LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
 whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
 change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
 is untested here, so they are refused rather than guessed. SGD's muP rule differs (lr ~ m for
@@ -171,7 +171,8 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
 def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransformation]:
   """The transformations of an optimizer whose step size does not depend on the gradient's
   scale (SCALE_INVARIANT_OPTIMIZERS), before its weight decay and learning rate: the whole of
-  such an optimizer, and Muon's fallback (a list, so that `optax.chain(*...)` keeps each optimizer's state structure)."""
+  such an optimizer, and Muon's fallback (a list, so that `optax.chain(*...)` keeps each
+  optimizer's state structure)."""
   if name == "adamw":
     return [optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps)]
   if name == "adafactor":

@@ -60,7 +60,8 @@ def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int, slices: int = 1,
 
   `replicas` M >= 1 (DiLoCo, `optim.diloco.replicas`) adds the `replica` axis in front: M is a
   multiple of the slices (each slice holds M / slices replicas) or a divisor (each replica is
-  slices / M whole slices), and the axis crosses min(M, slices) slices; the other axes then fill one replica (the
+  slices / M whole slices), and the axis crosses min(M, slices) slices; the other axes then
+  fill one replica (the
   `mesh.dcn_*` multiply to the slices of one replica, `mesh.*` to its devices in a slice)."""
   if num_devices % slices:
     raise MeshError(f"{num_devices} devices do not split evenly into {slices} slices")
@@ -70,7 +71,7 @@ def resolve_mesh(mesh_cfg: Mapping[str, int], num_devices: int, slices: int = 1,
         f"or lie inside one (a multiple or a divisor of {slices}), so that what crosses "
         f"replicas is what crosses slices; use e.g. {slices} or {2 * slices}")
   per_slice = num_devices // slices
-  dcn_r = math.gcd(replicas, slices) if replicas else 1
+  dcn_r = min(replicas, slices) if replicas else 1  # M | slices or slices | M (above)
   ici_r = replicas // dcn_r if replicas else 1
   if per_slice % ici_r:
     raise MeshError(

@@ -308,8 +308,8 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           "would be wrong and its replacement is untested; use model.parametrization='sp'")
     _need(m.base_width == m.d_model or cfg.optim.name in SCALE_INVARIANT_OPTIMIZERS,
           f"model.parametrization='mup' sets learning rates for Adam-type optimizers "
-          f"({', '.join(SCALE_INVARIANT_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; use one of them "
-          "or model.parametrization='sp'")
+          f"({', '.join(SCALE_INVARIANT_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; "
+          "use one of them or model.parametrization='sp'")
   data_vocab, data_name = _data_vocab(cfg)
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
     m.vocab_size = -(-data_vocab // 128) * 128
