@@ -45,7 +45,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -69,6 +68,7 @@ from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's A
     make_target,
     tpu_target,
 )
+from trainer.compiled import CompiledCosts, compiled_costs  # noqa: E402, F401  (this tool's API)
 from trainer.metrics import GiB  # noqa: E402
 from trainer import communication  # noqa: E402
 from trainer.program import Program, run_mesh  # noqa: E402
@@ -284,37 +284,6 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
         f"{report.total_bytes / GiB:.1f} GiB per chip (temporaries "
         f"{report.temp_bytes / GiB:.1f} GiB); {oom_advice(cfg, sizes, target, state_bytes)}")
   return report
-
-
-class CompiledCosts(NamedTuple):
-  """What XLA says of a compiled program, per device: cost analysis and memory analysis."""
-  xla_flops: float | None  # cost_analysis()'s "flops" (loop bodies once, Pallas kernels not)
-  xla_bytes: float | None  # cost_analysis()'s "bytes accessed" (loop bodies once)
-  argument_bytes: int
-  output_bytes: int  # outputs not aliased to (donated) inputs
-  temp_bytes: int
-  code_bytes: int
-
-  @property
-  def total_bytes(self) -> int:
-    """What the program holds on a device while it runs: arguments + temporaries + outputs
-    not aliased to donated inputs + code."""
-    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
-
-
-def compiled_costs(compiled) -> CompiledCosts:
-  """The `CompiledCosts` of a compiled program (`jax.stages.Compiled`)."""
-  mem = compiled.memory_analysis()
-  get = lambda name: int(getattr(mem, name, 0) or 0) if mem is not None else 0
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-  xla_flops = float(cost.get("flops", 0.0)) if isinstance(cost, dict) else None
-  xla_bytes = float(cost.get("bytes accessed", 0.0)) if isinstance(cost, dict) else None
-  return CompiledCosts(
-      xla_flops=xla_flops, xla_bytes=xla_bytes or None,
-      argument_bytes=get("argument_size_in_bytes"),
-      output_bytes=max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
-      temp_bytes=get("temp_size_in_bytes"), code_bytes=get("generated_code_size_in_bytes"))
 
 
 def while_loops(lowered) -> int:

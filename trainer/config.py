@@ -28,9 +28,16 @@ def default_config() -> ml_collections.ConfigDict:
 
   # Devices per axis inside one slice (one axis may be -1 = fill), and across slices: the
   # dcn_* sizes multiply to the number of slices (TPU multi-slice, multi-node GPU), 1 = one.
+  # `stage`: pipeline stages (the layers split into stage x pipeline.repeats groups; below).
   c.mesh = ml_collections.ConfigDict(dict(
-      data=-1, fsdp=1, tensor=1, sequence=1, expert=1,
-      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_sequence=1, dcn_expert=1))
+      stage=1, data=-1, fsdp=1, tensor=1, sequence=1, expert=1,
+      dcn_stage=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_sequence=1, dcn_expert=1))
+  # Pipeline parallelism over mesh.stage S (x mesh.dcn_stage) > 1 (sharding/pipeline.py): the
+  # micro-batches are the accumulation micro-batches (M = global / micro batch, a multiple of
+  # S). "gpipe": each stage runs L / S consecutive layers; "circular" with `repeats` R: each
+  # stage runs R groups of L / (S R) layers, the micro-batches going round the stages R times
+  # (bubble (S - 1) / (M R + S - 1) instead of (S - 1) / (M + S - 1)).
+  c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", repeats=1))
 
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,

@@ -80,8 +80,9 @@ def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
           f"use a multiple of {tensor}")
 
 
-def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
-  """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys."""
+def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int, stages: int) -> list[int]:
+  """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys; returns every
+  global batch the run may use (the ramp's stages, the autopilot's sizes)."""
   from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES  # noqa: PLC0415
   from optim.ramp import parse_ramp  # noqa: PLC0415
   from optim.scaling import B2_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner  # noqa: PLC0415
@@ -141,13 +142,17 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
     batches = [b for b, _ in stages]
   if d.batch_ramp == "auto":
     batches = _check_autopilot(cfg, micro)
-  if o.noise_scale_every and micro in batches:
+  if o.noise_scale_every and (micro in batches or stages > 1):
     _need(micro % (2 * dp) == 0,
-          f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
+          (f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
+           if stages == 1 else f"optim.noise_scale_every with mesh.stage={stages} runs the "
+           f"pipeline on two halves of every micro-batch's {micro} rows (trainer/stages.py), ") +
           f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
-          f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)"
+          f"{2 * dp} rows" + (", or accumulate (data.micro_batch_size below the batch)"
+                              if stages == 1 else "")
           + ("; data.micro_batch_size and optim.noise_scale_every are the autopilot's default "
              "here, set them to choose" if d.batch_ramp == "auto" else ""))
+  return batches
 
 
 def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
@@ -179,6 +184,51 @@ def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   for key, value, what in refused:
     _need(not value, f"{key}={value} with optim.diloco.replicas={dl.replicas}: {what} would "
           "measure each replica apart, not the run; turn it off for DiLoCo runs")
+
+
+def _check_pipeline(cfg: ml_collections.ConfigDict, sizes: dict, batches: list[int]) -> None:
+  """pipeline.* and what pipeline stages (mesh.stage > 1) need of the model, the batches and the
+  other features (sharding/pipeline.py): layers that split into stages x repeats groups, a
+  number of micro-batches that is a multiple of the stages at every batch the run may use."""
+  from sharding.pipeline import SCHEDULES  # noqa: PLC0415
+  p, m, d = cfg.pipeline, cfg.model, cfg.data
+  _choice(cfg, "pipeline.schedule", SCHEDULES)
+  _need(p.repeats >= 1, f"pipeline.repeats={p.repeats}: must be >= 1")
+  _need(p.repeats == 1 or p.schedule == "circular",
+        f"pipeline.repeats={p.repeats} with pipeline.schedule='gpipe': a stage's repeats are the "
+        "circular schedule's; set pipeline.schedule='circular' (or pipeline.repeats=1)")
+  stages = sizes["stage"]
+  if stages == 1:
+    return
+  repeats = p.repeats if p.schedule == "circular" else 1
+  every = m.moe.every if m.moe.num_experts else 1
+  groups = m.num_layers // every
+  _need(groups % (stages * repeats) == 0,
+        f"model.num_layers={m.num_layers}"
+        + (f" (in {groups} groups of model.moe.every={every})" if every > 1 else "")
+        + f" does not split over mesh.stage={stages} x pipeline.repeats={repeats} = "
+        f"{stages * repeats} stage groups; use a number of layers that is a multiple of "
+        f"{stages * repeats * every}, or other stages / repeats")
+  micro = d.micro_batch_size or d.global_batch_size
+  for batch in dict.fromkeys(batches):
+    n = batch // micro
+    what = (f"data.global_batch_size={batch}" if batch == d.global_batch_size else
+            f"the batch of {batch} sequences (data.batch_ramp)")
+    _need(n >= stages, f"{what} in micro-batches of data.micro_batch_size={micro} is {n} "
+          f"micro-batch(es), fewer than the mesh.stage={stages} pipeline stages (M < S: some "
+          f"stage would have none); use data.micro_batch_size <= {batch // stages}, dividing "
+          "the batch into a multiple of the stages")
+    _need(n % stages == 0, f"{what} in micro-batches of data.micro_batch_size={micro} is {n} "
+          f"micro-batches, not a multiple of mesh.stage={stages} (each stage embeds and scores "
+          f"M / S of them); use a data.micro_batch_size that makes M a multiple of {stages}")
+  _need(not cfg.optim.diloco.replicas,
+        f"mesh.stage={stages} with optim.diloco.replicas={cfg.optim.diloco.replicas}: pipeline "
+        "stages do not run inside DiLoCo's replicas; use one or the other")
+  _need(sizes["sequence"] == 1 or m.attention not in ("ring", "auto"),
+        f"model.attention={m.attention!r} runs ring attention over mesh.sequence="
+        f"{sizes['sequence']}, which does not run inside pipeline stages (jax cannot vmap its "
+        "shard_map over the stages); use model.attention='xla' (XLA splits the sequence "
+        "itself) or mesh.sequence=1")
 
 
 def _check_muon(cfg: ml_collections.ConfigDict) -> None:
@@ -398,9 +448,11 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _check_muon(cfg)
   # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) as the run fills
   # them in (trainer/program.py)
-  _check_batch_science(with_defaults(cfg)[0], dp)
+  filled = with_defaults(cfg)[0]
+  batches = _check_batch_science(filled, dp, sizes["stage"])
   if replicas:
     _check_diloco(cfg, sizes)
+  _check_pipeline(filled, sizes, batches)
 
   check_distributed(cfg.distributed)
 

@@ -75,6 +75,7 @@ from trainer.program import Program, run_mesh
 from trainer.run_report import (StepTimer, log_batch_plan, log_diloco, log_hyperparameters,
                                 log_setup, repair_jsonl)
 from trainer.saver import Saver
+from trainer.stages import bubble_cost, log_pipeline, log_pipeline_plan
 
 EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
 
@@ -127,11 +128,12 @@ class Run:
 
     d = cfg.data
     self.ramp = p.ramp  # the run's one ramp, shared with the schedules
-    self.autopilot = Autopilot(AutoConfig.from_config(d), self.ramp) \
+    self.autopilot = Autopilot(AutoConfig.from_config(d), self.ramp, cost=bubble_cost(p)) \
         if d.batch_ramp == "auto" else None
     # (micro-batches, measures noise, computes the norm metrics) -> compiled train step
     self.compiled_steps: dict = {}
     self.compile_count = 0
+    self._pipeline_logged: set = set()  # micro-batch counts whose pipeline line was printed
     # One source (data.dir or the default corpus) or a weighted mixture (data.mixture).
     self.sources = mixture.parse(d.mixture) if d.mixture else (
         mixture.Source("data", d.dir or ensure_default_corpus()),)
@@ -174,6 +176,17 @@ class Run:
       self.compile_count += 1
     return self.compiled_steps[key]
 
+  def _log_pipeline(self, num_micro: int, step: int) -> None:
+    """A pipelined run's line for the first step compiled for `num_micro` micro-batches: the
+    bubble and bytes between stages counted from it (trainer/stages.py)."""
+    if self.program.pipeline is None or num_micro in self._pipeline_logged:
+      return
+    compiled = next((c for (m, noise, _), c in self.compiled_steps.items()
+                     if m == num_micro and not noise), None)
+    if compiled is not None:
+      self._pipeline_logged.add(num_micro)
+      log_pipeline(self.writer, self.program, compiled, num_micro, step)
+
   def _step_key(self, num_micro: int, measure_noise: bool, logs: bool) -> tuple:
     return num_micro, measure_noise, self.program.computes_norms(logs)
 
@@ -182,7 +195,7 @@ class Run:
     change = self.autopilot.observe(step, host)
     if change is None:
       return
-    self.log(change.describe())
+    self.log(self.autopilot.describe(change))
     self.writer.write(step, {"event": "batch_change", "batch": change.batch,
                              "old_batch": change.old, "from_step": change.step,
                              "reason": change.reason}, console=False)
@@ -200,6 +213,8 @@ class Run:
         self.program.abstract_state(), self.train_spec, self.cfg.to_dict(),
         allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
     if restored is not None:
+      # a checkpoint holds the plain layer stack (a circular pipeline stores another order)
+      restored = (self.program.layout.from_saved(restored[0]), *restored[1:])
       if self.autopilot is not None:
         saved = checkpointer.saved_autopilot(restored[2])
         if saved is None:
@@ -257,6 +272,8 @@ class Run:
     for line in self.program.defaults_filled:
       self.log(f"batch autopilot default: {line}")
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
+    log_pipeline_plan(self.writer, self.program,
+                      self.autopilot.cfg.sizes() if self.autopilot else self.ramp.batches)
     return start
 
   def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
@@ -280,6 +297,7 @@ class Run:
       log_diloco(self.writer, self.program, self.ramp.batch_at(start), start,
                  next(iter(self.compiled_steps.values())), self.outer_step,
                  measure=self.is_lead)
+    self._log_pipeline(self.ramp.batch_at(start) // self.micro_rows, start)
     if start >= cfg.steps:
       self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
       return RunResult("done", start, {})
@@ -289,7 +307,7 @@ class Run:
     self._stage = None  # the batch ramp's stage of the last step dispatched
     window = MetricsWindow(reduce_metrics(self.mesh) if self.program.diloco else None)
     save = Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
-                  autopilot=self.autopilot)
+                  autopilot=self.autopilot, to_saved=self.program.layout.to_saved)
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
@@ -362,6 +380,7 @@ class Run:
       jax.block_until_ready(state)
     with self.timer.paused():
       train_step = self.train_step_for(num_micro, measure_noise, logs)
+      self._log_pipeline(num_micro, step)
     with self.timer.waiting_for_data():
       batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
     state, metrics = train_step(state, batch)

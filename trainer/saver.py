@@ -19,10 +19,13 @@ class Saver:
   readable). With several processes, a save counts as written only if it was on all of them."""
 
   def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
-               autopilot=None):
+               autopilot=None, to_saved=lambda state: state):
+    """`to_saved(state)`: the state as a checkpoint holds it (a circular pipeline's layer stack
+    in the plain order, trainer/stages.py)."""
     self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
     self.timer, self.decider, self.log = timer, decider, log
     self.autopilot = autopilot
+    self.to_saved = to_saved
     self.failing = False
     self.last_step = None
 
@@ -34,7 +37,7 @@ class Saver:
         failed_step = self.last_step  # a background write of the previous save may have failed
         ckpt.check_for_errors()
         failed_step = step
-        ckpt.save(step, state, train_iter, self.data_spec, self.config,
+        ckpt.save(step, self.to_saved(state), train_iter, self.data_spec, self.config,
                   autopilot=None if self.autopilot is None else self.autopilot.state_dict())
         self.last_step = step
         if blocking:
