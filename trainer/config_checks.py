@@ -450,9 +450,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   # them in (trainer/program.py)
   filled = with_defaults(cfg)[0]
   batches = _check_batch_science(filled, dp, sizes["stage"])
+  _check_pipeline(filled, sizes, batches)
   if replicas:
     _check_diloco(cfg, sizes)
-  _check_pipeline(filled, sizes, batches)
 
   check_distributed(cfg.distributed)
 

@@ -101,19 +101,20 @@ class Layout:
 
   def to_saved(self, state):
     """The train state with the plain layer stack (what a checkpoint holds)."""
-    return self._convert(state, "to_saved", np.argsort(self.order) if self.reordered else None)
+    return self.conversion("to_saved")(state) if self.reordered else state
 
   def from_saved(self, state):
     """A state with the plain layer stack (restored) in the stored order."""
-    return self._convert(state, "from_saved", self.order)
+    return self.conversion("from_saved")(state) if self.reordered else state
 
-  def _convert(self, state, name: str, order):
-    if order is None:
-      return state
+  def conversion(self, name: str):
+    """The jitted conversion "to_saved" or "from_saved" of a reordered layout (also compiled
+    ahead of time by tools.memory_check: a save holds its output beside the state)."""
     if name not in self._jitted:
+      order = np.argsort(self.order) if name == "to_saved" else self.order
       self._jitted[name] = jax.jit(lambda s: reorder(s, self.shardings, order),
                                    in_shardings=(self.shardings,), out_shardings=self.shardings)
-    return self._jitted[name](state)
+    return self._jitted[name]
 
 
 # ----------------------------------------------------------------------------------------------
