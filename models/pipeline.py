@@ -150,10 +150,9 @@ def _loss(model: Transformer, pipe: Pipeline, y_MBSE, targets_MBS, mask_MBS):
   graphdef, state = nnx.split(model)
   rest = nnx.to_pure_dict(state)
   blocks = rest.pop("blocks")  # not read by the head: left out of the copies
-  free = jax.sharding.PartitionSpec.UNCONSTRAINED  # inside a stage: as the weight is
+  P = jax.sharding.PartitionSpec  # inside a stage: sharded as the weight is
   copies = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-      jnp.broadcast_to(a, (S, *a.shape)), jax.sharding.PartitionSpec(STAGE_AXIS, *(free,) * a.ndim)),
-      rest)
+      jnp.broadcast_to(a, (S, *a.shape)), P(STAGE_AXIS, *(P.UNCONSTRAINED,) * a.ndim)), rest)
 
   def stage_sum(weights, y_KBSE, targets_KBS, mask_KBS):
     head = nnx.merge(graphdef, {**weights, "blocks": blocks})

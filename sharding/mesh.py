@@ -109,8 +109,8 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, slices: in
 def make_mesh(mesh_cfg: Mapping[str, int], devices=None, *, replicas: int = 0) -> Mesh:
   """A `jax.sharding.Mesh` with the six named axes (`MESH_AXES`), all of type Auto: the one mesh
   builder of training, the tools and the ahead-of-time compiles. `replicas` M >= 1 (a DiLoCo run)
-  puts one more axis, `replica` of size M, in front of them (outermost: a replica is a contiguous block
-  of devices, whole slices where `resolve_mesh` can make it so, else whole hosts where the
+  puts one more axis, `replica` of size M, in front of them (outermost: a replica is a contiguous
+  block of devices, whole slices where `resolve_mesh` can make it so, else whole hosts where the
   devices' order allows); 0 (the default) builds the six-axis mesh of every other run.
 
   One slice: `jax.make_mesh` (it orders devices for the chips' interconnect). It defaults to

@@ -160,7 +160,8 @@ def test_moe_layers_in_stages(data_dir, devices, scope, mesh):
 
 @pytest.mark.parametrize("mesh,micro", [
     # GPipe at M = 2 and 4: also counted by the batch-ramp test below
-    pytest.param(GPIPE2, 2, marks=pytest.mark.slow), pytest.param(GPIPE2, 4, marks=pytest.mark.slow),
+    pytest.param(GPIPE2, 2, marks=pytest.mark.slow),
+    pytest.param(GPIPE2, 4, marks=pytest.mark.slow),
     (CIRCULAR2, 4),
     pytest.param({"mesh.stage": 4, "mesh.data": 2, "pipeline.schedule": "circular",
                   "pipeline.repeats": 2}, 4, marks=pytest.mark.slow),

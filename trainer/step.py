@@ -23,6 +23,11 @@ Accumulation. The gradient sum over micro-batches is float32 whatever `model.par
 constrained to the parameters' shardings (under FSDP it stays sharded); the optimizer receives
 the mean gradient cast back to the parameters' dtype.
 
+Pipeline stages (`mesh.stage` > 1, trainer/stages.py). The M micro-batches run through the
+pipeline instead of the scan: one value_and_grad over all of them (the pipeline's tick loop is
+the accumulation loop), with the same sums as the scan's; everything after `grad_sums` is this
+module's. The measuring step runs the pipeline on the two halves of every micro-batch's rows.
+
 Mixture of experts (`model.moe.*`, models/moe.py). The objective differentiated is
 (sum of token losses) / (target tokens of the whole step) + load_balance_loss x balance +
 router_z_loss x z: each micro-batch adds its loss sum plus the step's token count times its
