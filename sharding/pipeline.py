@@ -107,12 +107,11 @@ class Pipeline:
     block of the stored stack is its R groups)."""
     S, R = self.stages, self.repeats
     view = stack.reshape(S, R, stack.shape[0] // (S * R), *stack.shape[1:])
+    if jax.sharding.get_abstract_mesh().empty:
+      return view
+    P = jax.sharding.PartitionSpec  # the other dimensions stay as the stack's (fsdp, tensor, ...)
     return jax.lax.with_sharding_constraint(
-        view, jax.sharding.PartitionSpec(STAGE_AXIS)) if _has_mesh() else view
-
-
-def _has_mesh() -> bool:
-  return not jax.sharding.get_abstract_mesh().empty
+        view, P(STAGE_AXIS, *(P.UNCONSTRAINED,) * (view.ndim - 1)))
 
 
 def reorder(tree, shardings, order: np.ndarray):
