@@ -3,7 +3,7 @@ several numbers of micro-batches M, GPipe and circular, with the bubble counted 
 compiled program and the step time of tools.aot's roofline.
 
     python bench/pipeline_bubble.py --config configs/lm_1b.py --topology v5e:4x4 --stages 4 \\
-        --micro 4,8,16,32 --repeats 1,2,4 --config.data.micro_batch_size=16 \\
+        --micro 4,8,16,32 --repeats 1,2,4 --config.data.micro_batch_size=16 --jobs 4 \\
         --csv docs/pipeline.csv --png docs/pipeline.png
 
 No TPU is needed (compile only, as `tools.aot`). For each number of repeats R (1: GPipe, else
@@ -14,7 +14,8 @@ the compiled step (`sharding.pipeline.count`), the bubble against (S - 1) / (M R
 roofline's step time (executed FLOPs, idle ticks included, at the chips' peak, or the HBM floor
 if higher) and that time per micro-batch, the memory per chip, and the bytes between stages.
 The same batches without stages (`mesh.stage=1`, the config's own mesh) give the reference time
-per micro-batch. A config that does not fit is a row with `fits` False.
+per micro-batch. A config that does not fit is a row with `fits` False. `--jobs N` compiles N
+programs at once, each in a process of its own.
 """
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ FIELDS = ["schedule", "repeats", "micro", "global_batch", "fits", "ticks", "idle
           "bubble_formula", "step_ms", "ms_per_micro", "memory_gib", "stage_mb"]
 
 
-def row(cfg, target, name: str, stages: int, repeats: int, micro: int) -> dict:
+def row(cfg, topology: str, name: str, stages: int, repeats: int, micro: int) -> dict:
   """One compiled step of `micro` micro-batches on `stages` stages x `repeats` (1: no pipeline
-  when `stages` is 1)."""
+  when `stages` is 1), for `topology`."""
+  target = aot.config_target(cfg, topology)
   cfg = cfg.copy_and_resolve_references()
   cfg.mesh.stage = stages
   cfg.pipeline.schedule = "circular" if repeats > 1 else "gpipe"
@@ -103,6 +105,8 @@ def build_parser() -> CliParser:
   parser.add_argument("--repeats", default="1,2,4", help="1: GPipe; more: circular")
   parser.add_argument("--csv", default="")
   parser.add_argument("--png", default="")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="compile this many programs at once (processes)")
   return parser
 
 
@@ -114,17 +118,21 @@ def main(argv: list[str]) -> int:
       raise ConfigError("set data.micro_batch_size: M micro-batches of it make each batch")
     micros = [int(m) for m in args.micro.split(",")]
     repeats = [int(r) for r in args.repeats.split(",")]
-    target = aot.config_target(cfg, args.topology)
+    aot.config_target(cfg, args.topology)
   except (ConfigError, aot.AotError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   name = os.path.splitext(os.path.basename(args.config))[0]
-  rows = []
-  for r in repeats:
-    for m in micros:
-      rows.append(row(cfg, target, name, args.stages, r, m))
-  for m in micros:
-    rows.append(row(cfg, target, name, 1, 1, m))
+  work = [(cfg, args.topology, name, args.stages, r, m) for r in repeats for m in micros]
+  work += [(cfg, args.topology, name, 1, 1, m) for m in micros]  # no stages: the reference
+  if args.jobs > 1:
+    import concurrent.futures  # noqa: PLC0415
+    import multiprocessing  # noqa: PLC0415
+    with concurrent.futures.ProcessPoolExecutor(
+        args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+      rows = list(pool.map(row, *zip(*work)))
+  else:
+    rows = [row(*w) for w in work]
   print(f"{name} on {args.topology}, {args.stages} stages, micro-batches of "
         f"{cfg.data.micro_batch_size} sequences:")
   print("| schedule | R | M | batch | ticks | idle | bubble (counted) | (S-1)/(MR+S-1) | "

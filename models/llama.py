@@ -321,16 +321,16 @@ def layer_inputs(cfg: ModelConfig, positions_BS, segment_ids_BS):
   return rope, segments
 
 
-def run_layers(cfg: ModelConfig, x_BSE, blocks, rope, segments, *, remat: bool = True):
+def run_layers(cfg: ModelConfig, x_BSE, blocks, rope, segments):
   """x [B, S, E] through the stacked layers `blocks` (a Transformer's, or one pipeline stage's
-  share of them, models/pipeline.py): (x, the MoE groups' statistics stacked, {} if dense).
-  `remat`: each layer under `model.remat`'s policy (a pipeline applies it per stage instead)."""
+  share of them, models/pipeline.py), each under `model.remat`'s policy: (x, the MoE groups'
+  statistics stacked, {} if dense)."""
 
   def layer(x_BSE, block):  # every layer reads the same RoPE tables and masks
     out = block(x_BSE, rope, segments)
     return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
 
-  if remat and cfg.remat != "none":
+  if cfg.remat != "none":
     layer = nnx.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
   depth = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
   # Unrolled (`scan_unroll`), the layers' residuals for the backward pass are separate buffers

@@ -5,9 +5,9 @@ MoE router statistics and auxiliary losses of the whole step.
 Stages. The stored layer stack [G, ...] (G scan units: layers, or MoE groups of `moe.every`
 layers) is viewed as [S, R, G / (S R), ...]; each tick a stage merges its share into the stacked
 blocks module and runs them with `run_layers` (models/llama.py), reading the RoPE tables and
-document masks of the micro-batch it holds. `model.remat` applies per stage (each tick's stage
-computation is one rematerialisation unit: with "full" the backward pass keeps one stage input
-per tick and recomputes the stage), not per layer.
+document masks of the micro-batch it holds, each layer under `model.remat` as in the plain model;
+with `pipeline.remat_stage` (the default) the pipeline keeps one stage input per tick and the
+backward pass recomputes the stage from it (sharding/pipeline.py).
 
 Where the embedding and the head run: outside the tick loop, on every stage, each stage on its
 own M / S micro-batches (the micro-batch dimension split over `stage`). A stage's embeddings are
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import moe as moe_lib
-from models.llama import REMAT_POLICIES, Transformer, layer_inputs, run_layers
+from models.llama import Transformer, layer_inputs, run_layers
 from sharding.mesh import data_parallel_size
 from sharding.pipeline import Pipeline, run
 from sharding.rules import STAGE_AXIS, constrain
@@ -56,14 +56,13 @@ def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
   def stage(w, x_BSE, micro):
     blocks = nnx.merge(graphdef, w)
     rope, segments = layer_inputs(cfg, positions[micro], segments_ids[micro])
-    y_BSE, stats = run_layers(cfg, x_BSE, blocks, rope, segments, remat=False)
+    y_BSE, stats = run_layers(cfg, x_BSE, blocks, rope, segments)
     if stats:  # this micro-batch's balance term per layer (balance_scope="micro_batch")
       stats = {**stats, "balance_mb": _micro_balance(stats, cfg.moe)}
     return y_BSE, stats
 
   x_MBSE = jax.vmap(model.embed, spmd_axis_name=STAGE_AXIS)(batch["inputs"])
-  policy = None if cfg.remat == "none" else REMAT_POLICIES[cfg.remat]
-  y_MBSE, sums = run(pipe, stage, weights, x_MBSE, act_names=ACT, remat_policy=policy)
+  y_MBSE, sums = run(pipe, stage, weights, x_MBSE, act_names=ACT)
   stats = jax.tree.map(_model_order, sums)
   balance_mb = stats.pop("balance_mb", None)
   loss_sum = _loss(model, pipe, y_MBSE, batch["targets"], batch["loss_mask"])

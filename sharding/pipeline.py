@@ -22,9 +22,10 @@ dimension sharded over `stage` (`act_stage` in sharding/rules.py), the stage fun
 without stages: fsdp, tensor, data, expert, sequence), and the hand-over between stages is
 `jnp.roll` by one along that dimension under a sharding constraint, which XLA lowers to a
 collective-permute between neighbouring stages. The backward pass is autodiff of the tick loop
-(`jax.lax.scan`); the rolls transpose to rolls the other way. With a remat policy each tick's
-stage computation is one `jax.checkpoint` unit: the backward pass keeps each tick's stage input
-and recomputes the stage from it (the model's `remat` applied per stage).
+(`jax.lax.scan`); the rolls transpose to rolls the other way. Rematerialisation per stage
+(`pipeline.remat_stage`, GPipe's re-materialization): each tick's stage computation is one
+`jax.checkpoint` unit, so the backward pass keeps one stage input per tick and recomputes the
+stage from it (inside, the model's own per-layer `remat` bounds what that recomputation holds).
 
 Buffers (all sharded over `stage` on their first dimension):
   shift [S, *act]        what each stage receives next: stage s - 1's output (a ring: stage 0
@@ -67,10 +68,12 @@ SCHEDULES = ("gpipe", "circular")
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
-  """S stages, R repeats (1 for GPipe), and the schedule's name."""
+  """S stages, R repeats (1 for GPipe), the schedule's name, and whether each tick's stage is
+  rematerialised from its input (`pipeline.remat_stage`)."""
   stages: int
   repeats: int = 1
   schedule: str = "gpipe"
+  remat_stage: bool = True
 
   @classmethod
   def from_config(cls, cfg, mesh_sizes) -> "Pipeline | None":
@@ -81,7 +84,8 @@ class Pipeline:
       return None
     p = cfg.pipeline
     repeats = int(p.repeats) if p.schedule == "circular" else 1
-    return cls(stages, repeats, "circular" if repeats > 1 else "gpipe")  # circular R=1: GPipe
+    return cls(stages, repeats, "circular" if repeats > 1 else "gpipe",  # circular R=1: GPipe
+               bool(p.remat_stage))
 
   def ticks(self, micro: int) -> int:
     """Ticks of a step of `micro` micro-batches: M R + S - 1."""
@@ -126,7 +130,7 @@ def reorder(tree, shardings, order: np.ndarray):
   return jax.tree.map(one, tree, shardings)
 
 
-def run(pipe: Pipeline, stage_fn: Callable, weights, inputs, *, act_names, remat_policy=None):
+def run(pipe: Pipeline, stage_fn: Callable, weights, inputs, *, act_names):
   """The pipelined forward of M micro-batches (the module docstring's schedule).
 
   stage_fn(w, x, micro) -> (y, aux): one stage's work on one micro-batch, `w` the weights of
@@ -136,7 +140,8 @@ def run(pipe: Pipeline, stage_fn: Callable, weights, inputs, *, act_names, remat
   weights: a pytree whose leaves are [S, R, ...] (`Pipeline.stage_view` of the stored stack).
   inputs: [M, *act], the micro-batch dimension split over `stage` (M / S per stage).
   act_names: the logical names of one micro-batch's activation dimensions (`*act`).
-  remat_policy: a `jax.checkpoint` policy applied to each tick's stage computation, or None.
+  With `pipe.remat_stage` each tick's stage computation is one `jax.checkpoint` that saves
+  nothing but its inputs: the backward pass recomputes the stage from the tick's input.
 
   Returns (outputs [M, *act] sharded like `inputs`, aux sums with leaves [S, R, ...]: entry
   [s, r] is the sum over stage s's busy ticks of repeat r, i.e. layer group r S + s).
@@ -160,8 +165,9 @@ def run(pipe: Pipeline, stage_fn: Callable, weights, inputs, *, act_names, remat
       return stage_fn(w, x, m)
     return jax.vmap(one, spmd_axis_name=STAGE_AXIS)(weights, x, repeat, micro)
 
-  if remat_policy is not None:
-    compute = jax.checkpoint(compute, policy=remat_policy, prevent_cse=False)
+  if pipe.remat_stage:
+    compute = jax.checkpoint(compute, policy=jax.checkpoint_policies.nothing_saveable,
+                             prevent_cse=False)
   w0 = jax.tree.map(lambda a: a[0, 0], weights)
   _, aux_shape = jax.eval_shape(stage_fn, w0, jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype),
                                 jax.ShapeDtypeStruct((), jnp.int32))

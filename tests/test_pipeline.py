@@ -82,11 +82,12 @@ def reference(data_dir):
     GPIPE2,
     pytest.param(CIRCULAR2, marks=pytest.mark.slow),  # its gradients: the test below
     {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "circular",
-     "pipeline.repeats": 4},
+     "pipeline.repeats": 4, "pipeline.remat_stage": False, "model.remat": "full"},
     pytest.param({"mesh.stage": 4, "mesh.data": 2}, marks=pytest.mark.slow),
     pytest.param({"mesh.stage": 4, "mesh.data": 2, "pipeline.schedule": "circular",
                   "pipeline.repeats": 2}, marks=pytest.mark.slow),
-], ids=["gpipe-s2", "circular-s2r2", "circular-s2r4-fsdp2-tensor2", "gpipe-s4", "circular-s4r2"])
+], ids=["gpipe-s2", "circular-s2r2", "circular-s2r4-fsdp2-tensor2-layer-remat", "gpipe-s4",
+        "circular-s4r2"])
 def test_stages_equal_the_plain_step(reference, mesh, devices):
   """Losses, gradient norms and the parameters after several SGD steps (each step's update is
   its gradient) equal the plain step on one device, to fp32 rounding."""

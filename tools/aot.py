@@ -294,7 +294,8 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
     report.pipeline = {"line": found.line(), **found.row()}
     if found.ticks is not None:
       report.idle_flops = idle_flops(program.model_cfg, cfg.data.seq_len,
-                                     report.tokens_per_step, found.idle, found.busy)
+                                     report.tokens_per_step, found.idle, found.busy,
+                                     program.pipeline.remat_stage)
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
     with no_persistent_cache():
       outer = program.compile_outer()
@@ -335,7 +336,8 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
       model_flops=flops_per_token(model_cfg, seq)["total"] * tokens, xla_flops=costs.xla_flops,
       xla_bytes=costs.xla_bytes, peak_flops=target.peak_flops,
       hbm_bandwidth=target.hbm_bandwidth, tokens_per_step=tokens,
-      remat_mfu_bound=remat_mfu_bound(model_cfg, seq),
+      remat_mfu_bound=remat_mfu_bound(model_cfg, seq, program.pipeline is not None
+                                      and program.pipeline.remat_stage),
       kernel_flops=kernel_flops(model_cfg, seq, tokens, kernel_calls), loops=loops)
 
 

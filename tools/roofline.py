@@ -132,18 +132,20 @@ class Roofline:
             "roofline_mfu": self.mfu, "estimated_bytes": self.estimated_bytes}
 
 
-def remat_mfu_bound(model_cfg, seq_len: int) -> float:
+def remat_mfu_bound(model_cfg, seq_len: int, stage_remat: bool = False) -> float:
   """Model FLOPs / FLOPs executed when the remat policy recomputes part of the forward pass.
 
   `full` recomputes each block's forward (matmuls and attention) in the backward pass;
   `dots_no_batch` recomputes the attention matmuls (they have a batch dimension); `dots` and
-  `none` recompute no matmul. Kernels recompute inside themselves too (flash attention's
-  backward), which this does not count: it is a ceiling, not a prediction."""
+  `none` recompute no matmul. `stage_remat` (pipeline stages, `pipeline.remat_stage`): the
+  backward pass also recomputes every stage's forward from its input, one more forward of the
+  blocks. Kernels recompute inside themselves too (flash attention's backward), which this does
+  not count: it is a ceiling, not a prediction."""
   parts = flops_per_token(model_cfg, seq_len)
   head = 6.0 * model_cfg.d_model * model_cfg.vocab_size
   block_forward = (parts["matmuls"] - head) / 3 + parts["attention"] / 3
   extra = {"full": block_forward, "dots_no_batch": parts["attention"] / 3}.get(
-      model_cfg.remat, 0.0)
+      model_cfg.remat, 0.0) + (block_forward if stage_remat else 0.0)
   return parts["total"] / (parts["total"] + extra)
 
 
@@ -156,12 +158,13 @@ def kernel_flops(model_cfg, seq_len: int, tokens: int, kernel_calls: int) -> flo
   return flops_per_token(model_cfg, seq_len)["attention"] * tokens * recompute
 
 
-def idle_flops(model_cfg, seq_len: int, tokens: int, idle: int, busy: int) -> float:
+def idle_flops(model_cfg, seq_len: int, tokens: int, idle: int, busy: int,
+               stage_remat: bool = False) -> float:
   """FLOPs per step (all chips) that pipeline stages execute in their idle ticks: every stage
   runs its layers every tick (SPMD), so each busy tick's layer FLOPs (model + recomputation,
   without the embedding and head, which run outside the tick loop) recur `idle / busy` times
   over."""
   parts = flops_per_token(model_cfg, seq_len)
   layers = parts["total"] - 6.0 * model_cfg.d_model * model_cfg.vocab_size
-  layers += parts["total"] * (1 / remat_mfu_bound(model_cfg, seq_len) - 1)  # all recompute
+  layers += parts["total"] * (1 / remat_mfu_bound(model_cfg, seq_len, stage_remat) - 1)
   return layers * tokens * idle / busy

@@ -37,7 +37,11 @@ def default_config() -> ml_collections.ConfigDict:
   # S). "gpipe": each stage runs L / S consecutive layers; "circular" with `repeats` R: each
   # stage runs R groups of L / (S R) layers, the micro-batches going round the stages R times
   # (bubble (S - 1) / (M R + S - 1) instead of (S - 1) / (M + S - 1)).
-  c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", repeats=1))
+  # remat_stage: keep only each tick's stage input for the backward pass and recompute the
+  # stage's layers from it (GPipe's re-materialization: the activations of M R + S - 1 stage
+  # inputs instead of what model.remat keeps of every layer at every tick, for one more forward
+  # of the layers); model.remat applies per layer inside the stages either way.
+  c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", repeats=1, remat_stage=True))
 
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,
