@@ -159,7 +159,7 @@ extra)
   step "fp8 vs bf16 loss" 190 12 $PY -m experiments.fp8_loss --config configs/lm_125m.py \
     --seeds 0,1 --eval_every 50 --out "$OUT/fp8_loss" --workdir /tmp/fp8_loss \
     --config.steps=200 --config.data.global_batch_size=32 --config.data.micro_batch_size=0 \
-    --config.data.seq_len=1024 --config.eval_steps=4 --config.optim.warmup_steps=20
+    --config.data.seq_len=1024 --config.eval_sequences=32 --config.optim.warmup_steps=20
   ;;
 esac
 if [[ -n ${DRY_RUN:-} ]]; then

@@ -31,7 +31,9 @@ TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
      "trainer.norm_metrics='false': choose one of log_steps, every_step, off"),
     (["--config.model.num_kv_heads=3"], "must divide model.num_heads=4"),
     (["--config.data.micro_batch_size=5"], "must divide data.global_batch_size=16"),
-    (["--config.eval_steps=0"], "eval_steps=0 with eval_every=100: an evaluation scores"),
+    (["--config.eval_sequences=0"], "eval_sequences=0 with eval_every=100: an evaluation "),
+    (["--config.eval_steps=4"],  # renamed: says what replaced it
+     "unknown key 'eval_steps'; it is now eval_sequences (validation sequences per evaluation"),
     (["--config.model.moe.shared_expert=True"],  # a width now: says so
      "--config.model.moe.shared_expert='True': expected int"),
     (["--config.steps=1.5"], "--config.steps='1.5': expected int"),
@@ -76,9 +78,9 @@ def test_overrides_parse_types():
   assert set(default_config().keys()) == set(cfg.keys())
 
 
-def test_eval_steps_zero_is_fine_without_evaluation():
+def test_eval_sequences_zero_is_fine_without_evaluation():
   from trainer.config_checks import validate
-  validate(load(TINY, [("eval_steps", "0"), ("eval_every", "0")]), 1)
+  validate(load(TINY, [("eval_sequences", "0"), ("eval_every", "0")]), 1)
 
 
 def test_real_process_exit_code(tmp_path):

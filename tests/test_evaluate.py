@@ -149,14 +149,14 @@ def test_a_split_with_nothing_to_score_has_no_loss_not_zero(run, monkeypatch):
 
 
 def test_an_in_training_evaluation_of_nothing_is_nan_not_zero(data_dir):
-  """eval_steps=0 is refused by the config checks (tests/test_config.py); an evaluator built
+  """eval_sequences=0 is refused by the config checks (tests/test_config.py); an evaluator built
   without them scores nothing, and says so with NaN, never a perfect 0."""
   from data import mixture
   from sharding import make_mesh
   from trainer.periodic_eval import make_evaluator
   from trainer.program import Program
   from trainer.state import init_state
-  cfg = tiny_config(eval_steps=0)
+  cfg = tiny_config(eval_sequences=0)
   program = Program(cfg, make_mesh(cfg.mesh))
   evaluate = make_evaluator(program, [mixture.Source("data", data_dir)],
                             tuple(range(program.micro_rows)))

@@ -196,7 +196,7 @@ def test_memory_prediction_within_ten_percent_of_the_measured_peak():
   proc = subprocess.run(
       [sys.executable, "-m", "tools.memory_check", "--config", "configs/lm_125m.py",
        "--topology", topology, "--measure", "--config.data.global_batch_size=16",
-       "--config.data.micro_batch_size=8", "--config.eval_steps=2"],
+       "--config.data.micro_batch_size=8", "--config.eval_sequences=16"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   line = next(x for x in proc.stdout.splitlines() if x.startswith("measured"))

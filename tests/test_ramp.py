@@ -49,7 +49,7 @@ RAMP = {"data.micro_batch_size": 8, "data.global_batch_size": 16,
         "data.batch_ramp": "16:0,24:2560,16:4864", "optim.reference_batch_size": 16,
         "optim.lr_rule": "sqrt", "optim.b2_rule": "half_life", "optim.ema_decay": 0.9,
         "optim.noise_scale_every": 2, "checkpoint.every_steps": 5, "eval_every": 5,
-        "eval_steps": 1}
+        "eval_sequences": 4}
 
 
 @pytest.fixture(scope="module")

@@ -219,23 +219,29 @@ def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
 
 def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
   """(vocabulary size, description) of the run's data: data.dir's or data.mixture's meta.json
-  (all mixture sources share a tokenizer), or the byte tokenizer of the default corpus."""
-  from data import mixture, prepare, tokenizer  # noqa: PLC0415
+  (all mixture sources share a tokenizer), or the byte tokenizer of the default corpus. The
+  files of data.dir or data.mixture are checked here (`data.pipeline.check`), so missing,
+  truncated or too little data is one line before anything is compiled."""
+  from data import meta, mixture, pipeline, tokenizer  # noqa: PLC0415
   d = cfg.data
   _need(not (d.dir and d.mixture), f"data.dir={d.dir!r} and data.mixture={d.mixture!r} are "
         "both set; give one")
+  if not (d.dir or d.mixture):
+    return tokenizer.VOCAB_SIZE, "the default corpus (byte tokenizer)"
   try:
+    sources = mixture.parse(d.mixture) if d.mixture else ()
     if d.mixture:
-      sources = mixture.parse(d.mixture)
-      metas = mixture.read_metas(sources)
-      t = metas[0]["tokenizer"]
-      return t["vocab_size"], f"data.mixture's {t['kind']} tokenizer"
-    if d.dir:
-      t = prepare.read_meta(d.dir)["tokenizer"]
-      return t["vocab_size"], f"data.dir={d.dir!r} ({t['kind']} tokenizer)"
-  except (prepare.DataError, mixture.MixtureError) as e:
+      t = mixture.read_metas(sources)[0]["tokenizer"]
+      vocab = t["vocab_size"], f"data.mixture's {t['kind']} tokenizer"
+    else:
+      t = meta.read_meta(d.dir)["tokenizer"]
+      vocab = t["vocab_size"], f"data.dir={d.dir!r} ({t['kind']} tokenizer)"
+    if d.seq_len >= 1:
+      pipeline.check(pipeline.StreamSpec(d.dir, "train", d.seq_len, 1, mixture=sources),
+                     evaluation=bool(cfg.eval_every))
+  except (meta.DataError, mixture.MixtureError) as e:
     raise ConfigError(str(e)) from None
-  return tokenizer.VOCAB_SIZE, "the default corpus (byte tokenizer)"
+  return vocab
 
 
 def _check_logging(cfg: ml_collections.ConfigDict) -> None:
@@ -268,12 +274,13 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   from optim.scaling import SCALE_INVARIANT_OPTIMIZERS  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
-  for key, value in (("eval_every", cfg.eval_every), ("eval_steps", cfg.eval_steps),
+  for key, value in (("eval_every", cfg.eval_every), ("eval_sequences", cfg.eval_sequences),
                      ("checkpoint.every_steps", cfg.checkpoint.every_steps)):
     _need(value >= 0, f"{key}={value}: must be >= 0")
-  _need(cfg.eval_steps >= 1 or not cfg.eval_every,
-        f"eval_steps={cfg.eval_steps} with eval_every={cfg.eval_every}: an evaluation scores "
-        "eval_steps validation batches, so give at least 1 (or eval_every=0: no evaluation; "
+  _need(cfg.eval_sequences >= 1 or not cfg.eval_every,
+        f"eval_sequences={cfg.eval_sequences} with eval_every={cfg.eval_every}: an evaluation "
+        "scores eval_sequences validation sequences, so give at least 1 (or eval_every=0: no "
+        "evaluation; "
         "python -m tools.evaluate scores a whole split)")
   _need(cfg.log_every >= 1, f"log_every={cfg.log_every}: must be at least 1")
   _need(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep}: keep at least 1")
