@@ -96,20 +96,24 @@ class Windows:
     self.selection = (mixture_lib.MixtureSelection([s.weight for s in sources], spec.seed)
                       if spec.mixture else None)
 
-  def pieces(self, indices) -> list[list[np.ndarray]]:
-    """The token pieces of each global window in `indices` (one list per window)."""
+  def locate(self, indices) -> list[list[tuple[int, int, int, int]]]:
+    """Where each global window in `indices` lies: [(source, document, start, stop), ...]."""
     indices = np.asarray(indices, np.int64)
     if self.selection is None:
       source, rank = np.zeros(len(indices), np.int64), indices
     else:
       source, rank = self.selection.rank(indices)
-    out: list[list[np.ndarray]] = [[] for _ in indices]
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in indices]
     for s in np.unique(source):
       where = np.flatnonzero(source == s)
-      tokens = self.tokens[s]
       for i, row in zip(where, self.orders[s].pieces(rank[where])):
-        out[i] = [tokens.read(doc, start, stop) for doc, start, stop in row]
+        out[i] = [(int(s), doc, start, stop) for doc, start, stop in row]
     return out
+
+  def pieces(self, indices) -> list[list[np.ndarray]]:
+    """The token pieces of each global window in `indices` (one list per window)."""
+    return [[self.tokens[s].read(doc, start, stop) for s, doc, start, stop in row]
+            for row in self.locate(indices)]
 
   def batch(self, indices) -> dict[str, np.ndarray]:
     """Rows of the global windows `indices` (a negative index is an empty padding row)."""
