@@ -298,3 +298,17 @@ def test_rows_follow_the_sharding_in_any_device_order(data_dir, devices):
       np.testing.assert_array_equal(np.asarray(shard.data), batch["inputs"][index])
   with pytest.raises(ValueError, match="one process holds every row"):
     assemble(batch["inputs"][:4], rows[:4], sharding, shape)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
+def test_the_window_permutation_is_a_seeded_bijection(n):
+  """`permute` maps [0, n) onto itself one to one, index by index or all at once, and another
+  seed gives another order (a Feistel network walked back into range)."""
+  from data.windows import permute  # noqa: PLC0415
+  whole = permute(np.arange(n), n, seed=11)
+  assert sorted(whole.tolist()) == list(range(n))
+  assert [int(permute([i], n, seed=11)[0]) for i in range(min(n, 50))] == whole[:50].tolist()
+  if n >= 64:
+    other = permute(np.arange(n), n, seed=12)
+    assert np.mean(other == whole) < 0.05
+    assert abs(np.corrcoef(np.arange(n - 1), np.diff(whole))[0, 1]) < 0.2  # no drift

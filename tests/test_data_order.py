@@ -87,3 +87,19 @@ def test_a_restart_on_fewer_devices_keeps_the_batch_and_the_losses(tmp_path):
                    "--config.data.micro_batch_size=2", "--config.mesh.data=2")
   assert "resumed from" in proc.stdout
   _same(_rows(tmp_path / "elastic"), straight)
+
+
+def test_the_data_order_tool_prints_documents_per_step_against_independent_draws(capsys):
+  from tools import data_order  # noqa: PLC0415
+  assert data_order.main(["--config", "configs/sweep_tiny.py", "--batch_sizes", "4,32",
+                          "--steps", "30"]) == 0
+  out = capsys.readouterr().out
+  rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 4 ")
+          or line.startswith("| 32 ")]
+  assert len(rows) == 2
+  for batch, got, want, within, across in rows:
+    mean, err = (float(x) for x in got.split("+-"))
+    assert abs(mean - float(want)) < 4 * err + 0.03 * float(want), (batch, got, want)
+    assert float(within) < float(across) + 0.01
+  assert data_order.main(["--config", "configs/sweep_tiny.py", "--batch_sizes", "8,x"]) == 2
+  assert "give positive whole batch sizes" in capsys.readouterr().err
