@@ -5,8 +5,8 @@
 Weights are fractions of the tokens the model trains on (normalised to sum to 1), whatever the
 lengths of the sources' documents. The mixture is chosen per packed *sequence* (window): every
 window of `seq_len + 1` tokens comes from one source alone, so a source's share of windows is its
-share of tokens. A source of 300k-token documents and one of 40-token documents mix as exactly as two
-sources of equal lengths: each source's windows are cut from its own packed documents
+share of tokens. A source of 300k-token documents and one of 40-token documents mix as exactly as
+two sources of equal lengths: each source's windows are cut from its own packed documents
 (data/windows.py).
 
 Which source fills global window g is a pure function of g, and g is window `rank` of that

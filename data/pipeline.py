@@ -207,9 +207,9 @@ def validation_batches(source: mixture_lib.Source, seq_len: int, sequences: int,
                        row_ids=None) -> list[dict[str, np.ndarray]]:
   """The fixed evaluation set of a source: the first `sequences` windows of its validation split
   (documents in stored order, windows permuted with `EVAL_SEED`: a uniform sample of the split's
-  windows, all of them when it has fewer, its last and shorter one included), in micro-batches of `rows` rows of which this process
-  reads `row_ids`; rows past the set are padding (no loss). Independent of the run's seed,
-  micro-batch size, devices and processes."""
+  windows; all of them, the last and shorter one included, when it has fewer), in micro-batches
+  of `rows` rows of which this process reads `row_ids`; rows past the set are padding (no loss).
+  Independent of the run's seed, micro-batch size, devices and processes."""
   spec = StreamSpec(source.dir, "validation", seq_len, rows, seed=EVAL_SEED, row_ids=row_ids)
   windows = Windows(spec, evaluation=True)
   count = min(sequences, windows.orders[0].per_epoch)

@@ -76,7 +76,7 @@ def default_config() -> ml_collections.ConfigDict:
           impl="ragged_dot"))))
 
   c.data = ml_collections.ConfigDict(dict(
-      dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
+      dir="",  # prepared dir (python -m data.prepare); "" = the embedded corpus, prepared on first use
       # weighted mixture of prepared dirs instead of `dir`: "NAME=DIR:WEIGHT,..." (weights are
       # token fractions; data/mixture.py); evaluation reports eval_loss/NAME per source
       mixture="",
