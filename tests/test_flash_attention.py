@@ -303,11 +303,20 @@ def test_splash_lowers_for_tpu():
 
 
 def test_auto_attention_choice():
-  """`auto` on GPU is cuDNN's fused attention where its constraints hold (Ampere or newer,
-  fp16/bf16, head dim a multiple of 8 up to 128, even length with a segment mask), else xla:
-  never our Pallas
-  kernel, which has not run on a GPU yet; `flash` stays available by name."""
+  """`auto` on GPU: with packed documents' segment ids our flash kernel (head dims up to 128,
+  Ampere or newer); without them cuDNN's fused attention where its constraints hold (Ampere or
+  newer, fp16/bf16, head dim a multiple of 8 up to 128, even length with a segment mask), else
+  xla; `flash` is available by name."""
   gpu = dict(platform="gpu", seq_len=2048)
+  docs = dict(gpu, segments=True)
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, **docs) == "flash"
+  assert choose_impl("auto", dtype=jnp.float32, head_dim=128, **docs) == "flash"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=256, **docs) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, gpu_capability=7.5,
+                     **docs) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, sequence=4, **docs) == "ring"
+  assert choose_impl("auto", platform="cpu", dtype=jnp.bfloat16, head_dim=64,
+                     segments=True) == "xla"
   assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=128, **gpu) == "cudnn"
   assert choose_impl("auto", dtype=jnp.float16, head_dim=64, **gpu) == "cudnn"
   assert choose_impl("auto", dtype=jnp.float32, head_dim=64, **gpu) == "xla"
@@ -327,24 +336,31 @@ def test_auto_attention_choice():
   with _for_gpu():  # the platform comes from the mesh's devices (ahead-of-time compiles)
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=64, seq_len=128) == "cudnn"
     assert resolve_impl("auto", dtype=jnp.float32, head_dim=64, seq_len=128) == "xla"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=64, seq_len=128,
+                        segments=True) == "flash"
   with pytest.raises(ValueError, match="unknown attention implementation"):
     choose_impl("cudnn2", platform="gpu")
 
 
-@pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "cudnn"), (jnp.float32, "xla")])
-def test_model_attention_on_gpu_calls_the_choice(monkeypatch, dtype, want):
-  """Under a GPU mesh the model's `attention(impl="auto")` calls what `choose_impl` picked.
-  (Tracing cuDNN's attention needs CUDA libraries, so the calls are recorded, not run.)"""
+@pytest.mark.parametrize("dtype, packed, want", [
+    (jnp.bfloat16, False, "cudnn"), (jnp.float32, False, "xla"), (jnp.bfloat16, True, "flash"),
+    (jnp.float32, True, "flash")])
+def test_model_attention_on_gpu_calls_the_choice(monkeypatch, dtype, packed, want):
+  """Under a GPU mesh the model's `attention(impl="auto")` calls what `choose_impl` picked,
+  with and without segment ids. (Tracing cuDNN's attention needs CUDA libraries, so the calls
+  are recorded, not run.)"""
   called = []
 
   def record(name):
-    return lambda q, k, v, *, segment_ids=None, causal=True: called.append(name) or q
+    return lambda q, k, v, *, segment_ids=None, causal=True, **_: called.append(name) or q
 
   monkeypatch.setattr(attention_module, "cudnn_attention", record("cudnn"))
   monkeypatch.setattr(attention_module, "xla_attention", record("xla"))
+  monkeypatch.setattr(attention_module, "flash_attention", record("flash"))
   sds = jax.ShapeDtypeStruct
   q, k = sds((2, 128, 4, 64), dtype), sds((2, 128, 2, 64), dtype)
+  seg = sds((2, 128), jnp.int32) if packed else None
   with _for_gpu():
     jax.eval_shape(lambda q, k, v, seg: attention(q, k, v, segment_ids=seg, impl="auto"),
-                   q, k, k, sds((2, 128), jnp.int32))
+                   q, k, k, seg)
   assert called == [want]

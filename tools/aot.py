@@ -257,7 +257,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
     with jax.set_mesh(mesh), no_persistent_cache():
       attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh, dtype=cfg.model.dtype,
                                head_dim=program.model_cfg.dim_per_head,
-                               seq_len=cfg.data.seq_len)
+                               seq_len=cfg.data.seq_len, segments=True)  # training's batches
       lowered = program.jitted_step().lower(state, batch)
       compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001
@@ -271,6 +271,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   seconds = time.perf_counter() - t0
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
                    state_bytes, while_loops(lowered))
+  report.compiled = compiled  # not a field (not in the JSON): for callers that read the program
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
     with no_persistent_cache():
       outer = program.compile_outer()
