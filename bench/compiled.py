@@ -140,16 +140,22 @@ def plain_row(cfg, target, ours_report, *, documents: bool) -> Row:
   from models.llama import ModelConfig  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
   from tools import aot  # noqa: PLC0415
+  from models.attention import resolve_impl  # noqa: PLC0415
   # its state and tokens made on this machine's CPU; only their shapes go to the target
-  plain = baseline.Plain(cfg, ModelConfig.from_config(cfg.model), documents=documents)
+  plain_model = ModelConfig.from_config(cfg.model)
+  plain = baseline.Plain(cfg, plain_model, documents=documents)
   args = _abstract((plain.params, plain.opt_state, *plain.args()), target.devices[0])
   # traced under the target's one-device mesh, as on that machine: the model's choices by
   # platform (attention, RoPE tables) see the target's, not this CPU's
   with jax.set_mesh(make_mesh(cfg.mesh, target.devices[:1])):
     lowered = plain.step.lower(*args)
+    # the attention it runs: `auto` chooses by whether there are segment ids
+    attention = resolve_impl(cfg.model.attention, dtype=cfg.model.dtype,
+                             head_dim=plain_model.dim_per_head, seq_len=cfg.data.seq_len,
+                             segments=documents)
   with aot.no_persistent_cache():  # target executables stay out of the cache
     compiled = lowered.compile()
-  name = f"plain{'+docs' if documents else ''} ({ours_report.attention})"
+  name = f"plain{'+docs' if documents else ''} ({attention})"
   return _row(name, compiled, aot.while_loops(lowered), target, ours_report,
               remat_bound=ours_report.remat_mfu_bound)
 

@@ -134,10 +134,12 @@ class Kernel:
 
   def signature(self) -> tuple:
     """What makes two kernels the same work in two programs (names differ between programs):
-    the operation, its result shape, launches per step and the bytes it moves (to 0.1%)."""
+    the operation (a custom call's target; not a fusion's kind, which is how XLA emits it),
+    its result shape, launches per step and the bytes it moves (to 0.1%)."""
     dims = tuple(d for _, d in arrays(self.shape))
     rnd = lambda b: float(f"{b:.3g}")
-    return (self.opcode, self.target, dims, self.trips, rnd(self.read), rnd(self.written))
+    target = self.target if self.opcode == "custom-call" else ""
+    return (self.opcode, target, dims, self.trips, rnd(self.read), rnd(self.written))
 
   def describe(self) -> str:
     """Its source operation (the end of the op_name, where the jax function is named) and
