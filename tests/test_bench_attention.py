@@ -30,20 +30,43 @@ def test_attention_bench_tiny_case_on_cpu(capsys):
 
 def test_reference_is_traced_at_highest_matmul_precision(monkeypatch):
   """The fp32 reference's dots run at full precision (not TF32 / bf16 passes on an
-  accelerator): the precision in force when XLA's attention is traced for it."""
+  accelerator): the precision in force when it is traced."""
   import jax
   import jax.numpy as jnp
   attention = bench_module("attention")
   seen = []
 
-  def xla(q, k, v, seg):
+  def reference(q, k, v, seg, rows):
     seen.append(jax.config.jax_default_matmul_precision)
     return q
 
-  monkeypatch.setattr(attention, "implementation", lambda name, tiles: (xla, None))
+  monkeypatch.setattr(attention, "attend_rows", reference)
   q = jnp.ones((1, 8, 1, 4), jnp.float32)
   attention.fp32_reference(q, q, q, None)
   assert seen == ["highest"], seen
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_reference_on_the_last_rows_is_the_whole_attention_s(packed):
+  """The reference on a slice (the last CHECK_ROWS queries of the first sequence, against every
+  key before them) equals those rows of XLA's attention over the whole sequences, with GQA and
+  packed documents: checking each case costs a [H, 256, S] block, not [B, H, S, S]."""
+  import jax
+  import jax.numpy as jnp
+
+  from models.attention import xla_attention
+  attention = bench_module("attention")
+  B, S, H, K, D = 2, 384, 4, 2, 16
+  ks = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(ks[0], (B, S, H, D))
+  k, v = (jax.random.normal(x, (B, S, K, D)) for x in ks[1:])
+  seg = jnp.asarray(attention.segment_ids(B, S, seed=1)) if packed else None
+  rows = attention.check_rows(S)
+  assert (rows.start, rows.stop) == (S - attention.CHECK_ROWS, S)
+  with jax.default_matmul_precision("highest"):
+    whole = xla_attention(q, k, v, segment_ids=seg, causal=True)
+  np.testing.assert_allclose(attention.fp32_reference(q, k, v, seg), whole[:1, rows],
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_packed_documents_are_at_least_64_tokens():
