@@ -10,6 +10,8 @@
   ring    ring attention over the mesh's `sequence` axis (sharding/ring_attention.py), O(S/N)
           memory per device, its blocks in jnp (XLA) on every platform; with no sequence axis
           (> 1) to ring over it falls back to `auto`.
+  cudnn   cuDNN's fused flash attention on GPU (`cudnn_attention`; packed documents as a
+          [B, 1, S, S] bias), by name (what `auto` picks without segment ids); xla elsewhere.
   auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU: with packed
           documents (segment ids, what training feeds) our flash kernel, without them cuDNN's
           fused flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) where
@@ -65,7 +67,7 @@ from sharding.ring_attention import ring_attention
 from sharding.zigzag import split_axes
 from sharding.rules import BATCH_AXES
 
-IMPLS = ("xla", "flash", "splash", "ring", "auto")
+IMPLS = ("xla", "flash", "splash", "ring", "cudnn", "auto")
 CUDNN_DTYPES = ("float16", "bfloat16")
 CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper+, but jax checks that on the local GPU (see above)
 FLASH_MAX_HEAD_DIM = 128  # the largest head dim `auto` gives our kernel (checked on a GPU)
@@ -204,6 +206,8 @@ def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
     return {"tpu": "splash"}.get(platform, "xla")
   if impl == "flash" and platform == "tpu":
     return "splash"
+  if impl == "cudnn" and platform != "gpu":
+    return "xla"
   return impl
 
 

@@ -274,10 +274,11 @@ def test_rejects_bad_arguments():
     block_forward(q4, k[:, :, :1], v[:, :, :1], state=state, heads=(1, 2))
 
 
-@pytest.mark.parametrize("impl", ["flash", "splash"])
+@pytest.mark.parametrize("impl", ["flash", "splash", "cudnn"])
 def test_dispatch_under_mesh_matches_reference(impl, devices):
   """models.attention runs the kernel per device (shard_map over batch and heads) under the
-  trainer's mesh; "splash" is the TPU path (jax's splash attention, interpreted here)."""
+  trainer's mesh; "splash" is the TPU path (jax's splash attention, interpreted here); "cudnn"
+  is XLA's attention off a GPU."""
   causal, segments = (False, False) if impl == "flash" else (True, True)
   q, k, v, do, seg = _inputs(2, 128, 4, 2, 32, jnp.float32, seed=5, segments=segments)
   mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
@@ -331,6 +332,8 @@ def test_auto_attention_choice():
   assert choose_impl("ring", dtype=jnp.bfloat16, head_dim=64, **gpu) == "cudnn"  # nothing to ring
   assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, **gpu) == "flash"
   assert choose_impl("flash", platform="tpu") == "splash"
+  assert choose_impl("cudnn", dtype=jnp.bfloat16, head_dim=64, **docs) == "cudnn"  # by name
+  assert choose_impl("cudnn", platform="cpu") == choose_impl("cudnn", platform="tpu") == "xla"
   assert choose_impl("auto", platform="tpu") == "splash"
   assert choose_impl("auto", platform="cpu", dtype=jnp.bfloat16, head_dim=64) == "xla"
   with _for_gpu():  # the platform comes from the mesh's devices (ahead-of-time compiles)

@@ -7,7 +7,7 @@ left out of the default run): what only a GPU can check.
     close as XLA's attention on the GPU in the same dtype (within 1.5x, or a floor);
   * fp8 dense layers compiled to cuBLASLt fp8 GEMMs, equal to the CPU emulation;
   * a short bf16 training run with the flash kernel in the model, resumed from its checkpoint
-    (the same curve), and `auto` attention (cuDNN) on the same data;
+    (the same curve), and cuDNN's attention (`model.attention=cudnn`) on the same data;
   * greedy generation with the KV cache equal to greedy decoding by full forward passes (up to
     bf16 ties between the top two logits), on a model trained enough to decide most steps;
   * tools.memory_check's prediction of a run's peak memory against the measured
@@ -121,7 +121,8 @@ def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """bf16 tiny runs with the compiled flash kernel in the model: straight to step 6, and to 3
-  then resumed to 6; and `auto` attention (cuDNN on an Ampere+ GPU) to step 1."""
+  then resumed to 6; and cuDNN's attention (by name: `auto` picks our kernel for the packed
+  documents training feeds) to step 1."""
   root = tmp_path_factory.mktemp("gpu_runs")
   from trainer.loop import Run
   base = {"model.d_model": 64, "model.mlp_dim": 128, "model.dtype": "bfloat16",
@@ -129,7 +130,7 @@ def trained(tmp_path_factory):
   Run(tiny_config(**base), str(root / "straight")).train()
   Run(tiny_config(**{**base, "steps": 3}), str(root / "resumed")).train()
   Run(tiny_config(**base), str(root / "resumed")).train()
-  Run(tiny_config(**{**base, "steps": 1, "model.attention": "auto"}), str(root / "auto")).train()
+  Run(tiny_config(**{**base, "steps": 1, "model.attention": "cudnn"}), str(root / "auto")).train()
   return root
 
 
