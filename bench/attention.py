@@ -7,9 +7,13 @@ attention vs XLA, forward and forward + backward, causal.
     python bench/attention.py --flash-tiles 128x64/64x64,64x64/64x64 ...   # tile A/B
 
 Implementations (`--impls`):
-  flash   kernels/flash_attention.py, compiled through Triton on a GPU (interpreted elsewhere:
-          exact but slow, so CPU times say nothing about the kernel); `--flash-tiles` adds
-          variants with other tiles, BQxBK/BQBxBKB (forward query x key tile / backward ones);
+  flash   our flash kernel as `model.attention=flash` picks it here (models/attention.py's
+          `choose_impl`): on a Hopper GPU, for 16-bit q/k/v and head dims a multiple of 64,
+          the Mosaic GPU kernel (kernels/flash_mosaic.py), else the Triton one;
+  flash_triton  kernels/flash_attention.py, compiled through Triton on a GPU (interpreted
+          elsewhere: exact but slow, so CPU times say nothing about the kernel);
+          `--flash-tiles` adds variants of it with other tiles, BQxBK/BQBxBKB (forward query x
+          key tile / backward ones);
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (models/attention.py's
           `cudnn_attention`: packed documents as a mask, which cuDNN adds as a bias); GPU only,
           bf16/fp16, head dim <= 128 -- elsewhere skipped, and the reason printed;
@@ -45,7 +49,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-IMPLS = ("flash", "cudnn", "xla")
+IMPLS = ("flash", "flash_triton", "cudnn", "xla")
 CHECK_ROWS = 256  # queries of the first sequence each implementation is checked on (the last)
 
 
@@ -98,7 +102,7 @@ def parse(argv):
       (bq, bk), (bqb, bkb) = (map(int, fwd.split("x")), map(int, bwd.split("x")))
     except ValueError:
       p.error(f"--flash-tiles {spec!r}: expected BQxBK/BQBxBKB, e.g. 128x64/64x64")
-    args.variants[f"flash {spec}"] = (bq, bk, bqb, bkb)
+    args.variants[f"flash_triton {spec}"] = (bq, bk, bqb, bkb)
   return args
 
 
@@ -115,12 +119,20 @@ def segment_ids(batch: int, seq: int, seed: int):
   return ids
 
 
-def implementation(name: str, tiles):
+def implementation(name: str, tiles, dtype=None, head_dim: int | None = None):
   """(fn(q, k, v, seg) -> out, None) or (None, why it cannot run here)."""
   import jax  # noqa: PLC0415
 
-  from kernels import BlockSizes, flash_attention  # noqa: PLC0415
-  from models.attention import cudnn_attention, xla_attention  # noqa: PLC0415
+  from kernels import BlockSizes, flash_attention, flash_attention_mosaic  # noqa: PLC0415
+  from models.attention import choose_impl, cudnn_attention, xla_attention  # noqa: PLC0415
+  if name == "flash":  # our kernel as the model picks it on this device
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    chosen = choose_impl("flash", platform=jax.default_backend(), dtype=dtype,
+                         head_dim=head_dim,
+                         gpu_capability=float(capability) if capability else None)
+    if chosen == "flash_mosaic":
+      return (lambda q, k, v, seg: flash_attention_mosaic(q, k, v, causal=True,
+                                                          segment_ids=seg)), None
   if name == "xla":
     return (lambda q, k, v, seg: xla_attention(q, k, v, segment_ids=seg, causal=True)), None
   if name == "cudnn":
@@ -220,7 +232,7 @@ def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
   out = {}
   for name, tiles in args.variants.items():
     base = name.split()[0]
-    fn, why = implementation(base, tiles)
+    fn, why = implementation(base, tiles, dtype, head_dim)
     if fn is not None and base == "cudnn" and not cudnn_applies(dtype, head_dim, seq):
       fn, why = None, f"cuDNN takes bf16/fp16 and head dims <= 128, not {dtype.name} {head_dim}"
     if fn is None:

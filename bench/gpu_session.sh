@@ -191,10 +191,11 @@ all)
   step "table d768 1024x32" 140 16 $P --size d768-s1024 --runners plain,plain-docs,ours,torch
   step "table d768 2048x16, d2048 2048x4" 160 16 $P --size d768-s2048,d2048-s2048 \
     --runners plain,ours,torch
-  # flash vs cuDNN (XLA's [S, S] attention is no contender at 8k); each case checked on a slice
+  # our kernels (flash: the Mosaic GPU one on Hopper; flash_triton) vs cuDNN (XLA's [S, S]
+  # attention is no contender at 8k); each case checked on a slice before it is timed
   step "attention S2k/8k D64/128 packed and not" 60 22 $PY bench/attention.py --reps 3 \
     --calls 5 --seq 2048,8192 --head-dim 64,128 --kv-heads 16 --packed none,docs \
-    --impls flash,cudnn
+    --impls flash,flash_triton,cudnn
   # The tier without its memory test (tools.memory_check --measure on lm_125m at a smaller
   # batch): the memory step beside it measures lm_125m as shipped, the docs' command, once.
   together "GPU test tier" 130 25 $PY -m pytest -m gpu -q -rA tests/test_gpu.py \
@@ -217,7 +218,7 @@ extra)
     --xla xla_gpu_enable_latency_hiding_scheduler=false,true
   step "remat d768" 70 5 $V --size d768-s1024 --vary model.remat=dots,none,dots_no_batch
   step "flash tiles D128 S8192" 80 8 $PY bench/attention.py --seq 8192 --head-dim 128 \
-    --kv-heads 16 --packed none --impls flash,cudnn \
+    --kv-heads 16 --packed none --impls flash,flash_triton,cudnn \
     --flash-tiles 64x64/64x64,128x32/32x64,64x128/64x64
   step "fp8 vs bf16 loss" 100 12 $PY -m experiments.fp8_loss --config configs/lm_125m.py \
     --seeds 0,1 --eval_every 50 --out "$OUT/fp8_loss" --workdir /tmp/fp8_loss \

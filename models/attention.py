@@ -3,9 +3,14 @@
   xla     softmax attention in plain XLA ops (`xla_attention`), held to
           `jax.nn.dot_product_attention`, the reference every implementation is tested against;
           materialises the [S, S] scores (memory O(S^2)).
-  flash   our Pallas flash-attention kernel (kernels/flash_attention.py); on TPU jax's splash
-          attention instead (the kernel is written for the GPU/Triton lowering; elsewhere it
-          runs interpreted, exact but slow).
+  flash   our Pallas flash-attention kernel: on a Hopper GPU (and an ahead-of-time H100
+          target) the Mosaic GPU kernel (kernels/flash_mosaic.py: wgmma, TMA; 16-bit q/k/v,
+          head dims a multiple of 64), else the Triton one (kernels/flash_attention.py; any
+          dtype and head dim; elsewhere interpreted, exact but slow); on TPU jax's splash
+          attention instead.
+  flash_triton  the Triton kernel by name (jax deprecates Pallas' Triton backend: kept as long
+          as jax keeps it; what `auto` picks for packed documents on GPU until the Mosaic kernel
+          has been timed on one).
   splash  jax's TPU splash attention (kernels/splash.py); interpreted off-TPU.
   ring    ring attention over the mesh's `sequence` axis (sharding/ring_attention.py), O(S/N)
           memory per device, its blocks in jnp (XLA) on every platform; with no sequence axis
@@ -13,7 +18,8 @@
   cudnn   cuDNN's fused flash attention on GPU (`cudnn_attention`; packed documents as a
           [B, 1, S, S] bias), by name (what `auto` picks without segment ids); xla elsewhere.
   auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU: with packed
-          documents (segment ids, what training feeds) our flash kernel, without them cuDNN's
+          documents (segment ids, what training feeds) our Triton flash kernel (the one timed
+          in a train step), without them cuDNN's
           fused flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) where
           it applies, else xla (`choose_impl` decides, from the platform, dtype, shapes and
           whether there are segment ids).
@@ -60,14 +66,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels import flash_attention
+from kernels import flash_attention, flash_mosaic
 from kernels.splash import splash_attention
 from sharding.mesh import mesh_platform
 from sharding.ring_attention import ring_attention
 from sharding.zigzag import split_axes
 from sharding.rules import BATCH_AXES
 
-IMPLS = ("xla", "flash", "splash", "ring", "cudnn", "auto")
+IMPLS = ("xla", "flash", "flash_triton", "splash", "ring", "cudnn", "auto")
 CUDNN_DTYPES = ("float16", "bfloat16")
 CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper+, but jax checks that on the local GPU (see above)
 FLASH_MAX_HEAD_DIM = 128  # the largest head dim `auto` gives our kernel (checked on a GPU)
@@ -201,11 +207,15 @@ def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
       if dtype is None or head_dim is None:
         return "cudnn"
       if segments and head_dim <= FLASH_MAX_HEAD_DIM:
-        return "flash"
+        return "flash_triton"
       return "cudnn" if cudnn_applies(dtype, head_dim, seq_len) else "xla"
     return {"tpu": "splash"}.get(platform, "xla")
-  if impl == "flash" and platform == "tpu":
+  if impl in ("flash", "flash_triton") and platform == "tpu":
     return "splash"
+  if impl == "flash":
+    hopper = platform == "gpu" and (gpu_capability is None or gpu_capability >= 9.0)
+    fits = dtype is None or head_dim is None or flash_mosaic.supports(head_dim, dtype)
+    return "flash_mosaic" if hopper and fits else "flash_triton"
   if impl == "cudnn" and platform != "gpu":
     return "xla"
   return impl
@@ -294,11 +304,14 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   if impl == "cudnn":
     def kernel(q, k, v, seg):
       return cudnn_attention(q, k, v, segment_ids=seg, causal=causal)
-  elif impl == "flash":
+  elif impl == "flash_triton":
     interpret = mesh_platform(mesh) != "gpu"  # the target's platform, also when compiling AOT
 
     def kernel(q, k, v, seg):
       return flash_attention(q, k, v, causal=causal, segment_ids=seg, interpret=interpret)
+  elif impl == "flash_mosaic":
+    def kernel(q, k, v, seg):
+      return flash_mosaic.flash_attention_mosaic(q, k, v, causal=causal, segment_ids=seg)
   else:
     interpret = mesh_platform(mesh) != "tpu"
 

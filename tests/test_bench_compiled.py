@@ -88,7 +88,8 @@ def test_one_chip_of_any_topology():
 
 def test_tiny_model_for_one_h100(capsys):
   """The GPU programs (jax's CUDA plugin; skipped without it): costs counted from the HLO,
-  `auto` attention as a GPU run resolves it (our flash kernel with segment ids, cuDNN without),
+  `auto` attention as a GPU run resolves it (our Triton flash kernel with segment ids, cuDNN
+  without),
   the three steps' FLOPs equal but for the attention kernels, the kernel diffs printed."""
   try:
     aot.gpu_target("h100:1")
@@ -98,10 +99,11 @@ def test_tiny_model_for_one_h100(capsys):
   out = capsys.readouterr().out
   assert "compile only (jax's CUDA plugin)" in out and "counted from the optimized HLO" in out
   rows = _rows(out)
-  assert list(rows) == ["ours (flash)", "plain+docs (flash)", "plain (cudnn)"], out
+  ours, docs = "ours (flash_triton)", "plain+docs (flash_triton)"
+  assert list(rows) == [ours, docs, "plain (cudnn)"], out
   flops = {name: float(cells[0].replace(",", "")) for name, cells in rows.items()}
-  assert flops["ours (flash)"] == flops["plain+docs (flash)"] < flops["plain (cudnn)"]
-  assert "ours (flash) vs plain+docs (flash): what our step adds" in out
+  assert flops[ours] == flops[docs] < flops["plain (cudnn)"]
+  assert "ours (flash_triton) vs plain+docs (flash_triton): what our step adds" in out
   assert re.search(r"only in plain \(cudnn\): \d+ launches", out), out
 
 

@@ -27,7 +27,8 @@ def test_peers_table_on_cpu(capsys):
   fpt = float(re.search(r"([\d.]+) MFLOPs/token", out).group(1)) * 1e6
   peak = float(re.search(r"MFU against ([\d.e+]+) TFLOP/s", out).group(1)) * 1e12
   for name, tps, mfu in re.findall(
-      r"^  (plain|plain-docs|ours|torch) .* ([\d,]+) tokens/s  MFU +([\d.]+)%", out, re.M):  # MFU = tokens/s x FLOPs per token / peak
+      r"^  (plain|plain-docs|ours|torch) .* ([\d,]+) tokens/s  MFU +([\d.]+)%", out,
+      re.M):  # MFU = tokens/s x FLOPs per token / peak
     assert float(mfu) / 100 == pytest.approx(float(tps.replace(",", "")) * fpt / peak,
                                              rel=0.01, abs=5.1e-4), (name, out)
   header, rule, row = out.strip().splitlines()[-3:]

@@ -4,7 +4,8 @@ left out of the default run): what only a GPU can check.
   * the Pallas flash kernel compiled through Triton (not interpreted): output and all three
     gradients against an fp32 reference computed on the CPU at highest precision, for bf16 and
     fp32, MHA and GQA, packed segments, ragged lengths, head dims 64/80/128 -- at least as
-    close as XLA's attention on the GPU in the same dtype (within 1.5x, or a floor);
+    close as XLA's attention on the GPU in the same dtype (within 1.5x, or a floor); and the
+    Mosaic GPU kernel (kernels/flash_mosaic.py, Hopper) the same way, bf16/fp16;
   * fp8 dense layers compiled to cuBLASLt fp8 GEMMs, equal to the CPU emulation;
   * a short bf16 training run with the flash kernel in the model, resumed from its checkpoint
     (the same curve), and cuDNN's attention (`model.attention=cudnn`) on the same data;
@@ -91,6 +92,44 @@ def test_compiled_flash_kernel_matches_fp32_reference(name):
   for part, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref):
     e_ours, e_xla = err(o, r), err(x, r)
     assert e_ours <= max(1.5 * e_xla, FLOOR[dtype]), (part, e_ours, e_xla)
+
+
+MOSAIC_CASES = {  # the Mosaic GPU kernel (Hopper): 16-bit q/k/v, head dims a multiple of 64
+    "bf16_mha_causal_d64": (jnp.bfloat16, 2, 1024, 8, 8, 64, True, False),
+    "bf16_gqa_segments_ragged_d128": (jnp.bfloat16, 2, 1000, 12, 4, 128, True, True),
+    "fp16_noncausal_segments_ragged_d64": (jnp.float16, 1, 777, 4, 2, 64, False, True),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_compiled_mosaic_kernel_matches_fp32_reference(name):
+  """kernels/flash_mosaic.py compiled (Mosaic GPU: wgmma, TMA) on a Hopper GPU, checked as the
+  Triton kernel is: output and gradients at least as close to the fp32 reference as XLA's
+  attention in the same dtype (within 1.5x, or bf16's floor)."""
+  from kernels.flash_mosaic import flash_attention_mosaic
+  if float(getattr(jax.devices("gpu")[0], "compute_capability", "0")) < 9.0:
+    pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
+  dtype, B, S, H, K, D, causal, segments = MOSAIC_CASES[name]
+  q, k, v, do, seg = _inputs(B, S, H, K, D, segments, seed=len(name))
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu), jax.default_matmul_precision("highest"):
+    ref = _fwd_and_grads(lambda *a: _reference(*a, causal), q, k, v, do,
+                         None if seg is None else jnp.asarray(seg))
+    ref = [np.asarray(x, np.float64) for x in ref]
+  gpu_args = [jax.device_put(x.astype(dtype), jax.devices("gpu")[0]) for x in (q, k, v, do)]
+  seg_gpu = None if seg is None else jax.device_put(jnp.asarray(seg), jax.devices("gpu")[0])
+  mosaic = lambda q, k, v, s: flash_attention_mosaic(q, k, v, causal=causal, segment_ids=s)
+  grads = jax.jit(lambda *a: _fwd_and_grads(mosaic, *a))
+  assert grads.lower(*gpu_args, seg_gpu).as_text().count("mosaic_gpu") >= 3  # compiled kernels
+  ours = grads(*gpu_args, seg_gpu)
+  xla = jax.jit(lambda *a: _fwd_and_grads(lambda q, k, v, s: _reference(q, k, v, s, causal),
+                                          *a))(*gpu_args, seg_gpu)
+  for part, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref):
+    o, x = np.asarray(o, np.float64), np.asarray(x, np.float64)
+    assert np.all(np.isfinite(o)), part
+    e_ours = np.linalg.norm(o - r) / np.linalg.norm(r)
+    e_xla = np.linalg.norm(x - r) / np.linalg.norm(r)
+    assert e_ours <= max(1.5 * e_xla, FLOOR[jnp.bfloat16]), (part, e_ours, e_xla)
 
 
 def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
