@@ -193,7 +193,8 @@ def kernel_diff(a: Row, b: Row, target, title: str) -> list[str]:
   from tools.hlo import diff  # noqa: PLC0415
   peak, bandwidth = target.peak_flops, target.hbm_bandwidth
   out = [f"  {a.name} vs {b.name}: {title}"]
-  for name, kernels in zip((a.name, b.name), diff(a.kernels, b.kernels)):
+  sides = diff(a.kernels, b.kernels)
+  for name, kernels in zip((a.name, b.name), sides):
     seconds = lambda k: k.seconds(peak, bandwidth)
     kernels = sorted(kernels, key=seconds, reverse=True)
     total = sum(map(seconds, kernels))
@@ -209,6 +210,10 @@ def kernel_diff(a: Row, b: Row, target, title: str) -> list[str]:
       rest = kernels[DIFF_LINES:]
       out.append(f"      ... and {len(rest)} more ({sum(map(seconds, rest)) * 1e6:,.1f} us, "
                  f"{sum(k.bytes for k in rest) / 1e6:,.2f} MB)")
+  net = lambda f: sum(map(f, sides[0])) - sum(map(f, sides[1]))
+  launches = net(lambda k: k.trips)
+  out.append(f"    net: {a.name} {launches:+d} launches, {net(lambda k: k.bytes) / 1e6:+,.1f} MB, "
+             f"{net(lambda k: k.seconds(peak, bandwidth)) * 1e6:+,.1f} us at the roofline")
   return out
 
 

@@ -19,10 +19,10 @@
           [B, 1, S, S] bias), by name (what `auto` picks without segment ids); xla elsewhere.
   auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU: with packed
           documents (segment ids, what training feeds) our Triton flash kernel (the one timed
-          in a train step), without them cuDNN's
-          fused flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) where
-          it applies, else xla (`choose_impl` decides, from the platform, dtype, shapes and
-          whether there are segment ids).
+          in a train step), without them cuDNN's fused flash attention
+          (`jax.nn.dot_product_attention(implementation="cudnn")`) where it applies, else xla
+          (`choose_impl` decides, from the platform, dtype, shapes and whether there are
+          segment ids).
 
 Why packed documents go to our kernel on GPU: cuDNN (through jax 0.10.2) keeps documents apart
 only with a [B, 1, S, S] bias built from the segment ids in every layer (and rebuilt in the
@@ -33,8 +33,10 @@ with our kernel took 0.975x the time of the step with cuDNN and the bias; and th
 program shows what the bias costs (`bench/compiled.py --topology h100:1`, docs/performance.md).
 jax's cuDNN path has a packed layout (segment offsets) too, but it checks the local GPU when
 traced (so it cannot be compiled ahead of time here) and, in jax 0.10.2, offsets keys of
-grouped-query attention by the query heads' stride (jax-ml/jax#39521). Our kernel has run on a
-GPU (the GPU tier's numerical checks, against an fp32 reference). The cuDNN constraints (jax
+grouped-query attention by the query heads' stride (jax-ml/jax#39521). The Triton kernel has
+run on a GPU (issue 25's GPU tier: its numerical checks against an fp32 reference passed); the
+Mosaic GPU one has run in Pallas' interpreter and compiled for an H100, not yet run on a GPU.
+The cuDNN constraints (jax
 0.10.2, `jax/_src/cudnn/fused_attention_stablehlo.py`, and jax's own cuDNN attention tests):
   * an Ampere or newer GPU (compute capability >= 8.0: not Colab's T4 or a V100), CUDA 12 (the
     `gpu` extra; jax's tests skip cuDNN attention on CUDA 13);
@@ -43,9 +45,9 @@ GPU (the GPU tier's numerical checks, against an fp32 reference). The cuDNN cons
     so 128 is what an ahead-of-time compile may rely on);
   * grouped-query heads are supported; packed documents only as a mask, which cuDNN adds as a
     [B, 1, S, S] bias, and in training with a bias both lengths must be even.
-`flash` is available by name everywhere (and as ring attention's blocks, see
-sharding/ring_attention.py); `auto` picks it on GPU for packed documents at head dims up to
-FLASH_MAX_HEAD_DIM (the sizes the GPU tier checks).
+`flash` and `flash_triton` are available by name everywhere (the Triton kernel also as ring
+attention's blocks, see sharding/ring_attention.py); `auto` picks `flash_triton` on GPU for
+packed documents at head dims up to FLASH_MAX_HEAD_DIM (the sizes the GPU tier checks).
 
 Packed documents are kept apart by segment ids: a query attends only to keys of its own segment
 (and, when causal, not to later tokens; causality is by token index, not by position).

@@ -52,6 +52,7 @@ def _check(bench, out: str, names: list[str]) -> dict[str, list[str]]:
   assert "ours (xla) vs plain+docs (xla): what our step adds" in out
   assert "plain+docs (xla) vs plain (xla): what keeping packed documents apart costs" in out
   assert re.search(r"only in ours \(xla\): \d+ launches, [\d,.]+ MB", out), out
+  assert re.search(r"net: ours \(xla\) [+-]\d+ launches, [+-][\d,.]+ MB", out), out
   return rows
 
 

@@ -449,7 +449,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   if ck.init_from:
     _need(os.path.exists(ck.init_from),
           f"checkpoint.init_from={ck.init_from!r}: no such path")
-  if not isinstance(devices, int) and devices and devices[0].platform == "gpu":
+  if not isinstance(devices, int) and devices and getattr(devices[0], "platform", "") == "gpu":
     for line in matmul_width_warnings(cfg, sizes):  # on GPUs (also an ahead-of-time target)
       print(f"warning: {line}", file=sys.stderr)
   return sizes
