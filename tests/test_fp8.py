@@ -197,3 +197,23 @@ def test_h100_train_step_runs_every_fp8_product_on_cublaslt():
   others = [k.describe() for k in kernels
             if k.flops and k.target != FP8_GEMM and "f8e" in operands(k)]
   assert not others, others
+
+
+def test_fp8_steps_on_gpu_compile_without_triton_gemms():
+  """What the H100 test above relies on, checked without jax's CUDA plugin: a GPU step with
+  `model.fp8` compiles with XLA's Triton GEMMs off, a bf16 one and any CPU step without that
+  option, and an option set for the platform (bench/variants.py's --xla A/B) wins."""
+  from trainer import program
+  fp8, bf16 = ModelConfig(fp8=True), ModelConfig(fp8=False)
+  assert program.compiler_options("gpu", fp8) == {"xla_gpu_enable_triton_gemm": False}
+  assert program.compiler_options("gpu", bf16) is None
+  assert "xla_gpu_enable_triton_gemm" not in (program.compiler_options("cpu", fp8) or {})
+  saved = program.COMPILER_OPTIONS.get("gpu")
+  program.COMPILER_OPTIONS["gpu"] = {"xla_gpu_enable_triton_gemm": True}
+  try:
+    assert program.compiler_options("gpu", fp8) == {"xla_gpu_enable_triton_gemm": True}
+  finally:
+    if saved is None:
+      program.COMPILER_OPTIONS.pop("gpu")
+    else:
+      program.COMPILER_OPTIONS["gpu"] = saved
