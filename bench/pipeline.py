@@ -3,14 +3,19 @@
     python bench/pipeline.py --config configs/lm_125m.py [--devices 8] [--steps 20]
     python bench/pipeline.py --config configs/lm_125m.py --step-tokens-per-s 400000
 
-Times the data path a run takes for every step, alone: this process's row streams
-(`data.pipeline.dataset` with the run's `StreamSpec`: the config's rows, sequence length,
-prefetch, mixture) producing a step's micro-batches, and `Run.global_batch` assembling them into
-the global [micro-batches, rows, seq_len] arrays on the mesh (blocked until they are on the
-devices). `--devices N` runs on N fake CPU devices (XLA_FLAGS is set before jax is imported), so
-the mesh and the per-device split are those of an N-device run. The default corpus (the Python
-standard library, ~16k tokens per document) is cheap to pack; `--doc-tokens 1000` reads synthetic
-documents of web-text length instead, where the row streams pack several per sequence.
+Times the data path a run takes for every step, alone: this process's rows of the step's
+windows (`data.pipeline.dataset` with the run's `StreamSpec`: the config's rows, sequence length,
+prefetch, mixture), read at random positions of the token files, and `Run.global_batch`
+assembling them into the global [micro-batches, rows, seq_len] arrays on the mesh (blocked until
+they are on the devices). `--devices N` runs on N fake CPU devices (XLA_FLAGS is set before jax
+is imported), so the mesh and the per-device split are those of an N-device run. The default
+corpus (the Python standard library, ~16k tokens per document) has about one document per
+window; `--doc-tokens 1000` reads synthetic documents of web-text length instead, where a window
+holds pieces of 2-3.
+
+It counts what the reads cost: the pieces (document slices) per window, the bytes of the token
+slices read per trained token, and the distinct 4 KiB pages they touch (what a memory-mapped
+read brings in from disk at worst), from the slices' own addresses in the mapped files.
 
 Then it measures the train step's tokens/s for the same model and sequence length on this
 machine (compiled as train.py compiles it): a full lm_125m step takes many minutes on a CPU, so
@@ -60,6 +65,29 @@ def synthetic_corpus(out_dir: str, doc_tokens: int, documents: int = 4000) -> st
     for n in rng.integers(max(1, doc_tokens // 2), doc_tokens * 3 // 2 + 1, size=documents):
       f.write(json.dumps({"text": rng.choice(letters, size=int(n) - 2).tobytes().decode()}) + "\n")
   return prepare_files(out_dir, [src])
+
+
+PAGE = 4096
+
+
+def read_cost(run, steps: int) -> dict:
+  """What reading `steps` steps of the run's windows costs, counted from the token slices it
+  reads: pieces per window, bytes read and 4 KiB pages touched per trained token."""
+  from data import pipeline  # noqa: PLC0415
+  windows = pipeline.Windows(run.train_spec)
+  count = steps * run.cfg.data.global_batch_size
+  pieces = windows.pieces(range(count))
+  nbytes = sum(p.nbytes for row in pieces for p in row)
+  pages = 0
+  for row in pieces:
+    touched = set()
+    for p in row:
+      address = p.__array_interface__["data"][0]
+      touched.update(range(address // PAGE, (address + max(p.nbytes, 1) - 1) // PAGE + 1))
+    pages += len(touched)
+  trained = count * run.cfg.data.seq_len
+  return {"pieces": sum(map(len, pieces)) / count, "bytes": nbytes / trained,
+          "page_bytes": pages * PAGE / trained}
 
 
 def time_pipeline(run, steps: int, warmup: int = 2) -> dict:
@@ -158,6 +186,7 @@ def main(argv=None):
     run = Run(cfg, workdir)
     mesh = " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1) or "1 device"
     t = time_pipeline(run, args.steps)
+    cost = read_cost(run, args.steps)
     rows = len(run.local_rows)
   pipe_tps = tokens / t["total"]
   print(f"config            {args.config} {' '.join(rest)}".rstrip())
@@ -169,6 +198,9 @@ def main(argv=None):
         f"{t['mean'] * 1e3:.1f}): rows {t['host'] * 1e3:.1f} ms + global arrays "
         f"{t['assemble'] * 1e3:.1f} ms")
   print(f"pipeline tokens/s {pipe_tps:,.0f}")
+  print(f"reads             {cost['pieces']:.2f} document pieces per window, each one slice of "
+        f"a memory-mapped token file: {cost['bytes']:.2f} bytes read per trained token, "
+        f"{cost['page_bytes']:,.0f} bytes of 4 KiB pages touched per trained token")
   if args.step_tokens_per_s:
     step_tps, how = args.step_tokens_per_s, "given"
   else:

@@ -28,6 +28,6 @@ def get_config():
                  schedule="cosine", b2=0.95, weight_decay=0.1)
   c.log_every = 50
   c.eval_every = 2000
-  c.eval_steps = 20
+  c.eval_sequences = 5120
   c.checkpoint.update(every_steps=1000, keep=3)
   return c

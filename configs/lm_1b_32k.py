@@ -35,6 +35,6 @@ def get_config():
                  schedule="cosine", b2=0.95, weight_decay=0.1)
   c.log_every = 10
   c.eval_every = 1000
-  c.eval_steps = 4
+  c.eval_sequences = 32
   c.checkpoint.update(every_steps=500, keep=3)
   return c

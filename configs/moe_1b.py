@@ -27,6 +27,6 @@ def get_config():
                  schedule="cosine", b2=0.95, weight_decay=0.1)
   c.log_every = 50
   c.eval_every = 2000
-  c.eval_steps = 20
+  c.eval_sequences = 1280
   c.checkpoint.update(every_steps=1000, keep=3)
   return c

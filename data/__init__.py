@@ -1,1 +1,2 @@
-"""Data: the embedded default corpus, a byte tokenizer, ArrayRecord preparation, grain pipelines."""
+"""Data: the embedded default corpus, tokenizers, preparation into token files, the data order
+(independent windows), grain pipelines."""

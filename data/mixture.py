@@ -3,15 +3,15 @@
     --config.data.mixture="code=data/a:0.7,prose=data/b:0.3"     # NAME=DIR:WEIGHT, ...
 
 Weights are fractions of the tokens the model trains on (normalised to sum to 1), whatever the
-lengths of the sources' documents. The mixture is chosen per packed *sequence*: every sequence of
-`seq_len + 1` tokens is filled from one source alone, so a source's share of sequences is its
+lengths of the sources' documents. The mixture is chosen per packed *sequence* (window): every
+window of `seq_len + 1` tokens comes from one source alone, so a source's share of windows is its
 share of tokens. A source of 300k-token documents and one of 40-token documents mix as exactly as
-two sources of equal lengths; a document longer than a sequence simply continues in its row's
-next sequence of the same source (data/pipeline.py keeps, per row and source, the document and
-offset it has reached).
+two sources of equal lengths: each source's windows are cut from its own packed documents
+(data/windows.py).
 
-Which source fills global sequence g (= micro-batch n x rows + row r) is a pure function of g, so
-the row streams and their checkpointed state stay exact on any process count:
+Which source fills global window g is a pure function of g, and g is window `rank` of that
+source's own order (`MixtureSelection.rank`: the source's windows before g), so a position in a
+mixture is one number, exact on any process count:
 
   * apportionment: N_s(x), the number of source-s sequences among the first x, is computed in
     closed form by splitting the sources one at a time (smallest weight first):
@@ -23,10 +23,11 @@ the row streams and their checkpointed state stay exact on any process count:
     computes the same counts; a weight below one unit is refused (`parse`).
   * placement: the sequences are cut into blocks of BLOCK; block b holds N_s((b+1) BLOCK) -
     N_s(b BLOCK) sequences of source s, placed at positions given by a permutation seeded by
-    (seed, b), so each row sees every source and each block holds w_s x BLOCK sequences of
-    source s to within S - 1.
+    (seed, b), so every stretch of the order mixes the sources and each block holds
+    w_s x BLOCK sequences of source s to within S - 1.
 
-Each source is shuffled and repeated on its own (a small source repeats more often). All sources
+Each source's windows are ordered (documents shuffled per epoch, windows permuted) with a seed of
+its own and repeated on its own (a small source repeats more often). All sources
 must share one tokenizer. Evaluation scores each source's validation split on its own
 (`eval_loss/NAME`, `eval_bpb/NAME`).
 """
@@ -36,6 +37,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+from data.meta import DataError, read_meta
 
 BLOCK = 256  # sequences per placement block
 UNITS = 1 << 48  # weights are integers: units of 2^-48 of the total
@@ -100,7 +103,6 @@ def check(sources: tuple[Source, ...], metas: list[dict]) -> None:
 def read_metas(sources: tuple[Source, ...]) -> list[dict]:
   """Each source's meta.json, checked (`check`); an unreadable source is one line naming its
   mixture entry (NAME=DIR)."""
-  from data.prepare import DataError, read_meta  # noqa: PLC0415  (prepare reads no mixtures)
   metas = []
   for s in sources:
     try:
@@ -144,10 +146,23 @@ class MixtureSelection:
 
   def __call__(self, g) -> np.ndarray:
     """Sources of the global sequence indices `g` (an int array)."""
+    return self.rank(g)[0]
+
+  def rank(self, g) -> tuple[np.ndarray, np.ndarray]:
+    """(source of each global index in `g`, how many sequences of that source come before it):
+    global sequence g is sequence rank[g] of its source's own order."""
     g = np.asarray(g, np.int64)
-    out = np.empty(g.shape, np.int64)
+    source, rank = np.empty(g.shape, np.int64), np.empty(g.shape, np.int64)
     blocks = g // self.block
     for b in np.unique(blocks):
       where = blocks == b
-      out[where] = self._block(int(b))[g[where] % self.block]
-    return out
+      slots = self._block(int(b))
+      offset = g[where] % self.block
+      s = slots[offset]
+      # sequences of source s before g: those of the blocks before, then those of this block
+      # at earlier positions
+      before = np.asarray(self.counts(int(b) * self.block))[s]
+      within = np.cumsum(slots[None, :] == np.arange(len(self.units))[:, None], axis=1)
+      source[where] = s
+      rank[where] = before + within[s, offset] - 1
+    return source, rank

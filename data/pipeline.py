@@ -1,49 +1,50 @@
-"""grain input pipelines: prepared ArrayRecord documents -> packed, shifted token batches.
+"""grain input pipelines: prepared token files -> packed, shifted micro-batches.
 
-Layout of the stream. The global micro-batch has `rows` rows. Row r is its own packing stream:
-it reads the shuffled documents r, r + rows, r + 2*rows, ... and packs them back to back into
-sequences of `seq_len + 1` tokens (a document that does not fit continues at the start of the
-row's next sequence; segment ids 1, 2, ... number the pieces of a sequence, positions restart at
-0 in each piece). A process reads only the rows its devices hold (`row_ids`, from the batch
-sharding: `sharding.process_rows`), so
+The order (data/windows.py): each split's documents, shuffled per epoch, are packed back to back
+into windows of `seq_len + 1` tokens, and the windows permuted by a seeded bijection; global
+window g is the g-th sequence a run trains on. The stream here yields micro-batches: row r of
+the micro-batch that starts at window g holds window g + r, and the next micro-batch starts at
+g + rows. A step of batch B reads B / rows micro-batches, i.e. the windows [g_t, g_t + B), so
 
-  * each process reads only its shard of the data, and
-  * the global batch at every step is the same whatever the number of processes or devices,
+  * micro-batches, devices, processes and the mesh only place a step's sequences: the global
+    batch of every step is the same windows whatever they are, and the logged losses with it;
+  * each process reads only the rows its devices hold (`row_ids`, from the batch sharding:
+    `sharding.process_rows`);
+  * a batch ramp, the autopilot or DiLoCo change how many windows a step takes, never the order
+    (step t + 1 starts where step t ended);
+  * the iterator state is one number, the windows read (`{"windows": g}`), the same on every
+    process: a restore onto another mesh, process count or micro-batch size continues exactly.
 
-which is what makes a multi-host run equal a single-host one, and a restore onto a different
-mesh continue the same data order. A step with gradient accumulation draws several consecutive
-micro-batches. The iterator state (each row's document and offset in it) is checkpointable.
+A window's pieces are the 1-3 documents (typically) it overlaps; segment ids 1, 2, ... number
+them within the sequence and positions restart at 0 in each, so attention and the loss never
+cross a document boundary (loss_mask). Tokens are read by offset from memory-mapped token files
+(data/tokens.py): a window costs the bytes of its tokens, however long its documents are.
 
-How it is fast (`PackedRows`): all of a process's rows are packed in one pass per micro-batch.
-The documents the rows need are read in one batched call per round (grain's `_getitems` through
-the shuffle down to ArrayRecord, one reader call per file), and tokens, segment ids and
-positions of all rows come from a few numpy calls over the concatenated pieces, so the Python
-work is per document piece, not per token or per grain element. `prefetch` runs it in a
-background thread (grain's ThreadPrefetchIterDataset) that many micro-batches ahead.
-
-With `mixture` (sources from `data.mixture`, see data/mixture.py) each sequence is filled from
-one source, chosen by a pure function of its global index (micro-batch x rows + row) so that
-the sources' shares of tokens are their weights. Row r then has one packing stream per source:
-it reads that source's shuffled documents r, r + rows, ... and a document continues in the row's
-next sequence of the same source; the state holds each row's document and offset per source and
-the micro-batch count, so everything above holds for mixtures too.
+With `mixture` (data/mixture.py) the source of global window g is a pure function of g with
+the sources' token shares as its frequencies, and g is window `rank` of that source's own order
+(each source shuffled with a seed of its own and repeated on its own), so everything above holds
+for mixtures too.
 
 Batches are dicts of [rows_on_this_process, seq_len] numpy arrays:
-  inputs, targets (next token), positions (within the document), segment_ids (1, 2, ... per
-  document, 0 = padding), loss_mask (target belongs to the same document as the input).
+  inputs, targets (next token), positions (within the document piece), segment_ids (1, 2, ...
+  per piece, 0 = padding), loss_mask (target belongs to the same piece as the input).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
+import functools
 
 import grain
 import numpy as np
 
 from data import mixture as mixture_lib
-from data.prepare import DataError, read_meta
+from data.meta import DataError, read_meta
+from data.tokens import SplitTokens
+from data.windows import WindowOrder
 
 BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+# The validation order's seed: the evaluation set never depends on the run's seed.
+EVAL_SEED = 20_240_601
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,194 +54,95 @@ class StreamSpec:
   seq_len: int
   rows: int  # global rows of one micro-batch
   seed: int = 0
-  shuffle: bool = True
   row_ids: tuple[int, ...] | None = None  # the rows this process reads; None = all of them
-  prefetch: int = 0  # batches prepared ahead in a background thread (0 = none)
+  prefetch: int = 0  # micro-batches prepared ahead in a background thread (0 = none)
   mixture: tuple[mixture_lib.Source, ...] = ()  # when set, read these instead of data_dir
 
   @property
   def local_rows(self) -> tuple[int, ...]:
     return tuple(range(self.rows)) if self.row_ids is None else tuple(self.row_ids)
 
-
-@dataclasses.dataclass(frozen=True)
-class _Decode:
-  dtype: str  # the stored token dtype (meta.json's token_dtype)
-
-  def __call__(self, record: bytes) -> np.ndarray:
-    return np.frombuffer(record, dtype=self.dtype).astype(np.int32)
+  def sources(self) -> tuple[mixture_lib.Source, ...]:
+    return self.mixture or (mixture_lib.Source("data", self.data_dir),)
 
 
-def documents(data_dir: str, split: str, what: str = "", meta: dict | None = None
-              ) -> grain.MapDataset:
-  """The raw records (one per document) of one split of a prepared directory (`what` names it
-  in errors; default `data.dir=DIR`; `meta`: its meta.json when the caller has read it)."""
-  what = what or f"data.dir={data_dir!r}"
-  meta = meta or read_meta(data_dir, what)
-  files = [os.path.join(data_dir, f) for f in meta["splits"][split]["files"]]
-  missing = [f for f in files if not os.path.exists(f)]
-  if missing:
-    raise DataError(f"{what} is incomplete: {missing[0]} is missing; prepare it again")
-  return grain.MapDataset.source(_BatchedArrayRecord(files))
+def _source_seed(seed: int, i: int, mixed: bool) -> int:
+  """The order's seed of source i (a mixture's sources each shuffle with a seed of their own)."""
+  return seed + 1_000_003 * (i + 1) if mixed else seed
 
 
-class _BatchedArrayRecord(grain.sources.ArrayRecordDataSource):
-  """grain's ArrayRecord source with batched reads. grain's source dataset reads a batch of
-  indices (`MapDataset._getitems`) through the source's `_getitems` when it has one; this one
-  reads each file's records in one call of its ArrayRecord reader (what array_record's own
-  `__getitems__` does, without starting a thread pool per call)."""
+class Windows:
+  """Global window index -> its tokens, for a spec's source or mixture (module docstring);
+  `evaluation`: the order of a fixed evaluation set (documents in stored order, the last and
+  shorter window kept). Opening checks every file of the split (data/tokens.py)."""
 
-  def _getitems(self, indices):
-    out = [None] * len(indices)
-    for reader, pairs in self._split_keys_per_reader(indices).items():
-      self._ensure_reader_exists(reader)
-      positions, where = zip(*pairs)
-      for i, record in zip(where, self._readers[reader].read(list(positions))):
-        out[i] = record
+  def __init__(self, spec: StreamSpec, *, evaluation: bool = False):
+    sources = spec.sources()
+    if spec.mixture:
+      metas = mixture_lib.read_metas(sources)
+      whats = [f"data.mixture entry {s.name}={s.dir}" for s in sources]
+    else:
+      whats = [f"data.dir={spec.data_dir!r}"]
+      metas = [read_meta(spec.data_dir, whats[0])]
+    self.width = spec.seq_len + 1
+    self.metas = metas
+    self.tokens = [SplitTokens(s.dir, spec.split, what, meta)
+                   for s, what, meta in zip(sources, whats, metas)]
+    self.orders = [WindowOrder(t.lengths, spec.seq_len,
+                               _source_seed(spec.seed, i, bool(spec.mixture)),
+                               shuffle_documents=not evaluation, keep_tail=evaluation,
+                               what=f"the {spec.split} split of {what}")
+                   for i, (t, what) in enumerate(zip(self.tokens, whats))]
+    self.selection = (mixture_lib.MixtureSelection([s.weight for s in sources], spec.seed)
+                      if spec.mixture else None)
+
+  def locate(self, indices) -> list[list[tuple[int, int, int, int]]]:
+    """Where each global window in `indices` lies: [(source, document, start, stop), ...]."""
+    indices = np.asarray(indices, np.int64)
+    if self.selection is None:
+      source, rank = np.zeros(len(indices), np.int64), indices
+    else:
+      source, rank = self.selection.rank(indices)
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in indices]
+    for s in np.unique(source):
+      where = np.flatnonzero(source == s)
+      for i, row in zip(where, self.orders[s].pieces(rank[where])):
+        out[i] = [(int(s), doc, start, stop) for doc, start, stop in row]
     return out
 
+  def pieces(self, indices) -> list[list[np.ndarray]]:
+    """The token pieces of each global window in `indices` (one list per window)."""
+    return [[self.tokens[s].read(doc, start, stop) for s, doc, start, stop in row]
+            for row in self.locate(indices)]
 
-def decoded_documents(data_dir: str, split: str) -> grain.MapDataset:
-  """Every document of one split, in stored order, as int32 token ids."""
-  meta = read_meta(data_dir)
-  return documents(data_dir, split, meta=meta).map(_Decode(meta["token_dtype"]))
-
-
-def _shuffled(data_dir: str, split: str, seed: int, shuffle: bool,
-              what: str = "", meta: dict | None = None) -> grain.MapDataset:
-  """Decoded documents, shuffled anew every epoch (when `shuffle`) and repeated forever."""
-  meta = meta or read_meta(data_dir, what or f"data.dir={data_dir!r}")
-  docs = documents(data_dir, split, what, meta)
-  if shuffle:
-    docs = docs.shuffle(seed=seed)
-  return docs.repeat(None).map(_Decode(meta["token_dtype"]))
-
-
-def _mixed(spec: "StreamSpec") -> tuple[tuple[grain.MapDataset, ...],
-                                        mixture_lib.MixtureSelection]:
-  """The sources' document streams (each shuffled with a seed of its own) and the selection of
-  the source of every sequence."""
-  metas = mixture_lib.read_metas(spec.mixture)
-  parents = tuple(_shuffled(s.dir, spec.split, spec.seed + 1_000_003 * (i + 1), spec.shuffle,
-                            f"data.mixture entry {s.name}={s.dir}", meta)
-                  for i, (s, meta) in enumerate(zip(spec.mixture, metas)))
-  return parents, mixture_lib.MixtureSelection([s.weight for s in spec.mixture], spec.seed)
-
-
-class PackedRows(grain.IterDataset):
-  """This process's row streams, packed together: element n is micro-batch n (the module
-  docstring). A grain IterDataset, so grain's prefetch and checkpointing wrap it as any other.
-  `sources` are the document streams (one, or a mixture's), `selection` picks the source of each
-  sequence (None for one source)."""
-
-  def __init__(self, sources: tuple[grain.MapDataset, ...], spec: StreamSpec,
-               selection: mixture_lib.MixtureSelection | None = None):
-    super().__init__()
-    self._sources, self._spec, self._selection = sources, spec, selection
-
-  def __iter__(self) -> "_PackedRowsIterator":
-    return _PackedRowsIterator(self._sources, self._spec, self._selection)
-
-
-class _PackedRowsIterator(grain.DatasetIterator):
-  """Packs every row of a micro-batch in one pass: the documents the rows need are read in one
-  batched `_getitems` call per source and round (a row needs a new document when its current one
-  runs out), and the rows' tokens, segment ids and positions are built with a few numpy calls
-  over all rows at once, not per document. State: per row and source, its current document and
-  the offset in it; with a mixture also the micro-batch count (which picks the sources)."""
-
-  def __init__(self, sources: tuple[grain.MapDataset, ...], spec: StreamSpec,
-               selection: mixture_lib.MixtureSelection | None):
-    super().__init__()
-    self._sources, self._selection = sources, selection
-    self._rows = list(spec.local_rows)
-    self._stride = spec.rows
-    self._length = spec.seq_len + 1
-    n, k = len(self._rows), len(sources)
-    # Row i's current document of source s: element rows[i] + doc[i][s] * stride of the
-    # source's shuffled documents; offset: its first token not yet emitted; tokens, once read
-    # (a row keeps the document it is in of every source, so a switch of source reads nothing).
-    self._doc = [[0] * k for _ in range(n)]
-    self._offset = [[0] * k for _ in range(n)]
-    self._tokens: list[list[np.ndarray | None]] = [[None] * k for _ in range(n)]
-    self._micro_batch = 0
-
-  def _read(self, which: list[int], src: list[int]) -> None:
-    """Read the current documents (of source src[i]) of rows `which` that are not read yet, in
-    one call per source."""
-    by_source: dict[int, list[int]] = {}
-    for i in which:
-      if self._tokens[i][src[i]] is None:
-        by_source.setdefault(src[i], []).append(i)
-    for s, rows in by_source.items():
-      index = [self._rows[i] + self._doc[i][s] * self._stride for i in rows]
-      for i, tokens in zip(rows, self._sources[s]._getitems(index)):  # noqa: SLF001  batch read
-        self._tokens[i][s] = tokens
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    n, length = len(self._rows), self._length
-    if self._selection is None:
-      src = [0] * n
-    else:
-      src = self._selection(self._micro_batch * self._stride + np.asarray(self._rows)).tolist()
-    pieces: list[list[np.ndarray]] = [[] for _ in range(n)]
-    need = [length] * n
-    pending = list(range(n))
-    while pending:
-      self._read(pending, src)
-      short = []
-      for i in pending:
-        s = src[i]
-        tokens, start = self._tokens[i][s], self._offset[i][s]
-        take = min(len(tokens) - start, need[i])
-        if take > 0:
-          pieces[i].append(tokens[start:start + take])
-          need[i] -= take
-        if start + take >= len(tokens):  # the document is used up: the row moves to its next
-          self._doc[i][s] += 1
-          self._offset[i][s], self._tokens[i][s] = 0, None
-        else:
-          self._offset[i][s] = start + take
-        if need[i]:
-          short.append(i)
-      pending = short
-    self._micro_batch += 1
-    return _batch(pieces, length)
-
-  def get_state(self) -> dict:
-    if self._selection is None:  # one source: a row's document and offset
-      return {"doc": [d[0] for d in self._doc], "offset": [o[0] for o in self._offset]}
-    return {"doc": [list(d) for d in self._doc], "offset": [list(o) for o in self._offset],
-            "micro_batch": self._micro_batch}
-
-  def set_state(self, state: dict) -> None:
-    if len(state["doc"]) != len(self._rows) or len(state["offset"]) != len(self._rows):
-      raise DataError(f"a data state of {len(state['doc'])} rows cannot restore a stream of "
-                      f"{len(self._rows)} rows")
-    if self._selection is None:
-      self._doc = [[int(k)] for k in state["doc"]]
-      self._offset = [[int(o)] for o in state["offset"]]
-    else:
-      self._doc = [[int(k) for k in d] for d in state["doc"]]
-      self._offset = [[int(o) for o in off] for off in state["offset"]]
-      self._micro_batch = int(state["micro_batch"])
-    self._tokens = [[None] * len(self._sources) for _ in self._rows]
+  def batch(self, indices) -> dict[str, np.ndarray]:
+    """Rows of the global windows `indices` (a negative index is an empty padding row)."""
+    indices = np.asarray(indices, np.int64)
+    real = indices >= 0
+    pieces = iter(self.pieces(indices[real]))
+    return _batch([next(pieces) if r else [] for r in real], self.width)
 
 
 def _batch(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]:
-  """Rows of `length` tokens, each the concatenation of its pieces (one per document, segment
-  ids 1, 2, ... and positions from 0 in each), shifted into inputs and next-token targets."""
-  flat = [p for row in pieces for p in row]
+  """Rows of `length` tokens, each the concatenation of its pieces (segment ids 1, 2, ... and
+  positions from 0 in each piece) and padding after them (segment id 0, no loss), shifted into
+  inputs and next-token targets."""
   n = len(pieces)
+  pad = [length - sum(len(p) for p in row) for row in pieces]
+  rows = [row + [np.zeros(k, np.int32)] if k else row for row, k in zip(pieces, pad)]
+  flat = [p for row in rows for p in row]
   lengths = np.fromiter((len(p) for p in flat), np.int64, len(flat))
-  per_row = np.fromiter((len(row) for row in pieces), np.int64, n)
+  per_row = np.fromiter((len(row) for row in rows), np.int64, n)
   first = np.cumsum(per_row) - per_row  # index of each row's first piece
   segment = np.arange(1, len(flat) + 1) - np.repeat(first, per_row)
+  last = first + per_row - 1  # a padded row's last piece is its padding
+  segment[last[np.asarray(pad, np.int64) > 0]] = 0
   start = np.cumsum(lengths) - lengths  # of each piece in the flat [n * length] buffer
-  tokens = np.concatenate(flat).reshape(n, length)
+  tokens = (np.concatenate(flat) if flat else np.zeros(0, np.int32)).astype(np.int32)
+  tokens = tokens.reshape(n, length)
   segments = np.repeat(segment.astype(np.int32), lengths).reshape(n, length)
   positions = (np.arange(n * length) - np.repeat(start, lengths)).astype(np.int32)
-  positions = positions.reshape(n, length)
+  positions = np.where(segments > 0, positions.reshape(n, length), 0)
   return {
       "inputs": tokens[:, :-1],
       "targets": tokens[:, 1:],
@@ -250,79 +152,136 @@ def _batch(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]
   }
 
 
+class MicroBatches(grain.IterDataset):
+  """This process's rows of consecutive micro-batches of the window order: element n holds the
+  windows start + n rows + r for its rows r. A grain IterDataset, so grain's prefetch and
+  checkpointing wrap it as any other; its state is the count of windows read."""
+
+  def __init__(self, windows: Windows, spec: StreamSpec):
+    super().__init__()
+    self._windows, self._spec = windows, spec
+
+  def __iter__(self) -> "_MicroBatchIterator":
+    return _MicroBatchIterator(self._windows, self._spec)
+
+
+class _MicroBatchIterator(grain.DatasetIterator):
+
+  def __init__(self, windows: Windows, spec: StreamSpec):
+    super().__init__()
+    self._windows = windows
+    self._rows = np.asarray(spec.local_rows, np.int64)
+    self._stride = spec.rows
+    self._next = 0  # the global window of the next micro-batch's row 0
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = self._windows.batch(self._next + self._rows)
+    self._next += self._stride
+    return batch
+
+  def get_state(self) -> dict:
+    return {"windows": self._next}
+
+  def set_state(self, state: dict) -> None:
+    self._next = int(state["windows"])
+
+
+def check(spec: StreamSpec, evaluation: bool) -> None:
+  """Raise the DataError (or MixtureError) a run on `spec` would meet when it opens its data:
+  meta.json, every token and offset file of the training split (and, with `evaluation`, of the
+  validation split), and at least one training window. Cheap: files are mapped, not read."""
+  Windows(spec)
+  if evaluation:
+    Windows(dataclasses.replace(spec, split="validation"), evaluation=True)
+
+
 def dataset(spec: StreamSpec) -> grain.IterDataset:
   """The per-process stream of micro-batches described in the module docstring."""
-  if spec.mixture:
-    sources, selection = _mixed(spec)
-    ds = PackedRows(sources, spec, selection)
-  else:
-    ds = PackedRows((_shuffled(spec.data_dir, spec.split, spec.seed, spec.shuffle),), spec)
+  ds = MicroBatches(Windows(spec), spec)
   if spec.prefetch:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=spec.prefetch)
   return ds
 
 
+def validation_batches(source: mixture_lib.Source, seq_len: int, sequences: int, rows: int,
+                       row_ids=None) -> list[dict[str, np.ndarray]]:
+  """The fixed evaluation set of a source: the first `sequences` windows of its validation split
+  (documents in stored order, windows permuted with `EVAL_SEED`: a uniform sample of the split's
+  windows; all of them, the last and shorter one included, when it has fewer), in micro-batches
+  of `rows` rows of which this process reads `row_ids`; rows past the set are padding (no loss).
+  Independent of the run's seed, micro-batch size, devices and processes."""
+  spec = StreamSpec(source.dir, "validation", seq_len, rows, seed=EVAL_SEED, row_ids=row_ids)
+  windows = Windows(spec, evaluation=True)
+  count = min(sequences, windows.orders[0].per_epoch)
+  local = np.asarray(spec.local_rows, np.int64)
+  out = []
+  for start in range(0, count, rows):
+    g = start + local
+    out.append(windows.batch(np.where(g < count, g, -1)))
+  return out
+
+
 # ----------------------------------------------------------------------------------------------
-# Iterator state that survives a change in the number of processes.
-#
-# The iterator's state has one entry per row this process owns: the row's current document (its
-# k-th: element row + k * rows of the shuffled documents) and the offset of its next token in it;
-# with a mixture, one such pair per source and the micro-batch count. Each process saves its
-# rows' entries together with which global rows they are; a restore assembles the entries of
-# every row from every process's file and hands each process the rows it owns now. So a run
-# saved by 4 hosts can continue on 2, or on 1, with the same data order.
+# The iterator state in a checkpoint: the windows read, and what they were read from.
 
 
-def shard_state(iterator_state: dict, spec: StreamSpec) -> dict:
-  """What one process saves: its rows' states and which global rows they are."""
-  extra = {"micro_batch": iterator_state["micro_batch"]} if spec.mixture else {}
-  names = {"sources": [s.name for s in spec.mixture]} if spec.mixture else {}
-  return {"rows": list(spec.local_rows), "total_rows": spec.rows, **names,
-          "row_states": [{"doc": k, "offset": o, **extra}
-                         for k, o in zip(iterator_state["doc"], iterator_state["offset"])]}
+@functools.cache
+def identity(spec: StreamSpec) -> dict:
+  """What a position in the order means: the seed, sequence length and each source's data
+  (tokenizer, documents, tokens, weight). Saved beside the position (`saved_state`)."""
+  sources = spec.sources()
+  metas = [read_meta(s.dir) for s in sources]
+  return {"seed": spec.seed, "seq_len": spec.seq_len, "sources": [
+      {"name": s.name, "weight": s.weight, "tokenizer": _tokenizer_id(m),
+       "documents": m["splits"][spec.split]["documents"],
+       "tokens": m["splits"][spec.split]["tokens"]} for s, m in zip(sources, metas)]}
 
 
-def state_from_shards(shards: list[dict], spec: StreamSpec) -> dict:
-  """This process's iterator state, assembled from the shards saved by any process count."""
-  by_row = {}
-  for shard in shards:
-    if shard["total_rows"] != spec.rows:
-      raise DataError(f"the saved data stream has {shard['total_rows']} rows per micro-batch, "
-                      f"this run {spec.rows}")
-    by_row.update(zip(shard["rows"], shard["row_states"]))
-  missing = [r for r in spec.local_rows if r not in by_row]
-  if missing:
-    raise DataError(f"the saved data state lacks rows {missing}")
-  states = [by_row[r] for r in spec.local_rows]
-  restart = "whose data order this version does not continue; resume it with the version " \
-            "that wrote it, or start a new run"
-  if any("doc" not in s for s in states):
-    raise DataError("the saved data state was written by the earlier per-row grain packer "
-                    f"(ConcatThenSplit), {restart}")
-  saved = {len(s["doc"]) if isinstance(s["doc"], list) else 0 for s in states}
-  if not spec.mixture:
-    if saved != {0}:
-      raise DataError(f"the saved data state is a mixture's of {max(saved)} sources; this run "
-                      "reads one directory (data.dir): set data.mixture as the saved run did")
-    return {"doc": [int(s["doc"]) for s in states],
-            "offset": [int(s["offset"]) for s in states]}
-  if saved == {0}:
-    raise DataError("the saved data state was written by a single directory or by the earlier "
-                    f"mixture of documents (not of sequences), {restart}")
-  names = [s.name for s in spec.mixture]
-  for shard in shards:  # each source's position is kept by its place in data.mixture
-    if shard.get("sources") != names:
-      raise DataError(f"the saved data state is of the mixture {shard.get('sources')}; "
-                      f"data.mixture names {names}: give the saved run's sources in its order")
-  micro_batch = {int(s["micro_batch"]) for s in states}
-  if len(micro_batch) != 1:
-    raise DataError(f"the saved data state's rows are at different micro-batches {micro_batch}")
-  return {"doc": [[int(k) for k in s["doc"]] for s in states],
-          "offset": [[int(o) for o in s["offset"]] for s in states],
-          "micro_batch": micro_batch.pop()}
+def _tokenizer_id(meta: dict) -> str:
+  t = meta["tokenizer"]
+  return f"{t['kind']}/{t['hash'] or '-'}/vocab {t['vocab_size']}"
 
 
-def take(spec: StreamSpec, n: int) -> list[dict[str, np.ndarray]]:
-  """The first n micro-batches of a stream (used for the fixed validation set)."""
-  it = iter(dataset(dataclasses.replace(spec, prefetch=0)))
-  return [next(it) for _ in range(n)]
+def saved_state(iterator_state: dict, spec: StreamSpec) -> dict:
+  """What a checkpoint keeps of the data stream (the same on every process)."""
+  return {"windows": int(iterator_state["windows"]), **identity(spec)}
+
+
+def restored_state(saved: list[dict], spec: StreamSpec, windows_before: int | None = None
+                   ) -> tuple[dict, str | None]:
+  """(iterator state, a line to log or None) from the data states a checkpoint's processes
+  saved. A run on another tokenizer is refused (DataError): its ids mean other text. Another
+  dataset, mixture or seed is taken, from the same position, with one line saying so (skipping
+  data after a loss spike is such a change). A state written by the earlier per-row reader
+  continues at `windows_before` (the windows the steps before the checkpoint read in this
+  order; None: refused), also said in one line."""
+  if not saved:
+    raise ValueError("the checkpoint holds no data state")
+  if "windows" not in saved[0]:
+    if windows_before is None:
+      raise DataError("the checkpoint's data position was saved by the earlier per-row reader, "
+                      "which this version does not continue")
+    return {"windows": windows_before}, (
+        "the checkpoint's data position was saved by the earlier per-row reader: continuing at "
+        f"window {windows_before} of this version's order (the steps after the checkpoint read "
+        "other sequences than that version would have)")
+  positions = {int(s["windows"]) for s in saved}
+  if len(positions) != 1:
+    raise ValueError(f"the processes saved different data positions {sorted(positions)}")
+  state, now = {"windows": positions.pop()}, identity(spec)
+  old = saved[0]
+  old_tok = {s["tokenizer"] for s in old["sources"]}
+  new_tok = {s["tokenizer"] for s in now["sources"]}
+  if old_tok != new_tok:
+    raise DataError(f"the checkpoint was trained on data tokenized by {', '.join(old_tok)}; "
+                    f"this run's data uses {', '.join(new_tok)}, whose token ids mean other text")
+  changes = [f"{key} {old[key]} -> {now[key]}" for key in ("seed",) if old[key] != now[key]]
+  describe = lambda info: ", ".join(f"{s['name']} ({s['documents']} documents, {s['tokens']:,} "
+                                    f"tokens, weight {s['weight']:.3g})" for s in info)
+  if old["sources"] != now["sources"]:
+    changes.append(f"data {describe(old['sources'])} -> {describe(now['sources'])}")
+  if not changes:
+    return state, None
+  return state, (f"the data order changes from window {state['windows']} on ("
+                 f"{'; '.join(changes)}): the steps after the checkpoint read windows of the new "
+                 "order")

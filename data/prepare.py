@@ -1,4 +1,4 @@
-"""Turn text into tokenized ArrayRecord shards that the training pipeline reads.
+"""Turn text into tokenized shards that the training pipeline reads.
 
     python -m data.prepare --out DIR                        # the default corpus (Python stdlib)
     python -m data.prepare --out DIR a.txt docs/ b.jsonl c.parquet saved_hf_dataset/
@@ -6,12 +6,14 @@
                                                   # model dir, or a SentencePiece .model
     python -m data.prepare --out DIR --train_tokenizer bpe:4096 [FILES...]  # train a BPE first
 
-Inputs are described in `data/sources.py`. A prepared directory holds `train-*.array_record`,
-`validation-*.array_record` (one record per document: little-endian uint16 token ids, uint32 when
-the vocabulary has more than 65,536 ids; no pickle), the tokenizer's files under `tokenizer/` and
-`meta.json`: the tokenizer (kind, files, hash, vocab size, bos/eos/pad ids), the token dtype, and
-per split the documents, tokens, predicted tokens ("targets") and UTF-8 bytes (which turn a loss
-into bits per byte).
+Inputs are described in `data/sources.py`. A prepared directory holds per split its shards
+(`train-*.bin` / `train-*.idx`, `validation-*.bin` / `.idx`: each shard's documents' token ids
+back to back, little-endian uint16, uint32 when the vocabulary has more than 65,536 ids, and
+each document's end offset; no pickle; data/shards.py), the tokenizer's files under
+`tokenizer/` and `meta.json`: the tokenizer (kind, files, hash, vocab size, bos/eos/pad ids),
+the token dtype, and per split its shards (name, documents, tokens) and the documents, tokens,
+predicted tokens ("targets") and UTF-8 bytes (which turn a loss into bits per byte). The
+pipeline reads any token range of any document by offset (data/tokens.py).
 
 Documents go to validation by a hash of their key (`--validation_fraction`, default 1%; the
 default corpus keeps its own 1-in-20 file split). If that leaves a split empty (a small
@@ -32,26 +34,19 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
-import json
 import multiprocessing
 import os
 import shutil
 import sys
 
-import numpy as np
-from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from data import corpus, shards, sources
 from data import tokenizer as tokenizers
-from data.shards import COUNTS, SPLITS, read_json, split_of, write_json
+from data.meta import FORMAT_VERSION, DataError, read_meta
+from data.shards import COUNTS, SPLITS, ShardWriter, read_json, shard_files, split_of, write_json
 from data.sources import SourceError, Unit
 from data.tokenizer import TokenizerError
-
-FORMAT_VERSION = 2
-
-
-class DataError(ValueError):
-  """Missing or unreadable data (a user error, reported in one line)."""
+from data.tokens import SplitTokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +114,8 @@ def prepare(out_dir: str, units: list[Unit], *, source: dict, tokenizer: str = "
     write_json(os.path.join(work, "meta.json"), _tokenize(work, units, plan, source, workers))
   meta = read_meta(work)
   named = {"meta.json", "plan.json"} | {f.split(os.sep)[0] for f in meta["tokenizer"]["files"]}
-  named |= {f for split in meta["splits"].values() for f in split["files"]}
+  named |= {f for split in meta["splits"].values() for e in split["shards"]
+            for f in shard_files(e)}
   for name in sorted(set(os.listdir(work)) - named):  # done-*, moved.json, replaced shards
     path = os.path.join(work, name)
     if os.path.isdir(path):  # a BPE trained before an interruption (tokenizer.tmp)
@@ -146,13 +142,13 @@ def _tokenize(work: str, units: list[Unit], plan: dict, source: dict, workers: i
              if not os.path.exists(os.path.join(work, f"done-{i:05d}.json"))]
   _run_units(work, units, pending, job, workers)
   counts = [read_json(os.path.join(work, f"done-{i:05d}.json")) for i in range(len(units))]
-  splits = {s: {"files": [n for c in counts for n in c[s]["files"]],
+  splits = {s: {"shards": [e for c in counts for e in c[s]["shards"]],
                 **{k: sum(c[s][k] for c in counts) for k in COUNTS}} for s in SPLITS}
   if splits["train"]["documents"] + splits["validation"]["documents"] == 0:
     raise DataError("data.prepare: the inputs hold no documents")
   if splits["train"]["documents"] == 0:  # every document hashed to validation: train on them
     splits["train"] = splits["validation"]
-    splits["validation"] = {"files": [], **dict.fromkeys(COUNTS, 0)}
+    splits["validation"] = {"shards": [], **dict.fromkeys(COUNTS, 0)}
   if splits["validation"]["documents"] == 0:
     splits = _move_to_validation(work, splits, tokenizers.from_meta(tok_info, work), dtype,
                                  plan["validation_fraction"] or 0.01)
@@ -194,18 +190,18 @@ def _move_to_validation(work: str, splits: dict, tok, dtype: str, fraction: floa
   there is only one document, its last `fraction` of tokens).
 
   Restartable: the shard it takes the document from is left as it is; the rest of that shard
-  and the moved document go to new files (train-kept, validation-moved), and then moved.json
+  and the moved document go to new shards (train-kept, validation-moved), and then moved.json
   records the new splits, which is the switch. A rerun after the switch reads moved.json; one
   before it redoes the move from the untouched shard. `prepare` removes the old shard once
-  meta.json names the new files."""
+  meta.json names the new ones."""
   done = read_json(os.path.join(work, "moved.json"))
   if done is not None:
     return done
   train = splits["train"]
-  name = train["files"][-1]
-  reader = ArrayRecordReader(os.path.join(work, name))
-  records = [np.frombuffer(r, dtype) for r in reader.read_all()]
-  reader.close()
+  last = {**train, "shards": train["shards"][-1:]}
+  shard = SplitTokens(work, "train", f"the shard {last['shards'][0]['name']}",
+                      meta={"token_dtype": dtype, "splits": {"train": last}})
+  records = list(shard.documents())
   if train["documents"] >= 2:
     keep, moved = records[:-1], [records[-1]]
   else:
@@ -222,18 +218,17 @@ def _move_to_validation(work: str, splits: dict, tok, dtype: str, fraction: floa
             "bytes": sum(len(tok.decode(d).encode("utf-8")) for d in docs)}
 
   before, after, gone = count(records), count(keep), count(moved)
-  files = {"train-kept.array_record": keep, "validation-moved.array_record": moved}
-  if not keep:  # the shard held only the moved document
-    del files["train-kept.array_record"]
-  for fname, docs in files.items():
-    w = ArrayRecordWriter(os.path.join(work, fname + ".tmp"), "group_size:1")
-    for d in docs:
-      w.write(d.astype(dtype).tobytes())
-    w.close()
-    os.replace(os.path.join(work, fname + ".tmp"), os.path.join(work, fname))
+  new_shards = {}
+  for name, docs in (("train-kept", keep), ("validation-moved", moved)):
+    if docs:  # no train-kept when the shard held only the moved document
+      writer = ShardWriter(work, name, dtype)
+      for d in docs:
+        writer.write(d)
+      new_shards[name] = writer.close()
   new = {"train": {**{k: train[k] + after[k] - before[k] for k in COUNTS},
-                   "files": train["files"][:-1] + [f for f in files if f.startswith("train")]},
-         "validation": {**gone, "files": ["validation-moved.array_record"]}}
+                   "shards": train["shards"][:-1] + [e for n, e in new_shards.items()
+                                                     if n.startswith("train")]},
+         "validation": {**gone, "shards": [new_shards["validation-moved"]]}}
   write_json(os.path.join(work, "moved.json"), new)
   return new
 
@@ -247,7 +242,7 @@ def default_data_dir() -> str:
   info = corpus.describe()
   base = os.environ.get("SCALETRAIN_DATA") or os.path.join(
       os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "scaletrain")
-  return os.path.join(base, f"stdlib-py{info['python']}-{info['fingerprint']}")
+  return os.path.join(base, f"stdlib-py{info['python']}-{info['fingerprint']}-f{FORMAT_VERSION}")
 
 
 def prepare_stdlib(out_dir: str, *, tokenizer: str = "byte", workers: int = 1) -> str:
@@ -301,28 +296,6 @@ def _refuse_existing(out_dir: str, finishing: bool = False) -> None:
                     "choose another --out")
   if os.path.exists(out_dir) and not os.path.isdir(out_dir):
     raise DataError(f"{out_dir} is a file; give a directory that does not exist yet as --out")
-
-
-def read_meta(data_dir: str, what: str = "") -> dict:
-  """meta.json of a prepared directory (a format-1 byte-level directory is read as format 2);
-  `what` names the directory in errors (default `data.dir=DIR`)."""
-  path = os.path.join(data_dir, "meta.json")
-  if not os.path.exists(path):
-    default = "" if what else " or leave data.dir empty for the default corpus"
-    raise DataError(f"{what or f'data.dir={data_dir!r}'} has no meta.json; prepare it with "
-                    f"`python -m data.prepare --out {data_dir} FILES...`{default}")
-  with open(path) as f:
-    meta = json.load(f)
-  if meta.get("format") == 1:  # byte-level uint16, without bytes/targets counts
-    meta.update(format=FORMAT_VERSION, token_dtype="<u2",
-                tokenizer=tokenizers.describe(tokenizers.ByteTokenizer()))
-    for c in meta["splits"].values():
-      c.update(targets=c["tokens"] - c["documents"], bytes=c["tokens"] - 2 * c["documents"])
-  if meta.get("format") != FORMAT_VERSION:
-    raise DataError(f"{what or f'data.dir={data_dir!r}'} was prepared in format "
-                    f"{meta.get('format')}; this version reads format {FORMAT_VERSION}: "
-                    "prepare it again")
-  return meta
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,8 @@ from typing import Protocol
 
 import numpy as np
 
+from data.meta import read_meta
+
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
@@ -256,7 +258,6 @@ def from_meta(info: dict, data_dir: str) -> Tokenizer:
 
 def load_tokenizer(data_dir: str) -> Tokenizer:
   """The tokenizer a prepared data directory was made with."""
-  from data.prepare import read_meta  # noqa: PLC0415
   return from_meta(read_meta(data_dir)["tokenizer"], data_dir)
 
 

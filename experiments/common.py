@@ -131,7 +131,7 @@ def at_budget(base, batch: int, examples: int, *, micro: int, evals: int,
   cfg.eval_every = max(1, cfg.steps // evals)
   while cfg.steps % cfg.eval_every:  # the last evaluation is at the last step
     cfg.eval_every -= 1
-  cfg.eval_steps = max(1, -(-eval_sequences // min(micro, batch)))
+  cfg.eval_sequences = eval_sequences
   cfg.log_every = max(1, min(cfg.log_every, cfg.eval_every))
   cfg.optim.noise_scale_every = 0
   cfg.checkpoint.every_steps = 0

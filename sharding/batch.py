@@ -3,8 +3,8 @@
 A process feeds the rows its own devices hold under the batch sharding, and only those. Which
 rows those are follows from the sharding (`process_rows`), so the mesh's device order is free:
 the rows of a process need not be contiguous, nor in process order, and a row that several
-processes hold (the sequence or tensor axis spanning hosts) is read by each of them (the data
-pipeline's row streams are deterministic, so they read the same tokens).
+processes hold (the sequence or tensor axis spanning hosts) is read by each of them (a row's
+window is a pure function of the step and the row, so they read the same tokens).
 """
 from __future__ import annotations
 

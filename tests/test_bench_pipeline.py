@@ -37,6 +37,12 @@ def test_synthetic_short_documents_and_a_given_step_rate(capsys):
   out = capsys.readouterr().out
   assert "train step tok/s  1,000,000,000,000 (given)" in out
   assert "(target >= 20x: NOT met)" in out  # nothing feeds a petatoken step
+  # 40-token documents: several pieces per window of 129 tokens, read as exactly those tokens
+  # (2 bytes each, 129 for 128 trained), from at most one or two 4 KiB pages per piece
+  reads = re.search(r"^reads\s+([\d.]+) document pieces per window.*: ([\d.]+) bytes read per "
+                    r"trained token, ([\d,]+) bytes of 4 KiB pages", out, re.M)
+  pieces, read, paged = (float(x.replace(",", "")) for x in reads.groups())
+  assert pieces > 3 and read == round(129 * 2 / 128, 2) and read < paged < 2 * pieces * 4096 / 128
 
 
 def test_bad_override_is_one_line_exit_2(capsys):

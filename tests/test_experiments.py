@@ -94,7 +94,7 @@ def test_at_budget_trains_the_budget_and_evaluates_at_the_end():
   cfg = common.at_budget(tiny_config(), 32, 4096, micro=8, evals=3, eval_sequences=20)
   assert (cfg.steps, cfg.data.global_batch_size, cfg.data.micro_batch_size) == (128, 32, 8)
   assert cfg.steps % cfg.eval_every == 0 and cfg.steps // cfg.eval_every >= 3
-  assert cfg.eval_steps == 3 and cfg.checkpoint.every_steps == 0
+  assert cfg.eval_sequences == 20 and cfg.checkpoint.every_steps == 0
   with pytest.raises(ValueError, match="multiples"):
     common.at_budget(tiny_config(), 24, 4096, micro=8, evals=3, eval_sequences=8)
 

@@ -140,7 +140,7 @@ def test_measure_records_the_allocator_through_the_run(monkeypatch):
   monkeypatch.setattr(memory_check, "_stats",
                       lambda: calls.append(1) or {"peak_bytes_in_use": 100 * len(calls)})
   compile_before = Program.compile
-  peak, timeline = memory_check.measure(tiny_config(**{"eval_steps": 1}), 4)
+  peak, timeline = memory_check.measure(tiny_config(**{"eval_sequences": 8}), 4)
   assert Program.compile is compile_before
   names = [name for name, _ in timeline]
   assert names[:2] == ["before compiling the train step (measure_noise=False, logs=False)",

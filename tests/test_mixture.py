@@ -1,5 +1,6 @@
 """Weighted mixtures (data.mixture): parsing, observed token weights, determinism, exact resume on
 another process count, per-source evaluation and bits per byte in a real run."""
+import dataclasses
 import json
 
 import jax
@@ -133,7 +134,7 @@ def test_a_different_seed_gives_a_different_order(sources):
 
 
 def test_every_row_sees_both_sources(sources):
-  """Rows read strided elements; the seeded permutation keeps each row a mixture."""
+  """The sources are placed by a seeded permutation per block: each row is a mixture."""
   spec = _spec(sources, weights=(0.5, 0.5), rows=10, seq_len=256)
   batches = [b for b, _ in zip(pipeline.dataset(spec),
                                range(20))]
@@ -147,12 +148,12 @@ def test_mixture_resumes_exactly_on_another_process_count(sources, saved_by, res
   def spec(p, n):
     return _spec(sources, row_ids=tuple(range(p * 4 // n, (p + 1) * 4 // n)))
 
-  shards = []
+  saved = []
   for p in range(saved_by):
     it = iter(pipeline.dataset(spec(p, saved_by)))
     for _ in range(9):
       next(it)
-    shards.append(json.loads(json.dumps(pipeline.shard_state(it.get_state(), spec(p, saved_by)))))
+    saved.append(json.loads(json.dumps(pipeline.saved_state(it.get_state(), spec(p, saved_by)))))
   whole = iter(pipeline.dataset(spec(0, 1)))
   for _ in range(9):
     next(whole)
@@ -160,7 +161,9 @@ def test_mixture_resumes_exactly_on_another_process_count(sources, saved_by, res
   parts = []
   for p in range(restored_by):
     it = iter(pipeline.dataset(spec(p, restored_by)))
-    it.set_state(pipeline.state_from_shards(shards, spec(p, restored_by)))
+    state, note = pipeline.restored_state(saved, spec(p, restored_by))
+    assert note is None
+    it.set_state(state)
     parts.append([next(it) for _ in range(2)])
   for step in range(2):
     for key in pipeline.BATCH_KEYS:
@@ -168,41 +171,39 @@ def test_mixture_resumes_exactly_on_another_process_count(sources, saved_by, res
                                     want[step][key])
 
 
-def test_each_row_packs_each_source_back_to_back(sources):
-  """Row r's sequences of source s, in order, are that source's shuffled documents r, r + rows,
-  ... back to back: a document cut at a sequence's end continues in the row's next sequence of
-  the same source, whatever the row read from other sources in between."""
+def test_each_source_is_read_in_its_own_window_order(sources):
+  """Global window g of a mixture is window rank(g) of its source's own order (shuffled with a
+  seed of its own): each source's windows are read in sequence, 0, 1, 2, ..., whatever the
+  other sources read in between."""
   spec = _spec(sources, weights=(0.5, 0.5), rows=3, seq_len=40, row_ids=(2, 0))
   batches = [b for b, _ in zip(pipeline.dataset(spec), range(30))]
-  parents, selection = pipeline._mixed(spec)
-  for j, r in enumerate(spec.local_rows):
-    picked = selection(np.arange(30) * spec.rows + r)
-    assert set(picked) == {0, 1}
-    for s, parent in enumerate(parents):
-      got = np.concatenate([np.append(b["inputs"][j], b["targets"][j][-1])
-                            for b, p in zip(batches, picked) if p == s])
-      want = np.concatenate([parent[r + k * spec.rows] for k in range(len(got) // 20 + 1)])
-      np.testing.assert_array_equal(got, want[:len(got)])
+  windows = pipeline.Windows(spec)
+  g = np.arange(30)[:, None] * spec.rows + np.asarray(spec.local_rows)[None, :]
+  source, rank = windows.selection.rank(g.ravel())
+  assert set(source) == {0, 1}
+  everything = windows.selection.rank(np.arange(30 * spec.rows))
+  for s in (0, 1):  # all of a source's global windows, in order, are its ranks 0, 1, 2, ...
+    np.testing.assert_array_equal(everything[1][everything[0] == s],
+                                  np.arange(np.sum(everything[0] == s)))
+  alone = [pipeline.Windows(dataclasses.replace(spec, data_dir=src.dir, mixture=()))
+           for src in spec.mixture]
+  for s in (0, 1):  # a source's order in the mixture: its own order, seeded its own way
+    assert alone[s].orders[0].seed != windows.orders[s].seed
+  for (i, j), s, r in zip(np.ndindex(*g.shape), source, rank):
+    order, store = windows.orders[s], windows.tokens[s]
+    tokens = np.concatenate([store.read(d, a, b) for d, a, b in order.pieces([r])[0]])
+    np.testing.assert_array_equal(batches[i]["inputs"][j], tokens[:-1])
 
 
-def test_a_state_of_another_stream_is_refused_in_one_line(sources):
+def test_a_changed_mixture_continues_with_one_line(sources):
   spec = _spec(sources)
-  it = iter(pipeline.dataset(spec))
-  next(it)
-  shard = pipeline.shard_state(it.get_state(), spec)
-  assert shard["row_states"][0]["micro_batch"] == 1 and len(shard["row_states"][0]["doc"]) == 2
-  old = {**shard, "row_states": [{"doc": 3, "offset": 5}] * 4}  # the document-level mixture's
-  with pytest.raises(prepare.DataError, match="mixture of documents .* start a new run"):
-    pipeline.state_from_shards([old], spec)
+  saved = pipeline.saved_state({"windows": 12}, spec)
+  assert pipeline.restored_state([saved], spec) == ({"windows": 12}, None)
   one = _spec(sources, mixture=mixture.parse(f"a={sources['a']}:1"))
-  with pytest.raises(prepare.DataError, match=r"mixture \['a', 'b'\]; data.mixture names \['a'\]"):
-    pipeline.state_from_shards([shard], one)
+  state, note = pipeline.restored_state([saved], one)
+  assert state == {"windows": 12} and "weight 0.7), b (" in note and "-> a (" in note
   swapped = _spec(sources, mixture=mixture.parse(f"b={sources['b']}:0.4,a={sources['a']}:0.6"))
-  with pytest.raises(prepare.DataError, match=r"names \['b', 'a'\]: give the saved run's "
-                                              "sources in its order"):
-    pipeline.state_from_shards([shard], swapped)
-  with pytest.raises(prepare.DataError, match="mixture's of 2 sources; this run reads one"):
-    pipeline.state_from_shards([shard], _spec(sources, data_dir=sources["a"], mixture=()))
+  assert "the data order changes from window 12" in pipeline.restored_state([saved], swapped)[1]
 
 
 def test_a_missing_source_is_named_by_its_entry(sources, tmp_path):
@@ -232,7 +233,7 @@ def test_run_on_a_mixture_reports_each_source(sources, tmp_path):
   """A real run with model.vocab_size=0 on a mixture logs eval_loss/NAME and bits per byte."""
   from trainer.loop import Run  # noqa: PLC0415
   cfg = tiny_config(**{"data.mixture": f"a={sources['a']}:0.5,b={sources['b']}:0.5",
-                       "model.vocab_size": 0, "steps": 2, "eval_every": 2, "eval_steps": 1})
+                       "model.vocab_size": 0, "steps": 2, "eval_every": 2, "eval_sequences": 4})
   validate(cfg, jax.devices())
   Run(cfg, str(tmp_path / "run")).train()
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

@@ -242,10 +242,12 @@ def test_missing_process_times_out_naming_the_coordinator(tmp_path):
 
 
 def test_two_processes_equal_one_and_resume(tmp_path):
-  """2 processes x 4 CPU devices == 1 process x 8 devices, step for step, through a resume,
-  and on through a restore by a single process (the data state moves between process counts)."""
+  """2 processes x 4 CPU devices in micro-batches of 4 == 1 process x 8 devices without
+  accumulation, step for step, through a resume, and on through a restore by a single process
+  (the data state moves between process counts and micro-batch sizes)."""
   multi, single = tmp_path / "multi", tmp_path / "single"
-  first = launch_beside_reference(multi, single, MODEL_ARGS + ["--config.steps=4"],
+  micro = ["--config.data.micro_batch_size=4"]
+  first = launch_beside_reference(multi, single, MODEL_ARGS + micro + ["--config.steps=4"],
                                   MODEL_ARGS + ["--config.steps=8"])
   # Only process 0 writes metrics and talks; every process wrote its data-iterator state.
   assert "step 4:" in first[0][1] and "step" not in first[1][1]
@@ -253,7 +255,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     data = sorted(os.listdir(multi / "checkpoints" / str(step) / "data"))
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data), data
 
-  resumed = launch(multi, 2, MODEL_ARGS + ["--config.steps=6"])
+  resumed = launch(multi, 2, MODEL_ARGS + micro + ["--config.steps=6"])
   assert_ok(resumed)
   assert "resumed from" in resumed[0][1] and "checkpoints/4" in resumed[0][1]
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from data import pipeline, prepare, shards, sources, tokenizer
+from data.tokens import SplitTokens
 
 
 def _texts(n, seed=0):
@@ -17,10 +18,8 @@ def _texts(n, seed=0):
 
 def _documents(out, split):
   """Decoded texts of every document of a split, in stored order."""
-  ds = pipeline.documents(out, split)
-  dtype = prepare.read_meta(out)["token_dtype"]
   tok = tokenizer.load_tokenizer(out)
-  return [tok.decode(np.frombuffer(ds[i], dtype)) for i in range(len(ds))]
+  return [tok.decode(ids) for ids in SplitTokens(out, split).documents()]
 
 
 def _all_texts(out):
@@ -136,25 +135,53 @@ def test_parallel_and_interrupted_preparation(tmp_path, monkeypatch):
   assert not os.path.exists(out + ".partial")
 
 
-def test_old_format_directory_is_read(tmp_path, data_dir):
-  """A format-1 (byte-level, uint16) directory is read as format 2; unknown formats refuse."""
+def _copy(data_dir, to):
+  shutil.copytree(data_dir, to)
+  return str(to)
+
+
+def test_old_formats_and_damaged_files_are_one_line_errors(tmp_path, data_dir):
+  """A directory of an earlier format (ArrayRecord documents), an unreadable meta.json, and a
+  missing, truncated or replaced token or offset file are each one line naming what is wrong
+  and saying to prepare again; the config checks report them before anything is compiled."""
+  from conftest import tiny_config  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config_checks import validate  # noqa: PLC0415
+
   meta = prepare.read_meta(data_dir)
-  old = {"format": 1, "tokenizer": "byte", "vocab_size": 259, "bos_id": 256, "eos_id": 257,
-         "source": meta["source"],
-         "splits": {s: {k: meta["splits"][s][k] for k in ("files", "documents", "tokens")}
-                    for s in prepare.SPLITS}}
-  for s in prepare.SPLITS:
-    for f in meta["splits"][s]["files"]:
-      os.symlink(os.path.join(data_dir, f), tmp_path / f)
-  (tmp_path / "meta.json").write_text(json.dumps(old))
-  got = prepare.read_meta(str(tmp_path))
-  assert got["tokenizer"]["kind"] == "byte" and got["token_dtype"] == "<u2"
-  assert got["splits"]["validation"]["bytes"] == meta["splits"]["validation"]["bytes"]
-  batch = next(iter(pipeline.dataset(pipeline.StreamSpec(str(tmp_path), "train", 16, 2))))
-  assert batch["inputs"].shape == (2, 16)
-  (tmp_path / "meta.json").write_text(json.dumps({**old, "format": 9}))
-  with pytest.raises(prepare.DataError, match="format 9.*prepare it again"):
-    prepare.read_meta(str(tmp_path))
+  old = _copy(data_dir, tmp_path / "old")
+  for version in (1, 2, 9):
+    (tmp_path / "old" / "meta.json").write_text(json.dumps({**meta, "format": version}))
+    with pytest.raises(prepare.DataError, match=f"prepared in format {version}.*this version "
+                       "reads format 3 .*prepare it again"):
+      prepare.read_meta(old)
+  (tmp_path / "old" / "meta.json").write_text(json.dumps(meta)[:100])
+  with pytest.raises(prepare.DataError, match="meta.json is unreadable .JSONDecodeError"):
+    prepare.read_meta(old)
+
+  first = meta["splits"]["train"]["shards"][0]["name"]
+  last_val = meta["splits"]["validation"]["shards"][-1]["name"]
+  damages = {  # what is done to a copy -> the error
+      "truncated tokens": (f"{first}.bin", lambda p: os.truncate(p, os.path.getsize(p) - 2),
+                           f"{first}.bin holds .* tokens, meta.json says"),
+      "truncated offsets": (f"{first}.idx", lambda p: os.truncate(p, 8),
+                            f"{first}.idx holds 1 document offsets, meta.json says"),
+      "missing": (f"{first}.idx", os.remove, f"{first}.idx is missing"),
+      "empty validation": (f"{last_val}.bin", lambda p: os.truncate(p, 0),
+                           f"{last_val}.bin holds 0 tokens"),
+  }
+  for name, (file, damage, message) in damages.items():
+    broken = _copy(data_dir, tmp_path / name.replace(" ", "_"))
+    damage(os.path.join(broken, file))
+    with pytest.raises(prepare.DataError, match=message + ".*prepare the directory again"):
+      pipeline.check(pipeline.StreamSpec(broken, "train", 64, 1), evaluation=True)
+    with pytest.raises(ConfigError, match=message):
+      validate(tiny_config(**{"data.dir": broken, "eval_every": 10}), 8)
+  with pytest.raises(ConfigError, match="holds 2 tokens, fewer than one sequence of "
+                                        "data.seq_len \\+ 1 = 33"):
+    (tmp_path / "a.txt").write_text("ab")
+    tiny = prepare.prepare_files(str(tmp_path / "tiny"), [str(tmp_path / "a.txt")])
+    validate(tiny_config(**{"data.dir": tiny}), 8)
 
 
 def test_an_out_that_holds_anything_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
@@ -230,11 +257,12 @@ def _prepared(out):
   for split in prepare.SPLITS:
     docs[split] = _documents(out, split)
     c = meta["splits"][split]
-    ids = [np.frombuffer(r, meta["token_dtype"]) for r in pipeline.documents(out, split)]
+    ids = list(SplitTokens(out, split).documents())
     assert c["documents"] == len(docs[split]) and c["tokens"] == sum(map(len, ids))
     assert c["bytes"] == sum(len(t.encode()) for t in docs[split])
   assert sorted(os.listdir(out)) == sorted(
-      ["meta.json"] + [f for s in prepare.SPLITS for f in meta["splits"][s]["files"]])
+      ["meta.json"] + [f for s in prepare.SPLITS for e in meta["splits"][s]["shards"]
+                       for f in shards.shard_files(e)])
   return docs, meta["splits"]
 
 
@@ -248,7 +276,7 @@ def test_preparation_interrupted_at_any_file_operation_resumes_exactly(tmp_path,
   for i, t in enumerate(_texts(6)):
     (d / f"{i}.txt").write_text(t)
   want = _prepared(prepare.prepare_files(str(tmp_path / "whole"), [str(d)]))
-  assert want[1]["validation"]["files"] == ["validation-moved.array_record"]
+  assert [e["name"] for e in want[1]["validation"]["shards"]] == ["validation-moved"]
   assert sorted(want[0]["train"] + want[0]["validation"]) == sorted(_texts(6))
 
   real = {"replace": os.replace, "remove": os.remove, "rename": os.rename,

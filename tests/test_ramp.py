@@ -23,6 +23,9 @@ def test_stage_boundaries():
   assert ramp.convert(5, "steps", "tokens") == 24 * 128
   # A start that is not a multiple of the previous stage's tokens per step rounds up.
   assert BatchRamp([(4, 0), (8, 1000)], 128).start_steps == (0, 2)
+  # Printed with steps counted from 1, as the loop's lines ("step 5: batch 8") count them.
+  assert ramp.describe() == ("batch ramp: 4 from step 1 (0 tokens) -> 8 from step 5 (2,048 "
+                             "tokens) -> 16 from step 11 (8,192 tokens)")
 
 
 def test_constant_ramp():
@@ -49,7 +52,7 @@ RAMP = {"data.micro_batch_size": 8, "data.global_batch_size": 16,
         "data.batch_ramp": "16:0,24:2560,16:4864", "optim.reference_batch_size": 16,
         "optim.lr_rule": "sqrt", "optim.b2_rule": "half_life", "optim.ema_decay": 0.9,
         "optim.noise_scale_every": 2, "checkpoint.every_steps": 5, "eval_every": 5,
-        "eval_steps": 1}
+        "eval_sequences": 4}
 
 
 @pytest.fixture(scope="module")

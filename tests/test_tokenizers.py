@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from data import corpus, pipeline, prepare, tokenizer
+from data.tokens import SplitTokens
 from test_prepare import refused
 
 TEXT = "def f(x):\n    return  'héllo ✓'  # ünïcode\n\n"
@@ -146,7 +147,7 @@ def test_text_that_spells_special_tokens_stays_text(bpe_dir, tmp_path):
   (tmp_path / "docs" / "other.txt").write_text("x y z")
   out = prepare.prepare_files(str(tmp_path / "prepared"), [str(tmp_path / "docs")],
                               tokenizer=os.path.join(bpe_dir, "tokenizer.json"))
-  stored = [np.frombuffer(r, "<u2") for s in prepare.SPLITS for r in pipeline.documents(out, s)]
+  stored = [ids for s in prepare.SPLITS for ids in SplitTokens(out, s).documents()]
   assert sorted(bpe.decode(ids) for ids in stored) == sorted([SPELLED, "x y z"])
   assert all((ids == bpe.bos_id).sum() == 1 and (ids == bpe.eos_id).sum() == 1 for ids in stored)
 

@@ -13,7 +13,7 @@ def test_train_py_learns_and_writes_outputs(tmp_path):
   proc = subprocess.run(
       [sys.executable, "train.py", "--config", "configs/lm_tiny.py", "--workdir", str(workdir),
        "--config.steps=40", "--config.log_every=10", "--config.eval_every=20",
-       "--config.checkpoint.every_steps=20", "--config.eval_steps=2"],
+       "--config.checkpoint.every_steps=20", "--config.eval_sequences=16"],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]

@@ -172,7 +172,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.optim.learning_rate = stated(base_cfg.optim)["learning_rate"][0] * lr_multiplier
   cfg.steps = max(1, math.ceil(args.max_examples / batch_size))
   cfg.eval_every = max(1, round(args.eval_examples / batch_size))
-  cfg.eval_steps = max(1, math.ceil(args.eval_sequences / micro))
+  cfg.eval_sequences = args.eval_sequences
   cfg.optim.noise_scale_every = max(1, cfg.eval_every // 2)
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False

@@ -17,7 +17,7 @@ The summary is the slope of log(activation) against log(width) at the last step 
 Outputs in `--out`: `coord_check.csv` (parametrization, width, step, layer, mean |x|) and
 `coord_check.png` (activation vs width, one panel per parametrization, one line per layer at
 the last step; needs matplotlib, the `tools` extra). Deterministic on a given machine: fixed
-seeds, fixed data, no shuffling.
+seeds, and the batches a training run with the setup's seed reads (data/pipeline.py).
 """
 from __future__ import annotations
 
@@ -44,29 +44,16 @@ class Setup:
   b2: float = 0.99
 
 
-def corpus_tokens(num_tokens: int) -> np.ndarray:
-  """The first `num_tokens` byte tokens of the embedded corpus's training files, in sorted path
-  order (data/corpus.py; nothing downloaded, the same on every machine with this Python)."""
-  from data import corpus, tokenizer  # noqa: PLC0415
-  root = corpus.stdlib_root()
-  parts, have = [], 0
-  for rel in corpus.stdlib_files(root):
-    if corpus.split_of(rel) != "train":
-      continue
-    with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
-      ids = tokenizer.encode(f.read()).astype(np.int32)
-    parts.append(ids)
-    have += len(ids)
-    if have >= num_tokens:
-      break
-  return np.concatenate(parts)[:num_tokens]
-
-
-def batches(setup: Setup, steps: int) -> np.ndarray:
-  """[steps + 1, B, S + 1] token windows: one per training step, then the fixed probe batch."""
-  rows = (steps + 1) * setup.batch_size
-  tokens = corpus_tokens(rows * (setup.seq_len + 1))
-  return tokens.reshape(steps + 1, setup.batch_size, setup.seq_len + 1)
+def batches(setup: Setup, steps: int) -> dict[str, np.ndarray]:
+  """[steps + 1, B, S] batches of the embedded corpus as a training run reads it (the data order
+  of data/pipeline.py with the setup's seed, byte tokens; nothing downloaded): one per training
+  step, then the fixed probe batch."""
+  from data import pipeline  # noqa: PLC0415
+  from data.prepare import ensure_default_corpus  # noqa: PLC0415
+  it = iter(pipeline.dataset(pipeline.StreamSpec(
+      ensure_default_corpus(), "train", setup.seq_len, setup.batch_size, seed=setup.seed)))
+  drawn = [next(it) for _ in range(steps + 1)]
+  return {k: np.stack([b[k] for b in drawn]) for k in pipeline.BATCH_KEYS}
 
 
 def model_config(setup: Setup, width: int, parametrization: str):
@@ -86,31 +73,32 @@ def optim_config(setup: Setup, lr: float):
   return o
 
 
-def activations(model, tokens_BS) -> dict[str, "jax.Array"]:  # noqa: F821
+def activations(model, batch) -> dict[str, "jax.Array"]:  # noqa: F821
   """Mean |x| of the embedding, of each block's output (residual stream) and of the logits."""
   import jax  # noqa: PLC0415
   import jax.numpy as jnp  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
   from models.llama import Block  # noqa: PLC0415
   cfg = model.cfg
-  positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
-  x_BSE = model.embed(tokens_BS)
+  positions_BS, segments_BS = batch["positions"], batch["segment_ids"]
+  x_BSE = model.embed(batch["inputs"])
   out = {"embed": jnp.mean(jnp.abs(x_BSE))}
   one_block = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0))))
   stacked = nnx.state(model.blocks)
   for i in range(cfg.num_layers):
     block = nnx.merge(one_block, jax.tree.map(lambda a, i=i: a[i], stacked))
-    x_BSE = block(x_BSE, positions_BS, None)
+    x_BSE = block(x_BSE, positions_BS, segments_BS)
     out[f"block{i}"] = jnp.mean(jnp.abs(x_BSE))
   out["logits"] = jnp.mean(jnp.abs(model.logits(model.final_norm(x_BSE))))
   return out
 
 
-def train(setup: Setup, width: int, parametrization: str, lrs, data: np.ndarray, *,
+def train(setup: Setup, width: int, parametrization: str, lrs, data: dict[str, np.ndarray], *,
           probe: bool = True) -> list[dict]:
-  """Trains one model per learning rate in `lrs` on `data[:-1]` (one batch per step) and returns
-  per rate {"loss": [per step], "acts": [at init, then after every step: {layer: mean |x|} on
-  the probe batch data[-1]]} (acts empty without `probe`).
+  """Trains one model per learning rate in `lrs` on the batches of `data` but its last (one
+  batch per step, [steps + 1, B, S] arrays) and returns per rate {"loss": [per step], "acts": [at
+  init, then after every step: {layer: mean |x|} on the probe batch, the last]} (acts empty
+  without `probe`).
 
   The optimizer is the project's (`build_optimizer` with muP's width multiplier), built once at
   learning rate 1 with a constant schedule and no weight decay; each run multiplies its update
@@ -125,38 +113,39 @@ def train(setup: Setup, width: int, parametrization: str, lrs, data: np.ndarray,
 
   mcfg = model_config(setup, width, parametrization)
   graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(setup.seed)))
-  tx, _ = build_optimizer(optim_config(setup, 1.0), _logical_names(state), len(data) - 1,
+  tx, _ = build_optimizer(optim_config(setup, 1.0), _logical_names(state), len(data["inputs"]) - 1,
                           width_multiplier=mcfg.width_multiplier)
 
-  def loss_fn(params, window_BS):
+  def loss_fn(params, batch):
     m = nnx.merge(graphdef, params)
-    tokens, targets = window_BS[:, :-1], window_BS[:, 1:]
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    total, count = m.loss_sums(tokens, positions, None, targets, jnp.ones_like(tokens))
+    total, count = m.loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"],
+                               batch["targets"], batch["loss_mask"])
     return total / count
 
   @jax.jit
-  def step(params, opt_state, window_BS, n, lr):
-    loss, grads = jax.value_and_grad(loss_fn)(params, window_BS)
+  def step(params, opt_state, batch, n, lr):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params, step=n)
     return jax.tree.map(lambda p, u: p + lr * u, params, updates), opt_state, loss
 
   @jax.jit
-  def measure(params, window_BS):
-    return activations(nnx.merge(graphdef, params), window_BS[:, :-1])
+  def measure(params, batch):
+    return activations(nnx.merge(graphdef, params), batch)
 
+  steps = len(data["inputs"]) - 1
+  at = lambda n: {k: v[n] for k, v in data.items()}
   results = []
   for lr in lrs:
     params = nnx.to_pure_dict(state)
     opt_state = tx.init(params)
     losses, acts = [], []
     if probe:
-      acts.append({k: float(v) for k, v in measure(params, data[-1]).items()})
-    for n in range(len(data) - 1):
-      params, opt_state, loss = step(params, opt_state, data[n], jnp.int32(n), jnp.float32(lr))
+      acts.append({k: float(v) for k, v in measure(params, at(steps)).items()})
+    for n in range(steps):
+      params, opt_state, loss = step(params, opt_state, at(n), jnp.int32(n), jnp.float32(lr))
       losses.append(float(loss))
       if probe:
-        acts.append({k: float(v) for k, v in measure(params, data[-1]).items()})
+        acts.append({k: float(v) for k, v in measure(params, at(steps)).items()})
     results.append({"loss": losses, "acts": acts})
   return results
 

@@ -6,7 +6,8 @@ width grid under SP and muP; where is the best learning rate at each width?
 
 Every run is the setting of tools/coord_check.py (the same Llama model, num_heads fixed,
 mlp_dim = 3 d_model, AdamW at a constant learning rate through the project's optimizer factory
-with muP's per-parameter rates, the same batches of the embedded corpus in the same order, the
+with muP's per-parameter rates, the same batches of the embedded corpus in the same order (a
+training run's order, data/pipeline.py), the
 same seed; all rates of a width share one compiled step) trained for `--steps` steps; its score is the mean training loss over the last
 `--tail` steps (every run sees the same batches there, so the scores are comparable and the
 average removes batch-to-batch jitter). The best learning rate of a width is the grid point
@@ -57,7 +58,7 @@ def best_lr(lrs, scores) -> tuple[float, bool]:
 
 def sweep(setup: Setup, widths, lrs, steps: int, tail: int,
           parametrizations=("sp", "mup"), log=print) -> list[dict]:
-  data = batches(setup, steps)  # the last window (coord_check's probe batch) goes unused
+  data = batches(setup, steps)  # the last batch (coord_check's probe batch) goes unused
   rows = []
   for par in parametrizations:
     for width in widths:

@@ -40,6 +40,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data import pipeline
+from data.meta import DataError
 from models.config import ModelConfig, functional_differences, overrides_to_match
 
 
@@ -63,11 +64,6 @@ def _get(tree: dict, dotted: str):
       return None
     tree = tree[part]
   return tree
-
-
-def _micro_rows(config: dict) -> int:
-  d = config.get("data", {})
-  return d.get("micro_batch_size") or d.get("global_batch_size")
 
 
 def _paths_and_shapes(tree) -> dict[str, tuple]:
@@ -102,9 +98,6 @@ def describe_mismatch(saved_config: dict, config: dict, saved_tree, target_tree)
     a, b = _get(saved_config, key), _get(config, key)
     if a is not None and a != b:
       return f"it was written with {key}={a!r}, the config has {b!r}"
-  if saved_config and _micro_rows(saved_config) != _micro_rows(config):
-    return (f"its data stream has {_micro_rows(saved_config)} rows per micro-batch, the config "
-            f"{_micro_rows(config)} (data.micro_batch_size or data.global_batch_size)")
   if saved_tree is None:
     return None
   saved, target = _paths_and_shapes(saved_tree), _paths_and_shapes(target_tree)
@@ -127,12 +120,14 @@ def first_line(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The data item: per-process JSON files keyed by global row, restorable by any process count.
+# The data item: the stream's position, one JSON file per process, restorable by any process count.
 
 
 class DataStateHandler(ocp.AsyncCheckpointHandler):
-  """Saves this process's row-stream states (`data.pipeline.shard_state`) as JSON; restores by
-  reading every process's file, so the number of processes may differ between save and restore.
+  """Saves the data stream's position (`data.pipeline.saved_state`: the windows read and what
+  they were read from) as JSON, one file per process (all alike); restores from any process's
+  files, so the number of processes, devices or micro-batches may differ between save and
+  restore.
 
   Asynchronous like the arrays: the state is taken in the caller (the iterator moves on as soon
   as `save` returns) and written by a commit future in the background, so a save does not wait
@@ -141,7 +136,7 @@ class DataStateHandler(ocp.AsyncCheckpointHandler):
 
   async def async_save(self, directory: epath.Path, args: "DataStateSave"):
     index, count = jax.process_index(), jax.process_count()
-    text = json.dumps(pipeline.shard_state(args.iterator.get_state(), args.spec))
+    text = json.dumps(pipeline.saved_state(args.iterator.get_state(), args.spec))
     path = directory / f"process_{index}-of-{count}.json"
 
     async def write():
@@ -157,13 +152,20 @@ class DataStateHandler(ocp.AsyncCheckpointHandler):
     asyncio.run(save_and_wait())
 
   def restore(self, directory: epath.Path, args: "DataStateRestore"):
-    files = sorted(directory.glob("process_*-of-*.json"))
-    counts = {re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name).group(1) for f in files}
-    if len(counts) != 1 or len(files) != int(next(iter(counts))):
-      raise ValueError(f"incomplete data state in {directory}: {[f.name for f in files]}")
-    shards = [json.loads(f.read_text()) for f in files]
-    args.iterator.set_state(pipeline.state_from_shards(shards, args.spec))
+    state, _ = pipeline.restored_state(read_data_states(directory), args.spec,
+                                       args.windows_before)
+    args.iterator.set_state(state)
     return args.iterator
+
+
+def read_data_states(directory) -> list[dict]:
+  """The data states every process saved in a checkpoint's `data` item (raises if incomplete)."""
+  directory = epath.Path(directory)
+  files = sorted(directory.glob("process_*-of-*.json"))
+  counts = {re.fullmatch(r"process_\d+-of-(\d+)\.json", f.name).group(1) for f in files}
+  if len(counts) != 1 or len(files) != int(next(iter(counts))):
+    raise ValueError(f"incomplete data state in {directory}: {[f.name for f in files]}")
+  return [json.loads(f.read_text()) for f in files]
 
 
 @ocp.args.register_with_handler(DataStateHandler, for_save=True)
@@ -178,6 +180,7 @@ class DataStateSave(ocp.args.CheckpointArgs):
 class DataStateRestore(ocp.args.CheckpointArgs):
   iterator: object
   spec: pipeline.StreamSpec
+  windows_before: int | None = None  # where a per-row state of an earlier version continues
 
 
 def _all_processes(ok: bool) -> bool:
@@ -287,36 +290,57 @@ class Checkpointer:
     except (OSError, ValueError):
       return None
 
-  def check_compatible(self, step: int, abstract_state, config: dict) -> None:
-    """Raise CheckpointError if checkpoint `step` was written by an incompatible config."""
+  def check_compatible(self, step: int, abstract_state, config: dict,
+                       data_spec: pipeline.StreamSpec | None = None,
+                       windows_before: int | None = None) -> str | None:
+    """Raise CheckpointError if checkpoint `step` was written by an incompatible config or on
+    data of another tokenizer; returns the line that says how the data order changes, if it
+    does (`data.pipeline.restored_state`)."""
     saved_config = self.saved_config(step)
     try:
       saved_tree = self.manager.item_metadata(step)["state"].tree
     except Exception:  # noqa: BLE001  unreadable metadata: the restore attempt will report it
       saved_tree = None
     reason = describe_mismatch(saved_config, config, saved_tree, abstract_state)
+    if not reason and data_spec is not None:
+      try:
+        saved_data = read_data_states(os.path.join(self.directory, str(step), "data"))
+      except (OSError, ValueError):
+        saved_data = None  # unreadable: the restore attempt will report it
+      if saved_data is not None:
+        try:
+          return pipeline.restored_state(saved_data, data_spec, windows_before)[1]
+        except DataError as e:
+          reason = str(e)
+        except (KeyError, TypeError, ValueError):
+          pass  # malformed: the restore attempt will report it
     if reason:
       raise CheckpointError(
           f"checkpoint {self.directory}/{step} does not match this config: {reason}. Use a new "
           "--workdir (optionally with --config.checkpoint.init_from=<old workdir> to start from "
           "its parameters), or the config it was written with")
+    return None
 
   def restore_latest(self, abstract_state, data_spec: pipeline.StreamSpec, config: dict,
-                     *, allow_fresh_start: bool = False):
+                     *, allow_fresh_start: bool = False,
+                     windows_before: Callable[[int], int] | None = None):
     """(state, data iterator, step) from the newest readable checkpoint, or None if there is
-    none. Falls back past unreadable checkpoints; raises CheckpointError if none is readable."""
+    none. Falls back past unreadable checkpoints; raises CheckpointError if none is readable.
+    `windows_before(step)`: the windows the steps before `step` read, where a data state of the
+    earlier per-row reader continues (None: such a state is refused)."""
     steps = self.all_steps()
     if not steps:
       return None
     unreadable = []
     for step in reversed(steps):
-      self.check_compatible(step, abstract_state, config)
+      before = windows_before(step) if windows_before is not None else None
+      note = self.check_compatible(step, abstract_state, config, data_spec, before)
       iterator = iter(pipeline.dataset(data_spec))
       error = None
       try:
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
-            data=DataStateRestore(iterator, data_spec),
+            data=DataStateRestore(iterator, data_spec, before),
         ))
       except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
         error = first_line(e)
@@ -327,6 +351,8 @@ class Checkpointer:
         unreadable.append(step)
         continue
       self._set_aside(unreadable)
+      if note:
+        self.log(f"checkpoint {step}: {note}")
       return restored.state, iterator, step
     if not allow_fresh_start:
       raise CheckpointError(

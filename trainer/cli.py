@@ -83,7 +83,14 @@ def _check_keys(cfg, ref, where, prefix=""):
       _check_keys(cfg[key], ref[key], where, full + ".")
 
 
+# Keys of earlier versions: what replaced them, for the unknown-key message.
+RENAMED = {"eval_steps": "eval_sequences (validation sequences per evaluation, not batches: "
+                         "eval_steps x the micro-batch rows)"}
+
+
 def _suggest(full: str, ref, prefix: str) -> str:
+  if full in RENAMED:
+    return f"; it is now {RENAMED[full]}"
   known = [prefix + k for k in ref.keys()]
   close = difflib.get_close_matches(full, known, n=1)
   return f"; did you mean {close[0]!r}?" if close else f"; known keys here: {', '.join(known)}"

@@ -24,7 +24,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.seed = 0  # model init and data order
   c.log_every = 10
   c.eval_every = 100  # 0: never
-  c.eval_steps = 4  # validation batches per evaluation (a fixed set, the same every time)
+  # validation sequences per evaluation: a fixed sample of the validation split's windows, the
+  # same every time and whatever the seed, micro-batch size or devices (trainer/periodic_eval.py)
+  c.eval_sequences = 64
 
   # Devices per axis inside one slice (one axis may be -1 = fill), and across slices: the
   # dcn_* sizes multiply to the number of slices (TPU multi-slice, multi-node GPU), 1 = one.
@@ -85,7 +87,7 @@ def default_config() -> ml_collections.ConfigDict:
           impl="ragged_dot"))))
 
   c.data = ml_collections.ConfigDict(dict(
-      dir="",  # prepared ArrayRecord dir; "" = the embedded default corpus (prepared on first use)
+      dir="",  # prepared dir (python -m data.prepare); "" = the embedded corpus, prepared on first use
       # weighted mixture of prepared dirs instead of `dir`: "NAME=DIR:WEIGHT,..." (weights are
       # token fractions; data/mixture.py); evaluation reports eval_loss/NAME per source
       mixture="",

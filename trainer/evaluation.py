@@ -22,8 +22,8 @@ Bits per byte = total cross-entropy in bits / UTF-8 bytes of the split's text: t
 byte count from meta.json when the data preparation recorded it (`splits.<split>.bytes`),
 else counted by decoding every document with the data's tokenizer.
 
-The `eval_loss` a training run logs is another measurement: the first `eval_steps` batches of
-the validation stream packed as training rows (trainer/periodic_eval.py).
+The `eval_loss` a training run logs is another measurement: a fixed sample of
+`eval_sequences` validation windows packed as training sequences (trainer/periodic_eval.py).
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from data import pipeline
 from data.prepare import read_meta
+from data.tokens import SplitTokens
 from sharding.mesh import batch_sharding
 from trainer.step import loss_sums
 
@@ -89,9 +90,7 @@ def packed_rows(docs: Iterator[np.ndarray], seq_len: int,
 
 def split_documents(data_dir: str, split: str) -> Iterator[np.ndarray]:
   """Every document of a prepared split, in stored order, as int32 token ids."""
-  docs = pipeline.decoded_documents(data_dir, split)
-  for i in range(len(docs)):
-    yield docs[i]
+  return SplitTokens(data_dir, split).documents()
 
 
 def split_bytes(data_dir: str, split: str, decode: Callable[[np.ndarray], str]) -> int:

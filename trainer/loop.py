@@ -22,7 +22,8 @@ Batch size. The global batch of step n is `data.global_batch_size`, or under a b
 (`data.batch_ramp`, `optim/ramp.py`) the batch of the stage step n falls in: a pure function of
 n, so a restart anywhere (also exactly on a stage boundary) continues the same sequence. A stage
 is a number of micro-batches of the one fixed micro-batch shape: the data iterator simply yields
-more or fewer micro-batches per step (its checkpointed position stays valid), and the loop
+more or fewer micro-batches per step (step n reads the windows [examples before n, + batch) of
+the data order, data/pipeline.py, whatever the micro-batch size), and the loop
 compiles the train step once per distinct number of micro-batches and keeps it
 (`compile_count` counts compilations), with a variant for the steps that compute more: those
 that log (the norm metrics, `trainer.norm_metrics="log_steps"`) and those that measure the
@@ -211,7 +212,8 @@ class Run:
     make_iterator = lambda: iter(pipeline.dataset(self.train_spec))
     restored = checkpointer.restore_latest(
         self.program.abstract_state(), self.train_spec, self.cfg.to_dict(),
-        allow_fresh_start=self.cfg.checkpoint.allow_fresh_start)
+        allow_fresh_start=self.cfg.checkpoint.allow_fresh_start,
+        windows_before=self.ramp.examples_before)
     if restored is not None:
       # a checkpoint holds the plain layer stack (a circular pipeline stores another order)
       restored = (self.program.layout.from_saved(restored[0]), *restored[1:])

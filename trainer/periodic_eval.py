@@ -1,12 +1,15 @@
 """The evaluation a training run does every `eval_every` steps (`make_evaluator`).
 
-The validation set is fixed: the first `eval_steps` micro-batches of each data source's
-validation split, unshuffled, read once when the evaluator is built and scored the same way
-every time, each process holding the rows its devices hold. They are packed as training rows
-(data/pipeline.py): a document longer than a row continues in the row's next sequence, so a
-token's context is what precedes it in its sequence, as in training; `eval_loss` is the
-training loss's counterpart on unseen text, not a whole-split score (`eval_steps` must be >= 1;
-nothing scored would be no score). A score is the token-weighted mean
+The validation set is fixed: the first `eval_sequences` windows of each data source's
+validation split in a fixed order (documents in stored order packed into windows of
+seq_len + 1 tokens, the windows permuted with a constant seed: a uniform sample of the split's
+windows; all of them when it has fewer; data/pipeline.py `validation_batches`), read once when
+the evaluator is built and scored the same way every time, in micro-batches of the run's
+micro-batch rows, each process holding the rows its devices hold. The set depends on neither the
+run's seed nor its micro-batch size, devices or processes. A window is packed as a training
+sequence: a token's context is what precedes it in its window, as in training; `eval_loss` is
+the training loss's counterpart on unseen text, not a whole-split score (`eval_sequences` must be
+>= 1; nothing scored would be no score). A score is the token-weighted mean
 loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers); with a mixture
 of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
 `eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
@@ -45,10 +48,8 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
   this process reading the batch rows `local_rows`."""
   mesh, micro_rows, cfg = program.mesh, program.micro_rows, program.cfg
   fn, flat = jitted_eval_step(program)
-  hosts = [pipeline.take(
-      pipeline.StreamSpec(src.dir, "validation", cfg.data.seq_len, micro_rows,
-                          shuffle=False, row_ids=local_rows),
-      cfg.eval_steps) for src in sources]
+  hosts = [pipeline.validation_batches(src, cfg.data.seq_len, cfg.eval_sequences, micro_rows,
+                                       local_rows) for src in sources]
   # Bits per byte = nats per predicted token / ln 2 x predicted tokens / UTF-8 bytes of the
   # validation split (counted at preparation): comparable across tokenizers.
   bits = [(lambda v: v["targets"] / v["bytes"] / math.log(2))(
