@@ -190,7 +190,7 @@ def test_aot_and_training_build_the_same_multi_slice_mesh(two_slices, monkeypatc
   assert dict(train_mesh.shape) == {"stage": 1, "data": 4, "fsdp": 2, "tensor": 1,
                                     "sequence": 1, "expert": 1} == sizes
   assert set(train_mesh.axis_types) == {AxisType.Auto}
-  slice_of = np.vectorize(lambda d: d.slice_index)(train_mesh.devices)
+  slice_of = np.vectorize(lambda d: d.slice_index)(train_mesh.devices).reshape(4, 2)  # data x fsdp
   assert (slice_of[:2] == 0).all() and (slice_of[2:] == 1).all()  # fsdp stays inside a slice
 
 
