@@ -18,6 +18,20 @@ class ConfigError(ValueError):
   """A user error in the config; train.py prints it as one line and exits with code 2."""
 
 
+def need(cond: bool, message: str) -> None:
+  """Raise ConfigError(message) unless `cond` (the config checks' one way to refuse)."""
+  if not cond:
+    raise ConfigError(message)
+
+
+def choice(cfg, key: str, choices) -> None:
+  """Refuse the dotted `key` of `cfg` unless its value is one of `choices`."""
+  node = cfg
+  for part in key.split("."):
+    node = node[part]
+  need(node in choices, f"{key}={node!r}: choose one of {', '.join(map(str, choices))}")
+
+
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.steps = 300  # optimizer steps to run to (a resumed run continues up to this)
