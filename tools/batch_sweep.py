@@ -152,7 +152,7 @@ def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
 
 
 def read_rows(workdir: str) -> list[dict]:
-  from experiments.common import read_rows as read  # noqa: PLC0415
+  from tools.runs import read_rows as read  # noqa: PLC0415
   return read(workdir)
 
 
@@ -160,7 +160,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
   grow it), stopped at the target or after `args.max_examples`; returns what it measured.
   Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
-  from experiments.common import eval_curve, target_stop, to_target, train  # noqa: PLC0415
+  from tools.runs import eval_curve, target_stop, to_target, train  # noqa: PLC0415
   from optim import derive  # noqa: PLC0415
   from optim.scaling import stated  # noqa: PLC0415
 
