@@ -152,6 +152,16 @@ def load(path: str, overrides: list[tuple[str, str]]) -> ml_collections.ConfigDi
   return cfg
 
 
+def from_dict(values: dict, where: str) -> ml_collections.ConfigDict:
+  """A saved config (a run's config.json, a checkpoint's config item) merged over the defaults,
+  as `load` merges a file: an unknown key or a wrong type is a ConfigError naming `where`."""
+  saved = ml_collections.ConfigDict(values)
+  _check_keys(saved, default_config(), where)
+  cfg = default_config()
+  _merge(cfg, saved, where)
+  return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # Command lines: one parser of `--config.KEY=VALUE` for train.py, tools/ and bench/
 
