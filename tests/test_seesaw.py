@@ -203,16 +203,18 @@ def test_start_up_lines_say_the_ramp(straight, tmp_path, capsys):
   assert "adamw hyperparameters at batch 32 (reference 8, x4): lr 0.01 -> 0.02 (sqrt)" in out
 
 
-def test_resume_across_a_doubling_is_exact(straight, tmp_path):
-  """Stop after step 8 (an explicit horizon and fewer steps; the next step doubles the batch),
-  restart with the full horizon: every row equals the run that never stopped."""
+@pytest.mark.parametrize("stop", [8, 9])
+def test_resume_across_a_doubling_is_exact(straight, tmp_path, stop):
+  """Stop after step 8 (the next step doubles the batch) or 9 (inside batch 16; the batch
+  doubles again at step 11), by an explicit horizon and fewer steps, and restart with the full
+  horizon: every row equals the run that never stopped."""
   _, straight_dir = straight
-  first = Run(tiny_config(steps=8, **RUN), str(tmp_path))
-  assert first.train().status == "done" and first.cfg.steps == 8
+  first = Run(tiny_config(steps=stop, **RUN), str(tmp_path))
+  assert first.train().status == "done" and first.cfg.steps == stop
   resumed = Run(tiny_config(steps=16, **RUN), str(tmp_path))
   assert resumed.train().status == "done"
   want, got = metric_rows(straight_dir), metric_rows(tmp_path)
   assert sorted(got) == list(range(1, 12))
-  for step in range(9, 12):
+  for step in range(stop + 1, 12):
     for key in ("loss", "grad_norm", "learning_rate", "batch_size", "update_norm"):
       assert got[step][key] == want[step][key], (step, key)

@@ -54,6 +54,7 @@ import sys
 import time
 
 from tools import figures
+from tools.runs import load_run, schedule_in_tokens
 
 ALPHA = 0.5  # the smoothing of the evaluations (Merrill et al.'s EMA weight)
 
@@ -97,27 +98,6 @@ def implied_stages(points: list[tuple[int, float]], start: int) -> list[tuple[in
 # Branches
 
 
-def load_run(workdir: str, step: int):
-  """The config checkpoint `step` of the run in `workdir` was written with (ConfigDict)."""
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
-  from trainer.cli import from_dict  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.inference import source_config  # noqa: PLC0415
-  directory = os.path.join(workdir, "checkpoints")
-  have = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) \
-      if os.path.isdir(directory) else []
-  if step not in have:
-    raise ConfigError(f"--workdir {workdir} has no checkpoint at step {step} (it has "
-                      f"{', '.join(map(str, have)) or 'none'}); train the run with "
-                      "--config.checkpoint.every_steps dividing the --at steps and "
-                      "--config.checkpoint.keep covering them")
-  try:
-    _, saved = source_config(os.path.join(directory, str(step)))
-  except CheckpointError as e:
-    raise ConfigError(str(e)) from None
-  return from_dict(saved, f"{directory}/{step}")
-
-
 def check_run(cfg) -> str:
   """The rate rule of the run's optimizer; a ConfigError for a run the probe cannot branch."""
   from optim.ramp import SEESAW_RULES, seesaw_rule  # noqa: PLC0415
@@ -137,20 +117,6 @@ def check_run(cfg) -> str:
                       f"(known: {', '.join(f'{k} {v}' for k, v in SEESAW_RULES.items())}); "
                       "pass --config.optim.lr_rule=sqrt or linear")
   return rule
-
-
-def schedule_in_tokens(cfg) -> dict:
-  """{optim key: value} giving every length of the run's schedule in tokens at its batch (the
-  shape the run had, kept in tokens at any batch), the horizon included."""
-  from optim.ramp import UNITS, BatchRamp  # noqa: PLC0415
-  from optim.schedules import length  # noqa: PLC0415
-  ramp = BatchRamp.constant(cfg.data.global_batch_size, cfg.data.seq_len)
-  out = {f"{what}_{u}": 0 for what in ("warmup", "decay") for u in UNITS}
-  out["warmup_tokens"] = int(round(length(cfg.optim, "warmup", "tokens", ramp)))
-  out["decay_tokens"] = int(round(length(cfg.optim, "decay", "tokens", ramp,
-                                         default_steps=cfg.steps)))
-  out["schedule_unit"] = "tokens"
-  return out
 
 
 def rate_settings(run, rule: str) -> dict:
@@ -398,9 +364,9 @@ def parse_args(argv):
     p.error("--tokens, --evals and --eval_sequences must be positive")
   if args.tolerance < 0:
     p.error("--tolerance must be >= 0")
-  args.workdir = os.path.abspath(args.workdir)
   args.overrides = overrides
-  args.out = args.out or os.path.join("runs", "batch_probe", os.path.basename(args.workdir))
+  name = os.path.basename(os.path.normpath(args.workdir))
+  args.out = args.out or os.path.join("runs", "batch_probe", name)
   return args
 
 
@@ -436,8 +402,9 @@ def main(argv: list[str]) -> int:
   with open(written[1], "w") as f:
     json.dump(summary, f, indent=1)
   png = os.path.join(args.out, "batch_probe.png")
-  title = (f"{os.path.basename(args.workdir)}: critical batch by branching (x"
-           + ",".join(map(str, args.factors)) + f", {args.tokens:,} tokens)")
+  name = os.path.basename(os.path.normpath(args.workdir))
+  title = (f"{name}: critical batch by branching (x" + ",".join(map(str, args.factors))
+           + f", {args.tokens:,} tokens)")
   plotted = plot(png, branches, summary, args.workdir, args.b_crit, title)
   print(f"[probe] wrote {', '.join(written)}" + (f", {png}" if plotted else figures.NO_PLOT)
         + f"; {summary['seconds']:.0f}s")

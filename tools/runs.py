@@ -1,6 +1,7 @@
 """Runs that tools and experiments drive: a run's own record (its metrics.jsonl, the examples
 seen through its batch changes, its eval curve and where it crossed a target loss), training one
-config in-process, and branching a run from one of its checkpoints.
+config in-process, and branching a run from one of its checkpoints (the config it was written with, its schedule's
+lengths in tokens).
 
 Every run trains through `trainer.loop.Run` exactly as train.py does (the same data order,
 checkpoints and metrics.jsonl), in this process, in a workdir of its own. Examples seen are read
@@ -164,3 +165,38 @@ def copy_checkpoint(source_workdir: str, step: int, workdir: str) -> None:
   os.makedirs(os.path.join(workdir, "checkpoints"))
   shutil.copytree(os.path.join(source_workdir, "checkpoints", str(step)),
                   os.path.join(workdir, "checkpoints", str(step)))
+
+
+def load_run(workdir: str, step: int):
+  """The config checkpoint `step` of the run in `workdir` was written with (ConfigDict)."""
+  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer.cli import from_dict  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.inference import source_config  # noqa: PLC0415
+  directory = os.path.join(workdir, "checkpoints")
+  have = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) \
+      if os.path.isdir(directory) else []
+  if step not in have:
+    raise ConfigError(f"{workdir} has no checkpoint at step {step} (it has "
+                      f"{', '.join(map(str, have)) or 'none'}); train the run with "
+                      "--config.checkpoint.every_steps dividing the steps to branch from and "
+                      "--config.checkpoint.keep covering them")
+  try:
+    _, saved = source_config(os.path.join(directory, str(step)))
+  except CheckpointError as e:
+    raise ConfigError(str(e)) from None
+  return from_dict(saved, f"{directory}/{step}")
+
+
+def schedule_in_tokens(cfg) -> dict:
+  """{optim key: value} giving every length of the run's schedule in tokens at its batch (the
+  shape the run had, kept in tokens at any batch), the horizon included."""
+  from optim.ramp import UNITS, BatchRamp  # noqa: PLC0415
+  from optim.schedules import length  # noqa: PLC0415
+  ramp = BatchRamp.constant(cfg.data.global_batch_size, cfg.data.seq_len)
+  out = {f"{what}_{u}": 0 for what in ("warmup", "decay") for u in UNITS}
+  out["warmup_tokens"] = int(round(length(cfg.optim, "warmup", "tokens", ramp)))
+  out["decay_tokens"] = int(round(length(cfg.optim, "decay", "tokens", ramp,
+                                         default_steps=cfg.steps)))
+  out["schedule_unit"] = "tokens"
+  return out
