@@ -32,12 +32,15 @@ steps, as long as the batch stays below the critical batch. The plan (`Seesaw.fr
      (`optim.schedules.halvings`): cut k at the first step c_k whose rate is <= peak / 2^k,
      i.e. at c_k x B0 x seq_len tokens. The warmup is kept as it is.
   2. At each cut the batch doubles, while it is below `data.max_batch`; later cuts halve the rate.
-     A stage starts at the first step whose tokens reach its cut (as any ramp's stage does), and
-     the rate of a step is the stage's peak (the rule of `optim.lr_rule` from the reference batch,
-     `optim/scaling.py`) x 1/2^k, k the cuts reached (`BatchRamp.cuts`, read by
-     `optim.schedules.build_schedule`): per doubling x sqrt(2)/2 (sqrt) or x 1 (linear).
+     A doubled stage starts at its cut rounded up to a whole number of its own batch (so a
+     horizon the largest batch divides is read exactly), a later cut at the first step whose
+     tokens reach it, and the rate of a step is the stage's peak (the rule of `optim.lr_rule`
+     from the reference batch, `optim/scaling.py`) x 1/2^k, k the cuts reached
+     (`BatchRamp.cuts`, read by `optim.schedules.build_schedule`): per doubling x sqrt(2)/2
+     (sqrt) or x 1 (linear).
   3. The token horizon is unchanged: `steps` at B0 (or the `optim.decay_*` horizon) becomes the
-     steps that read the horizon's tokens under the ramp (`seesaw_defaults`). With
+     steps that read the horizon's tokens under the ramp, the last one not past it
+     (`seesaw_defaults`). With
      `data.max_batch = data.global_batch_size` nothing doubles: the plain step decay at B0,
      Seesaw's own baseline.
 
@@ -293,25 +296,32 @@ class Seesaw:
     return cls(start, top, rule, cuts, math.ceil(horizon - 1e-9), seq, optim_cfg.schedule)
 
   def stages(self) -> list[tuple[int, int]]:
-    """[(batch, start tokens)]: a doubling at each halving while the batch is below max."""
+    """[(batch, start tokens)]: a doubling at each halving while the batch is below max, from
+    the halving's sequences rounded up to a multiple of the new batch."""
     out = [(self.start, 0)]
     for cut in self.halvings:
       if out[-1][0] >= self.max_batch:
         break
-      out.append((out[-1][0] * 2, cut * self.start * self.seq_len))
+      batch = out[-1][0] * 2
+      out.append((batch, -(-cut * self.start // batch) * batch * self.seq_len))
     return out
 
   def ramp(self) -> BatchRamp:
     """The run's ramp: the doublings, and every halving as a cut at the first step whose
     tokens reach it (a doubling's cut is its stage's first step)."""
     ramp = BatchRamp(self.stages(), self.seq_len)
-    ramp.cuts = tuple(ramp.first_step_at(c * self.start) for c in self.halvings)
+    doublings = len(ramp.batches) - 1
+    ramp.cuts = ramp.start_steps[1:] + tuple(ramp.first_step_at(c * self.start)
+                                             for c in self.halvings[doublings:])
     ramp.plan = self
     return ramp
 
   def steps(self, ramp: BatchRamp | None = None) -> int:
-    """Steps of the Seesaw run to read the horizon's sequences."""
-    return (ramp or self.ramp()).first_step_at(self.horizon)
+    """Steps of the Seesaw run: those that read the horizon's sequences, the last one not past
+    it (all of them when the largest batch divides what is left after its stage starts)."""
+    ramp = ramp or self.ramp()
+    n = ramp.first_step_at(self.horizon)
+    return n if ramp.examples_before(n) == self.horizon else n - 1
 
   @property
   def cut_per_doubling(self) -> float:
@@ -326,10 +336,14 @@ class Seesaw:
              for i in range(doublings)]
     parts += [f"lr x 0.5 from step {c + 1}" for c in ramp.cuts[doublings:]]
     base = f"{-(-self.horizon // self.start):,} steps at batch {self.start}"
+    steps = self.steps(ramp)
+    read = ramp.examples_before(steps)
     return (f"Seesaw ({self.rule} rule) of the {self.schedule} schedule, halving at steps "
             f"{', '.join(str(c + 1) for c in self.halvings)} of batch {self.start}: "
             + "; ".join(parts) + f"; the horizon's {self.horizon * self.seq_len:,} tokens "
-            f"({base}) in {self.steps(ramp):,} steps"
+            f"({base}) in {steps:,} steps"
+            + ("" if read == self.horizon else f" ({read * self.seq_len:,} tokens: the last "
+               "batch does not divide the rest)")
             + ("" if ramp.batches[-1] == self.max_batch else
                f" (data.max_batch={self.max_batch} not reached)"))
 

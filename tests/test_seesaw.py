@@ -100,6 +100,26 @@ def test_doublings_and_cuts_of_a_known_schedule():
   np.testing.assert_allclose(_rates(sgd, ramp), 1e-2 * np.array(want), rtol=1e-6)
 
 
+def test_doublings_start_on_their_batch_and_the_run_stops_at_the_horizon():
+  """A linear decay over 98 steps halves at step 49 (392 sequences), not a multiple of the new
+  batch 16: the doubling starts at 400 (step 50), so 24 steps of 16 read the 784 of the horizon
+  exactly. A horizon the last batch does not divide (808 sequences) ends at the last step not
+  past it (800 sequences), and the start-up line says so."""
+  c = _plan_config(16)
+  c.steps = 98
+  plan = Seesaw.from_config(c.optim, c.data, c.steps)
+  ramp = plan.ramp()
+  assert plan.halvings[0] == 49 and ramp.stages_by_step() == [(0, 8), (50, 16)]
+  assert ramp.cuts[0] == 50 and plan.steps(ramp) == 74 and ramp.examples_before(74) == 784
+  c = _plan_config(32, decay_examples=808)
+  plan = Seesaw.from_config(c.optim, c.data, c.steps)
+  ramp = plan.ramp()
+  assert ramp.stages_by_step() == [(0, 8), (52, 16), (64, 32)]  # from 416 and 608 sequences
+  assert plan.steps(ramp) == 70 and ramp.examples_before(70) == 800
+  assert ramp.describe().endswith("in 70 steps (25,600 tokens: the last batch does not divide "
+                                  "the rest)")
+
+
 def test_max_batch_at_the_start_is_the_step_decay():
   """data.max_batch = global_batch_size: nothing doubles, the rate halves at every halving of the
   schedule, and the run keeps its 100 steps."""
