@@ -231,9 +231,11 @@ class BatchRamp:
     return lo
 
   def describe(self) -> str:
+    """The stages, each from its first step counted from 1 (as the logs count steps); a Seesaw
+    ramp's doublings and cuts (`Seesaw.describe`)."""
     if self.plan is not None:
       return self.plan.describe(self)
-    parts = [f"{b} from step {s} ({t:,} tokens)"
+    parts = [f"{b} from step {s + 1} ({t:,} tokens)"
              for b, s, t in zip(self.batches, self.start_steps,
                                 (e * self.seq_len for e in self.start_examples))]
     return "batch ramp: " + " -> ".join(parts)

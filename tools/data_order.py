@@ -72,11 +72,11 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-  from trainer.config import ConfigError  # noqa: PLC0415
-  parser = build_parser()
   from data.meta import DataError  # noqa: PLC0415
   from data.mixture import MixtureError  # noqa: PLC0415
   from trainer.cli import load  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = build_parser()
   try:
     args, overrides = parser.parse(sys.argv[1:] if argv is None else argv)
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip().isdigit()]
