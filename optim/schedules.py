@@ -168,7 +168,7 @@ def halvings(cfg, total_steps: int, ramp: BatchRamp) -> tuple[int, ...]:
   steps = np.arange(math.ceil(horizon - 1e-9))
   rate = np.asarray(jax.vmap(sched)(jnp.asarray(steps, jnp.int32)), np.float64)
   with np.errstate(divide="ignore"):  # a rate of 0: infinitely many halvings, capped
-    k = np.floor(-np.log2(np.maximum(rate, 0.0)) + 1e-6)  # float32 rates: peak/2 may be 0.5-ulp
+    k = np.floor(-np.log2(np.maximum(rate, 0.0)) + 1e-6)  # float32: peak/2 may be an ulp above
   k = np.where(steps >= warmup, np.minimum(k, MAX_HALVINGS), 0)
   k = np.maximum.accumulate(np.maximum(k, 0)) if len(k) else k
   return tuple(int(np.argmax(k >= j)) for j in range(1, int(k.max(initial=0)) + 1))

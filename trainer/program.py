@@ -19,8 +19,8 @@ from data.pipeline import BATCH_KEYS
 from models.llama import ModelConfig
 from optim import BatchRamp, build_optimizer
 from optim.autopilot import with_defaults
-from optim.ramp import seesaw_defaults
 from optim.diloco import DiLoCoConfig, outer_optimizer
+from optim.ramp import seesaw_defaults
 from sharding.mesh import batch_sharding, make_mesh, mesh_platform, replicated
 from trainer import diloco
 from trainer.state import ModelSpec, abstract_state, init_state, state_shardings
