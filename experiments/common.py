@@ -19,6 +19,7 @@ from collections.abc import Callable
 from tools import figures
 from tools.runs import (Reached, Trained, eval_curve, ramp_from_rows,  # noqa: F401
                         read_rows, target_stop, to_target, train, train_curve)
+from trainer.cli import floats, ints  # noqa: F401  (the experiments' argparse types)
 
 DEFAULT_CONFIG = os.path.join("configs", "sweep_tiny.py")
 
@@ -82,24 +83,6 @@ def add_to_target_args(p, max_examples: int) -> None:
   p.add_argument("--eval_sequences", type=int, default=64, help="validation sequences")
   p.add_argument("--smooth_examples", type=int, default=1024,
                  help="the eval curve is averaged over this many sequences before a crossing")
-
-
-def ints(text: str) -> list[int]:
-  """An argparse type: "8,16,32" -> [8, 16, 32] (a mistake is argparse's one-line error)."""
-  return _numbers(text, int, "integers")
-
-
-def floats(text: str) -> list[float]:
-  """An argparse type: "0.5,1,2" -> [0.5, 1.0, 2.0]."""
-  return _numbers(text, float, "numbers")
-
-
-def _numbers(text: str, kind, what: str) -> list:
-  import argparse  # noqa: PLC0415
-  try:
-    return [kind(x) for x in text.split(",") if x]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}") from None
 
 
 def main(name: str, parse: Callable, experiment: Callable, argv: list[str]) -> int:

@@ -91,7 +91,8 @@ def test_probe_on_a_tiny_run(run_dir, tmp_path, capsys):
   out = tmp_path / "probe"
   code = batch_probe.main(["--workdir", str(run_dir), "--at", "4,8", "--factors", "2",
                            "--tokens", "1000", "--evals", "2", "--eval_sequences", "16",
-                           "--tolerance", "10", "--ramp", "--keep_branches", "--out", str(out)])
+                           "--tolerance", "10", "--ramp", "--keep_branches", "--b_crit", "12",
+                           "--out", str(out)])
   printed = capsys.readouterr().out
   assert code == 0, printed
   assert "--tokens 1,000 -> 1,024" in printed
@@ -100,6 +101,9 @@ def test_probe_on_a_tiny_run(run_dir, tmp_path, capsys):
   assert [(p["step"], p["critical_batch"], p["censored"]) for p in summary["points"]] == [
       (4, 16, ">="), (8, 16, ">=")]
   assert summary["implied_stages"] == [[8, 0], [16, 4 * 8 * 32]]
+  from tools import figures  # noqa: PLC0415
+  if figures.pyplot() is not None:  # the figure, with the sweep's B_crit drawn
+    assert (out / "batch_probe.png").stat().st_size > 10_000
   rows = (out / "batch_probe.csv").read_text().splitlines()
   assert len(rows) == 1 + 4 and rows[0].startswith("at_step,at_tokens,factor,batch")
   # The k = 1 branch is the run continued: its evaluations at steps 6 and 8 are the run's.
@@ -125,6 +129,7 @@ def test_probe_on_a_tiny_run(run_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--at", "5"], "has no checkpoint at step 5 (it has 4, 8)"),
+    (["--at", "4,x"], "argument --at: '4,x': give comma-separated integers"),
     (["--at", "4", "--factors", "1"], "--factors needs integers >= 2"),
     (["--at", "4", "--config.optim.name=lion"], "optim.name='lion' has no rate rule"),
 ])

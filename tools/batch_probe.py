@@ -327,11 +327,12 @@ def plot(path: str, branches: list[Branch], summary: dict, run_dir: str, b_crit:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.cli import CliParser, ints  # noqa: PLC0415
   p = CliParser("-m tools.batch_probe", __doc__, config=False)
   p.add_argument("--workdir", required=True, help="the run to branch from (left untouched)")
-  p.add_argument("--at", required=True, help="comma-separated steps with checkpoints")
-  p.add_argument("--factors", default="2,4,8", help="batch multiples to branch at")
+  p.add_argument("--at", type=ints, required=True,
+                 help="comma-separated steps with checkpoints")
+  p.add_argument("--factors", type=ints, default="2,4,8", help="batch multiples to branch at")
   p.add_argument("--tokens", type=int, required=True, help="tokens each branch trains")
   p.add_argument("--tolerance", type=float, default=0.01,
                  help="loss difference still 'the same' (nats; the paper's 0.01)")
@@ -351,11 +352,7 @@ def parse_args(argv):
   """(options with the overrides in `.overrides`); a mistake is a one-line ConfigError."""
   p = build_parser()
   args, overrides = p.parse(argv)
-  try:
-    args.at = sorted({int(s) for s in args.at.split(",") if s})
-    args.factors = sorted({int(k) for k in args.factors.split(",") if k})
-  except ValueError as e:
-    p.error(f"--at / --factors take comma-separated integers ({e})")
+  args.at, args.factors = sorted(set(args.at)), sorted(set(args.factors))
   if not args.at or min(args.at) < 1:
     p.error("--at needs steps >= 1 (checkpoints of the run)")
   if not args.factors or min(args.factors) < 2:
