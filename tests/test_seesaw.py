@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import metric_rows, tiny_config
+from conftest import metric_rows, tiny_config, trained
 from optim import BatchRamp, build_schedule, derive
 from optim.ramp import Seesaw, seesaw_defaults
 from optim.schedules import halvings
@@ -190,10 +190,7 @@ RUN = {**SEESAW, "optim.decay_examples": 128, "checkpoint.every_steps": 0}
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, data_dir):
-  workdir = tmp_path_factory.mktemp("seesaw_straight")
-  run = Run(tiny_config(steps=16, **RUN), str(workdir))
-  assert run.train().status == "done"
-  return run, workdir
+  return trained(tmp_path_factory.mktemp("seesaw_straight"), tiny_config(steps=16, **RUN))
 
 
 def test_run_logs_each_doubling_with_its_cut(straight):
