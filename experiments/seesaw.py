@@ -31,8 +31,9 @@ the critical-batch sweep's B_crit (`--b_crit`: the fit of `python -m tools.batch
 configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 --lr_grid 0.5,1 --target_loss 2.7`, stated in
 docs/batch_size.md; 0 leaves it out). The implied batch ramp is written beside the probe's CSV.
 
-Measured runtime: 23 minutes on 2 CPU cores shared with other jobs (part 1: five trainings of
-16,384 sequences, 14 minutes; part 2: the 800-step run and 20 branches, 9 minutes).
+Measured runtime: 13 minutes on 2 CPU cores shared with other jobs (part 1: five trainings of
+16,384 sequences, 8 minutes; part 2: the 800-step run and 20 branches, 5 minutes); 23 minutes
+(14 + 9) under heavier load.
 Outputs: OUT.csv (part 1, one row per run), OUT.png (part 1), OUT_probe.csv, OUT_probe.json,
 OUT_probe.png (part 2, the tool's outputs) and OUT_probe_ramp.txt (the implied ramp as config
 overrides, when the measurements imply one). Deterministic on a given machine.
