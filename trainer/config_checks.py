@@ -125,7 +125,12 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
   _need(0 < o.noise_scale_ema < 1, f"optim.noise_scale_ema={o.noise_scale_ema}: must be in (0, 1)")
   micro = d.micro_batch_size or d.global_batch_size
   batches = [d.global_batch_size]
-  if d.batch_ramp and d.batch_ramp != "auto":
+  _need(d.max_batch == 0 or d.batch_ramp == "seesaw", f"data.max_batch={d.max_batch} is "
+        f"Seesaw's largest batch, but data.batch_ramp={d.batch_ramp!r}; set "
+        "data.batch_ramp='seesaw' or leave data.max_batch at 0")
+  if d.batch_ramp == "seesaw":
+    batches = _check_seesaw(cfg, micro)
+  elif d.batch_ramp and d.batch_ramp != "auto":
     try:
       stages = parse_ramp(d.batch_ramp)
     except ValueError as e:
@@ -151,6 +156,28 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
              "here, set them to choose" if d.batch_ramp == "auto" else ""))
 
 
+def _check_seesaw(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
+  """data.batch_ramp='seesaw' (optim/ramp.py), on the config with its defaults filled in
+  (`seesaw_defaults`, which refuses impossible settings); returns its batches."""
+  from optim.ramp import Seesaw  # noqa: PLC0415
+  d = cfg.data
+  _need(d.global_batch_size % micro == 0,
+        f"data.global_batch_size={d.global_batch_size} is not a multiple of "
+        f"data.micro_batch_size={micro}")
+  return list(Seesaw.from_config(cfg.optim, d, cfg.steps).ramp().batches)
+
+
+def resolved(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config with the batch autopilot's or Seesaw's defaults filled in, as the run fills
+  them in (trainer/program.py); an impossible Seesaw setting is a ConfigError."""
+  from optim.autopilot import with_defaults  # noqa: PLC0415
+  from optim.ramp import seesaw_defaults  # noqa: PLC0415
+  try:
+    return seesaw_defaults(with_defaults(cfg)[0])[0]
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
 def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   """optim.diloco.* of a DiLoCo run (replicas >= 1; the mesh and batch splits are checked with
   the mesh): ranges, the settings whose meaning the replicas would change, and ring attention
@@ -160,6 +187,9 @@ def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
         f"model.attention={cfg.model.attention!r} runs ring attention over mesh.sequence="
         f"{sizes['sequence']}, which does not run inside DiLoCo's replicas yet; use "
         "model.attention='xla' (XLA splits the sequence itself) or mesh.sequence=1")
+  _need(cfg.data.batch_ramp != "seesaw", f"data.batch_ramp='seesaw' with "
+        f"optim.diloco.replicas={dl.replicas}: Seesaw derives its steps, which need not end on "
+        "an outer step; give DiLoCo a fixed batch or an explicit ramp")
   h = dl.inner_steps
   _need(h >= 1, f"optim.diloco.inner_steps={h}: must be >= 1 (the inner steps between outer "
         "steps)")
@@ -304,7 +334,6 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
   from models.rope import ROPE_SCALING_TYPES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
-  from optim.autopilot import with_defaults  # noqa: PLC0415
   from optim.scaling import SCALE_INVARIANT_OPTIMIZERS  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
@@ -437,9 +466,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
         "default)")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
   _check_muon(cfg)
-  # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) as the run fills
-  # them in (trainer/program.py)
-  _check_batch_science(with_defaults(cfg)[0], dp)
+  # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) and Seesaw's
+  # (micro-batch, lr rule, horizon, steps) as the run fills them in (trainer/program.py)
+  _check_batch_science(resolved(cfg), dp)
   if replicas:
     _check_diloco(cfg, sizes)
 
