@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import sys
 
 from experiments import common
 from tools import figures
+from tools.runs import copy_checkpoint
 
 
 def build_parser():
@@ -84,16 +84,6 @@ def branch_schedule(optim_cfg, stop_tokens: int, decay_tokens: int) -> None:
   `decay_tokens` (the horizon and decay fraction of a branch)."""
   horizon = stop_tokens + decay_tokens
   optim_cfg.update(schedule="wsd", decay_tokens=horizon, wsd_decay_fraction=decay_tokens / horizon)
-
-
-def copy_checkpoint(source_workdir: str, step: int, workdir: str) -> None:
-  """A fresh `workdir` holding only checkpoint `step` of `source_workdir` (the branch resumes
-  from it as a restarted run would)."""
-  if os.path.exists(workdir):
-    shutil.rmtree(workdir)
-  os.makedirs(os.path.join(workdir, "checkpoints"))
-  shutil.copytree(os.path.join(source_workdir, "checkpoints", str(step)),
-                  os.path.join(workdir, "checkpoints", str(step)))
 
 
 def base_config(cfg, args, steps: int):

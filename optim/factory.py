@@ -148,7 +148,7 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
                        f"{SCALE_INVARIANT_OPTIMIZERS}, not optim.name={cfg.name!r}")
     m["lr_multipliers"] = lr_multipliers(param_names, width_multiplier)
   if ramp is None and data is not None:
-    ramp = BatchRamp.from_config(data)
+    ramp = BatchRamp.from_config(data, cfg, total_steps)
   default_batch = data.global_batch_size if data is not None else None
 
   @functools.lru_cache(maxsize=None)

@@ -30,16 +30,29 @@ al. 2017's warmup of 5 epochs is a warmup in examples, which scales with the bat
 
 The horizon is a setting of its own (not `steps`) so that a run can be stopped and continued
 with a different `steps` and still follow the same curve, in every unit.
+
+Step decay. `halvings` finds where a decaying schedule (cosine, linear, wsd), past its warmup,
+has fallen to 1/2, 1/4, ... of its peak, evaluated at every step of a fixed batch; `step_decay`
+replaces it after the warmup by peak / 2^k, k the halvings reached (a piecewise-constant
+schedule cut exactly where the smooth one halves). The Seesaw ramp (`optim/ramp.py`) turns
+those cuts into batch doublings; its ramp carries the cut steps (`BatchRamp.cuts`), and
+`build_schedule` applies the step decay whenever the ramp it is given has cuts.
 """
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optim.ramp import UNITS, BatchRamp
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd", "power", "rsqrt")
 WSD_SHAPES = ("linear", "cosine", "sqrt")
+DECAYING = ("cosine", "linear", "wsd")  # fall monotonically from the peak to their end: `halvings`
+MAX_HALVINGS = 30  # a rate that reaches 0 counts as this many halvings (peak / 2^30)
 
 
 def _decay_shape(shape: str, peak: float, end: float, steps) -> optax.Schedule:
@@ -115,10 +128,50 @@ def build_schedule(cfg, total_steps: int, ramp: BatchRamp | None = None, *,
     raise ValueError(f"unknown schedule {kind!r}; choose from {SCHEDULES}")
   schedule = main if warmup <= 0 else optax.join_schedules(
       [optax.linear_schedule(0.0, warmup_end, warmup), main], [warmup])
-  if unit == "steps":
-    return schedule
-  clock = ramp.clock(unit)
-  return lambda count: schedule(clock(count))
+  if unit != "steps":
+    clock, in_unit = ramp.clock(unit), schedule
+    schedule = lambda count: in_unit(clock(count))
+  if ramp is not None and ramp.cuts:
+    steps = warmup if unit == "steps" else ramp.convert(float(warmup), unit, "steps")
+    return step_decay(schedule, steps, peak, ramp.cuts)
+  return schedule
+
+
+def step_decay(schedule: optax.Schedule, warmup_steps: float, peak: float,
+               cuts) -> optax.Schedule:
+  """`schedule` during its warmup (steps before `warmup_steps`), then peak / 2^k, k the number
+  of `cuts` (step indices, sorted; one may repeat) at or before the step."""
+  cuts = tuple(int(c) for c in cuts)  # Python ints: no array constant captured by the jit
+
+  def fn(count):
+    k = sum(jnp.where(count >= c, 1, 0) for c in cuts)
+    return jnp.where(count < warmup_steps, schedule(count), peak * jnp.power(0.5, k))
+
+  return fn
+
+
+def halvings(cfg, total_steps: int, ramp: BatchRamp) -> tuple[int, ...]:
+  """Where the schedule of the `optim` block `cfg` (one of DECAYING), past its warmup, has
+  fallen to 1/2, 1/4, ... of its peak: the k-th entry is the first step index whose rate is at
+  most peak / 2^k, evaluated at every step index before the horizon (`total_steps` when no
+  `decay_*` key is set) at the batch of `ramp` (a constant ramp: units convert exactly). Two
+  halvings within one step repeat its index; a rate that reaches 0 counts as MAX_HALVINGS."""
+  if cfg.schedule not in DECAYING:
+    raise ValueError(f"optim.schedule={cfg.schedule!r} does not decay from a peak; halvings "
+                     f"are defined for {', '.join(DECAYING)}")
+  unit = cfg.get("schedule_unit", "steps")
+  warmup = length(cfg, "warmup", unit, ramp)
+  warmup = warmup if unit == "steps" else ramp.convert(float(warmup), unit, "steps")
+  horizon = ramp.convert(float(length(cfg, "decay", "examples", ramp,
+                                      default_steps=int(total_steps))), "examples", "steps")
+  sched = build_schedule(cfg, total_steps, ramp, peak=1.0)
+  steps = np.arange(math.ceil(horizon - 1e-9))
+  rate = np.asarray(jax.vmap(sched)(jnp.asarray(steps, jnp.int32)), np.float64)
+  with np.errstate(divide="ignore"):  # a rate of 0: infinitely many halvings, capped
+    k = np.floor(-np.log2(np.maximum(rate, 0.0)) + 1e-6)  # float32: peak/2 may be an ulp above
+  k = np.where(steps >= warmup, np.minimum(k, MAX_HALVINGS), 0)
+  k = np.maximum.accumulate(np.maximum(k, 0)) if len(k) else k
+  return tuple(int(np.argmax(k >= j)) for j in range(1, int(k.max(initial=0)) + 1))
 
 
 def _round(value, unit):

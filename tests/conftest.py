@@ -112,6 +112,15 @@ def metric_rows(workdir) -> dict[int, dict]:
   return rows
 
 
+def trained(workdir, cfg):
+  """(the `trainer.loop.Run` of `cfg` in `workdir`, trained to its end; `workdir`): a module
+  fixture's one straight run, which its tests compare with stopped and resumed ones."""
+  from trainer.loop import Run  # noqa: PLC0415
+  run = Run(cfg, str(workdir))
+  assert run.train().status == "done"
+  return run, workdir
+
+
 def losses(workdir) -> dict[int, float]:
   return {step: row["loss"] for step, row in metric_rows(workdir).items()}
 

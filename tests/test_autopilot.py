@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import metric_rows, tiny_config
+from conftest import metric_rows, tiny_config, trained
 from optim import BatchRamp
 from optim.autopilot import DELAY, AutoConfig, Autopilot
 from trainer.config import ConfigError
@@ -131,10 +131,7 @@ AUTO = {"data.micro_batch_size": 8, "data.global_batch_size": 16, "data.batch_ra
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, data_dir):
-  workdir = tmp_path_factory.mktemp("auto_straight")
-  run = Run(tiny_config(steps=8, **AUTO), str(workdir))
-  assert run.train().status == "done"
-  return run, workdir
+  return trained(tmp_path_factory.mktemp("auto_straight"), tiny_config(steps=8, **AUTO))
 
 
 def _all_rows(workdir):

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import losses, tiny_config, tiny_config_file, write_sweep_config
 from experiments import (autopilot_vs_fixed, common, large_batch_optimizers, muon_critical_batch,
-                         schedules)
+                         schedules, seesaw)
 
 
 def _record():
@@ -193,6 +193,42 @@ def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
   assert os.path.getsize(f"{out}.png") > 10_000
   for bad in (["--optimizers", "adam"], ["--stated_lr", "adam=0.1"], ["--stated_lr", "muon"]):
     assert muon_critical_batch.main(["--config", str(config), *bad]) == 2, bad
+
+
+def test_seesaw_runs_and_refusals():
+  """The runs of part 1: cosine, the step decay (Seesaw up to the start), Seesaw up to each
+  largest batch, the linear rule at the largest; each config validates. A largest batch that is
+  not the start x 2^k is one line, exit code 2."""
+  from trainer.config_checks import validate  # noqa: PLC0415
+  args, _ = seesaw.parse(["--max_batches", "16,32", "--batch", "8", "--examples", "256"])
+  names = [name for name, _ in seesaw.runs(args)]
+  assert names == ["cosine", "step decay", "seesaw 16", "seesaw 32", "seesaw 32, linear rule"]
+  for _, values in seesaw.runs(args):
+    cfg = seesaw.part1_config(tiny_config(**{"optim.warmup_steps": 0}), args, values)
+    validate(cfg, 1)
+    assert cfg.steps == 32 and cfg.optim.schedule == "cosine"
+  assert seesaw.main(["--max_batches", "24"]) == 2
+
+
+@pytest.mark.slow  # seven trainings, ~2 min on 2 shared cores
+def test_seesaw_end_to_end(tmp_path, data_dir):
+  """The command with a tiny config: part 1's four runs at equal tokens (Seesaw saves steps) and
+  part 2's probe, each with its CSV and PNG."""
+  config = tiny_config_file(tmp_path)
+  out = tmp_path / "out" / "seesaw"
+  code = seesaw.main([
+      "--config", str(config), "--config.optim.warmup_steps=0", "--batch", "8",
+      "--examples", "128", "--max_batches", "16", "--eval_examples", "32",
+      "--eval_sequences", "8", "--at", "4", "--factors", "2", "--probe_tokens", "512",
+      "--out", str(out), "--workdir", str(tmp_path / "runs")])
+  assert code == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  assert [(r["run"], int(r["tokens"])) for r in rows] == [
+      (name, 128 * 32) for name in ("cosine", "step decay", "seesaw 16", "seesaw 16, linear rule")]
+  assert int(rows[2]["steps"]) < int(rows[1]["steps"]) == 16
+  probe = list(csv.DictReader(open(f"{out}_probe.csv")))
+  assert [int(r["factor"]) for r in probe] == [1, 2]
+  assert os.path.getsize(f"{out}.png") > 10_000 and os.path.getsize(f"{out}_probe.png") > 10_000
 
 
 def test_divergence_is_flagged():

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import metric_rows, tiny_config
+from conftest import metric_rows, tiny_config, trained
 from optim import BatchRamp, derive, parse_ramp
 from trainer.loop import Run
 
@@ -57,11 +57,7 @@ RAMP = {"data.micro_batch_size": 8, "data.global_batch_size": 16,
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory, data_dir):
-  workdir = tmp_path_factory.mktemp("ramp_straight")
-  run = Run(tiny_config(steps=10, **RAMP), str(workdir))
-  result = run.train()
-  assert result.status == "done"
-  return run, workdir
+  return trained(tmp_path_factory.mktemp("ramp_straight"), tiny_config(steps=10, **RAMP))
 
 
 def test_one_compile_per_stage_size(straight):

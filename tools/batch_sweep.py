@@ -152,7 +152,7 @@ def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
 
 
 def read_rows(workdir: str) -> list[dict]:
-  from experiments.common import read_rows as read  # noqa: PLC0415
+  from tools.runs import read_rows as read  # noqa: PLC0415
   return read(workdir)
 
 
@@ -160,7 +160,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
   grow it), stopped at the target or after `args.max_examples`; returns what it measured.
   Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
-  from experiments.common import eval_curve, target_stop, to_target, train  # noqa: PLC0415
+  from tools.runs import eval_curve, target_stop, to_target, train  # noqa: PLC0415
   from optim import derive  # noqa: PLC0415
   from optim.scaling import stated  # noqa: PLC0415
 
@@ -287,11 +287,13 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
+  from trainer.cli import CliParser, floats, ints  # noqa: PLC0415
   p = CliParser("-m tools.batch_sweep", __doc__)
-  p.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32,64")
+  p.add_argument("--batch_sizes", type=ints, required=True,
+                 help="comma-separated, e.g. 8,16,32,64")
   p.add_argument("--target_loss", type=float, required=True, help="validation loss to reach")
-  p.add_argument("--lr_grid", default="1", help="multipliers of the reference learning rate")
+  p.add_argument("--lr_grid", type=floats, default="1",
+                 help="multipliers of the reference learning rate")
   p.add_argument("--out", default="", help="output dir (default runs/batch_sweep/<config>)")
   p.add_argument("--micro_batch_size", type=int, default=0,
                  help="rows per micro-batch for every run (default: the smallest batch)")
@@ -311,11 +313,7 @@ def parse_args(argv):
   """(options, config overrides, config name); a mistake is a one-line ConfigError."""
   p = build_parser()
   args, overrides = p.parse(argv)
-  try:
-    args.batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b})
-    args.lr_grid = [float(m) for m in args.lr_grid.split(",") if m]
-  except ValueError as e:
-    p.error(f"--batch_sizes / --lr_grid take comma-separated numbers ({e})")
+  args.batch_sizes = sorted(set(args.batch_sizes))
   args.micro_batch_size = args.micro_batch_size or args.batch_sizes[0]
   name = os.path.splitext(os.path.basename(args.config))[0]
   args.out = args.out or os.path.join("runs", "batch_sweep", name)

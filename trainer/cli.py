@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import ml_collections
 
 from trainer.config import ConfigError, default_config
-from trainer.config_checks import validate
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -152,6 +151,16 @@ def load(path: str, overrides: list[tuple[str, str]]) -> ml_collections.ConfigDi
   return cfg
 
 
+def from_dict(values: dict, where: str) -> ml_collections.ConfigDict:
+  """A saved config (a run's config.json, a checkpoint's config item) merged over the defaults,
+  as `load` merges a file: an unknown key or a wrong type is a ConfigError naming `where`."""
+  saved = ml_collections.ConfigDict(values)
+  _check_keys(saved, default_config(), where)
+  cfg = default_config()
+  _merge(cfg, saved, where)
+  return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # Command lines: one parser of `--config.KEY=VALUE` for train.py, tools/ and bench/
 
@@ -195,11 +204,29 @@ class CliParser(argparse.ArgumentParser):
     raise ConfigError(f"{message} (python {self.prog} --help)")
 
 
+def ints(text: str) -> list[int]:
+  """An argparse type: "8,16,32" -> [8, 16, 32] (a mistake is the parser's one-line error)."""
+  return _numbers(text, int, "integers")
+
+
+def floats(text: str) -> list[float]:
+  """An argparse type: "0.5,1,2" -> [0.5, 1.0, 2.0]."""
+  return _numbers(text, float, "numbers")
+
+
+def _numbers(text: str, kind, what: str) -> list:
+  try:
+    return [kind(x) for x in text.split(",") if x]
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated {what}") from None
+
+
 def load_from_cli(path: str, args: Sequence[str], *, devices=None) -> ml_collections.ConfigDict:
   """`load` with the overrides of a command line; validated against `devices` (a device list,
   or a count for one slice) unless None."""
   cfg = load(path, parse_overrides(args))
   if devices is not None:
+    from trainer.config_checks import validate  # noqa: PLC0415  (jax: not for argparse types)
     validate(cfg, devices)
   return cfg
 

@@ -114,7 +114,11 @@ def default_config() -> ml_collections.ConfigDict:
       # "auto": the batch autopilot (optim/autopilot.py) grows the batch from global_batch_size
       # by `factor` up to `max` when the measured noise scale says so (needs
       # optim.noise_scale_every, and schedule lengths in the schedule's own unit).
+      # "seesaw": Seesaw (optim/ramp.py): where the decaying schedule halves, the batch doubles
+      # from global_batch_size up to `max_batch` and the rate is cut by the optimizer's rule
+      # instead (x 1/sqrt(2) Adam-type, x 1 SGD-type); `steps` is derived: the horizon's tokens.
       batch_ramp="",
+      max_batch=0,  # batch_ramp="seesaw": the largest batch, global_batch_size x 2^k
       batch_auto=ml_collections.ConfigDict(dict(
           max=0,  # the largest batch: global_batch_size x factor^k
           factor=2,

@@ -43,7 +43,8 @@ def check_distributed(dist: ml_collections.ConfigDict) -> None:
         f"distributed.initialization_timeout={dist.initialization_timeout}: must be >= 1 second")
 
 
-def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int, stages: int) -> list[int]:
+def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
+                         ) -> list[int]:
   """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys; returns every
   global batch the run may use (the ramp's stages, the autopilot's sizes)."""
   from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES  # noqa: PLC0415
@@ -88,7 +89,12 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int, stages: int) -
   _need(0 < o.noise_scale_ema < 1, f"optim.noise_scale_ema={o.noise_scale_ema}: must be in (0, 1)")
   micro = d.micro_batch_size or d.global_batch_size
   batches = [d.global_batch_size]
-  if d.batch_ramp and d.batch_ramp != "auto":
+  _need(d.max_batch == 0 or d.batch_ramp == "seesaw", f"data.max_batch={d.max_batch} is "
+        f"Seesaw's largest batch, but data.batch_ramp={d.batch_ramp!r}; set "
+        "data.batch_ramp='seesaw' or leave data.max_batch at 0")
+  if d.batch_ramp == "seesaw":
+    batches = _check_seesaw(cfg, micro)
+  elif d.batch_ramp and d.batch_ramp != "auto":
     try:
       stages = parse_ramp(d.batch_ramp)
     except ValueError as e:
@@ -105,17 +111,41 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int, stages: int) -
     batches = [b for b, _ in stages]
   if d.batch_ramp == "auto":
     batches = _check_autopilot(cfg, micro)
-  if o.noise_scale_every and (micro in batches or stages > 1):
+  if o.noise_scale_every and (micro in batches or num_stages > 1):
+    split = (f"optim.noise_scale_every on a step without accumulation splits its {micro} rows "
+             "into " if num_stages == 1 else
+             f"optim.noise_scale_every with mesh.stage={num_stages} runs the pipeline on two "
+             f"halves of every micro-batch's {micro} rows (trainer/stages.py), ")
     _need(micro % (2 * dp) == 0,
-          (f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
-           if stages == 1 else f"optim.noise_scale_every with mesh.stage={stages} runs the "
-           f"pipeline on two halves of every micro-batch's {micro} rows (trainer/stages.py), ") +
-          f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
-          f"{2 * dp} rows" + (", or accumulate (data.micro_batch_size below the batch)"
-                              if stages == 1 else "")
+          split + f"two halves, which must divide over the data-parallel size {dp}; use a "
+          f"multiple of {2 * dp} rows"
+          + (", or accumulate (data.micro_batch_size below the batch)" if num_stages == 1 else "")
           + ("; data.micro_batch_size and optim.noise_scale_every are the autopilot's default "
              "here, set them to choose" if d.batch_ramp == "auto" else ""))
   return batches
+
+
+def _check_seesaw(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
+  """data.batch_ramp='seesaw' (optim/ramp.py), on the config with its defaults filled in
+  (`seesaw_defaults`, which refuses impossible settings); returns its batches."""
+  from optim.ramp import Seesaw  # noqa: PLC0415
+  d = cfg.data
+  _need(d.global_batch_size % micro == 0,
+        f"data.global_batch_size={d.global_batch_size} is not a multiple of "
+        f"data.micro_batch_size={micro}")
+  return list(Seesaw.from_config(cfg.optim, d, cfg.steps).ramp().batches)
+
+
+def resolved(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """The config with the batch autopilot's or Seesaw's defaults filled in, as the run fills
+  them in (trainer/program.py); an impossible Seesaw setting is a ConfigError."""
+  from optim.autopilot import with_defaults  # noqa: PLC0415
+  from optim.ramp import seesaw_defaults  # noqa: PLC0415
+  try:
+    return seesaw_defaults(with_defaults(cfg)[0])[0]
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
 
 
 def _check_muon(cfg: ml_collections.ConfigDict) -> None:
@@ -240,7 +270,6 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES  # noqa: PLC0415
   from models.rope import ROPE_SCALING_TYPES  # noqa: PLC0415
   from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES  # noqa: PLC0415
-  from optim.autopilot import with_defaults  # noqa: PLC0415
   from optim.scaling import SCALE_INVARIANT_OPTIMIZERS  # noqa: PLC0415
 
   _need(cfg.steps >= 1, f"steps={cfg.steps}: must be at least 1")
@@ -373,9 +402,9 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
         "default)")
   _need(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm}: must be >= 0 (0 = off)")
   _check_muon(cfg)
-  # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) as the run fills
-  # them in (trainer/program.py)
-  filled = with_defaults(cfg)[0]
+  # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) and Seesaw's
+  # (micro-batch, lr rule, horizon, steps) as the run fills them in (trainer/program.py)
+  filled = resolved(cfg)
   batches = _check_batch_science(filled, dp, sizes["stage"])
   check_pipeline(filled, sizes, batches)
   if replicas:

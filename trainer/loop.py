@@ -272,7 +272,7 @@ class Run:
       self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
       self.writer.write(start, {"event": "resumed"}, console=False)
     for line in self.program.defaults_filled:
-      self.log(f"batch autopilot default: {line}")
+      self.log(line)
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
     log_pipeline_plan(self.writer, self.program,
                       self.autopilot.cfg.sizes() if self.autopilot else self.ramp.batches)

@@ -47,6 +47,9 @@ def check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
        f"model.attention={cfg.model.attention!r} runs ring attention over mesh.sequence="
        f"{sizes['sequence']}, which does not run inside DiLoCo's replicas yet; use "
        "model.attention='xla' (XLA splits the sequence itself) or mesh.sequence=1")
+  need(cfg.data.batch_ramp != "seesaw", f"data.batch_ramp='seesaw' with "
+       f"optim.diloco.replicas={dl.replicas}: Seesaw derives its steps, which need not end on "
+       "an outer step; give DiLoCo a fixed batch or an explicit ramp")
   h = dl.inner_steps
   need(h >= 1, f"optim.diloco.inner_steps={h}: must be >= 1 (the inner steps between outer "
        "steps)")

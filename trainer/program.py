@@ -20,6 +20,7 @@ from models.llama import ModelConfig
 from optim import BatchRamp, build_optimizer
 from optim.autopilot import with_defaults
 from optim.diloco import DiLoCoConfig, outer_optimizer
+from optim.ramp import seesaw_defaults
 from sharding.mesh import batch_sharding, make_mesh, mesh_platform, replicated
 from sharding.pipeline import Pipeline
 from trainer import diloco
@@ -61,9 +62,12 @@ def run_mesh(cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
 class Program:
 
   def __init__(self, cfg: ml_collections.ConfigDict, mesh: Mesh):
-    # The batch autopilot's defaults filled in (a copy; `defaults_filled`: one line each, which
-    # the run prints), so every part of the program reads the values the run uses.
-    self.cfg, self.defaults_filled = with_defaults(cfg)
+    # The batch autopilot's or Seesaw's defaults filled in (a copy; `defaults_filled`: one line
+    # each, which the run prints), so every part of the program reads the values the run uses.
+    cfg, auto = with_defaults(cfg)
+    self.cfg, seesaw = seesaw_defaults(cfg)
+    self.defaults_filled = [f"batch autopilot default: {line}" for line in auto] + \
+        [f"Seesaw: {line}" for line in seesaw]
     cfg = self.cfg
     self.mesh = mesh
     d = cfg.data
@@ -74,7 +78,7 @@ class Program:
     self.pipeline = Pipeline.from_config(cfg, dict(mesh.shape))
     self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed, self.pipeline)
     # One ramp per run, shared by the schedules and the loop (the batch autopilot grows it).
-    self.ramp = BatchRamp.from_config(d)
+    self.ramp = BatchRamp.from_config(d, cfg.optim, cfg.steps)
     self.tx, self.schedule = build_optimizer(
         cfg.optim, self.spec.logical_names, cfg.steps, cfg.data,
         width_multiplier=self.model_cfg.width_multiplier, ramp=self.ramp)

@@ -70,7 +70,7 @@ def log_batch_plan(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp: 
                + f" at {a.patience} measurement(s) in a row (every "
                f"{cfg.optim.noise_scale_every} steps); decided so far: "
                + ("; ".join(c.describe() for c in autopilot.changes) or "none"))
-  if not ramp.is_constant:
+  if not ramp.is_constant or ramp.cuts:
     writer.log(ramp.describe())
   for batch in dict.fromkeys(ramp.batches):
     log_hyperparameters(writer, cfg, step, batch)
