@@ -322,6 +322,8 @@ def test_batch_ramp_changes_the_micro_batches_and_the_counted_bubble(data_dir, t
     ({**GPIPE2, "pipeline.repeats": 2}, "pipeline.repeats=2 with pipeline.schedule='gpipe'"),
     ({**GPIPE2, "pipeline.schedule": "1f1b"}, "pipeline.schedule='1f1b': choose one of gpipe"),
     ({**GPIPE2, "optim.noise_scale_every": 2}, "runs the pipeline on two halves of every"),
+    ({**GPIPE2, "optim.noise_scale_every": 2, "data.batch_ramp": "8:0,16:64"},
+     "runs the pipeline on two halves of every"),
 ])
 def test_config_errors_are_one_line(overrides, needle, data_dir):
   with pytest.raises(ConfigError) as e:
