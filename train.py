@@ -15,7 +15,8 @@ Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not
 config or cannot be read, processes that cannot connect or do not agree); 3 stopped on a
 non-finite loss or a loss spike (policy "stop"; the newest checkpoint is the last good state);
 4 checkpoint storage failed (checkpoint.on_error = "stop"); 75 preempted by SIGTERM/SIGINT
-after saving a checkpoint (restart to continue).
+after saving a checkpoint (restart to continue); 130 a second Ctrl-C, which stops at once
+without saving (one line; the newest checkpoint is where a rerun resumes).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import os
 import sys
 
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def build_parser():
@@ -70,7 +72,7 @@ def main(argv: list[str]) -> int:
   from data.prepare import DataError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer import distributed  # noqa: PLC0415
-  from trainer.cli import load  # noqa: PLC0415
+  from trainer.cli import load, quiet_library_logs  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   from trainer.config_checks import validate  # noqa: PLC0415
 
@@ -81,8 +83,7 @@ def main(argv: list[str]) -> int:
     # sure they all run the same thing (a disagreement is an error here, not a hang later).
     distributed.initialize(cfg.distributed)
     import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
-    from absl import logging as absl_logging  # noqa: PLC0415
-    absl_logging.set_verbosity(absl_logging.ERROR)  # library chatter; our own lines say it all
+    quiet_library_logs()
     distributed.check_agreement(cfg, workdir)
     validate(cfg, jax.devices())
     check_workdir(workdir)
@@ -92,6 +93,10 @@ def main(argv: list[str]) -> int:
   except (ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
+  except KeyboardInterrupt:  # a second Ctrl-C (trainer/decisions.py StopSignals)
+    print("interrupted: stopped at once, without saving; rerun the command to resume from the "
+          "newest checkpoint", file=sys.stderr)
+    return EXIT_INTERRUPTED
   return result.exit_code
 
 

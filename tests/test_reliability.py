@@ -139,6 +139,18 @@ def test_preemption_signal_saves_and_exits_75(straight, tmp_path, sig):
   assert_same_tail(losses(tmp_path), straight["small"], stopped + 1)
 
 
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+  proc = start(tmp_path, 100000, "--config.checkpoint.every_steps=0")
+  wait_for_line(proc, "step 3:")
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.05)  # two signals before the handler runs would count as one
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 130, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  assert out.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
+
+
 # --- broken checkpoints ----------------------------------------------------------------------
 
 

@@ -419,8 +419,9 @@ class Checkpointer:
 # Parameters only, from another run (warm starts, fine-tuning)
 
 
-def resolve_step_dir(path: str) -> str:
-  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read."""
+def resolve_step_dir(path: str, flag: str = "checkpoint.init_from") -> str:
+  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read. `flag`: what the
+  user gave the path as (named in the error)."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     path = os.path.join(path, "checkpoints")
@@ -428,7 +429,7 @@ def resolve_step_dir(path: str) -> str:
     return path
   steps = sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
   if not steps:
-    raise CheckpointError(f"checkpoint.init_from={path!r}: no checkpoint found there "
+    raise CheckpointError(f"{flag}={path!r}: no checkpoint found there "
                           "(give a workdir, its checkpoints/ dir, or a step dir)")
   return os.path.join(path, str(steps[-1]))
 
