@@ -5,8 +5,9 @@
 Rerunning with the same --workdir resumes from its newest checkpoint. Command-line and config
 mistakes (an unknown argument or key, a wrong type, a config file that is missing, a directory,
 has a syntax error or raises in get_config(); a mesh that does not fit the devices, sizes that
-do not divide; a --workdir that is a file or cannot be written) are reported in one line with
-exit code 2, before anything is compiled.
+do not divide; a step that cannot fit a device's memory by a cheap lower bound,
+trainer/memory_bound.py; a --workdir that is a file or cannot be written) are reported in one
+line with exit code 2, before anything is compiled.
 
 Several processes (hosts) are started by running this same command on each of them: see
 trainer/distributed.py and docs/multihost.md.
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
   from trainer.cli import load, quiet_library_logs  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer import memory_bound  # noqa: PLC0415
 
   try:
     config_path, workdir, overrides = parse_args(argv)
@@ -85,7 +87,10 @@ def main(argv: list[str]) -> int:
     import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
     quiet_library_logs()
     distributed.check_agreement(cfg, workdir)
-    validate(cfg, jax.devices())
+    sizes = validate(cfg, jax.devices())
+    too_big = memory_bound.check(cfg, sizes, jax.local_devices())  # before compiling terabytes
+    if too_big:
+      raise ConfigError(too_big)
     check_workdir(workdir)
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)
