@@ -22,7 +22,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig, functional_differences, overrides_to_match
-from trainer.checkpoint import CheckpointError, load_params, resolve_step_dir
+from trainer.checkpoint import (CheckpointError, UnreadableConfig, load_params,
+                                read_saved_config, resolve_step_dir)
 from trainer.state import ModelSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -33,14 +34,13 @@ _VOCAB_FILES = ("tokenizer.json", "tokenizer.model")  # without one of these the
 def source_config(src: str, flag: str = "--checkpoint") -> tuple[str, dict]:
   """(step dir, the config saved with it) of a source; `flag`: what the user gave it as."""
   step_dir = resolve_step_dir(src, flag)
-  path = os.path.join(step_dir, "config", "metadata")
   try:
-    with open(path) as f:
-      config = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"{src}: cannot read its config ({path}: {e})") from None
+    config = read_saved_config(step_dir)
+  except UnreadableConfig as e:
+    raise CheckpointError(f"{flag}={src!r}: {e}") from None
   if "model" not in config:
-    raise CheckpointError(f"{src}: its config ({path}) has no model block")
+    raise CheckpointError(f"{flag}={src!r}: its config ({step_dir}/config/metadata) has no "
+                          "model block")
   return step_dir, config
 
 
