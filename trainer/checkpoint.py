@@ -13,7 +13,7 @@ mid-save leaves the previous checkpoints as they were and no half checkpoint und
 
 Reading is defensive. The newest checkpoint is checked against the config first (parameter
 names and shapes, optimizer kind, data layout): a mismatch is a user error and is refused with
-a message naming it. A checkpoint that cannot be read (truncated or missing files) is reported
+a message naming it. A checkpoint that cannot be read (truncated or missing files, its config's included) is reported
 in one line and the previous one is tried; unreadable ones are moved aside to
 `<workdir>/checkpoints.unreadable/` (never deleted) once an older one has been restored. If
 none can be read the run stops rather than silently starting over.
@@ -56,6 +56,36 @@ class CheckpointError(RuntimeError):
 # them), and these, which the rest of the saved state depends on. Everything else (steps, mesh,
 # learning rate, intervals, logging, ...) may change between restarts.
 MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len", "optim.diloco.replicas")
+
+
+class UnreadableConfig(ValueError):
+  """A checkpoint's `config` item is missing or is not the JSON it was written as."""
+
+
+def read_saved_config(step_dir: str) -> dict:
+  """The config saved in one checkpoint's directory; raises UnreadableConfig naming the file."""
+  path = os.path.join(step_dir, "config", "metadata")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UnreadableConfig(f"its config {path} cannot be read ({first_line(e)})") from None
+  if not isinstance(saved, dict):
+    raise UnreadableConfig(f"its config {path} holds no config")
+  return saved
+
+
+def newest_saved_config(directory: str) -> tuple[int, dict] | None:
+  """(step, config) of the newest checkpoint under `directory` whose config can be read, or
+  None (no checkpoint, or none with a readable config)."""
+  steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) \
+      if os.path.isdir(directory) else []
+  for step in steps:
+    try:
+      return step, read_saved_config(os.path.join(directory, str(step)))
+    except UnreadableConfig:
+      continue
+  return None
 
 
 def _get(tree: dict, dotted: str):
@@ -276,7 +306,10 @@ class Checkpointer:
   # Reading
 
   def saved_config(self, step: int) -> dict:
-    return self._saved_json(step, "config") or {}
+    """The config checkpoint `step` was written with; raises UnreadableConfig if it is missing
+    or damaged (the checkpoint is then as unreadable as one with a damaged state: without its
+    config nothing can check that it fits this run)."""
+    return read_saved_config(os.path.join(self.directory, str(step)))
 
   def saved_autopilot(self, step: int) -> dict | None:
     """The batch autopilot's state saved with checkpoint `step`, or None if it has none."""
@@ -296,7 +329,7 @@ class Checkpointer:
     """Raise CheckpointError if checkpoint `step` was written by an incompatible config or on
     data of another tokenizer; returns the line that says how the data order changes, if it
     does (`data.pipeline.restored_state`)."""
-    saved_config = self.saved_config(step)
+    saved_config = self.saved_config(step)  # UnreadableConfig: restore_latest falls back
     try:
       saved_tree = self.manager.item_metadata(step)["state"].tree
     except Exception:  # noqa: BLE001  unreadable metadata: the restore attempt will report it
@@ -334,11 +367,14 @@ class Checkpointer:
     unreadable = []
     for step in reversed(steps):
       before = windows_before(step) if windows_before is not None else None
-      note = self.check_compatible(step, abstract_state, config, data_spec, before)
       iterator = iter(pipeline.dataset(data_spec))
-      error = None
+      error = note = None
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
+        note = self.check_compatible(step, abstract_state, config, data_spec, before)
+      except UnreadableConfig as e:
+        error = str(e)
+      try:
+        restored = None if error else self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=DataStateRestore(iterator, data_spec, before),
         ))
@@ -383,8 +419,9 @@ class Checkpointer:
 # Parameters only, from another run (warm starts, fine-tuning)
 
 
-def resolve_step_dir(path: str) -> str:
-  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read."""
+def resolve_step_dir(path: str, flag: str = "checkpoint.init_from") -> str:
+  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read. `flag`: what the
+  user gave the path as (named in the error)."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     path = os.path.join(path, "checkpoints")
@@ -392,7 +429,7 @@ def resolve_step_dir(path: str) -> str:
     return path
   steps = sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
   if not steps:
-    raise CheckpointError(f"checkpoint.init_from={path!r}: no checkpoint found there "
+    raise CheckpointError(f"{flag}={path!r}: no checkpoint found there "
                           "(give a workdir, its checkpoints/ dir, or a step dir)")
   return os.path.join(path, str(steps[-1]))
 

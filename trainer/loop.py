@@ -68,6 +68,7 @@ from sharding.batch import assemble, process_rows
 from trainer.checkpoint import CheckpointError, Checkpointer, first_line, load_params
 from trainer.decisions import Decider, MetricsWindow, StopSignals
 from trainer.diloco import reduce_metrics
+from trainer.horizon import fix_horizon
 from trainer.inference import init_from_mismatch
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.periodic_eval import make_evaluator
@@ -119,6 +120,8 @@ class Run:
     self.workdir = os.path.abspath(workdir)
     self.is_lead = jax.process_index() == 0
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
+    # An unset schedule horizon is `steps` at the first start, kept in the checkpoints after.
+    cfg, self.horizon_note = fix_horizon(cfg, os.path.join(self.workdir, "checkpoints"))
     self.mesh = run_mesh(cfg)
     self.program = p = Program(cfg, self.mesh)
     self.cfg = cfg = p.cfg  # with the batch autopilot's defaults filled in (logged at start)
@@ -256,6 +259,8 @@ class Run:
     if resumed_at is not None:
       self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
       self.writer.write(start, {"event": "resumed"}, console=False)
+    if self.horizon_note and resumed_at is not None:
+      self.log(self.horizon_note)
     for line in self.program.defaults_filled:
       self.log(line)
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
