@@ -1,8 +1,11 @@
-"""The training loop: build everything from the config, resume if the workdir has a checkpoint,
-run the jitted step, log, evaluate, checkpoint, and stop cleanly when told to (`Run`, and
-`RunResult`, how it ended). Around the loop: `trainer/saver.py` saves checkpoints,
-`trainer/periodic_eval.py` evaluates every `eval_every` steps, `trainer/run_report.py` prints
-the opening lines and batch-size plan and times the steps.
+"""The training loop: build everything from the config, resume from the newest complete
+checkpoint of either tier (the persistent one in the workdir, the local one in
+`checkpoint.local_dir`), run the jitted step, log, evaluate, checkpoint, and stop cleanly when
+told to (`Run`, and `RunResult`, how it ended). Around the loop: `trainer/saver.py` saves
+checkpoints, `trainer/periodic_eval.py` evaluates every `eval_every` steps,
+`trainer/run_report.py` prints the opening lines and batch-size plan, times the steps and
+appends the goodput events (`python -m tools.goodput WORKDIR`), `trainer/elastic.py` says what
+the batch becomes when a restart has other devices (`data.on_resize`).
 
 The loop keeps the device busy: nothing is read back from the device between log steps, and a
 log step's metrics are read while the next step runs (`trainer/decisions.py` says when the loop
