@@ -299,7 +299,8 @@ def test_goodput_accounts_for_every_second():
   ev = lambda t, kind, **f: {"event": kind, "time": t, **f}
   events = [
       ev(100, "start", process_start=95), ev(101, "restore", seconds=0.5, step=None, tier=None),
-      ev(104, "compile", seconds=3.0), ev(106, "steps", first=1, last=5, seconds=2.0,
+      ev(104, "compile", seconds=3.0), ev(104.5, "first_step", step=1),
+      ev(106, "steps", first=1, last=5, seconds=2.0,
                                           data_wait=0.5),
       ev(107, "checkpoint", seconds=0.5, step=5, tier="local"),
       ev(109, "steps", first=6, last=10, seconds=2.0, data_wait=0.0),
@@ -320,6 +321,8 @@ def test_goodput_accounts_for_every_second():
   assert sum(s.values()) == pytest.approx(36)
   assert r["goodput"] == pytest.approx(s["productive"] / 36)
   assert [x["ended"] for x in r["starts"]] == ["killed (no stop event)", "done"]
+  assert [x["to_first_step"] for x in r["starts"]] == [9.5, None]
   text = goodput.describe(r)
   assert text.startswith("goodput 13.6% of 36.0 s wall time, 1 restart(s), up to step 12")
   assert "redone" in text and "(4 steps)" in text
+  assert "start 1: fresh; first step 9.5 s after its process started; ended: killed" in text

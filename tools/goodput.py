@@ -103,8 +103,10 @@ def account(events: list[dict], now: float | None = None) -> dict:
       "restarts": len(runs) - 1, "finished": finished, "steps_redone": redone_steps,
       "step": max((e["last"] for e in events if e["event"] == "steps"), default=0),
       "seconds": seconds,
-      "starts": [{"restored_step": restored[k], "tier": next(
-          (e["tier"] for e in run if e["event"] == "restore"), None),
+      "starts": [{"restored_step": restored[k],
+                  "tier": next((e["tier"] for e in run if e["event"] == "restore"), None),
+                  "to_first_step": next((e["time"] - begin(run) for e in run
+                                         if e["event"] == "first_step"), None),
                   "ended": stops[k].get("status") if stops[k]["event"] == "stop" else
                   "killed (no stop event)"} for k, run in enumerate(runs)],
   }
@@ -122,7 +124,10 @@ def describe(report: dict) -> str:
   for k, start in enumerate(report["starts"]):
     source = f"resumed from step {start['restored_step']} ({start['tier']} tier)" \
         if start["tier"] else "fresh"
-    lines.append(f"  start {k + 1}: {source}; ended: {start['ended']}")
+    first = start["to_first_step"]
+    lines.append(f"  start {k + 1}: {source}; "
+                 + (f"first step {first:.1f} s after its process started; " if first else "")
+                 + f"ended: {start['ended']}")
   return "\n".join(lines)
 
 

@@ -160,9 +160,10 @@ def default_config() -> ml_collections.ConfigDict:
       on_error="stop",  # a failed save: "stop" (exit 4) or "continue" (retry at the next save)
       allow_fresh_start=False,  # if no checkpoint in the workdir is readable: start over
       init_from="",  # another run's workdir / checkpoint: load its parameters (fresh runs only)
-      # The local tier (trainer/local_tier.py): a node-local directory (local SSD, /dev/shm)
-      # saved every local_every_steps steps, each process's shards plus a copy of its peer's;
-      # keeps local_keep steps. A restart takes the newest complete step of either tier.
+      # The local tier (trainer/local_tier.py): a node-local directory (local SSD, /dev/shm;
+      # its name may differ between nodes) saved every local_every_steps steps, each process's
+      # shards plus a copy of its peer's; keeps local_keep steps per process. A restart takes
+      # the newest complete step of either tier.
       local_dir="", local_every_steps=0, local_keep=2,
   ))
 
