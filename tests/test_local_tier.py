@@ -53,9 +53,9 @@ def resumed_from(stdout):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-  """The uninterrupted 12-step run (8 devices), with both tiers."""
+  """The uninterrupted 18-step run (8 devices), with both tiers."""
   workdir = tmp_path_factory.mktemp("straight")
-  train(workdir, 12, *local(tmp_path_factory.mktemp("straight_local")))
+  train(workdir, 18, *local(tmp_path_factory.mktemp("straight_local")))
   return losses(workdir)
 
 
@@ -110,67 +110,83 @@ def test_sigkill_at_three_random_moments(straight, tmp_path):
 # --- broken local copies ---------------------------------------------------------------------
 
 
-def _largest_file(directory):
-  files = [p for p in glob.glob(os.path.join(directory, "**"), recursive=True)
+def corrupt(step_dir):
+  """Truncate the largest array file of a local step's `state` item."""
+  files = [p for p in glob.glob(os.path.join(step_dir, "state", "**"), recursive=True)
            if os.path.isfile(p)]
-  return max(files, key=os.path.getsize)
+  open(max(files, key=os.path.getsize), "w").close()
 
 
 @pytest.mark.slow
-def test_a_corrupted_local_copy_falls_back_to_the_previous_step(straight, tmp_path):
-  """Truncate the newest local step's largest array file: the restart says which copy is
-  unreadable, takes the previous local step and ends on the straight run's losses."""
+def test_corrupted_local_copies_fall_back_to_the_previous_step_then_the_persistent_tier(
+    straight, tmp_path):
+  """Truncate the newest local step's largest array file: the restart names the unreadable copy
+  and takes the previous local step. Later, both local steps broken: it takes the persistent
+  step. Both end on the straight run's losses."""
   root, workdir = tmp_path / "local", tmp_path / "w"
   proc = start(workdir, 12, *local(root))
   kill_when(proc, lambda: len([s for s in local_steps(root) if s > 6]) >= 2)
   newest = local_steps(root)[-1]
-  open(_largest_file(root / "process_0" / str(newest) / "state"), "w").close()
+  corrupt(root / "process_0" / str(newest))
   done = train(workdir, 12, *local(root))
   assert f"local checkpoint {newest}: process_0/state is unreadable" in done.stdout, done.stdout
-  where, tier = resumed_from(done.stdout)
-  assert (tier, where.rsplit("/", 1)[1]) == ("local", str(newest - 1)), done.stdout
-  assert_same_tail(losses(workdir), straight, 1)
+  assert resumed_from(done.stdout) == (f"{root}/process_*/{newest - 1}", "local"), done.stdout
+  proc = start(workdir, 18, *local(root))
+  kill_when(proc, lambda: len([s for s in local_steps(root) if s > 12]) >= 2)
+  for step in local_steps(root):
+    corrupt(root / "process_0" / str(step))
+  done = train(workdir, 18, *local(root))
+  assert resumed_from(done.stdout) == (f"{workdir}/checkpoints/12", "persistent"), done.stdout
+  assert_same_tail(losses(workdir), straight, 1, last=18)
 
 
 # --- two processes ---------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dirs", ["one node", "two nodes"])
-def test_a_process_and_its_local_dir_lost(tmp_path, dirs):
+@pytest.mark.parametrize("case", ["one node, dir lost", "one node, own copy corrupted",
+                                  "two nodes, dir lost"])
+def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   """Two processes (gloo) whose parameters are sharded across them (fsdp=4 spans both), saving
-  locally every step: both are killed after step 5 and process 1's local directory is deleted.
-  On one node (a shared local_dir) process 1 reads its shards from the peer copy in process 0's
-  directory; on two nodes (a directory each, neither sees the other's) process 0 reads the peer
-  copy and sends it over the interconnect. Either way the run resumes from the local step and
-  ends on the losses of an uninterrupted two-process run, bit for bit."""
+  locally every step. Process 1 is killed once both saved step 5 locally (the launcher then
+  stops process 0, as a job whose process died is), and its local copy is lost: its directory
+  deleted, or its newest step's state truncated. On one node (one local_dir) process 1 reads its
+  shards from the peer copy in process 0's directory; on two nodes (a directory each, neither
+  sees the other's) process 0 reads the peer copy and sends it over the interconnect. Either
+  way the run resumes from the local tier and ends on the losses of an uninterrupted
+  two-process run, bit for bit."""
   args = MODEL_ARGS + ["--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2",
                        "--config.steps=8", "--config.checkpoint.every_steps=100",
                        "--config.checkpoint.local_every_steps=1"]
   root = tmp_path / "local"
-  per_process = [[f"--config.checkpoint.local_dir={root}"]] * 2 if dirs == "one node" else \
-      [[f"--config.checkpoint.local_dir={root / f'node{i}'}"] for i in range(2)]
+  node = (lambda i: root) if case.startswith("one node") else (lambda i: root / f"node{i}")
+  per_process = [[f"--config.checkpoint.local_dir={node(i)}"] for i in range(2)]
   assert_ok(launch(tmp_path / "straight", 2, args, per_process_args=[
       [f"--config.checkpoint.local_dir={tmp_path / 's' / str(i)}"] for i in range(2)]))
-  # Kill both (a job loses all its processes when one dies) once both saved step 5 locally.
-  node = lambda i: root if dirs == "one node" else root / f"node{i}"
   procs = start_processes(tmp_path / "w", 2, args, per_process)
   deadline = time.time() + 300
   while not all(5 in local_steps(node(i), i) for i in range(2)):
     assert time.time() < deadline and all(p.poll() is None for p in procs)
     time.sleep(0.01)
-  for p in procs:
+  for p in procs[::-1]:
     p.kill()
     p.wait()
-  shutil.rmtree(node(1) / "process_1")
+  if case.endswith("dir lost"):
+    shutil.rmtree(node(1) / "process_1")
+  else:
+    newest = max(set(local_steps(node(0), 0)) & set(local_steps(node(1), 1)))
+    corrupt(node(1) / "process_1" / str(newest))
   results = launch(tmp_path / "w", 2, args, per_process_args=per_process)
   assert_ok(results)
-  where, tier = resumed_from(results[0][1])
-  assert tier == "local" and int(where.rsplit("/", 1)[1]) >= 5, results[0][1]
-  if dirs == "two nodes":
-    assert "peer copies over the interconnect" in results[0][1]
+  out = results[0][1]
+  where, tier = resumed_from(out)
+  assert tier == "local" and int(where.rsplit("/", 1)[1]) >= 5, out
+  if case.startswith("two nodes"):
+    assert "peer copies over the interconnect" in out, out
   else:
-    assert "process 1: process_0/peer" in results[0][1], results[0][1]
+    assert "process 1: process_0/peer" in out, out
+  if case.endswith("corrupted"):
+    assert f"local checkpoint {newest}: process_1/state is unreadable" in out, out
   got, want = losses(tmp_path / "w"), losses(tmp_path / "straight")
   assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]
 

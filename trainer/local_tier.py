@@ -71,12 +71,10 @@ def _box(index, shape) -> tuple[tuple[int, int], ...]:
   return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
 
 
-def _boxes(array, *, everywhere: bool = False) -> list:
-  """The distinct boxes of an array's shards on this process's devices (or on all)."""
-  sharding, shape = array.sharding, array.shape
-  indices = (sharding.devices_indices_map(shape) if everywhere else
-             sharding.addressable_devices_indices_map(shape))
-  return sorted({_box(i, shape) for i in indices.values()})
+def _boxes(array) -> list:
+  """The distinct boxes of an array's shards on this process's devices."""
+  indices = array.sharding.addressable_devices_indices_map(array.shape)
+  return sorted({_box(i, array.shape) for i in indices.values()})
 
 
 def _volume(box) -> int:
@@ -300,8 +298,10 @@ class LocalTier:
       errors = [] if missing else self._read(step, plan, leaves, restored, bad)
       read |= {f"{os.path.basename(d)}/{item}" for (d, item) in plan}
       rows = self._agree({"missing": missing, "errors": errors, "read": sorted(read)})
-      for e in errors:
-        self.log(f"local checkpoint {step}: {e}; trying another copy")
+      for i, row in enumerate(rows):  # the lead process says what every process met
+        for e in row["errors"]:
+          self.log(f"local checkpoint {step}: {e}" + (f" (process {i})" if self.count > 1 else "")
+                   + "; trying another copy")
       if not any(r["missing"] or r["errors"] for r in rows):
         everyone = [f"process {i}: {', '.join(r['read'])}" for i, r in enumerate(rows)]
         return treedef.unflatten([restored[i] for i in range(len(leaves))]), \
