@@ -7,9 +7,13 @@ attention vs XLA, forward and forward + backward, causal.
     python bench/attention.py --flash-tiles 128x64/64x64,64x64/64x64 ...   # tile A/B
 
 Implementations (`--impls`):
-  flash   kernels/flash_attention.py, compiled through Triton on a GPU (interpreted elsewhere:
-          exact but slow, so CPU times say nothing about the kernel); `--flash-tiles` adds
-          variants with other tiles, BQxBK/BQBxBKB (forward query x key tile / backward ones);
+  flash   our flash kernel as `model.attention=flash` picks it here (models/attention.py's
+          `choose_impl`): on a Hopper GPU, for 16-bit q/k/v and head dims a multiple of 64,
+          the Mosaic GPU kernel (kernels/flash_mosaic.py), else the Triton one;
+  flash_triton  kernels/flash_attention.py, compiled through Triton on a GPU (interpreted
+          elsewhere: exact but slow, so CPU times say nothing about the kernel);
+          `--flash-tiles` adds variants of it with other tiles, BQxBK/BQBxBKB (forward query x
+          key tile / backward ones);
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (models/attention.py's
           `cudnn_attention`: packed documents as a mask, which cuDNN adds as a bias); GPU only,
           bf16/fp16, head dim <= 128 -- elsewhere skipped, and the reason printed;
@@ -17,9 +21,12 @@ Implementations (`--impls`):
 Cases: every combination of `--seq`, `--head-dim`, `--kv-heads` (= `--heads`: MHA; fewer:
 GQA) and packing (`--packed`: none, one document per row; docs, rows of packed documents of
 random lengths, at least 64 tokens each), with `--tokens` tokens per call (batch = tokens /
-seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against XLA's
-in fp32 at the highest matmul precision (not a GPU's TF32 or a TPU's bf16 passes): the largest
-error relative to the largest output is printed; over 5e-2 in bf16/fp16 or 1e-3 in fp32 the
+seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against an
+fp32 reference at the highest matmul precision (not a GPU's TF32 or a TPU's bf16 passes) on a
+slice: the last CHECK_ROWS queries of the first sequence, which attend to every key before them
+(so the reference at S8192 D128 is a [H, 256, 8192] score block, not [B, H, 8192, 8192]: a
+fraction of a second where the whole reference took minutes); the largest error relative to
+the largest output is printed; over 5e-2 in bf16/fp16 or 1e-3 in fp32 the
 implementation is reported WRONG and not timed (one that fails to compile, e.g. for its tiles,
 is reported with the error); then it is timed: jitted, two warm-up calls, then
 `--reps` timings of `--calls` calls launched back to back (so launch gaps do not count); the
@@ -42,7 +49,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-IMPLS = ("flash", "cudnn", "xla")
+IMPLS = ("flash", "flash_triton", "cudnn", "xla")
+CHECK_ROWS = 256  # queries of the first sequence each implementation is checked on (the last)
 
 
 def build_parser():
@@ -94,7 +102,7 @@ def parse(argv):
       (bq, bk), (bqb, bkb) = (map(int, fwd.split("x")), map(int, bwd.split("x")))
     except ValueError:
       p.error(f"--flash-tiles {spec!r}: expected BQxBK/BQBxBKB, e.g. 128x64/64x64")
-    args.variants[f"flash {spec}"] = (bq, bk, bqb, bkb)
+    args.variants[f"flash_triton {spec}"] = (bq, bk, bqb, bkb)
   return args
 
 
@@ -111,12 +119,20 @@ def segment_ids(batch: int, seq: int, seed: int):
   return ids
 
 
-def implementation(name: str, tiles):
+def implementation(name: str, tiles, dtype=None, head_dim: int | None = None):
   """(fn(q, k, v, seg) -> out, None) or (None, why it cannot run here)."""
   import jax  # noqa: PLC0415
 
-  from kernels import BlockSizes, flash_attention  # noqa: PLC0415
-  from models.attention import cudnn_attention, xla_attention  # noqa: PLC0415
+  from kernels import BlockSizes, flash_attention, flash_attention_mosaic  # noqa: PLC0415
+  from models.attention import choose_impl, cudnn_attention, xla_attention  # noqa: PLC0415
+  if name == "flash":  # our kernel as the model picks it on this device
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    chosen = choose_impl("flash", platform=jax.default_backend(), dtype=dtype,
+                         head_dim=head_dim,
+                         gpu_capability=float(capability) if capability else None)
+    if chosen == "flash_mosaic":
+      return (lambda q, k, v, seg: flash_attention_mosaic(q, k, v, causal=True,
+                                                          segment_ids=seg)), None
   if name == "xla":
     return (lambda q, k, v, seg: xla_attention(q, k, v, segment_ids=seg, causal=True)), None
   if name == "cudnn":
@@ -128,13 +144,37 @@ def implementation(name: str, tiles):
                                                block_sizes=blocks)), None
 
 
-def fp32_reference(q, k, v, seg):
-  """XLA's attention of fp32 inputs at the highest matmul precision: by default a GPU runs fp32
-  dots in TF32 and a TPU in bf16 passes, which would make the reference as coarse as what it
-  checks."""
+def check_rows(seq: int) -> slice:
+  """The query rows the reference is computed for: the last CHECK_ROWS (all when fewer)."""
+  return slice(max(seq - CHECK_ROWS, 0), seq)
+
+
+def attend_rows(q, k, v, seg, rows: slice):
+  """Causal softmax attention of queries `rows` of q [1, S, H, D] against keys [0, rows.stop),
+  with segment ids [1, S] or None: plain jnp at the precision in force, in fp32."""
   import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  H, K = q.shape[2], k.shape[2]
+  q = q[:, rows] * q.shape[3] ** -0.5
+  k, v = (jnp.repeat(x[:, :rows.stop], H // K, axis=2) for x in (k, v))
+  scores = jnp.einsum("bshd,bthd->bhst", q, k)
+  mask = jnp.arange(rows.start, rows.stop)[:, None] >= jnp.arange(rows.stop)[None, :]
+  if seg is not None:
+    mask = mask & (seg[:, rows, None] == seg[:, None, :rows.stop])[:, None]
+  probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+  return jnp.einsum("bhst,bthd->bshd", probs, v)
+
+
+def fp32_reference(q, k, v, seg):
+  """The fp32 reference on the checked rows of the first sequence (`check_rows`), at the
+  highest matmul precision: by default a GPU runs fp32 dots in TF32 and a TPU in bf16 passes,
+  which would make the reference as coarse as what it checks."""
+  import jax  # noqa: PLC0415
+  rows = check_rows(q.shape[1])
+  first = lambda x: None if x is None else x[:1]
   with jax.default_matmul_precision("highest"):  # read when the function is traced, below
-    return jax.jit(implementation("xla", None)[0])(q, k, v, seg)
+    return jax.jit(lambda q, k, v, seg: attend_rows(q, k, v, seg, rows))(
+        first(q), first(k), first(v), first(seg))
 
 
 def time_calls(fn, args, reps: int, calls: int) -> float:
@@ -159,8 +199,8 @@ def _check_and_time(fn, inputs, reference, args) -> dict:
   import jax.numpy as jnp  # noqa: PLC0415
   q, k, v, seg, do = inputs
   fwd = jax.jit(fn)
-  err = float(jnp.max(jnp.abs(fwd(q, k, v, seg).astype(jnp.float32) - reference))
-              / jnp.max(jnp.abs(reference)))
+  checked = fwd(q, k, v, seg)[:1, check_rows(q.shape[1])].astype(jnp.float32)
+  err = float(jnp.max(jnp.abs(checked - reference)) / jnp.max(jnp.abs(reference)))
   if not err <= (5e-2 if q.dtype.itemsize == 2 else 1e-3):  # NaN too
     return {"skip": f"WRONG: output off the fp32 reference by {err:.1e} (max, relative to the "
                     "largest); not timed"}
@@ -192,7 +232,7 @@ def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
   out = {}
   for name, tiles in args.variants.items():
     base = name.split()[0]
-    fn, why = implementation(base, tiles)
+    fn, why = implementation(base, tiles, dtype, head_dim)
     if fn is not None and base == "cudnn" and not cudnn_applies(dtype, head_dim, seq):
       fn, why = None, f"cuDNN takes bf16/fp16 and head dims <= 128, not {dtype.name} {head_dim}"
     if fn is None:

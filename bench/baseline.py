@@ -28,7 +28,10 @@ sys.path.insert(0, ROOT)
 
 def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
   """(params, opt_state, step) of the baseline: jit + optax, no framework; `hp` are the run's
-  derived AdamW hyperparameters (`optim.derive`), so both steps do the same arithmetic."""
+  derived AdamW hyperparameters (`optim.derive`), so both steps do the same arithmetic.
+  `step(params, opt_state, inputs, targets, segment_ids=None)`: with segment ids [B, S] the
+  model keeps packed documents apart as ours does (the same attention masks; `Plain`'s
+  `documents`), without them it is the plainest causal step."""
   import jax  # noqa: PLC0415
   import optax  # noqa: PLC0415
   from flax import nnx  # noqa: PLC0415
@@ -41,14 +44,14 @@ def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
                    optax.adamw(hp.learning_rate, b1=b1, b2=hp.b2,
                                weight_decay=hp.weight_decay))
 
-  def loss_fn(params, inputs, targets):
+  def loss_fn(params, inputs, targets, segment_ids):
     model = nnx.merge(graphdef, params)
-    logits = model(inputs)
+    logits = model(inputs, None, segment_ids)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, inputs, targets):
-    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
+  def step(params, opt_state, inputs, targets, segment_ids=None):
+    loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets, segment_ids)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -67,7 +70,9 @@ SIZES = {
 
 # Issue 25's shapes (bench/peers.py's table; step_profile and variants take them too): GPT-2
 # small at two lengths and a ~1B model, GPT-2's padded vocabulary, bf16 over fp32 parameters,
-# attention auto and remat dots (the issue's best setting); `tiny` for CPUs.
+# attention auto and remat dots (the issue's best setting); `tiny` for CPUs. Every matmul width
+# is a multiple of 128: the ~1B model's SwiGLU is 5632 wide (issue 25 ran 8/3 d = 5461, which
+# cost XLA 35% on an H200; trainer/config_checks.py warns about such widths on GPUs).
 _ISSUE = dict(vocab_size=50_304, dtype="bfloat16", param_dtype="float32", attention="auto",
               remat="dots", scan_unroll=1)
 SHAPES = {
@@ -75,7 +80,7 @@ SHAPES = {
                        seq_len=1024, model=_ISSUE),
     "d768-s2048": dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, batch=16,
                        seq_len=2048, model=_ISSUE),
-    "d2048-s2048": dict(d_model=2048, num_layers=16, num_heads=16, mlp_dim=5461, batch=4,
+    "d2048-s2048": dict(d_model=2048, num_layers=16, num_heads=16, mlp_dim=5632, batch=4,
                         seq_len=2048, model=_ISSUE),
     "tiny": dict(d_model=64, num_layers=2, num_heads=4, mlp_dim=128, batch=4, seq_len=64,
                  model=dict(vocab_size=512, scan_unroll=1)),
@@ -141,10 +146,14 @@ class Ours:
 
 
 class Plain:
-  """The baseline step (`plain_step`) on the same model, optimizer settings and tokens."""
+  """The baseline step (`plain_step`) on the same model, optimizer settings and tokens.
+  `documents`: the step also takes the batch's segment ids (one document per row, as `Ours`
+  is fed), so the model masks attention as ours does: the plain step doing ours' model work,
+  against which what our step itself adds is measured (bench/peers.py's `plain-docs`)."""
 
-  def __init__(self, cfg, model_cfg):
+  def __init__(self, cfg, model_cfg, documents: bool = False):
     import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
 
     from optim import derive  # noqa: PLC0415
     hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
@@ -152,13 +161,19 @@ class Plain:
         model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm, cfg.seed)
     tokens = random_tokens(cfg, model_cfg.vocab_size)
     self.inputs, self.targets = jax.device_put(tokens[:, :-1]), jax.device_put(tokens[:, 1:])
+    self.segment_ids = (jax.device_put(np.ones(tokens[:, 1:].shape, np.int32)) if documents
+                        else None)
     self.loss = None
+
+  def args(self) -> tuple:
+    """The step's arguments after the state: tokens, and segment ids with `documents`."""
+    return (self.inputs, self.targets) + ((self.segment_ids,) if self.segment_ids is not None
+                                          else ())
 
   def __call__(self, n: int) -> float:
     t = time.perf_counter()
     for _ in range(n):
-      self.params, self.opt_state, loss = self.step(self.params, self.opt_state, self.inputs,
-                                                    self.targets)
+      self.params, self.opt_state, loss = self.step(self.params, self.opt_state, *self.args())
     self.loss = float(loss)
     return (time.perf_counter() - t) / n
 

@@ -1,36 +1,42 @@
-"""Our train step, the plain jit+optax step and nanodo's, compiled ahead of time for one TPU chip.
+"""Our train step against the plain jit + optax step (and nanodo's), compiled ahead of time for
+one chip, and what ours does that the plain step does not, kernel by kernel.
 
     python bench/compiled.py [--nanodo_dir DIR] [--size 3m,25m] [--topology v5e:1x1]
         [--dtypes bfloat16] [--attention xla,auto] [--config.a.b=v ...]
+    python bench/compiled.py --topology h100:1 --size d768-s1024,d768-s2048,d2048-s2048 \
+        --attention auto                                        # issue 34: the GPU programs
 
-No TPU is needed: libtpu's compiler builds each program for one compile-only chip of
-`--topology` (`tools.targets.make_target`), as `tools.aot` does. Per matched model (SIZES of
-bench/baseline.py) and compute dtype (`--dtypes`: our `model.dtype`, and the same `dtype` field
-of nanodo's config; parameters, optimizer state, norms, softmax and the loss are fp32 in all
-three) it compiles:
+No TPU or GPU is needed: the programs are compiled for one compile-only chip of `--topology`
+(`tools.targets.make_target`: libtpu's compiler for a TPU topology, jax's CUDA plugin for
+`h100:1`), as `tools.aot` does. Per model (`--size`: bench/baseline.py's matched SIZES, or its
+issue SHAPES) and compute dtype (`--dtypes`: our `model.dtype` and nanodo's `dtype`;
+parameters, optimizer state, norms, softmax and the loss are fp32 in all of them) it compiles,
+for each `--attention` value A:
 
-  * ours: the step `train.py` runs (`trainer.program.Program`, through `tools.aot.compile_report`),
-    once per `--attention` (`xla`: the einsum attention the other two also run; `auto`: what
-    training picks on TPU, splash attention, a Mosaic kernel);
-  * plain: bench/baseline.py's `plain_step` (jit + optax.adamw, the same Transformer module);
-  * nanodo: bench/nanodo.py's `Nanodo` (google-deepmind/nanodo's own model, optimizer, loss,
-    metrics and train step) when `--nanodo_dir` is a nanodo checkout; otherwise one line says
-    why it is skipped.
+  * ours (A): the step `train.py` runs (`trainer.program.Program`, through `tools.aot`);
+  * plain+docs (A): bench/baseline.py's `plain_step` on the same model, fed the same segment ids
+    (one document per row, as ours is fed): the same model work as ours, so what ours adds
+    beyond it is our step's own (metrics, guard, token-weighted loss, donation);
+  * plain (A): the plainest step, no segment ids: causal attention only, as issue 25's table ran
+    it; plain+docs against it is what keeping packed documents apart costs;
+  * nanodo: bench/nanodo.py's `Nanodo` (google-deepmind/nanodo's own model, optimizer, loss and
+    step) when `--nanodo_dir` is a nanodo checkout, with attention xla; else a line says why not.
 
-For each it prints XLA's cost analysis of the compiled program (FLOPs and bytes accessed per
-step), its memory (arguments, outputs not aliased to donated inputs, temporaries), the roofline
-lower bound on the step time (`tools.roofline.Roofline`: the model's FLOPs at the chip's bf16
-peak vs the bytes accessed at its HBM bandwidth; all three models have the same FLOPs per token
-to 0.05%, so they share the compute term and differ by their bytes), and ours/plain and
-ours/nanodo ratios. Each kind of row ends with a markdown table for docs/performance.md.
+For each it prints the FLOPs and bytes of a step, its memory (arguments, outputs not aliased to
+donated inputs, temporaries), its kernel launches per step, and the roofline bound on the step
+time (`tools.roofline.Roofline`: the model's FLOPs at the chip's bf16 peak vs the bytes at its
+HBM bandwidth). The FLOPs and bytes are XLA's cost analysis where the compiler gives one (TPU),
+else counted from the optimized HLO (`tools/hlo.py`: every loop trip counted, matmul FLOPs only;
+jax 0.10.2 gives no cost analysis for a GPU program compiled without a GPU). Then, per A, the
+kernel diff (`tools.hlo.diff`): the kernels ours launches that plain+docs does not (and the other
+way round), and those plain+docs launches that plain does not, each with its bytes, FLOPs and
+its time at the chip's rates (a roofline per kernel, no launch cost).
 
-Fairness: XLA's cost analysis counts the body of a while loop once. Our layers are a scan, so
-ours and plain (the same module) are compiled with `model.scan_unroll = num_layers`: the scan is
-fully unrolled and no layer is in a loop (nanodo's layers are a Python loop). The `loops` column
-counts the while loops in each lowered program, so a count that still hides work shows. XLA
-does not count the FLOPs inside a Pallas kernel (splash attention) at all, and counts a kernel's
-bytes as its operands and results: the `auto` row's FLOPs are low by the attention's, its bytes
-are those of the kernel's inputs and outputs rather than of the softmax it keeps on chip.
+Fairness: XLA's cost analysis counts the body of a while loop once, so on a TPU ours and plain
+(the same module) are compiled with `model.scan_unroll = num_layers` and the `loops` column
+counts the while loops left; on a GPU the programs are compiled as configured (the HLO count
+weighs each loop body by its trips). XLA counts neither the FLOPs inside a Pallas kernel (splash
+or flash attention) nor, in the HLO count, those of elementwise work.
 """
 from __future__ import annotations
 
@@ -44,24 +50,27 @@ import sys  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench import baseline  # noqa: E402  (SIZES, load_sized, plain_step)
+from bench import baseline  # noqa: E402  (SIZES, SHAPES, load_sized, plain_step)
 from bench import nanodo as nanodo_bench  # noqa: E402
 
 MiB = 2**20
+DIFF_LINES = 12  # kernels listed per side of a diff (the costliest), the rest summed
 
 
 @dataclasses.dataclass
 class Row:
-  """One compiled step: XLA's cost analysis and memory analysis, and its roofline."""
+  """One compiled step: its costs and memory, its roofline, and its kernels."""
   name: str
-  flops: float | None  # XLA's cost analysis, per step
-  bytes: float | None  # XLA's "bytes accessed", per step
+  flops: float | None  # per step: XLA's cost analysis, or the HLO count (`counted`)
+  bytes: float | None  # per step, likewise
   argument_bytes: int
   output_bytes: int  # outputs not aliased to donated inputs
   temp_bytes: int
-  loops: int  # while loops in the lowered program (their bodies are counted once)
+  loops: int  # while loops in the lowered program
   roofline: object  # tools.roofline.Roofline
+  kernels: list  # tools.hlo.Kernel, every launch of the step
   kernel_calls: int = 0
+  counted: bool = False  # costs counted from the HLO (no cost analysis from the compiler)
 
   def cells(self) -> list[str]:
     r = self.roofline
@@ -69,13 +78,14 @@ class Row:
             f"{self.bytes / 1e9:,.4g}" if self.bytes else "?",
             f"{self.argument_bytes / MiB:,.1f}", f"{self.output_bytes / MiB:,.1f}",
             f"{self.temp_bytes / MiB:,.1f}", str(self.loops),
+            str(sum(k.trips for k in self.kernels)),
             f"{r.seconds * 1e3:,.3f}" if r.seconds else "?",
             ("memory" if r.seconds > r.compute_seconds else "compute") if r.seconds else "?",
             f"{r.mfu:.0%}" if r.mfu else "?"]
 
 
-HEADER = ["step", "XLA GFLOPs", "GB accessed", "args MiB", "out MiB", "temp MiB", "loops",
-          "roofline ms", "bound", "MFU <="]
+HEADER = ["step", "GFLOPs", "GB accessed", "args MiB", "out MiB", "temp MiB", "loops",
+          "launches", "roofline ms", "bound", "MFU <="]
 
 
 def one_chip(topology: str):
@@ -94,61 +104,77 @@ def _abstract(tree, device):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def compiled_row(name: str, lowered, target, ours_report) -> Row:
-  """Compile `lowered` for the target and read its costs, as tools.aot reads ours."""
+def _row(name: str, compiled, loops: int, target, ours_report, kernel_calls: int = 0,
+         remat_bound: float = 1.0) -> Row:
+  """A compiled step's costs: XLA's cost analysis where given, else counted from its HLO."""
   from tools import aot  # noqa: PLC0415
+  from tools.hlo import Module  # noqa: PLC0415
   from tools.roofline import Roofline  # noqa: PLC0415
-  with aot.no_persistent_cache():  # target executables stay out of the cache
-    costs = aot.compiled_costs(lowered.compile())
-  # The same model FLOPs as ours (nanodo's GELU MLP of 4 d has SwiGLU's of 2/3 x 4 d to 0.05%),
-  # no rematerialisation (plain: our model_cfg, remat "none"; nanodo: remat False), no kernels.
+  costs = aot.compiled_costs(compiled)
+  kernels = Module(compiled.as_text()).kernels()
+  counted = not costs.xla_bytes
+  flops = sum(k.total_flops for k in kernels) if counted else costs.xla_flops or None
+  nbytes = sum(k.bytes for k in kernels) if counted else costs.xla_bytes
   roofline = Roofline(device_kind=target.kind, chips=1, model_flops=ours_report.model_flops,
-                      tokens_per_step=ours_report.tokens_per_step, remat_mfu_bound=1.0,
+                      tokens_per_step=ours_report.tokens_per_step, remat_mfu_bound=remat_bound,
                       peak_flops=target.peak_flops, hbm_bandwidth=target.hbm_bandwidth,
-                      xla_flops=costs.xla_flops or None, xla_bytes=costs.xla_bytes)
-  return Row(name, costs.xla_flops or None, costs.xla_bytes, costs.argument_bytes,
-             costs.output_bytes, costs.temp_bytes, aot.while_loops(lowered), roofline)
+                      xla_flops=flops, xla_bytes=nbytes)
+  return Row(name, flops, nbytes, costs.argument_bytes, costs.output_bytes, costs.temp_bytes,
+             loops, roofline, kernels, kernel_calls, counted)
 
 
 def ours_row(cfg, target, label: str) -> tuple[Row, object]:
   """Our step through tools.aot's compile (the one `train.py` runs), and its report."""
   from tools import aot  # noqa: PLC0415
   report = aot.compile_report(cfg, target, label)
-  name = f"ours ({report.attention})"
-  return Row(name, report.xla_flops, report.xla_bytes, report.argument_bytes,
-             report.output_bytes, report.temp_bytes, report.loops, report.roofline,
-             report.kernel_calls), report
+  row = _row(f"ours ({report.attention})", report.compiled, report.loops, target, report,
+             report.kernel_calls, report.remat_mfu_bound)
+  return row, report
 
 
-def plain_row(cfg, target, ours_report) -> Row:
-  """bench/baseline.py's plain jit + optax step on our model (attention xla), for the target."""
+def plain_row(cfg, target, ours_report, *, documents: bool) -> Row:
+  """bench/baseline.py's plain jit + optax step on our model (`documents`: fed the segment ids
+  ours is fed), compiled for the target."""
   import jax  # noqa: PLC0415
 
   from models.llama import ModelConfig  # noqa: PLC0415
   from sharding.mesh import make_mesh  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415
+  from models.attention import resolve_impl  # noqa: PLC0415
   # its state and tokens made on this machine's CPU; only their shapes go to the target
-  plain = baseline.Plain(cfg, ModelConfig.from_config(cfg.model))
-  args = _abstract((plain.params, plain.opt_state, plain.inputs, plain.targets),
-                   target.devices[0])
+  plain_model = ModelConfig.from_config(cfg.model)
+  plain = baseline.Plain(cfg, plain_model, documents=documents)
+  args = _abstract((plain.params, plain.opt_state, *plain.args()), target.devices[0])
   # traced under the target's one-device mesh, as on that machine: the model's choices by
-  # platform (models/rope.py's tables) see the target's, not this CPU's
+  # platform (attention, RoPE tables) see the target's, not this CPU's
   with jax.set_mesh(make_mesh(cfg.mesh, target.devices[:1])):
     lowered = plain.step.lower(*args)
-  return compiled_row("plain", lowered, target, ours_report)
+    # the attention it runs: `auto` chooses by whether there are segment ids
+    attention = resolve_impl(cfg.model.attention, dtype=cfg.model.dtype,
+                             head_dim=plain_model.dim_per_head, seq_len=cfg.data.seq_len,
+                             segments=documents)
+  with aot.no_persistent_cache():  # target executables stay out of the cache
+    compiled = lowered.compile()
+  name = f"plain{'+docs' if documents else ''} ({attention})"
+  return _row(name, compiled, aot.while_loops(lowered), target, ours_report,
+              remat_bound=ours_report.remat_mfu_bound)
 
 
 def nanodo_row(cfg, target, ours_report) -> Row:
   """bench/nanodo.py's nanodo step (nanodo's model in `model.dtype`), for the target."""
   from models.llama import ModelConfig  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415
   # nanodo's own state, initialised on this machine's CPU; only its shapes go to the target
   theirs = nanodo_bench.Nanodo(cfg, ModelConfig.from_config(cfg.model).vocab_size)
-  args = _abstract((theirs.state, theirs.tokens), target.devices[0])
-  return compiled_row("nanodo", theirs.step.lower(*args), target, ours_report)
+  lowered = theirs.step.lower(*_abstract((theirs.state, theirs.tokens), target.devices[0]))
+  with aot.no_persistent_cache():
+    compiled = lowered.compile()
+  return _row("nanodo", compiled, aot.while_loops(lowered), target, ours_report)
 
 
 def ratios(ours: Row, other: Row) -> str:
-  """ours/other of XLA's FLOPs, bytes accessed and the roofline bound (below 1: ours does less),
-  and the throughput ratio that bound allows (above 1: ours can be faster)."""
+  """ours/other of FLOPs, bytes and the roofline bound (below 1: ours does less), and the
+  throughput ratio that bound allows (above 1: ours can be faster)."""
   f = lambda a, b: f"{a / b:.3f}" if a and b else "?"
   bound, other_bound = ours.roofline.seconds, other.roofline.seconds
   return (f"{ours.name}/{other.name}: FLOPs {f(ours.flops, other.flops)}, bytes accessed "
@@ -161,46 +187,86 @@ def table(rows: list[Row]) -> list[str]:
   return out + ["| " + " | ".join(row.cells()) + " |" for row in rows]
 
 
+def kernel_diff(a: Row, b: Row, target, title: str) -> list[str]:
+  """The kernels `a` launches that `b` does not and the other way round (`tools.hlo.diff`),
+  the costliest first, with their bytes, FLOPs and time at the chip's rates."""
+  from tools.hlo import diff  # noqa: PLC0415
+  peak, bandwidth = target.peak_flops, target.hbm_bandwidth
+  out = [f"  {a.name} vs {b.name}: {title}"]
+  sides = diff(a.kernels, b.kernels)
+  for name, kernels in zip((a.name, b.name), sides):
+    seconds = lambda k: k.seconds(peak, bandwidth)
+    kernels = sorted(kernels, key=seconds, reverse=True)
+    total = sum(map(seconds, kernels))
+    out.append(f"    only in {name}: {sum(k.trips for k in kernels)} launches, "
+               f"{sum(k.bytes for k in kernels) / 1e6:,.1f} MB, "
+               f"{sum(k.total_flops for k in kernels) / 1e9:,.1f} GFLOP, {total * 1e6:,.1f} us "
+               f"at the roofline ({total / a.roofline.seconds:.2%} of {a.name}'s bound)"
+               if a.roofline.seconds else "")
+    for k in kernels[:DIFF_LINES]:
+      out.append(f"      {seconds(k) * 1e6:9.1f} us  x{k.trips:<3} {k.bytes / 1e6:10.1f} MB "
+                 f"{k.total_flops / 1e9:8.1f} GF  {k.describe()}")
+    if len(kernels) > DIFF_LINES:
+      rest = kernels[DIFF_LINES:]
+      out.append(f"      ... and {len(rest)} more ({sum(map(seconds, rest)) * 1e6:,.1f} us, "
+                 f"{sum(k.bytes for k in rest) / 1e6:,.2f} MB)")
+  net = lambda f: sum(map(f, sides[0])) - sum(map(f, sides[1]))
+  launches = net(lambda k: k.trips)
+  out.append(f"    net: {a.name} {launches:+d} launches, {net(lambda k: k.bytes) / 1e6:+,.1f} MB, "
+             f"{net(lambda k: k.seconds(peak, bandwidth)) * 1e6:+,.1f} us at the roofline")
+  return out
+
+
 def compare(label: str, cfg, target, *, dtype: str, attentions: list[str],
             nanodo_skip: str | None) -> list[str]:
-  """The rows and ratios of one matched model in one compute dtype (printed as they come)."""
+  """The rows, ratios and kernel diffs of one model in one compute dtype (printed as they
+  come)."""
   from tools.targets import first_line  # noqa: PLC0415
   base = cfg.copy_and_resolve_references()
-  base.model.update(dtype=dtype, scan_unroll=base.model.num_layers)
+  base.model.dtype = dtype
+  if target.platform == "tpu":  # XLA's cost analysis: no layer in a loop (module docstring)
+    base.model.scan_unroll = base.model.num_layers
   lines = [f"\n{label} in {dtype}: {baseline.describe(base).rsplit(', attention', 1)[0]}; "
            f"model.dtype={dtype} (nanodo dtype={dtype}), params fp32"]
   print(lines[0], flush=True)
-  ours, report = [], None
+  rows, groups, report = [], [], None
   for attention in attentions:
     run = base.copy_and_resolve_references()
     run.model.attention = attention
     try:
-      row, rep = ours_row(run, target, label)
+      ours, rep = ours_row(run, target, label)
     except Exception as e:  # noqa: BLE001  e.g. a kernel that does not lower: say so
       lines.append(f"  ours (attention={attention}) does not compile for {target.name}: "
                    f"{first_line(e)}")
       print(lines[-1], flush=True)
       continue
-    ours.append(row)
     report = report or rep
+    docs = plain_row(run, target, rep, documents=True)
+    plain = plain_row(run, target, rep, documents=False)
+    rows += [ours, docs, plain]
+    groups.append((ours, docs, plain))
   if report is None:
     return lines
-  base.model.attention = "xla"
-  others = [plain_row(base, target, report)]
   if nanodo_skip:
     lines.append(f"  nanodo: skipped ({nanodo_skip})")
   else:
     try:
-      others.append(nanodo_row(base, target, report))
+      xla = base.copy_and_resolve_references()
+      xla.model.attention = "xla"
+      rows.append(nanodo_row(xla, target, report))
     except Exception as e:  # noqa: BLE001
       lines.append(f"  nanodo's step does not compile for {target.name}: {first_line(e)}")
-  lines += ["  " + x for x in table(ours + others)]
-  for row in ours:
-    lines += ["  " + ratios(row, other) for other in others]
-  for row in ours:
-    if row.kernel_calls:
-      lines.append(f"  {row.name}: {row.kernel_calls} Pallas kernel calls, whose FLOPs XLA does "
-                   "not count and whose bytes are their operands and results")
+  lines += ["  " + x for x in table(rows)]
+  for ours, docs, plain in groups:
+    lines += ["  " + ratios(ours, docs), "  " + ratios(ours, plain)]
+    if rows[-1].name == "nanodo" and ours.name == "ours (xla)":
+      lines.append("  " + ratios(ours, rows[-1]))
+  for ours, docs, plain in groups:
+    lines += kernel_diff(ours, docs, target, "what our step adds to the same model work")
+    lines += kernel_diff(docs, plain, target, "what keeping packed documents apart costs")
+    if ours.kernel_calls:
+      lines.append(f"  {ours.name}: {ours.kernel_calls} Pallas kernel calls, whose FLOPs XLA "
+                   "does not count and whose bytes are their operands and results")
   print("\n".join(lines[1:]), flush=True)
   return lines
 
@@ -211,15 +277,19 @@ def build_parser():
   parser.add_argument("--nanodo_dir", default="", metavar="DIR",
                       help="a checkout of github.com/google-deepmind/nanodo (else no nanodo row)")
   parser.add_argument("--topology", default="v5e:1x1",
-                      help="TPU topology whose first chip the programs are compiled for")
+                      help="TPU topology whose first chip the programs are compiled for, or "
+                      "h100:1 (jax's CUDA plugin)")
   parser.add_argument("--dtypes", default="bfloat16",
                       help="compute dtypes (model.dtype, nanodo's dtype), comma-separated: "
                       "bfloat16 (default), float32 (each dtype is as many compiles again)")
   parser.add_argument("--attention", default="xla,auto",
-                      help="our model.attention values, one row each (plain and nanodo: xla)")
-  baseline.add_size_args(parser, "matched models to compile, of " + ", ".join(baseline.SIZES)
-                         + " (default both), or none")
+                      help="model.attention values, ours and the plain steps each (nanodo: xla)")
+  baseline.add_size_args(parser, "models to compile, of " + ", ".join(SIZES)
+                         + " (default 3m,25m), or none")
   return parser
+
+
+SIZES = {**baseline.SIZES, **baseline.SHAPES}  # the matched models and issue 25's shapes
 
 
 def main(argv=None) -> int:
@@ -227,7 +297,7 @@ def main(argv=None) -> int:
   from trainer.config import ConfigError  # noqa: PLC0415
   from tools.targets import AotError  # noqa: PLC0415
   try:  # a mistake in the command line, the config or the topology: one line, exit 2
-    args, configs = baseline.load_sized(build_parser(), argv)
+    args, configs = baseline.load_sized(build_parser(), argv, sizes=SIZES)
     dtypes = args.dtypes.split(",")
     for dtype in dtypes:
       if dtype not in DTYPES:
@@ -239,11 +309,16 @@ def main(argv=None) -> int:
   except (ConfigError, AotError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  compiler = "libtpu" if target.platform == "tpu" else "jax's CUDA plugin"
   print(f"target     {target.name}: 1 x {target.kind}, {target.peak_flops / 1e12:.0f} TFLOP/s "
-        f"bf16, {target.hbm_bandwidth / 1e9:.0f} GB/s HBM; compile only (libtpu)")
-  print("layers     ours and plain with model.scan_unroll = num_layers (no loop: XLA's cost "
-        "analysis counts a loop body once); nanodo's are a Python loop; `loops` = while loops "
-        "left in the lowered program (0: every op counted; a 1-layer scan is a loop of one trip)")
+        f"bf16, {target.hbm_bandwidth / 1e9:.0f} GB/s HBM; compile only ({compiler})")
+  if target.platform == "tpu":
+    print("layers     ours and plain with model.scan_unroll = num_layers (no loop: XLA's cost "
+          "analysis counts a loop body once); nanodo's are a Python loop; `loops` = while loops "
+          "left in the lowered program (0: every op counted)")
+  else:
+    print("costs      counted from the optimized HLO (tools/hlo.py: matmul FLOPs, every loop "
+          "trip; no cost analysis for a program compiled without its GPU)")
   for label, cfg in configs:
     for dtype in dtypes:
       compare(label, cfg, target, dtype=dtype, attentions=args.attention.split(","),

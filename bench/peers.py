@@ -8,7 +8,11 @@ and optimizer settings, with one MFU formula.
 
 Runners (`--runners`, comma-separated, in this order of columns; ours always runs):
   nanodo  google-deepmind/nanodo's step (bench/nanodo.py; only with --nanodo_dir);
-  plain   the plainest jit + optax step on our model (bench/baseline.py's `Plain`);
+  plain   the plainest jit + optax step on our model (bench/baseline.py's `Plain`): causal
+          attention, no segment ids;
+  plain-docs  the same step fed the segment ids ours is fed (`Plain(documents=True)`): ours'
+          model work, so ours/plain-docs is what our step itself costs and plain-docs/plain
+          what keeping packed documents apart costs (issue 34);
   ours    the compiled step train.py runs (bench/baseline.py's `Ours`);
   torch   Hugging Face LlamaForCausalLM + torch.compile, SDPA attention, bf16 autocast over fp32
           parameters, clip_grad_norm_ 1, fused AdamW (bench/torch_peer.py; the `hf` extra).
@@ -43,7 +47,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax st
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline, nanodo, torch_peer  # noqa: E402
 
-RUNNERS = ("nanodo", "plain", "ours", "torch")
+RUNNERS = ("nanodo", "plain", "plain-docs", "ours", "torch")
 
 
 def build_parser():
@@ -95,8 +99,8 @@ def make_runners(names, cfg, args) -> dict:
   for name in names:
     if name == "ours":
       out[name] = ours
-    elif name == "plain":
-      out[name] = baseline.Plain(cfg, model_cfg)
+    elif name in ("plain", "plain-docs"):
+      out[name] = baseline.Plain(cfg, model_cfg, documents=name == "plain-docs")
     elif name == "torch":
       out[name] = torch_peer.Torch(
           cfg, model_cfg, baseline.random_tokens(cfg, model_cfg.vocab_size),
@@ -146,7 +150,7 @@ def main(argv=None):
       med = statistics.median(ts)
       tps = tokens / med
       row[name] = (tps, tps * fpt / peak)
-      print(f"  {name:<6} {med * 1e3:9.1f} ms/step {tps:>12,.0f} tokens/s  MFU "
+      print(f"  {name:<10} {med * 1e3:9.1f} ms/step {tps:>12,.0f} tokens/s  MFU "
             f"{tps * fpt / peak:6.1%}  loss {runners[name].loss:.3f}  (rounds: "
             f"{', '.join(f'{t * 1e3:.0f}' for t in ts)} ms)")
     for other in (n for n in names if n != "ours"):

@@ -7,19 +7,26 @@
 Compiles the step train.py runs (bench/baseline.py's `Ours`, one device, the matched sizes by
 default), runs two warm-up steps, then traces `--steps` steps with `jax.profiler` (a Perfetto
 trace in a temporary directory) and adds up the time of each compiled kernel (XLA's thunks on
-CPU, its fused ops elsewhere), sorted into kinds of work from the optimized HLO: matmuls inside
-the layers (projections and MLP) and of attention (the batched ones over heads), the
-attention's softmax and mask, the layers' other elementwise work, the copies and zero-fills of
-the layer scan's stacked residuals, the LM head, embedding and loss, and everything after the
-gradient (optimizer, clipping, guard, norms, metrics). The kinds come from each kernel's
-`op_name` (forward or backward, inside the layer loop or not) and whether it contains a dot:
-a heuristic, good to a few percent. Times are summed over threads (the cores' work), per
-step; the runtime's own events (thread-pool waits, loops as a whole) are left out. On a GPU or
-TPU only the device's own tracks count (its kernels, named by their HLO instruction or carrying
-it as `hlo_op`), not the host threads that launch them; the kernel time no HLO instruction
-claims is printed as "unattributed". `--size` also takes issue 25's shapes (bench/baseline.py's
-SHAPES); `--keep DIR` keeps each traced Perfetto file as DIR/<size>.perfetto.json.gz and the
-optimized HLO of the step as DIR/<size>.hlo.txt.gz.
+CPU, its kernels on the device elsewhere), sorted into kinds of work from the optimized HLO
+(read by `tools/hlo.py`): matmuls inside the layers (projections and MLP) and of attention (the
+batched ones over heads), fused attention kernels (flash, cuDNN), the attention's softmax and
+mask, the layers' other elementwise work, the copies and zero-fills of the layer scan's stacked
+residuals, the LM head, embedding and loss, and everything after the gradient (optimizer,
+clipping, guard, norms, metrics). The kinds come from each kernel's `op_name` (forward or
+backward, inside the layer loop or not) and what it computes: a heuristic, good to a few
+percent. Times are summed over threads (the cores' work), per step; the runtime's own events
+(thread-pool waits, loops as a whole) are left out.
+
+On a GPU only the device's own tracks count (not the host threads that launch kernels, nor
+the "XLA Modules" spans that contain them; the "XLA Ops" track when the trace has one, else the
+streams' kernels). A kernel is named by the HLO instruction it runs (`device_kind`): the
+`hlo_op` (or any other) argument of its event, else its name, which XLA derives from the
+instruction (loop_add_fusion.3 runs as loop_add_fusion_3); library kernels that carry neither
+(cuBLAS, cuDNN, a Pallas kernel) are sorted by their names (GEMM_KERNELS, ATTENTION_KERNELS).
+What is left is printed as "unattributed", with its largest kernel names, so that a rule can be
+added. `--size` also takes issue 25's shapes (bench/baseline.py's SHAPES); `--keep DIR` keeps
+each traced Perfetto file as DIR/<size>.perfetto.json.gz and the optimized HLO of the step as
+DIR/<size>.hlo.txt.gz (the raw trace and program to attribute again by hand).
 """
 from __future__ import annotations
 
@@ -37,66 +44,59 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench import baseline  # noqa: E402
 
 from models.attention import CAUSAL_BLOCK  # noqa: E402
+from tools.hlo import Module  # noqa: E402
 
 KINDS = ("layer matmuls (q, k, v, o, MLP)", "attention matmuls (QK^T, PV)",
          "attention softmax and mask", "layer elementwise (norms, RoPE, SwiGLU, residuals)",
          "scan: stacked residuals (zero-fill, copies)", "LM head matmul",
-         "embedding, cross-entropy", "after the gradient (optimizer, clip, guard, norms)")
+         "embedding, cross-entropy", "after the gradient (optimizer, clip, guard, norms)",
+         "attention kernels (flash, cuDNN: fused)")
+UNATTRIBUTED = "unattributed"
 CONTAINERS = ("while", "conditional", "call")  # their events span the kernels they run
+# Kernels of libraries, by name, when the trace does not say which instruction launched them.
+GEMM_KERNELS = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|hmma", re.I)
+ATTENTION_KERNELS = re.compile(r"fmha|sdpa|flash|attention|cudnn", re.I)
 
 
-class Hlo:
-  """The instructions of an optimized HLO module's text: name -> (shape, opcode, line)."""
-
-  def __init__(self, text: str):
-    self.computations, self.inst, current = {}, {}, None
-    for line in text.splitlines():
-      m = re.match(r"^(?:ENTRY )?%(\S+) .*\{$", line)
-      if m:
-        current = self.computations.setdefault(m.group(1), [])
-        continue
-      if current is not None:
-        current.append(line)
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\(", line)
-        if m:
-          self.inst[m.group(1)] = (m.group(2), m.group(3), line)
-
-  def dots(self, name: str, depth: int = 0) -> list[str]:
-    """The dot instructions of `name` and of the computations it calls (fusion bodies)."""
-    line = self.inst[name][2]
-    found = [line] if self.inst[name][1] == "dot" else []
-    for called in re.findall(r"calls=%([\w.\-]+)", line) if depth < 3 else []:
-      for body_line in self.computations.get(called, []):
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = ", body_line)
-        if m and m.group(1) in self.inst and m.group(1) != name:
-          found += self.dots(m.group(1), depth + 1)
-    return found
-
-  def kind(self, name: str, seq_len: int) -> str | None:
-    """The kind of work of kernel `name`; None for loops and calls (their events contain
-    their kernels') and for what is not a kernel of this program."""
-    if name not in self.inst or self.inst[name][1] in CONTAINERS:
-      return None
-    shape, opcode, line = self.inst[name]
-    op_name = (re.search(r'op_name="([^"]*)"', line) or [None, ""])[1]
-    dims = [int(d) for d in re.findall(r"\d+", shape.split("{")[0])]
-    # [..., S, S] scores, or a causal query block's [..., c, (i + 1) c] (models/attention.py)
-    square = (len(dims) >= 4 and dims[-2] in (seq_len, CAUSAL_BLOCK) and dims[-1] <= seq_len
-              and dims[-1] % dims[-2] == 0)
-    if name.startswith("wrapped_broadcast") or (opcode == "copy" and len(dims) >= 4):
+def kind(module: Module, name: str, seq_len: int) -> str | None:
+  """The kind of work of instruction `name` of `module`; None for loops and calls (their
+  events contain their kernels') and for what is not an instruction of the program."""
+  inst = module.lookup(name)
+  if inst is None or inst.opcode in CONTAINERS:
+    return None
+  op_name = inst.op_name
+  dims = [int(d) for d in re.findall(r"\d+", inst.shape.split("{")[0])]
+  # [..., S, S] scores, or a causal query block's [..., c, (i + 1) c] (models/attention.py)
+  square = (len(dims) >= 4 and dims[-2] in (seq_len, CAUSAL_BLOCK) and dims[-1] <= seq_len
+            and dims[-1] % dims[-2] == 0)
+  if inst.name.startswith("wrapped_broadcast") or (inst.opcode == "copy" and len(dims) >= 4):
+    return KINDS[4]
+  if "jvp" not in op_name and "while" not in op_name and "closed_call" not in op_name:
+    return KINDS[7]
+  if inst.opcode == "custom-call" and ATTENTION_KERNELS.search(
+      f"{inst.custom_call_target} {op_name}") and "dot_general" not in op_name:
+    return KINDS[8]  # a Pallas (Triton, Mosaic) or cuDNN attention kernel
+  dots = _dots(module, inst)
+  if "while/body" in op_name or "closed_call" in op_name:  # the layers, scanned or unrolled
+    if dots:
+      return KINDS[1] if square or any("lhs_batch_dims" in d for d in dots) else KINDS[0]
+    if square or "softmax" in op_name:
+      return KINDS[2]
+    if "dynamic-update-slice" in inst.name or "dynamic_update_slice" in inst.name:
       return KINDS[4]
-    if "jvp" not in op_name and "while" not in op_name and "closed_call" not in op_name:
-      return KINDS[7]
-    dots = self.dots(name)
-    if "while/body" in op_name or "closed_call" in op_name:  # the layers, scanned or unrolled
-      if dots:
-        return KINDS[1] if square or any("lhs_batch_dims" in d for d in dots) else KINDS[0]
-      if square or "softmax" in op_name:
-        return KINDS[2]
-      if "dynamic-update-slice" in name:
-        return KINDS[4]
-      return KINDS[3]
-    return KINDS[5] if dots else KINDS[6]
+    return KINDS[3]
+  return KINDS[5] if dots else KINDS[6]
+
+
+def _dots(module: Module, inst, depth: int = 0) -> list[str]:
+  """The dot instructions of `inst` and of the computations it calls (fusion bodies), and a
+  GEMM custom call's own line."""
+  found = [inst.line] if inst.opcode == "dot" or "gemm" in inst.custom_call_target else []
+  for called in inst.called if depth < 3 else []:
+    for body in module.computations.get(called, []):
+      if body.name != inst.name:
+        found += _dots(module, body, depth + 1)
+  return found
 
 
 def device_pids(events) -> set:
@@ -105,15 +105,66 @@ def device_pids(events) -> set:
           and re.search(r"/device:(GPU|TPU)", str(e.get("args", {}).get("name", "")))}
 
 
-def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float]:
-  """(seconds per step of each kind, wall seconds per step) of `steps` traced steps of `run`
-  (an `Ours`), after two warm-up steps; `keep`: a path stem to copy the Perfetto trace to
-  (KEEP.perfetto.json.gz) and to write the optimized HLO to (KEEP.hlo.txt.gz)."""
+def _thread_names(events) -> dict:
+  return {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", "")) for e in events
+          if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+def device_kind(module: Module, event: dict, seq_len: int) -> str:
+  """The kind of a device kernel's event: by the instruction its arguments or its name give,
+  else (a library's kernel) by its name, else UNATTRIBUTED."""
+  args = event.get("args", {}) or {}
+  names = [args.get("hlo_op"), *(v for k, v in args.items() if k != "hlo_op"), event["name"]]
+  for name in names:
+    if isinstance(name, str) and module.lookup(name.split(":")[0].strip()) is not None:
+      found = kind(module, name.split(":")[0].strip(), seq_len)
+      if found is not None:
+        return found
+  if ATTENTION_KERNELS.search(event["name"]):
+    return KINDS[8]
+  if GEMM_KERNELS.search(event["name"]):
+    return KINDS[0]
+  return UNATTRIBUTED
+
+
+def attribute(events, module: Module, seq_len: int, steps: int) -> tuple[dict, dict]:
+  """(seconds per step of each kind, seconds per step of each unattributed kernel name) of a
+  trace's complete events (module docstring: which events count where)."""
+  devices = device_pids(events)
+  threads = _thread_names(events)
+  ops_tracks = {key for key, name in threads.items() if key[0] in devices and name == "XLA Ops"}
+  totals, unnamed = collections.Counter(), collections.Counter()
+  for e in events:  # complete events of compiled kernels (not the runtime's or Python's)
+    if e.get("ph") != "X":
+      continue
+    seconds = e["dur"] * 1e-6 / steps
+    if not devices:  # a CPU: XLA's thunks on the host's threads
+      found = kind(module, e.get("args", {}).get("hlo_op") or e["name"], seq_len)
+      if found is not None:
+        totals[found] += seconds
+      continue
+    track = (e.get("pid"), e.get("tid"))
+    if e.get("pid") not in devices or "XLA Modules" in threads.get(track, ""):
+      continue
+    if ops_tracks and track not in ops_tracks:
+      continue
+    found = device_kind(module, e, seq_len)
+    totals[found] += seconds
+    if found == UNATTRIBUTED:
+      unnamed[e["name"]] += seconds
+  return dict(totals), dict(unnamed)
+
+
+def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float, dict]:
+  """(seconds per step of each kind, wall seconds per step, unattributed kernels' seconds per
+  step by name) of `steps` traced steps of `run` (an `Ours`), after two warm-up steps; `keep`:
+  a path stem to copy the Perfetto trace to (KEEP.perfetto.json.gz) and to write the optimized
+  HLO to (KEEP.hlo.txt.gz)."""
   import time  # noqa: PLC0415
 
   import jax  # noqa: PLC0415
   text = run.step.as_text()
-  hlo = Hlo(text)
+  module = Module(text)
   if keep:
     with gzip.open(keep + ".hlo.txt.gz", "wt") as f:
       f.write(text)
@@ -129,22 +180,23 @@ def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float]:
     with gzip.open(path) as f:
       trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  seq_len = run.batch["inputs"].shape[-1]
-  devices = device_pids(events)
-  totals = collections.Counter()
-  for e in events:  # complete events of compiled kernels (not the runtime's or Python's)
-    if e.get("ph") != "X" or (devices and e.get("pid") not in devices):
-      continue
-    name = e.get("args", {}).get("hlo_op") or e["name"]
-    kind = hlo.kind(name, seq_len)
-    if kind is None and devices and name not in hlo.inst:
-      kind = "unattributed"
-    if kind is not None:
-      totals[kind] += e["dur"] * 1e-6 / steps
-  return dict(totals), wall
+  totals, unnamed = attribute(events, module, run.batch["inputs"].shape[-1], steps)
+  return totals, wall, unnamed
 
 
 PROFILED = {**baseline.SIZES, **baseline.SHAPES}  # the matched models and issue 25's shapes
+
+
+def table(totals: dict, unnamed: dict) -> list[str]:
+  """The markdown table of the kinds, most time first, and the largest unattributed kernels."""
+  total = sum(totals.values())
+  out = [f"{total * 1e3:.1f} ms/step of kernel time over all threads",
+         "| work | ms/step | share |", "|---|---|---|"]
+  out += [f"| {k} | {totals[k] * 1e3:.1f} | {totals[k] / total:.1%} |"
+          for k in sorted(totals, key=totals.get, reverse=True)]
+  for name in sorted(unnamed, key=unnamed.get, reverse=True)[:5]:
+    out.append(f"  unattributed: {unnamed[name] * 1e3:.2f} ms/step in {name[:100]}")
+  return out
 
 
 def build_parser():
@@ -173,13 +225,9 @@ def main(argv=None):
     if args.keep:
       os.makedirs(args.keep, exist_ok=True)
       keep = os.path.join(args.keep, os.path.basename(label).removesuffix(".py"))
-    totals, wall = profile(baseline.Ours(cfg), args.steps, keep)
-    total = sum(totals.values())
-    print(f"\n{label}: {baseline.describe(cfg)}; {wall * 1e3:.0f} ms/step wall, "
-          f"{total * 1e3:.0f} ms/step of kernel time over all threads")
-    print("| work | ms/step | share |\n|---|---|---|")
-    for kind in sorted(totals, key=totals.get, reverse=True):
-      print(f"| {kind} | {totals[kind] * 1e3:.0f} | {totals[kind] / total:.1%} |")
+    totals, wall, unnamed = profile(baseline.Ours(cfg), args.steps, keep)
+    print(f"\n{label}: {baseline.describe(cfg)}; {wall * 1e3:.0f} ms/step wall")
+    print("\n".join(table(totals, unnamed)))
   return 0
 
 

@@ -1,5 +1,5 @@
-"""Tiny Llama on the embedded stdlib corpus: the default run, 33 s on 2 idle CPU cores from
-empty caches (README, "Measured numbers").
+"""Tiny Llama on the embedded stdlib corpus: the default run (its time and losses: README,
+"Measured numbers").
 
     python train.py --config configs/lm_tiny.py --workdir runs/tiny
 

@@ -274,9 +274,7 @@ def restored_state(saved: list[dict], spec: StreamSpec, windows_before: int | No
   new_tok = {s["tokenizer"] for s in now["sources"]}
   if old_tok != new_tok:
     raise DataError(f"the checkpoint was trained on data tokenized by {', '.join(old_tok)}; "
-                    f"this run's data uses {', '.join(new_tok)}: token ids would mean other "
-                    "text. Resume on data prepared with the same tokenizer, or start a new "
-                    "run (checkpoint.init_from to keep the parameters)")
+                    f"this run's data uses {', '.join(new_tok)}, whose token ids mean other text")
   changes = [f"{key} {old[key]} -> {now[key]}" for key in ("seed",) if old[key] != now[key]]
   describe = lambda info: ", ".join(f"{s['name']} ({s['documents']} documents, {s['tokens']:,} "
                                     f"tokens, weight {s['weight']:.3g})" for s in info)

@@ -27,8 +27,8 @@ inside the grid, else that edge (marked as such).
 
 DiLoCo needs M devices: on a CPU the run uses `--devices` (4) host devices of the one CPU (set
 before jax starts; they share its cores), and data parallelism runs on the same 4-device mesh.
-Measured runtime: 22 minutes on 2 CPU cores shared with other jobs (50 trainings of 8,192
-sequences; the compilation cache warm from a short trial run).
+Measured runtime: 52 minutes on 2 CPU cores busy with other jobs (load average ~20; 50
+trainings of 8,192 sequences).
 Outputs: OUT.csv (one row per arm and batch, with the arm's optimal batch), OUT.png (final loss
 vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism).
 Deterministic on a given machine.

@@ -3,7 +3,7 @@ learning rate its batch-size rule derives; and each at the small reference batch
 
     python -m experiments.large_batch_optimizers [--batch 256] [--reference_batch 16] \\
         [--examples 32768] [--out docs/large_batch_optimizers]
-        # the defaults: 998 s on this project's 2-core CPU machine (cores shared), for 8
+        # the defaults: 21 min on this project's 2-core CPU machine (cores busy), for 8
         # trainings of 32,768 sequences (docs/muon.md)
 
 The claim (You et al. 2017, LARS; You et al. 2019, LAMB): layer-wise trust ratios keep large

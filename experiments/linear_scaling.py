@@ -26,7 +26,7 @@ is marked diverged; its last finite evaluation is kept (the trainer's default
 `nonfinite_policy=skip` skips non-finite updates). Arms that coincide (both
 warmup arms at the reference batch) run once.
 
-Measured runtime: 13 minutes on 2 CPU cores shared with other jobs (17 trainings of 16,384
+Measured runtime: 18 minutes on 2 CPU cores busy with other jobs (17 trainings of 16,384
 sequences).
 Outputs: OUT.csv (one row per arm and batch), OUT.png (final loss vs batch for the three arms;
 the learning rate each used). Deterministic on a given machine.

@@ -27,8 +27,8 @@ the embedded corpus), schedules in tokens, warmup 256 sequences, all decays to 0
            branch equals, loss for loss, a from-scratch run of its config.
 Scored by the final validation loss on 256 sequences (the last evaluation of each run).
 
-Measured runtime: 10.4 minutes on 2 CPU cores shared with other jobs (8 trainings, 7,374 steps
-at batch 16 in all: cosine, power, the stable phase in 4 legs, 4 decays).
+Measured runtime: 14 minutes on 2 CPU cores busy with other jobs (8 trainings, 7,374 steps at
+batch 16 in all: cosine, power, the stable phase in 4 legs, 4 decays).
 Outputs: OUT.csv (one row per run), OUT.png (eval loss vs tokens of every run; final loss vs
 tokens of the WSD branches beside cosine and power at T). Deterministic on a given machine.
 """

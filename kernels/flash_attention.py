@@ -19,9 +19,11 @@ powers of two are zero-padded here, and padded keys are masked by index inside t
 The kernel is written for the GPU (Triton) lowering: power-of-two tiles of at least 16, refs
 read with `pl.ds` slices, loops as `lax.fori_loop` with bounds that skip fully masked tiles.
 On CPU it runs with `interpret=True` (the default there); on TPU the model's dispatcher uses
-jax's splash attention instead (`kernels/splash.py`). It has been compiled for GPUs but not yet
-run on one, so the model uses it only when asked by name (`model.attention=flash`; `auto` on
-GPU is cuDNN's or XLA's attention, models/attention.py).
+jax's splash attention instead (`kernels/splash.py`). It ran on an H200 in issue 25's GPU
+session (the GPU tier's checks against an fp32 reference passed). jax deprecates Pallas' Triton
+backend: the Mosaic GPU kernel (kernels/flash_mosaic.py) is `model.attention=flash` on Hopper,
+and this one `flash_triton` (what `auto` picks on GPU for packed documents until the Mosaic
+kernel has been timed; models/attention.py), kept as long as jax keeps the backend.
 
 Two levels of API:
   * `flash_attention(q, k, v, ...)`: differentiable (`jax.custom_vjp`), optionally also

@@ -3,23 +3,41 @@
   xla     softmax attention in plain XLA ops (`xla_attention`), held to
           `jax.nn.dot_product_attention`, the reference every implementation is tested against;
           materialises the [S, S] scores (memory O(S^2)).
-  flash   our Pallas flash-attention kernel (kernels/flash_attention.py); on TPU jax's splash
-          attention instead (the kernel is written for the GPU/Triton lowering; elsewhere it
-          runs interpreted, exact but slow).
+  flash   our Pallas flash-attention kernel: on a Hopper GPU (and an ahead-of-time H100
+          target) the Mosaic GPU kernel (kernels/flash_mosaic.py: wgmma, TMA; 16-bit q/k/v,
+          head dims a multiple of 64), else the Triton one (kernels/flash_attention.py; any
+          dtype and head dim; elsewhere interpreted, exact but slow); on TPU jax's splash
+          attention instead.
+  flash_triton  the Triton kernel by name (jax deprecates Pallas' Triton backend: kept as long
+          as jax keeps it; what `auto` picks for packed documents on GPU until the Mosaic kernel
+          has been timed on one).
   splash  jax's TPU splash attention (kernels/splash.py); interpreted off-TPU.
   ring    ring attention over the mesh's `sequence` axis (sharding/ring_attention.py), O(S/N)
           memory per device, its blocks in jnp (XLA) on every platform; with no sequence axis
           (> 1) to ring over it falls back to `auto`.
-  auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU cuDNN's fused
-          flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) where it
-          applies, else xla (`choose_impl` decides, from the platform, dtype and shapes).
+  cudnn   cuDNN's fused flash attention on GPU (`cudnn_attention`; packed documents as a
+          [B, 1, S, S] bias), by name (what `auto` picks without segment ids); xla elsewhere.
+  auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU: with packed
+          documents (segment ids, what training feeds) our Triton flash kernel (the one timed
+          in a train step), without them cuDNN's fused flash attention
+          (`jax.nn.dot_product_attention(implementation="cudnn")`) where it applies, else xla
+          (`choose_impl` decides, from the platform, dtype, shapes and whether there are
+          segment ids).
 
-Why `auto` never picks our Pallas kernel on GPU: it has been compiled for GPUs (Triton lowering
-in tests/test_flash_attention.py, H100 compiles in bench/attention_memory.py) but never *run*
-on one; every numerical check runs it interpreted on CPU. Until a GPU run has checked it against
-the reference, the GPU default is a path jax and NVIDIA run in production: cuDNN's fused
-attention where its constraints hold, otherwise XLA's attention. The constraints (jax 0.10.2,
-`jax/_src/cudnn/fused_attention_stablehlo.py`, and jax's own cuDNN attention tests):
+Why packed documents go to our kernel on GPU: cuDNN (through jax 0.10.2) keeps documents apart
+only with a [B, 1, S, S] bias built from the segment ids in every layer (and rebuilt in the
+backward pass under remat), read by its forward and backward and differentiated (a [B, 1, S, S]
+bias gradient written per layer, then dropped); our kernel reads the [B, S] ids and skips the
+tiles no query of a block may see. Issue 34's GPU run (H200, d768 L12 1024 x 32): the train step
+with our kernel took 0.975x the time of the step with cuDNN and the bias; and the compiled H100
+program shows what the bias costs (`bench/compiled.py --topology h100:1`, docs/performance.md).
+jax's cuDNN path has a packed layout (segment offsets) too, but it checks the local GPU when
+traced (so it cannot be compiled ahead of time here) and, in jax 0.10.2, offsets keys of
+grouped-query attention by the query heads' stride (jax-ml/jax#39521). The Triton kernel has
+run on a GPU (issue 25's GPU tier: its numerical checks against an fp32 reference passed); the
+Mosaic GPU one has run in Pallas' interpreter and compiled for an H100, not yet run on a GPU.
+The cuDNN constraints (jax
+0.10.2, `jax/_src/cudnn/fused_attention_stablehlo.py`, and jax's own cuDNN attention tests):
   * an Ampere or newer GPU (compute capability >= 8.0: not Colab's T4 or a V100), CUDA 12 (the
     `gpu` extra; jax's tests skip cuDNN attention on CUDA 13);
   * q/k/v fp16 or bf16, never fp32;
@@ -27,8 +45,9 @@ attention where its constraints hold, otherwise XLA's attention. The constraints
     so 128 is what an ahead-of-time compile may rely on);
   * grouped-query heads are supported; packed documents only as a mask, which cuDNN adds as a
     [B, 1, S, S] bias, and in training with a bias both lengths must be even.
-`flash` stays available by name (and as ring attention's blocks, by name, see
-sharding/ring_attention.py).
+`flash` and `flash_triton` are available by name everywhere (the Triton kernel also as ring
+attention's blocks, see sharding/ring_attention.py); `auto` picks `flash_triton` on GPU for
+packed documents at head dims up to FLASH_MAX_HEAD_DIM (the sizes the GPU tier checks).
 
 Packed documents are kept apart by segment ids: a query attends only to keys of its own segment
 (and, when causal, not to later tokens; causality is by token index, not by position).
@@ -49,16 +68,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from kernels import flash_attention
+from kernels import flash_attention, flash_mosaic
 from kernels.splash import splash_attention
 from sharding.mesh import mesh_platform
 from sharding.ring_attention import ring_attention
 from sharding.zigzag import split_axes
 from sharding.rules import BATCH_AXES
 
-IMPLS = ("xla", "flash", "splash", "ring", "auto")
+IMPLS = ("xla", "flash", "flash_triton", "splash", "ring", "cudnn", "auto")
 CUDNN_DTYPES = ("float16", "bfloat16")
 CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper+, but jax checks that on the local GPU (see above)
+FLASH_MAX_HEAD_DIM = 128  # the largest head dim `auto` gives our kernel (checked on a GPU)
 
 
 def segment_mask(segment_ids_q, segment_ids_kv=None):
@@ -168,12 +188,13 @@ def cudnn_applies(dtype, head_dim: int, seq_len: int | None = None) -> bool:
 
 def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
                 head_dim: int | None = None, seq_len: int | None = None,
-                gpu_capability: float | None = None) -> str:
+                gpu_capability: float | None = None, segments: bool = False) -> str:
   """The implementation `impl` stands for on `platform` ("cpu", "gpu", "tpu") with a mesh
-  `sequence` axis of that size, for q/k/v of `dtype` and `head_dim` (the one place the choice
-  is made; see the module docstring for why GPU's default is cudnn or xla, not flash).
+  `sequence` axis of that size, for q/k/v of `dtype` and `head_dim`, with (`segments`) or
+  without packed documents' segment ids (the one place the choice is made; the module
+  docstring says why GPU's default is flash for packed documents, else cudnn or xla).
   gpu_capability: the GPU's compute capability when known (None: an ahead-of-time target,
-  assumed recent); cuDNN's flash attention needs >= 8.0. Without
+  assumed recent); cuDNN's flash attention and our kernel's `auto` need >= 8.0. Without
   dtype and head_dim (not known yet), `auto` on GPU is "cudnn" when the caller cannot tell:
   `attention` decides again with the real arrays."""
   if impl not in IMPLS:
@@ -187,21 +208,30 @@ def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
         return "xla"
       if dtype is None or head_dim is None:
         return "cudnn"
+      if segments and head_dim <= FLASH_MAX_HEAD_DIM:
+        return "flash_triton"
       return "cudnn" if cudnn_applies(dtype, head_dim, seq_len) else "xla"
     return {"tpu": "splash"}.get(platform, "xla")
-  if impl == "flash" and platform == "tpu":
+  if impl in ("flash", "flash_triton") and platform == "tpu":
     return "splash"
+  if impl == "flash":
+    hopper = platform == "gpu" and (gpu_capability is None or gpu_capability >= 9.0)
+    fits = dtype is None or head_dim is None or flash_mosaic.supports(head_dim, dtype)
+    return "flash_mosaic" if hopper and fits else "flash_triton"
+  if impl == "cudnn" and platform != "gpu":
+    return "xla"
   return impl
 
 
 def resolve_impl(impl: str, mesh=None, *, dtype=None, head_dim: int | None = None,
-                 seq_len: int | None = None) -> str:
-  """The implementation `impl` stands for under `mesh` (default: the current mesh)."""
+                 seq_len: int | None = None, segments: bool = False) -> str:
+  """The implementation `impl` stands for under `mesh` (default: the current mesh), with or
+  without packed documents' segment ids (`segments`; training batches carry them)."""
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   sequence = 1 if mesh.empty else mesh.shape.get("sequence", 1)
   platform = mesh_platform(mesh)
   return choose_impl(impl, platform=platform, sequence=sequence, dtype=dtype,
-                     head_dim=head_dim, seq_len=seq_len,
+                     head_dim=head_dim, seq_len=seq_len, segments=segments,
                      gpu_capability=_gpu_capability(mesh) if platform == "gpu" else None)
 
 
@@ -245,7 +275,8 @@ def layer_segments(segment_ids_BS, impl: str, *, dtype, head_dim: int, causal: b
   for all layers; the kernels (flash, splash, cuDNN, ring) take the ids themselves."""
   if segment_ids_BS is None:
     return None
-  impl = resolve_impl(impl, dtype=dtype, head_dim=head_dim, seq_len=segment_ids_BS.shape[1])
+  impl = resolve_impl(impl, dtype=dtype, head_dim=head_dim, seq_len=segment_ids_BS.shape[1],
+                      segments=True)
   return xla_masks(segment_ids_BS, causal=causal) if impl == "xla" else segment_ids_BS
 
 
@@ -260,7 +291,7 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   `head_chunks` (ignored by the others)."""
   mesh = jax.sharding.get_abstract_mesh()
   impl = resolve_impl(impl, mesh, dtype=q_BSHD.dtype, head_dim=q_BSHD.shape[3],
-                      seq_len=q_BSHD.shape[1])
+                      seq_len=q_BSHD.shape[1], segments=segment_ids is not None)
   if layout != "contiguous" and not (impl == "ring" and causal):
     raise ValueError(f"attention layout {layout!r} is only meaningful for causal ring "
                      f"attention, not {impl!r}")
@@ -275,11 +306,14 @@ def attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True, impl="xl
   if impl == "cudnn":
     def kernel(q, k, v, seg):
       return cudnn_attention(q, k, v, segment_ids=seg, causal=causal)
-  elif impl == "flash":
+  elif impl == "flash_triton":
     interpret = mesh_platform(mesh) != "gpu"  # the target's platform, also when compiling AOT
 
     def kernel(q, k, v, seg):
       return flash_attention(q, k, v, causal=causal, segment_ids=seg, interpret=interpret)
+  elif impl == "flash_mosaic":
+    def kernel(q, k, v, seg):
+      return flash_mosaic.flash_attention_mosaic(q, k, v, causal=causal, segment_ids=seg)
   else:
     interpret = mesh_platform(mesh) != "tpu"
 

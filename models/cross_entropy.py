@@ -3,12 +3,27 @@
 With a real vocabulary the logits dominate activation memory: Llama 3's V = 128,256 makes the
 fp32 logits of one 8k-token sequence 4 GiB, and the backward pass holds their gradient too.
 `chunked_cross_entropy` runs the head and the loss one chunk of sequence positions at a time
-inside a `lax.scan`: a chunk's logits [B, c, V] are formed, reduced to their log-sum-exp and the
-target's logit, and dropped. The chunk function is `jax.checkpoint`ed, so the backward pass
-recomputes each chunk's logits rather than keeping them: forward and backward hold one chunk's
-logits at a time (and the head's gradient accumulates across chunks in the scan). The result is
-the same sum as the full loss, up to fp32 rounding, at the price of one more head matmul in the
-backward pass.
+inside a `lax.scan`: a chunk's logits [B, c, V] are formed, used and dropped, so forward and
+backward hold one chunk's logits at a time.
+
+The backward is computed in the same pass (a `jax.custom_vjp`). The loss is a sum, so its
+gradient with respect to a chunk's logits is g (softmax - onehot) x mask for the scalar
+cotangent g the caller's backward brings; the forward rule computes, per chunk and with g = 1,
+the logits, their log-sum-exp, the loss and that gradient, and contracts the gradient at once
+into the chunk's dX = dlogits head^T and into the head's gradient sum dW += X^T dlogits. The
+backward rule only scales the saved dX and dW by g. So a step runs the head's three matmuls
+once each, as the unchunked loss does (forward, dX, dW), and no chunk's logits are recomputed:
+chunking costs the one-time passes of a scan, not a fourth head matmul (issue 34: the earlier
+rematerialising version cost 12-13% of a d768 step on an H200). Without differentiation (an
+evaluation) only the loss is computed. Residuals: dX in x's dtype, dW in fp32 (the head's
+gradient, alive through the backward pass as the unchunked loss's is) and each token's loss
+(the mask's cotangent).
+
+Exactness. In fp32 the loss and both gradients equal the unchunked loss's to fp32 rounding
+(summation order: dW sums its tokens chunk by chunk). With bf16 compute (`dtype`) each chunk's
+dX is the unchunked dX's rows (the same mixed fp32 x bf16 matmul, rounded to x's dtype once),
+and dW is summed in fp32 across chunks where autodiff of the unchunked loss rounds the whole
+product to bf16: closer to the exact gradient (`tests/test_cross_entropy.py`).
 
 Chunks are strided: with n chunks, chunk k holds positions k, k + n, k + 2n, ... of every
 sequence. Splitting [B, S, E] as [B, S/n, n, E] keeps the leading (possibly `sequence`-sharded)
@@ -16,27 +31,44 @@ part of the sequence axis where it was, so every device keeps its own tokens wha
 the sequence; the scan runs over the unsharded n axis.
 
 The target logit is taken with a one-hot contraction rather than a gather, which stays local
-when the vocabulary is split over `tensor` (vocab-parallel head, Megatron-style). Compiled on
-CPU, forward + backward hold about three chunk-sized [B, c, V] fp32 buffers (the logits, their
-gradient and the one-hot) where the full loss holds two full-size ones (`tests/test_cross_entropy.py`
-measures it).
+when the vocabulary is split over `tensor` (vocab-parallel head, Megatron-style); so is the
+gradient's one-hot subtraction.
 """
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from sharding.rules import constrain
 
+_LOGITS = ("act_batch", "act_seq", "act_vocab")
 
-def _chunk_loss(x_BcE, head_EV, targets_Bc, mask_Bc, dtype):
+
+def _logits(x_BcE, head_EV, dtype):
   logits_BcV = jnp.einsum("bce,ev->bcv", x_BcE.astype(dtype), head_EV.astype(dtype),
                           preferred_element_type=jnp.float32)
-  logits_BcV = constrain(logits_BcV, ("act_batch", "act_seq", "act_vocab"))
+  return constrain(logits_BcV, _LOGITS)
+
+
+def _token_losses(logits_BcV, targets_Bc):
+  """(-log softmax(logits)[target] per token, the log-sum-exp) in fp32."""
   lse_Bc = jax.nn.logsumexp(logits_BcV, axis=-1)
   onehot_BcV = jax.nn.one_hot(targets_Bc, logits_BcV.shape[-1], dtype=jnp.float32)
-  target_Bc = jnp.einsum("bcv,bcv->bc", logits_BcV, onehot_BcV)
-  return jnp.sum((lse_Bc - target_Bc) * mask_Bc)
+  return lse_Bc - jnp.einsum("bcv,bcv->bc", logits_BcV, onehot_BcV), lse_Bc
+
+
+def _chunks(a, n: int):
+  """[B, S, ...] -> [n, B, S/n, ...], chunk k = positions k, k + n, ... (module docstring)."""
+  B, S = a.shape[:2]
+  return jnp.moveaxis(a.reshape(B, S // n, n, *a.shape[2:]), 2, 0)
+
+
+def _unchunk(a):
+  """The inverse of `_chunks`: [n, B, S/n, ...] -> [B, S, ...]."""
+  n, B, c = a.shape[:3]
+  return jnp.moveaxis(a, 0, 2).reshape(B, c * n, *a.shape[3:])
 
 
 def chunked_cross_entropy(x_BSE: jax.Array, head_EV: jax.Array, targets_BS: jax.Array,
@@ -44,19 +76,64 @@ def chunked_cross_entropy(x_BSE: jax.Array, head_EV: jax.Array, targets_BS: jax.
   """Sum over unmasked tokens of -log softmax(x @ head)[target], `chunk` positions at a time.
 
   x_BSE: final hidden states; head_EV: the LM head (the transposed embedding when tied);
-  mask_BS: which targets count; `dtype`: the matmul's input dtype (logits are fp32).
+  mask_BS: which targets count (weights); `dtype`: the matmuls' input dtype (logits are fp32).
   `chunk` must divide S."""
-  B, S, E = x_BSE.shape
+  S = x_BSE.shape[1]
   if chunk <= 0 or S % chunk:
     raise ValueError(f"chunk={chunk} must divide the sequence length {S}")
-  n = S // chunk  # number of chunks; chunk k holds positions k, k + n, ...
-  to_chunks = lambda a: jnp.moveaxis(a.reshape(B, chunk, n, *a.shape[2:]), 2, 0)
-  mask_BS = mask_BS.astype(jnp.float32)
-  step = jax.checkpoint(lambda x, t, m: _chunk_loss(x, head_EV, t, m, dtype))
+  return _fused(x_BSE, head_EV, targets_BS, mask_BS.astype(jnp.float32), S // chunk,
+                jnp.dtype(dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(x_BSE, head_EV, targets_BS, mask_BS, n, dtype):
+  """The loss alone (no gradient wanted): n chunks of logits, each reduced and dropped."""
+
+  head_dt = head_EV.astype(dtype)  # once, not per chunk
 
   def body(total, xs):
-    return total + step(*xs), None
+    x_BcE, targets_Bc, mask_Bc = xs
+    losses_Bc, _ = _token_losses(_logits(x_BcE, head_dt, dtype), targets_Bc)
+    return total + jnp.sum(losses_Bc * mask_Bc), None
 
-  total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32),
-                          (to_chunks(x_BSE), to_chunks(targets_BS), to_chunks(mask_BS)))
-  return total
+  xs = (_chunks(x_BSE, n), _chunks(targets_BS, n), _chunks(mask_BS, n))
+  return jax.lax.scan(body, jnp.zeros((), jnp.float32), xs)[0]
+
+
+def _fused_fwd(x_BSE, head_EV, targets_BS, mask_BS, n, dtype):
+  """The loss, and per chunk the gradient of the loss sum (cotangent 1) contracted at once
+  into dX and into dW's running fp32 sum (module docstring)."""
+  head_dt = head_EV.astype(dtype)
+
+  def body(carry, xs):
+    total, dhead_EV = carry
+    x_BcE, targets_Bc, mask_Bc = xs
+    x_dt = x_BcE.astype(dtype)
+    logits_BcV = _logits(x_dt, head_dt, dtype)
+    losses_Bc, lse_Bc = _token_losses(logits_BcV, targets_Bc)
+    onehot_BcV = jax.nn.one_hot(targets_Bc, logits_BcV.shape[-1], dtype=jnp.float32)
+    dlogits_BcV = constrain((jnp.exp(logits_BcV - lse_Bc[..., None]) - onehot_BcV)
+                            * mask_Bc[..., None], _LOGITS)
+    # as autodiff of the unchunked einsum: fp32 cotangent x compute-dtype operand, fp32 result
+    dx_BcE = jnp.einsum("bcv,ev->bce", dlogits_BcV, head_dt, preferred_element_type=jnp.float32)
+    dhead_EV = dhead_EV + jnp.einsum("bce,bcv->ev", x_dt, dlogits_BcV,
+                                     preferred_element_type=jnp.float32)
+    return (total + jnp.sum(losses_Bc * mask_Bc), dhead_EV), (dx_BcE.astype(x_BcE.dtype),
+                                                              losses_Bc)
+
+  zero = (jnp.zeros((), jnp.float32), jnp.zeros(head_EV.shape, jnp.float32))
+  xs = (_chunks(x_BSE, n), _chunks(targets_BS, n), _chunks(mask_BS, n))
+  (total, dhead_EV), (dx, losses) = jax.lax.scan(body, zero, xs)
+  return total, (_unchunk(dx), dhead_EV.astype(head_EV.dtype), _unchunk(losses))
+
+
+def _fused_bwd(n, dtype, residuals, g):
+  """Scale the saved gradients by the cotangent g (1 in a train step, whose objective adds the
+  loss sum as it is); no cotangent for the integer targets."""
+  del n, dtype
+  dx_BSE, dhead_EV, losses_BS = residuals
+  scale = lambda a: (g * a.astype(jnp.float32)).astype(a.dtype)
+  return scale(dx_BSE), scale(dhead_EV), None, g * losses_BS
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

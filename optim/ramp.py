@@ -177,7 +177,8 @@ class BatchRamp:
     raise ValueError(f"unknown unit {unit!r}; choose from {UNITS}")
 
   def describe(self) -> str:
-    parts = [f"{b} from step {s} ({t:,} tokens)"
+    """The stages, each from its first step counted from 1 (as the logs count steps)."""
+    parts = [f"{b} from step {s + 1} ({t:,} tokens)"
              for b, s, t in zip(self.batches, self.start_steps,
                                 (e * self.seq_len for e in self.start_examples))]
     return "batch ramp: " + " -> ".join(parts)

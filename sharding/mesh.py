@@ -175,4 +175,6 @@ def mesh_platform(mesh) -> str:
   """The platform a program under `mesh` (a Mesh or AbstractMesh) is for: its devices' when
   known (ahead-of-time compiles for other hardware carry it), else the default backend."""
   device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  if device is None and not mesh.empty and isinstance(mesh, Mesh):  # a Mesh of real (or
+    device = mesh.devices.flat[0]  # compile-only, e.g. an H100 target's) devices
   return device.platform if device is not None else jax.default_backend()

@@ -212,9 +212,9 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
   """data.batch_ramp=auto with micro-batches of 4 rows, 8 -> 32, margin 0.01 (every measurement
   fires), noise measured every 2 steps: 8 -> 16 from step 4, 16 -> 32 from step 6. Each process
   decides alone from the replicated metrics; the evidence that process 1 followed the same
-  batches is its own data state (every process writes the position of the rows it reads with
-  each checkpoint, here at steps 2, 4, 6, 8): equal at every checkpoint to the single-process
-  run's position of those rows, which consumed 8, 8, 8, 16, 16, 32, 32, 32 sequences. Losses
+  batches is its own data state (every process writes the stream's position, the windows
+  consumed, with each checkpoint, here at steps 2, 4, 6, 8): equal at every checkpoint to the
+  single-process run's, which consumed 8, 8, 8, 16, 16, 32, 32, 32 sequences. Losses
   equal the single process's to rtol 1e-5 (float rounding: the gradient's cross-process
   all-reduce sums in another order, as in test_multihost)."""
   from test_multihost import MODEL_ARGS, launch_beside_reference  # noqa: PLC0415
@@ -235,23 +235,18 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
   for step in range(1, 9):
     assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-5), step
 
-  def row_states(workdir, step):
-    """{global row: its stream state} from every process's data file of checkpoint `step`."""
+  def data_states(workdir, step):
+    """{file name: the data state it holds} of checkpoint `step`."""
     data = workdir / "checkpoints" / str(step) / "data"
-    out = {}
-    for f in sorted(data.glob("process_*.json")):
-      shard = json.loads(f.read_text())
-      out.update({row: (f.name, state) for row, state in zip(shard["rows"],
-                                                               shard["row_states"])})
-    return out
+    return {f.name: json.loads(f.read_text()) for f in sorted(data.glob("process_*.json"))}
 
-  for step in (2, 4, 6, 8):
-    mine, ref = row_states(multi, step), row_states(single, step)
-    assert sorted(mine) == sorted(ref) == [0, 1, 2, 3]
-    writers = {name for name, _ in mine.values()}
-    assert writers == {"process_0-of-2.json", "process_1-of-2.json"}, writers
-    for row in ref:
-      assert mine[row][1] == ref[row][1], (step, row, mine[row][0])
+  # The stream's position is the windows consumed: 8, 8 | 8, 16 | 16, 32 | 32, 32 sequences.
+  for step, windows in ((2, 16), (4, 40), (6, 88), (8, 152)):
+    mine, (ref,) = data_states(multi, step), data_states(single, step).values()
+    assert sorted(mine) == ["process_0-of-2.json", "process_1-of-2.json"]
+    assert ref["windows"] == windows, (step, ref)
+    for name, state in mine.items():
+      assert state == ref, (step, name)
   # The decisions saved with the last checkpoint are the single process's.
   from trainer.checkpoint import Checkpointer  # noqa: PLC0415
   decisions = []

@@ -16,24 +16,28 @@ pytest.importorskip("transformers", reason="the PyTorch peer needs the hf extra"
 def test_peers_table_on_cpu(capsys):
   peers = bench_module("peers")
   assert peers.main(["--size", "tiny", "--torch-compile", "off", "--rounds", "1",
-                     "--steps", "1"]) == 0
+                     "--steps", "1", "--runners", "plain,plain-docs,ours,torch"]) == 0
   out = capsys.readouterr().out
-  losses = dict(re.findall(r"^  (plain|ours|torch) .* loss ([\d.]+)", out, re.M))
-  assert sorted(losses) == ["ours", "plain", "torch"], out
+  losses = dict(re.findall(r"^  (plain|plain-docs|ours|torch) .* loss ([\d.]+)", out, re.M))
+  assert sorted(losses) == ["ours", "plain", "plain-docs", "torch"], out
+  # one document per row: the plain step's loss is the same with and without its segment ids
+  assert float(losses["plain-docs"]) == pytest.approx(float(losses["plain"]), rel=1e-4)
   for name, loss in losses.items():  # three steps on random tokens of 512 ids: near ln 512
     assert abs(float(loss) - math.log(512)) < 1.0, (name, out)
   fpt = float(re.search(r"([\d.]+) MFLOPs/token", out).group(1)) * 1e6
   peak = float(re.search(r"MFU against ([\d.e+]+) TFLOP/s", out).group(1)) * 1e12
-  for name, tps, mfu in re.findall(r"^  (plain|ours|torch) .* ([\d,]+) tokens/s  MFU +([\d.]+)%",
-                                   out, re.M):  # MFU = tokens/s x FLOPs per token / peak
+  for name, tps, mfu in re.findall(
+      r"^  (plain|plain-docs|ours|torch) .* ([\d,]+) tokens/s  MFU +([\d.]+)%", out,
+      re.M):  # MFU = tokens/s x FLOPs per token / peak
     assert float(mfu) / 100 == pytest.approx(float(tps.replace(",", "")) * fpt / peak,
                                              rel=0.01, abs=5.1e-4), (name, out)
   header, rule, row = out.strip().splitlines()[-3:]
-  assert header == "| model, seq x batch | plain | ours | torch | ours/plain | ours/torch |"
+  assert header == ("| model, seq x batch | plain | plain-docs | ours | torch | ours/plain | "
+                    "ours/plain-docs | ours/torch |")
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert cells[0] == "tiny (64 x 4)"
-  assert all(re.fullmatch(r"[\d,.]+k \([\d.]+%\)", c) for c in cells[1:4]), row
-  assert all(float(c) > 0 for c in cells[4:]), row
+  assert all(re.fullmatch(r"[\d,.]+k \([\d.]+%\)", c) for c in cells[1:5]), row
+  assert all(float(c) > 0 for c in cells[5:]), row
 
 
 def test_torch_peer_has_our_parameter_count_at_every_shape():
@@ -54,7 +58,7 @@ def test_torch_peer_has_our_parameter_count_at_every_shape():
 
 @pytest.mark.parametrize("argv,message", [
     (["--runners", "ours,jax"], "--runners 'ours,jax': use a comma-separated list of nanodo, "
-     "plain, ours, torch"),
+     "plain, plain-docs, ours, torch"),
     (["--runners", "nanodo"], "the nanodo runner needs --nanodo_dir"),
 ])
 def test_peers_bad_runners_are_one_line_errors(argv, message, capsys):

@@ -92,12 +92,59 @@ def test_step_profile_sorts_the_traced_kernels_into_kinds(capsys):
   bench = bench_module("step_profile")
   assert bench.main(["--size", "none", "--config", TINY, "--steps", "1",
                      "--config.model.num_layers=1"]) == 0
-  rows = re.findall(r"^\| (.+?) \| (\d+) \| ([\d.]+)% \|$", capsys.readouterr().out, re.M)
+  rows = re.findall(r"^\| (.+?) \| ([\d.]+) \| ([\d.]+)% \|$", capsys.readouterr().out, re.M)
   kinds = {kind: float(share) for kind, _, share in rows}
   assert set(kinds) <= set(bench.KINDS) and abs(sum(kinds.values()) - 100) < 0.5
   # every kind of a train step's work shows up, the forward and backward matmuls among them
-  for kind in bench.KINDS[:4] + bench.KINDS[5:]:
+  # (on CPU no fused attention kernel: xla attention)
+  for kind in bench.KINDS[:4] + bench.KINDS[5:8]:
     assert kinds.get(kind, 0) > 0, (kind, kinds)
+
+
+def test_step_profile_names_gpu_kernels_from_the_hlo():
+  """A GPU trace (synthetic: the tracks and names XLA's profiler gives a GPU, over the real
+  optimized HLO of a small step): kernels named by their `hlo_op` argument or by their own name
+  (the instruction's, dots as underscores) get the instruction's kind; cuBLAS and cuDNN kernels
+  without an instruction go by their names; the "XLA Modules" span, host threads and another
+  process are not kernel time; what is left is unattributed, with its name."""
+  bench, baseline = bench_module("step_profile"), bench_module("baseline")
+  _, [(_, cfg)] = baseline.load_sized(baseline.build_parser(), ["--size", "tiny"],
+                                      sizes=baseline.SHAPES)
+  module = bench.Module(baseline.Ours(cfg).step.as_text())
+  insts = [i for c in module.computations.values() for i in c]
+  fusion = lambda pattern: next(i.name for i in insts if i.opcode == "fusion" and "." in i.name
+                                and re.search(pattern, i.op_name))
+  # the optimizer's update, and a fusion inside the layer loop; XLA names their kernels without
+  # the dots (loop_add_fusion.3 runs as loop_add_fusion_3)
+  update = fusion(r"^jit\(step\)/(add|sub|mul|div|jit\(_where\)/select_n)")
+  layer = fusion(r"while/body")
+  gpu, host = 7, 1
+  meta = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "thread_name", "pid": gpu, "tid": 1,
+           "args": {"name": "Stream #13(Compute)"}},
+          {"ph": "M", "name": "thread_name", "pid": gpu, "tid": 2,
+           "args": {"name": "XLA Modules"}}]
+  kernel = lambda name, us, **args: {"ph": "X", "pid": gpu, "tid": 1, "name": name, "dur": us,
+                                     "args": args}
+  events = meta + [
+      kernel(update.replace(".", "_").replace("-", "_"), 100),  # by its own name
+      kernel("triton_fusion_xyz", 200, hlo_op=layer),  # by its hlo_op argument
+      kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 300),  # cuBLAS
+      kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16", 400),  # cuDNN
+      kernel("some_new_kernel", 60),  # nothing says what it is
+      {"ph": "X", "pid": gpu, "tid": 2, "name": "jit_step(42)", "dur": 5000, "args": {}},
+      {"ph": "X", "pid": host, "tid": 9, "name": update, "dur": 7000, "args": {}}]
+  totals, unnamed = bench.attribute(events, module, seq_len=64, steps=2)
+  want = {bench.KINDS[7]: 50e-6, bench.kind(module, layer, 64): 100e-6,
+          bench.KINDS[0]: 150e-6, bench.KINDS[8]: 200e-6, bench.UNATTRIBUTED: 30e-6}
+  if bench.kind(module, layer, 64) == bench.KINDS[0]:  # the layer fusion is a matmul itself
+    want[bench.KINDS[0]] = 250e-6
+  assert totals == pytest.approx(want), totals
+  assert unnamed == pytest.approx({"some_new_kernel": 30e-6})
+  lines = bench.table(totals, unnamed)
+  assert lines[0] == "0.5 ms/step of kernel time over all threads"  # 530 us
+  assert lines[-1] == "  unattributed: 0.03 ms/step in some_new_kernel"
 
 
 def test_collectives_reads_ops_and_bytes_from_hlo():

@@ -3,9 +3,11 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import train
+from conftest import tiny_config
 from trainer.cli import load
 from trainer.config import ConfigError, default_config
 
@@ -102,3 +104,39 @@ def test_platform_choice_skips_absent_tpus():
   for environ, vendors, want in cases:
     platforms.choose(environ, vendors)
     assert environ.get("JAX_PLATFORMS") == want, (environ, vendors)
+
+
+class _Gpu:  # what validate reads of a device: its platform (one slice)
+  platform = "gpu"
+
+
+def test_gpu_matmul_widths_not_multiple_of_64_warn_in_one_line(capsys):
+  """On GPUs (issue 25: an MLP of 5461 cost XLA 35% against 5632) each matmul width a device
+  multiplies that is not a multiple of 64 gets one warning line naming the nearest good values;
+  the run goes on; nothing is said on CPU or for widths that are fine."""
+  from trainer.config_checks import matmul_width_warnings, validate
+  cfg = tiny_config(**{"model.d_model": 2048, "model.num_heads": 16, "model.num_kv_heads": 16,
+                       "model.mlp_dim": 5461, "model.vocab_size": 50257, "mesh.data": 1})
+  validate(cfg, [_Gpu()])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 2, err
+  assert err[0] == ("warning: model.mlp_dim=5461 is not a multiple of 64: GPU matmuls of that "
+                    "width run slower (35% for an MLP of 5461 vs 5632 on an H200); the nearest "
+                    "good values are 5440 or 5504")
+  assert err[1].startswith("warning: model.vocab_size=50257 is not") and "50240 or 50304" in err[1]
+  validate(cfg, 1)  # a device count (no platform) or CPU devices: no warning
+  validate(cfg, jax.devices()[:1])
+  assert capsys.readouterr().err == ""
+  # over mesh.tensor=2 the widths are per device: 5632 / 2 = 2816 is fine, 5504 / 2 = 2752 too,
+  # 5440 / 2 = 2720 is not (nearest 5376 or 5504)
+  cfg.mesh.update(data=1, tensor=2)
+  cfg.model.update(mlp_dim=5440, vocab_size=50304)
+  lines = matmul_width_warnings(cfg, {"tensor": 2})
+  assert lines == ["model.mlp_dim=5440 (2720 per device over mesh.tensor=2) is not a multiple of "
+                   "64: GPU matmuls of that width run slower (35% for an MLP of 5461 vs 5632 on "
+                   "an H200); the nearest good values are 5376 or 5504"]
+  cfg.model.update(mlp_dim=5632, num_heads=12, num_kv_heads=4, head_dim=80)  # 960, 320: fine
+  assert matmul_width_warnings(cfg, {"tensor": 1}) == []
+  cfg.model.update(head_dim=72)  # 12 x 72 = 864, 4 x 72 = 288
+  assert [line.split("=")[0] for line in matmul_width_warnings(cfg, {"tensor": 1})] == [
+      "model.num_heads x head dim", "model.num_kv_heads x head dim"]

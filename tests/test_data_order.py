@@ -103,3 +103,28 @@ def test_the_data_order_tool_prints_documents_per_step_against_independent_draws
     assert float(within) < float(across) + 0.01
   assert data_order.main(["--config", "configs/sweep_tiny.py", "--batch_sizes", "8,x"]) == 2
   assert "give positive whole batch sizes" in capsys.readouterr().err
+
+
+def test_resume_on_other_data_is_refused_or_said(tmp_path, data_dir):
+  """A checkpoint of the byte-level corpus resumed on data of another tokenizer: refused in one
+  line (exit 2) naming both, the checkpoint untouched. Resumed with another seed: it goes on
+  from the same window with one line saying the order changes from there."""
+  from data import prepare  # noqa: PLC0415
+  run = tmp_path / "run"
+  _train_py(run, 1, "--config.steps=2", "--config.eval_every=0", "--config.mesh.data=1",
+            "--config.checkpoint.every_steps=2")
+  (tmp_path / "a.txt").write_text("some other text, tokenized otherwise " * 300)
+  bpe = prepare.prepare_files(str(tmp_path / "bpe"), [str(tmp_path / "a.txt")],
+                              tokenizer="bpe:300")
+  proc = subprocess.run([sys.executable, "train.py", "--config", "configs/lm_tiny.py",
+                         "--workdir", str(run), *ARGS, "--config.steps=4", "--config.mesh.data=1",
+                         f"--config.data.dir={bpe}"], cwd=ROOT, env=child_env(1),
+                        capture_output=True, text=True, timeout=600)
+  err = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2 and len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
+  assert "tokenized by byte/-/vocab 259; this run's data uses hf/" in err[0], err[0]
+  assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+  proc = _train_py(run, 1, "--config.steps=3", "--config.eval_every=0", "--config.mesh.data=1",
+                   "--config.seed=5")
+  assert ("checkpoint 2: the data order changes from window 64 on (seed 0 -> 5)"
+          in proc.stdout), proc.stdout[-2000:]

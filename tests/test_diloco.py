@@ -10,7 +10,8 @@ import orbax.checkpoint as ocp
 import pytest
 
 import train
-from conftest import losses, metric_rows, tiny_config, tiny_config_file
+from conftest import (assert_adam_params_close, losses, metric_rows, tiny_config,
+                      tiny_config_file)
 from data import pipeline
 from sharding.collectives import collectives, crossing, unattributed
 from sharding.mesh import MeshError, fold_replicas, make_mesh, resolve_mesh
@@ -80,7 +81,10 @@ def test_h1_outer_sgd_rate_1_is_data_parallelism(data_dir, devices, momentum):
   momentum: the anchor after every step is data parallelism's parameters on the global batch,
   step for step (each replica's rows carry the same number of target tokens: the outer step
   averages replicas uniformly, as the paper, and each replica normalises by its own tokens)."""
-  cfg = _cfg(**{"optim.momentum": momentum, "optim.diloco.outer_lr": 1.0,
+  # lr x (1 - momentum): the same long-run step size with momentum (0.5 with momentum 0.9
+  # diverges within three steps on some batches).
+  cfg = _cfg(**{"optim.momentum": momentum, "optim.learning_rate": 0.5 * (1 - momentum),
+                "optim.diloco.outer_lr": 1.0,
                 "optim.diloco.outer_momentum": 0.0, "mesh.fsdp": 2})
   batches = _batches(data_dir, cfg, 3, full_mask=True)
   got, state, _ = _train(cfg, batches)
@@ -151,9 +155,9 @@ def test_one_replica_is_the_lookahead_step_computed_by_hand(data_dir, devices):
         momentum = jax.tree.map(lambda m, d: 0.9 * m + d, momentum, delta)
         anchor = jax.tree.map(lambda a, d, m: a - 0.7 * (d + 0.9 * m), anchor, delta, momentum)
         state = state.replace(params=jax.device_put(anchor, program.shardings.params))
-  # (float rounding of the two programs, amplified by Adam's division: 1.1e-7 measured)
-  _assert_trees_close(got.anchor, anchor, rtol=1e-5, atol=1e-6)
-  _assert_trees_close(got.outer_opt_state[0].trace, momentum, rtol=1e-5, atol=1e-6)
+  # Float rounding of the two programs, amplified by Adam's division where a gradient is ~0.
+  assert_adam_params_close(got.anchor, anchor, lr=cfg.optim.learning_rate)
+  assert_adam_params_close(got.outer_opt_state[0].trace, momentum, lr=cfg.optim.learning_rate)
   # The outer step is no identity: the anchor is not where the inner steps ended.
   assert not all(np.allclose(a, t, atol=1e-4) for a, t in zip(jax.tree.leaves(got.anchor),
                                                                jax.tree.leaves(theta)))

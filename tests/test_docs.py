@@ -357,6 +357,12 @@ def check_command(env: dict, tokens: list[str]) -> str:
   if getattr(args, "vary", None):  # bench/variants.py, collectives.py: each value an override
     key, values = bench_module("variants").parse_vary(args.vary)
     overrides += [(key, v) for v in values]
+  size = getattr(args, "size", None)
+  if size and size != "none" and not placeholder(size):  # a bench's sized model: its overrides
+    baseline = bench_module("baseline")  # first, as `load_sized` applies them
+    sized = [o[len("--config."):].split("=", 1) for o in baseline.size_overrides(
+        size.split(",")[0], {**baseline.SIZES, **baseline.SHAPES})]
+    overrides = [tuple(kv) for kv in sized] + list(overrides)
   path = getattr(args, "config", None)
   if path and placeholder(path):
     path = None

@@ -274,11 +274,12 @@ def test_rejects_bad_arguments():
     block_forward(q4, k[:, :, :1], v[:, :, :1], state=state, heads=(1, 2))
 
 
-@pytest.mark.parametrize("impl", ["flash", "splash"])
+@pytest.mark.parametrize("impl", ["flash", "flash_triton", "splash", "cudnn"])
 def test_dispatch_under_mesh_matches_reference(impl, devices):
   """models.attention runs the kernel per device (shard_map over batch and heads) under the
-  trainer's mesh; "splash" is the TPU path (jax's splash attention, interpreted here)."""
-  causal, segments = (False, False) if impl == "flash" else (True, True)
+  trainer's mesh; "splash" is the TPU path (jax's splash attention, interpreted here); "cudnn"
+  is XLA's attention off a GPU."""
+  causal, segments = (False, False) if impl.startswith("flash") else (True, True)
   q, k, v, do, seg = _inputs(2, 128, 4, 2, 32, jnp.float32, seed=5, segments=segments)
   mesh = make_mesh({"data": 2, "tensor": 2}, jax.devices()[:4])
   fn = jax.jit(lambda q, k, v: attention(q, k, v, segment_ids=seg, causal=causal, impl=impl))
@@ -303,11 +304,31 @@ def test_splash_lowers_for_tpu():
 
 
 def test_auto_attention_choice():
-  """`auto` on GPU is cuDNN's fused attention where its constraints hold (Ampere or newer,
-  fp16/bf16, head dim a multiple of 8 up to 128, even length with a segment mask), else xla:
-  never our Pallas
-  kernel, which has not run on a GPU yet; `flash` stays available by name."""
+  """`auto` on GPU: with packed documents' segment ids our Triton flash kernel (head dims up to
+  128, Ampere or newer); without them cuDNN's fused attention where its constraints hold
+  (Ampere or newer, fp16/bf16, head dim a multiple of 8 up to 128, even length with a segment
+  mask), else xla. `flash` by name: the Mosaic GPU kernel on Hopper (and an ahead-of-time
+  target) for 16-bit q/k/v with head dims a multiple of 64, else the Triton one."""
   gpu = dict(platform="gpu", seq_len=2048)
+  docs = dict(gpu, segments=True)
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, **docs) == "flash_triton"
+  assert choose_impl("auto", dtype=jnp.float32, head_dim=128, **docs) == "flash_triton"
+  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=128, **docs) == "flash_mosaic"
+  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, gpu_capability=9.0,
+                     **gpu) == "flash_mosaic"
+  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, gpu_capability=8.0,
+                     **gpu) == "flash_triton"  # Ampere: no wgmma
+  assert choose_impl("flash", dtype=jnp.float32, head_dim=64, **gpu) == "flash_triton"
+  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=80, **gpu) == "flash_triton"
+  assert choose_impl("flash_triton", dtype=jnp.bfloat16, head_dim=64, **gpu) == "flash_triton"
+  assert choose_impl("flash", platform="cpu") == "flash_triton"  # interpreted
+  assert choose_impl("flash_triton", platform="tpu") == "splash"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=256, **docs) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, gpu_capability=7.5,
+                     **docs) == "xla"
+  assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, sequence=4, **docs) == "ring"
+  assert choose_impl("auto", platform="cpu", dtype=jnp.bfloat16, head_dim=64,
+                     segments=True) == "xla"
   assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=128, **gpu) == "cudnn"
   assert choose_impl("auto", dtype=jnp.float16, head_dim=64, **gpu) == "cudnn"
   assert choose_impl("auto", dtype=jnp.float32, head_dim=64, **gpu) == "xla"
@@ -320,31 +341,43 @@ def test_auto_attention_choice():
                      **gpu) == "cudnn"
   assert choose_impl("auto", dtype=jnp.bfloat16, head_dim=64, sequence=4, **gpu) == "ring"
   assert choose_impl("ring", dtype=jnp.bfloat16, head_dim=64, **gpu) == "cudnn"  # nothing to ring
-  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, **gpu) == "flash"
+  assert choose_impl("flash", dtype=jnp.bfloat16, head_dim=64, **gpu) == "flash_mosaic"
   assert choose_impl("flash", platform="tpu") == "splash"
+  assert choose_impl("cudnn", dtype=jnp.bfloat16, head_dim=64, **docs) == "cudnn"  # by name
+  assert choose_impl("cudnn", platform="cpu") == choose_impl("cudnn", platform="tpu") == "xla"
   assert choose_impl("auto", platform="tpu") == "splash"
   assert choose_impl("auto", platform="cpu", dtype=jnp.bfloat16, head_dim=64) == "xla"
   with _for_gpu():  # the platform comes from the mesh's devices (ahead-of-time compiles)
     assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=64, seq_len=128) == "cudnn"
     assert resolve_impl("auto", dtype=jnp.float32, head_dim=64, seq_len=128) == "xla"
+    assert resolve_impl("auto", dtype=jnp.bfloat16, head_dim=64, seq_len=128,
+                        segments=True) == "flash_triton"
+    assert resolve_impl("flash", dtype=jnp.bfloat16, head_dim=64, seq_len=128) == "flash_mosaic"
   with pytest.raises(ValueError, match="unknown attention implementation"):
     choose_impl("cudnn2", platform="gpu")
 
 
-@pytest.mark.parametrize("dtype, want", [(jnp.bfloat16, "cudnn"), (jnp.float32, "xla")])
-def test_model_attention_on_gpu_calls_the_choice(monkeypatch, dtype, want):
-  """Under a GPU mesh the model's `attention(impl="auto")` calls what `choose_impl` picked.
-  (Tracing cuDNN's attention needs CUDA libraries, so the calls are recorded, not run.)"""
+@pytest.mark.parametrize("impl, dtype, packed, want", [
+    ("auto", jnp.bfloat16, False, "cudnn"), ("auto", jnp.float32, False, "xla"),
+    ("auto", jnp.bfloat16, True, "flash"), ("auto", jnp.float32, True, "flash"),
+    ("flash", jnp.bfloat16, True, "mosaic"), ("flash", jnp.float32, True, "flash")])
+def test_model_attention_on_gpu_calls_the_choice(monkeypatch, impl, dtype, packed, want):
+  """Under a GPU mesh the model's `attention` calls what `choose_impl` picked, with and without
+  segment ids. (Tracing cuDNN's attention needs CUDA libraries, so the calls are recorded, not
+  run.)"""
   called = []
 
   def record(name):
-    return lambda q, k, v, *, segment_ids=None, causal=True: called.append(name) or q
+    return lambda q, k, v, *, segment_ids=None, causal=True, **_: called.append(name) or q
 
   monkeypatch.setattr(attention_module, "cudnn_attention", record("cudnn"))
   monkeypatch.setattr(attention_module, "xla_attention", record("xla"))
+  monkeypatch.setattr(attention_module, "flash_attention", record("flash"))
+  monkeypatch.setattr(attention_module.flash_mosaic, "flash_attention_mosaic", record("mosaic"))
   sds = jax.ShapeDtypeStruct
   q, k = sds((2, 128, 4, 64), dtype), sds((2, 128, 2, 64), dtype)
+  seg = sds((2, 128), jnp.int32) if packed else None
   with _for_gpu():
-    jax.eval_shape(lambda q, k, v, seg: attention(q, k, v, segment_ids=seg, impl="auto"),
-                   q, k, k, sds((2, 128), jnp.int32))
+    jax.eval_shape(lambda q, k, v, seg: attention(q, k, v, segment_ids=seg, impl=impl),
+                   q, k, k, seg)
   assert called == [want]

@@ -163,3 +163,57 @@ def test_fp8_with_experts_is_a_one_line_error(tmp_path, capsys):
   assert code == 2, err
   assert "model.fp8=True with model.moe.num_experts=" in err and "model.fp8=False" in err
   assert len(err.strip().splitlines()) == 1, err
+
+
+def test_h100_train_step_runs_every_fp8_product_on_cublaslt():
+  """The train step compiled for an H100 (jax's CUDA plugin; skipped without it): the
+  projections' forward, dX and dW products, all of them (their FLOPs: 3 x 2 x tokens x the
+  projections' weights per layer; XLA merges the dots that share an operand, q/k/v and
+  gate/up, so it is not 21 launches per layer), are cuBLASLt fp8 GEMMs, and no other kernel
+  multiplies fp8 operands. With XLA's Triton GEMMs enabled an ahead-of-time compile makes all
+  of them Triton kernels; fp8 steps on GPU compile without (trainer/program.py's
+  FP8_GPU_OPTIONS)."""
+  from sharding.mesh import make_mesh
+  from tools import aot
+  from tools.hlo import FP8_GEMM, Module
+  from trainer.program import Program
+  try:
+    target = aot.gpu_target("h100:1")
+  except aot.AotError as e:
+    pytest.skip(f"no H100 target here: {e}")
+  cfg = tiny_config(**{"model.fp8": True, "model.dtype": "bfloat16", "model.d_model": 64,
+                       "model.mlp_dim": 128, "mesh.data": 1})
+  program = Program(cfg, make_mesh(cfg.mesh, target.devices))
+  with aot.no_persistent_cache():
+    module = Module(program.lower().compile().as_text())
+  m = program.model_cfg
+  E, D, F = m.d_model, m.dim_per_head, m.mlp_dim
+  weights = E * (2 * m.num_heads + 2 * m.num_kv_heads) * D + 3 * E * F  # q, k, v, o; MLP
+  tokens = cfg.data.global_batch_size * cfg.data.seq_len
+  kernels = module.kernels()
+  fp8 = [k for k in kernels if k.target == FP8_GEMM]
+  assert sum(k.total_flops for k in fp8) == 3 * 2 * tokens * weights * m.num_layers
+  operands = lambda k: " ".join(module.inst[o].shape for o in module.inst[k.name].operands)
+  others = [k.describe() for k in kernels
+            if k.flops and k.target != FP8_GEMM and "f8e" in operands(k)]
+  assert not others, others
+
+
+def test_fp8_steps_on_gpu_compile_without_triton_gemms():
+  """What the H100 test above relies on, checked without jax's CUDA plugin: a GPU step with
+  `model.fp8` compiles with XLA's Triton GEMMs off, a bf16 one and any CPU step without that
+  option, and an option set for the platform (bench/variants.py's --xla A/B) wins."""
+  from trainer import program
+  fp8, bf16 = ModelConfig(fp8=True), ModelConfig(fp8=False)
+  assert program.compiler_options("gpu", fp8) == {"xla_gpu_enable_triton_gemm": False}
+  assert program.compiler_options("gpu", bf16) is None
+  assert "xla_gpu_enable_triton_gemm" not in (program.compiler_options("cpu", fp8) or {})
+  saved = program.COMPILER_OPTIONS.get("gpu")
+  program.COMPILER_OPTIONS["gpu"] = {"xla_gpu_enable_triton_gemm": True}
+  try:
+    assert program.compiler_options("gpu", fp8) == {"xla_gpu_enable_triton_gemm": True}
+  finally:
+    if saved is None:
+      program.COMPILER_OPTIONS.pop("gpu")
+    else:
+      program.COMPILER_OPTIONS["gpu"] = saved

@@ -4,12 +4,13 @@ left out of the default run): what only a GPU can check.
   * the Pallas flash kernel compiled through Triton (not interpreted): output and all three
     gradients against an fp32 reference computed on the CPU at highest precision, for bf16 and
     fp32, MHA and GQA, packed segments, ragged lengths, head dims 64/80/128 -- at least as
-    close as XLA's attention on the GPU in the same dtype (within 1.5x, or a floor);
+    close as XLA's attention on the GPU in the same dtype (within 1.5x, or a floor); and the
+    Mosaic GPU kernel (kernels/flash_mosaic.py, Hopper) the same way, bf16/fp16;
   * fp8 dense layers compiled to cuBLASLt fp8 GEMMs, equal to the CPU emulation;
   * a short bf16 training run with the flash kernel in the model, resumed from its checkpoint
-    (the same curve), and `auto` attention (cuDNN) on the same data;
+    (the same curve), and cuDNN's attention (`model.attention=cudnn`) on the same data;
   * greedy generation with the KV cache equal to greedy decoding by full forward passes (up to
-    bf16 ties between the top two logits);
+    bf16 ties between the top two logits), on a model trained enough to decide most steps;
   * tools.memory_check's prediction of a run's peak memory against the measured
     `peak_bytes_in_use` (issue 25's goal: within 10%).
 """
@@ -93,6 +94,44 @@ def test_compiled_flash_kernel_matches_fp32_reference(name):
     assert e_ours <= max(1.5 * e_xla, FLOOR[dtype]), (part, e_ours, e_xla)
 
 
+MOSAIC_CASES = {  # the Mosaic GPU kernel (Hopper): 16-bit q/k/v, head dims a multiple of 64
+    "bf16_mha_causal_d64": (jnp.bfloat16, 2, 1024, 8, 8, 64, True, False),
+    "bf16_gqa_segments_ragged_d128": (jnp.bfloat16, 2, 1000, 12, 4, 128, True, True),
+    "fp16_noncausal_segments_ragged_d64": (jnp.float16, 1, 777, 4, 2, 64, False, True),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_compiled_mosaic_kernel_matches_fp32_reference(name):
+  """kernels/flash_mosaic.py compiled (Mosaic GPU: wgmma, TMA) on a Hopper GPU, checked as the
+  Triton kernel is: output and gradients at least as close to the fp32 reference as XLA's
+  attention in the same dtype (within 1.5x, or bf16's floor)."""
+  from kernels.flash_mosaic import flash_attention_mosaic
+  if float(getattr(jax.devices("gpu")[0], "compute_capability", "0")) < 9.0:
+    pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
+  dtype, B, S, H, K, D, causal, segments = MOSAIC_CASES[name]
+  q, k, v, do, seg = _inputs(B, S, H, K, D, segments, seed=len(name))
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu), jax.default_matmul_precision("highest"):
+    ref = _fwd_and_grads(lambda *a: _reference(*a, causal), q, k, v, do,
+                         None if seg is None else jnp.asarray(seg))
+    ref = [np.asarray(x, np.float64) for x in ref]
+  gpu_args = [jax.device_put(x.astype(dtype), jax.devices("gpu")[0]) for x in (q, k, v, do)]
+  seg_gpu = None if seg is None else jax.device_put(jnp.asarray(seg), jax.devices("gpu")[0])
+  mosaic = lambda q, k, v, s: flash_attention_mosaic(q, k, v, causal=causal, segment_ids=s)
+  grads = jax.jit(lambda *a: _fwd_and_grads(mosaic, *a))
+  assert grads.lower(*gpu_args, seg_gpu).as_text().count("mosaic_gpu") >= 3  # compiled kernels
+  ours = grads(*gpu_args, seg_gpu)
+  xla = jax.jit(lambda *a: _fwd_and_grads(lambda q, k, v, s: _reference(q, k, v, s, causal),
+                                          *a))(*gpu_args, seg_gpu)
+  for part, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref):
+    o, x = np.asarray(o, np.float64), np.asarray(x, np.float64)
+    assert np.all(np.isfinite(o)), part
+    e_ours = np.linalg.norm(o - r) / np.linalg.norm(r)
+    e_xla = np.linalg.norm(x - r) / np.linalg.norm(r)
+    assert e_ours <= max(1.5 * e_xla, FLOOR[jnp.bfloat16]), (part, e_ours, e_xla)
+
+
 def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
   from models.fp8 import fp8_matmul
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
@@ -104,9 +143,11 @@ def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
     y, vjp = jax.vjp(fp8_matmul, x, w)
     return (y, *vjp(g))
 
-  gpu = jax.jit(fwd_bwd)
-  text = gpu.lower(x, w, g).compile().as_text()
-  # forward, dX and dW: three fp8 GEMMs, not fp8 operands converted up for a bf16 dot
+  from trainer.program import FP8_GPU_OPTIONS  # what an fp8 train step compiles with
+  gpu = jax.jit(fwd_bwd).lower(x, w, g).compile(compiler_options=FP8_GPU_OPTIONS)
+  text = gpu.as_text()
+  # forward, dX and dW: three fp8 GEMMs, not fp8 operands converted up for a bf16 dot nor
+  # Triton GEMMs (issue 25's run, autotuned with Triton GEMMs on, made one of the three)
   assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 3, text[:3000]
   on_gpu = gpu(x, w, g)
   with jax.default_device(jax.devices("cpu")[0]):
@@ -119,7 +160,8 @@ def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
   """bf16 tiny runs with the compiled flash kernel in the model: straight to step 6, and to 3
-  then resumed to 6; and `auto` attention (cuDNN on an Ampere+ GPU) to step 1."""
+  then resumed to 6; and cuDNN's attention (by name: `auto` picks our kernel for the packed
+  documents training feeds) to step 1."""
   root = tmp_path_factory.mktemp("gpu_runs")
   from trainer.loop import Run
   base = {"model.d_model": 64, "model.mlp_dim": 128, "model.dtype": "bfloat16",
@@ -127,7 +169,7 @@ def trained(tmp_path_factory):
   Run(tiny_config(**base), str(root / "straight")).train()
   Run(tiny_config(**{**base, "steps": 3}), str(root / "resumed")).train()
   Run(tiny_config(**base), str(root / "resumed")).train()
-  Run(tiny_config(**{**base, "steps": 1, "model.attention": "auto"}), str(root / "auto")).train()
+  Run(tiny_config(**{**base, "steps": 1, "model.attention": "cudnn"}), str(root / "auto")).train()
   return root
 
 
@@ -164,21 +206,37 @@ def greedy_mismatches(generated, logits_NV, tie=TIE) -> tuple[list[str], int]:
   return bad, decided
 
 
-def test_greedy_generation_on_gpu_equals_full_forward_argmax(trained):
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+  """The tiny bf16 model with the compiled flash kernel trained 200 steps (seconds on a GPU):
+  peaked enough for greedy decoding to be decided at most steps. Issue 25's GPU run decided 2
+  of 16 steps with the 6-step model of `trained`; on CPU (xla attention) this recipe decides 9
+  and 16 of 16 for a text prompt and for the control-character one."""
+  from trainer.loop import Run
+  root = tmp_path_factory.mktemp("gpu_peaked")
+  Run(tiny_config(**{"model.d_model": 64, "model.mlp_dim": 128, "model.dtype": "bfloat16",
+                     "model.attention": "flash", "steps": 200, "log_every": 50,
+                     "optim.decay_steps": 200}), str(root)).train()
+  return root
+
+
+def test_greedy_generation_on_gpu_equals_full_forward_argmax(peaked):
   """Greedy decoding with the KV cache against the full forward pass over the same tokens (the
   prompt and what was generated, one causal pass: the logits every step saw, so after a tie the
   rest is still compared on the cached path's own context). Where the reference's top two
   logits are closer than a bf16 tie (TIE), either token is greedy; elsewhere the generated
   token must be the argmax. It still fails on a cache bug (a wrong position, a stale or
   missing entry gives tokens far below the top; at least one step in 3 must be decided, or the
-  model is too flat for the check to mean anything)."""
+  model is too flat for the check to mean anything: hence the trained `peaked` model and a
+  prompt of the corpus's kind, Python source bytes after BOS)."""
+  from data.tokenizer import BOS_ID
   from models.decode import Generator
   from sharding import make_mesh
   from trainer.inference import restore_params
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1},
                    jax.devices()[:1])
-  spec, params, _, _ = restore_params(str(trained / "straight"), mesh)
-  prompt, n = [5, 17, 33, 2, 9], 16
+  spec, params, _, _ = restore_params(str(peaked), mesh)
+  prompt, n = [BOS_ID, *b"import os\nimport "], 16
   generated = Generator(spec, params, temperature=0.0).generate([prompt], n)[0]
   assert len(generated) == n
   tokens = prompt + generated

@@ -127,11 +127,14 @@ def test_config_validation(overrides, message):
 
 
 def test_coordinate_check_flat_under_mup_growing_under_sp():
-  setup = coord_check.Setup(base_width=16, num_layers=1, num_heads=4, seq_len=16, batch_size=4)
+  # 16 x 32 tokens per batch: with 4 x 16 the slopes' sampling noise across data seeds was
+  # ~0.25 (muP block0 -0.26..0.48 after training, SP block0 0.01..0.27 at init).
+  setup = coord_check.Setup(base_width=16, num_layers=1, num_heads=4, seq_len=32, batch_size=16)
   rows = coord_check.coord_check(setup, [16, 64], steps=3, lr=0.02)
   s = coord_check.slopes(rows)
   print({k: round(v, 2) for k, v in s.items()})
-  # Measured: muP block0 -0.30, logits -0.14; SP +1.61, +0.79 (flat is 0, linear growth 1).
+  # Measured over data seeds 0-3: muP block0 0.09..0.33, logits 0.01..0.09; SP block0
+  # 1.88..2.44, logits 0.85..0.98 (flat is 0, linear growth 1); at init block0 |slope| <= 0.13.
   for layer, gap in (("block0", 1.0), ("logits", 0.5)):
     assert abs(s[("mup", layer)]) < 0.4, s
     assert s[("sp", layer)] > s[("mup", layer)] + gap, s

@@ -23,6 +23,9 @@ def test_stage_boundaries():
   assert ramp.convert(5, "steps", "tokens") == 24 * 128
   # A start that is not a multiple of the previous stage's tokens per step rounds up.
   assert BatchRamp([(4, 0), (8, 1000)], 128).start_steps == (0, 2)
+  # Printed with steps counted from 1, as the loop's lines ("step 5: batch 8") count them.
+  assert ramp.describe() == ("batch ramp: 4 from step 1 (0 tokens) -> 8 from step 5 (2,048 "
+                             "tokens) -> 16 from step 11 (8,192 tokens)")
 
 
 def test_constant_ramp():

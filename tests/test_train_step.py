@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import tiny_config
+from conftest import assert_adam_params_close, tiny_config
 from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer
@@ -62,12 +62,12 @@ def reference(data_dir):
 def test_sharded_step_equals_single_device(reference, mesh_cfg, devices):
   cfg, batches, ref_losses, ref_params = reference
   losses, params = _run(cfg, mesh_cfg, batches)
-  # Measured: at most 3.1e-7 relative (jax 0.10.2, CPU); `pytest -s` prints it (docs/sharding.md).
+  # Measured: at most 3.8e-7 relative (jax 0.10.2, CPU); `pytest -s` prints it (docs/sharding.md).
   worst = np.max(np.abs(losses - ref_losses) / np.abs(ref_losses))
   print(f"\n{mesh_cfg}: worst relative loss difference to one device {worst:.2g}")
   np.testing.assert_allclose(losses, ref_losses, rtol=5e-7)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               params, ref_params)
+  worst_tensor = assert_adam_params_close(params, ref_params, lr=cfg.optim.learning_rate)
+  print(f"{mesh_cfg}: worst relative parameter difference (per tensor) {worst_tensor:.2g}")
   assert ref_losses[-1] < ref_losses[0]  # it trains
 
 

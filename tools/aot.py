@@ -74,8 +74,8 @@ from trainer import communication  # noqa: E402
 from trainer.program import Program, run_mesh  # noqa: E402
 
 EXIT_USER_ERROR = 2
-# Custom calls that mark a compiled Pallas kernel: Mosaic on TPU, Triton on GPU.
-KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton")
+# Custom calls that mark a compiled Pallas kernel: Mosaic on TPU, Triton and Mosaic GPU on GPU.
+KERNEL_CALLS = ("tpu_custom_call", "__gpu$xla.gpu.triton", "mosaic_gpu_v2")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class Report:
         + (f"; XLA's cost analysis {self.xla_flops:.3e} per chip (scan bodies once, Pallas "
            "kernels not at all: for information)" if self.xla_flops else ""),
     ]
-    if self.attention in ("flash", "splash") and not self.kernel_calls:
+    if self.attention in ("flash_triton", "flash_mosaic", "splash") and not self.kernel_calls:
       out.append(f"  note: no compiled {self.attention} kernel in the program: it was lowered in "
                  "interpret mode (the kernel chose that from this machine's backend, not the "
                  "target's), so the kernel itself was not compiled for the target")
@@ -257,7 +257,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
     with jax.set_mesh(mesh), no_persistent_cache():
       attention = resolve_impl(cfg.model.attention, mesh.abstract_mesh, dtype=cfg.model.dtype,
                                head_dim=program.model_cfg.dim_per_head,
-                               seq_len=cfg.data.seq_len)
+                               seq_len=cfg.data.seq_len, segments=True)  # training's batches
       lowered = program.jitted_step().lower(state, batch)
       compiled = lowered.compile()
   except Exception as e:  # noqa: BLE001
@@ -271,6 +271,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   seconds = time.perf_counter() - t0
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
                    state_bytes, while_loops(lowered))
+  report.compiled = compiled  # not a field (not in the JSON): for callers that read the program
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
     with no_persistent_cache():
       outer = program.compile_outer()

@@ -64,7 +64,6 @@ def report(cfg, batch_sizes, steps: int) -> list[dict]:
 
 
 def build_parser():
-  """The command line's parser (tests/test_docs.py parses the documented commands with it)."""
   from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("python -m tools.data_order", __doc__)
   parser.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32")
@@ -73,11 +72,11 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-  from trainer.config import ConfigError  # noqa: PLC0415
-  parser = build_parser()
   from data.meta import DataError  # noqa: PLC0415
   from data.mixture import MixtureError  # noqa: PLC0415
   from trainer.cli import load  # noqa: PLC0415
+  from trainer.config import ConfigError  # noqa: PLC0415
+  parser = build_parser()
   try:
     args, overrides = parser.parse(sys.argv[1:] if argv is None else argv)
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip().isdigit()]

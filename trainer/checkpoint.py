@@ -43,7 +43,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data import pipeline
-from data.prepare import DataError
+from data.meta import DataError
 from models.config import ModelConfig, functional_differences, overrides_to_match
 from trainer.distributed import exchange
 

@@ -33,6 +33,20 @@ from trainer.step import GuardConfig, make_eval_step, make_train_step
 # analysis cannot order the two (tests/test_train_step.py counts the copies; the TPU compiler
 # makes none). XLA's own host-offloading programs compile with this option on.
 COMPILER_OPTIONS = {"cpu": {"xla_cpu_copy_insertion_use_region_analysis": True}}
+# With `model.fp8` on a GPU: cuBLAS for the step's GEMMs instead of XLA's Triton GEMM fusions,
+# so that the forward, dX and dW products of models/fp8.py are cuBLASLt fp8 GEMMs
+# (`__cublas$lt$matmul$f8`). With Triton GEMMs enabled an ahead-of-time compile makes all three
+# Triton kernels, and the GPU run of issue 25 (autotuned) made one of the three cuBLASLt fp8
+# (tests/test_fp8.py reads the H100 program). The bf16 GEMMs of the step go to cuBLAS too.
+FP8_GPU_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compiler_options(platform: str, model_cfg) -> dict | None:
+  """The XLA options a step for `platform` compiles with: the fp8 rule, then the platform's own
+  (COMPILER_OPTIONS, which bench/variants.py's --xla A/Bs set, win)."""
+  options = dict(FP8_GPU_OPTIONS) if platform == "gpu" and model_cfg.fp8 else {}
+  options.update(COMPILER_OPTIONS.get(platform, {}))
+  return options or None
 
 
 def run_mesh(cfg: ml_collections.ConfigDict, devices=None) -> Mesh:
@@ -121,14 +135,14 @@ class Program:
       metrics = diloco.metrics_sharding(self.mesh)
     return jax.jit(step, in_shardings=(self.shardings, self.batch_sharding),
                    out_shardings=(self.shardings, metrics), donate_argnums=0,
-                   compiler_options=COMPILER_OPTIONS.get(mesh_platform(self.mesh)))
+                   compiler_options=compiler_options(mesh_platform(self.mesh), self.model_cfg))
 
   def jitted_outer(self):
     """A DiLoCo run's outer step, jitted: state -> (state, metrics) (trainer/diloco.py)."""
     return jax.jit(diloco.make_outer_step(self.outer_tx, self.diloco.replicas),
                    in_shardings=(self.shardings,),
                    out_shardings=(self.shardings, replicated(self.mesh)), donate_argnums=0,
-                   compiler_options=COMPILER_OPTIONS.get(mesh_platform(self.mesh)))
+                   compiler_options=compiler_options(mesh_platform(self.mesh), self.model_cfg))
 
   def compile_outer(self):
     """AOT-compile a DiLoCo run's outer step."""
