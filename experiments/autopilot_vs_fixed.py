@@ -23,7 +23,8 @@ come from its record: the ramp rebuilt from its `batch_change` events (experimen
 A run stops at the lowest of `--targets` or after `--max_examples` (80,000 sequences); the
 higher targets are read from the same runs' records.
 
-Measured runtime: 10.2 minutes on 2 CPU cores shared with other jobs (8 trainings).
+Measured runtime: 3.2 minutes on 2 CPU cores shared with other jobs (8 trainings, targets 2.7,
+2.6, 2.45).
 Outputs: OUT.csv (one row per run and target), OUT.png (steps vs tokens to each target; the
 autopilot's batch and B_simple over training). Deterministic on a given machine (fixed seeds
 and data order; a rerun gave the same steps and tokens).

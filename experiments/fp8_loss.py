@@ -20,7 +20,7 @@ data order, so a seed's two runs see the same data). Compared:
 Runs on any platform; on CPU fp8 is emulated (the same numbers), so only the curve means
 something there, not the time. Outputs: OUT.csv (one row per run and eval step), OUT.png (the
 eval curves and the paired differences against the noise band). Measured runtime with the
-defaults: 11 minutes on 2 busy CPU cores (6 runs of 300 steps).
+defaults: 12 minutes on 2 busy CPU cores (6 runs of 300 steps).
 """
 from __future__ import annotations
 

@@ -65,17 +65,36 @@ def _reference(q, k, v, seg, causal):
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="xla")
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_compiled_flash_kernel_matches_fp32_reference(name):
-  dtype, B, S, H, K, D, causal, segments = CASES[name]
-  q, k, v, do, seg = _inputs(B, S, H, K, D, segments, seed=len(name))
+def _case(case, seed):
+  """(the fp32 reference's output and gradients on the CPU, the GPU's inputs in the case's dtype,
+  the GPU's segment ids or None) of one attention case."""
+  dtype, B, S, H, K, D, causal, segments = case
+  q, k, v, do, seg = _inputs(B, S, H, K, D, segments, seed=seed)
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu), jax.default_matmul_precision("highest"):
     ref = _fwd_and_grads(lambda *a: _reference(*a, causal), q, k, v, do,
                          None if seg is None else jnp.asarray(seg))
     ref = [np.asarray(x, np.float64) for x in ref]
-  gpu_args = [jax.device_put(x.astype(dtype), jax.devices("gpu")[0]) for x in (q, k, v, do)]
-  seg_gpu = None if seg is None else jax.device_put(jnp.asarray(seg), jax.devices("gpu")[0])
+  gpu = jax.devices("gpu")[0]
+  gpu_args = [jax.device_put(x.astype(dtype), gpu) for x in (q, k, v, do)]
+  return ref, gpu_args, None if seg is None else jax.device_put(jnp.asarray(seg), gpu)
+
+
+def _as_close_as_xla(ours, xla, ref, floor):
+  """Each of out, dq, dk, dv at least as close to the fp32 reference as XLA's attention in the
+  same dtype (within 1.5x), or within `floor`."""
+  for part, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref):
+    o, x = np.asarray(o, np.float64), np.asarray(x, np.float64)
+    assert np.all(np.isfinite(o)), part
+    e_ours = np.linalg.norm(o - r) / np.linalg.norm(r)
+    e_xla = np.linalg.norm(x - r) / np.linalg.norm(r)
+    assert e_ours <= max(1.5 * e_xla, floor), (part, e_ours, e_xla)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_flash_kernel_matches_fp32_reference(name):
+  dtype, causal = CASES[name][0], CASES[name][6]
+  ref, gpu_args, seg_gpu = _case(CASES[name], seed=len(name))
   flash = lambda q, k, v, s: flash_attention(q, k, v, causal=causal, segment_ids=s,
                                              interpret=False)
   grads = jax.jit(lambda *a: _fwd_and_grads(flash, *a))
@@ -83,15 +102,7 @@ def test_compiled_flash_kernel_matches_fp32_reference(name):
   ours = grads(*gpu_args, seg_gpu)
   xla = jax.jit(lambda *a: _fwd_and_grads(lambda q, k, v, s: _reference(q, k, v, s, causal),
                                           *a))(*gpu_args, seg_gpu)
-
-  def err(x, r):
-    x = np.asarray(x, np.float64)
-    assert np.all(np.isfinite(x))
-    return np.linalg.norm(x - r) / np.linalg.norm(r)
-
-  for part, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref):
-    e_ours, e_xla = err(o, r), err(x, r)
-    assert e_ours <= max(1.5 * e_xla, FLOOR[dtype]), (part, e_ours, e_xla)
+  _as_close_as_xla(ours, xla, ref, FLOOR[dtype])
 
 
 MOSAIC_CASES = {  # the Mosaic GPU kernel (Hopper): 16-bit q/k/v, head dims a multiple of 64
@@ -109,27 +120,15 @@ def test_compiled_mosaic_kernel_matches_fp32_reference(name):
   from kernels.flash_mosaic import flash_attention_mosaic
   if float(getattr(jax.devices("gpu")[0], "compute_capability", "0")) < 9.0:
     pytest.skip("the Mosaic GPU kernel needs a Hopper GPU (wgmma)")
-  dtype, B, S, H, K, D, causal, segments = MOSAIC_CASES[name]
-  q, k, v, do, seg = _inputs(B, S, H, K, D, segments, seed=len(name))
-  cpu = jax.devices("cpu")[0]
-  with jax.default_device(cpu), jax.default_matmul_precision("highest"):
-    ref = _fwd_and_grads(lambda *a: _reference(*a, causal), q, k, v, do,
-                         None if seg is None else jnp.asarray(seg))
-    ref = [np.asarray(x, np.float64) for x in ref]
-  gpu_args = [jax.device_put(x.astype(dtype), jax.devices("gpu")[0]) for x in (q, k, v, do)]
-  seg_gpu = None if seg is None else jax.device_put(jnp.asarray(seg), jax.devices("gpu")[0])
+  causal = MOSAIC_CASES[name][6]
+  ref, gpu_args, seg_gpu = _case(MOSAIC_CASES[name], seed=len(name))
   mosaic = lambda q, k, v, s: flash_attention_mosaic(q, k, v, causal=causal, segment_ids=s)
   grads = jax.jit(lambda *a: _fwd_and_grads(mosaic, *a))
   assert grads.lower(*gpu_args, seg_gpu).as_text().count("mosaic_gpu") >= 3  # compiled kernels
   ours = grads(*gpu_args, seg_gpu)
   xla = jax.jit(lambda *a: _fwd_and_grads(lambda q, k, v, s: _reference(q, k, v, s, causal),
                                           *a))(*gpu_args, seg_gpu)
-  for part, o, x, r in zip(("out", "dq", "dk", "dv"), ours, xla, ref):
-    o, x = np.asarray(o, np.float64), np.asarray(x, np.float64)
-    assert np.all(np.isfinite(o)), part
-    e_ours = np.linalg.norm(o - r) / np.linalg.norm(r)
-    e_xla = np.linalg.norm(x - r) / np.linalg.norm(r)
-    assert e_ours <= max(1.5 * e_xla, FLOOR[jnp.bfloat16]), (part, e_ours, e_xla)
+  _as_close_as_xla(ours, xla, ref, FLOOR[jnp.bfloat16])
 
 
 def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
