@@ -342,3 +342,21 @@ def test_goodput_accounts_for_every_second():
   assert text.startswith("goodput 13.6% of 36.0 s wall time, 1 restart(s), up to step 12")
   assert "redone" in text and "(4 steps)" in text
   assert "start 1: fresh; first step 9.5 s after its process started; ended: killed" in text
+
+
+def test_goodput_command_prints_text_and_json_and_refuses_a_workdir_without_events(
+    tmp_path, capsys):
+  ev = lambda t, kind, **f: {"event": kind, "time": t, **f}
+  events = [ev(10, "start", process_start=9), ev(11, "restore", seconds=0.0, step=None, tier=None),
+            ev(12, "compile", seconds=1.0), ev(14, "steps", first=1, last=4, seconds=2.0,
+                                                  data_wait=0.0),
+            ev(15, "stop", status="done", step=4, message="")]
+  (tmp_path / "goodput.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+  assert goodput.main([str(tmp_path), "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  assert report["step"] == 4 and report["restarts"] == 0 and report["finished"]
+  assert report["goodput"] == pytest.approx(2.0 / 6) and report["wall_seconds"] == 6
+  assert goodput.main([str(tmp_path)]) == 0
+  assert capsys.readouterr().out.startswith("goodput 33.3% of 6.0 s wall time, 0 restart(s)")
+  assert goodput.main([str(tmp_path / "nothing")]) == 2
+  assert "goodput.jsonl does not exist" in capsys.readouterr().err
