@@ -1,20 +1,27 @@
-"""`Saver`: the training loop's checkpoint saves and when one counts as written.
+"""`Saver`: the training loop's checkpoint saves, to the persistent tier and to the local one, and
+when a save counts as written.
 
-A save hands the state, the data iterator's position, the config and the batch autopilot's
-decisions to `trainer/checkpoint.py`, which writes them asynchronously unless the save is
-blocking (the final one, or a preemption's). Before it starts, the previous background write is
-waited for (Orbax's save waits for it anyway), so an error of that write is reported under its
-own step, and the free space of the checkpoint directory is compared with the size of the newest
-checkpoint: a save that cannot fit is refused before anything is written ("no space left on
-device"). A save
-that fails anyway (the disk filled while writing, an unwritable directory) is reported in one
-line naming its step and cause, and its partial `<step>.orbax-checkpoint-tmp` directory is
-removed; earlier checkpoints stay readable. Orbax's own error logs and tracebacks of such a
-failure (absl ERROR records, "Event loop is closed" from its closed event loops) are silenced
-while the loop saves: the one line says it all. A failing storage is logged once per streak of
-failures and once more when saving works again. With several processes, a save counts as
-written only if it was written on all of them (one collective, `agree_any`), so every process
-takes the same decision after it. Time spent saving is not step time (`StepTimer.paused`).
+A save hands the state, the data iterator's position, the config, the batch autopilot's
+decisions and the topology (`trainer/elastic.py`) to `trainer/checkpoint.py` (persistent) or
+`trainer/local_tier.py` (local), which write them asynchronously unless the save is blocking
+(the final one, or a preemption's).
+
+Persistent saves: before one starts, the previous background write is waited for (Orbax's save
+waits for it anyway), so an error of that write is reported under its own step, and the free
+space of the checkpoint directory is compared with the size of the newest checkpoint: a save
+that cannot fit is refused before anything is written ("no space left on device"). A save that
+fails anyway (the disk filled while writing, an unwritable directory) is reported in one line
+naming its step and cause, and its partial `<step>.orbax-checkpoint-tmp` directory is removed;
+earlier checkpoints stay readable. Orbax's own error logs and tracebacks of such a failure (absl
+ERROR records, "Event loop is closed" from its closed event loops) are silenced while the loop
+saves: the one line says it all. A failing storage is logged once per streak of failures and
+once more when saving works again. With several processes, a persistent save counts as written
+only if it was written on all of them (one collective, `agree_any`), so every process takes the
+same decision after it.
+
+Local saves are best effort: one that fails or would fill the disk is logged once per streak and
+the run goes on (a restore counts a local step only where it is complete). Time spent saving is
+not step time (`StepTimer.paused`); how long each save blocked the loop is a goodput event.
 """
 from __future__ import annotations
 
@@ -24,12 +31,15 @@ import logging
 import os
 import shutil
 import sys
+import time
 
 import jax
 from jax.experimental import multihost_utils
 
+from data import pipeline
 from trainer.checkpoint import Checkpointer, first_line
 from trainer.decisions import agree_any
+from trainer.local_tier import LocalSaveSkipped, LocalTier
 
 ORBAX_TMP = "*.orbax-checkpoint-tmp*"  # where Orbax writes a checkpoint until it is complete
 
@@ -115,20 +125,23 @@ def silence_orbax_failures() -> None:
 
 
 class Saver:
-  """Starts checkpoints; a failing storage is reported once per streak (earlier checkpoints stay
-  readable). With several processes, a save counts as written only if it was on all of them."""
+  """Starts checkpoints of both tiers (module docstring). `topology()`: the topology item of a
+  save now; `events`: the run's goodput events (`trainer.run_report.Events`)."""
 
   def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
-               autopilot=None):
+               autopilot=None, *, local: LocalTier | None = None, topology=dict,
+               events=lambda *a, **k: None):
     self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
     self.timer, self.decider, self.log = timer, decider, log
-    self.autopilot = autopilot
+    self.autopilot, self.local, self.topology, self.events = autopilot, local, topology, events
     self.failing = False
+    self.local_failing = False
     self.last_step = None
     silence_orbax_failures()
 
   def __call__(self, step: int, state, train_iter, *, blocking: bool = False) -> bool:
     ckpt = self.checkpointer
+    t = time.perf_counter()
     with self.timer.paused():
       failed_step, error = step, None
       try:
@@ -137,23 +150,26 @@ class Saver:
         failed_step = step
         check_space(ckpt.directory, step, (ckpt.all_steps() or [None])[-1])
         ckpt.save(step, state, train_iter, self.data_spec, self.config,
-                  autopilot=None if self.autopilot is None else self.autopilot.state_dict())
+                  autopilot=self._autopilot(), topology=self.topology())
         self.last_step = step
         if blocking:
           ckpt.wait()
       except Exception as e:  # noqa: BLE001  storage errors of any kind
         error = e
-      if agree_any(error is not None):
-        removed = self._discard_partial()
-        if not self.failing:
-          good = [s for s in ckpt.all_steps() if s < (failed_step or step)]
-          reason = describe(error, ckpt.directory) if error is not None else \
-              "failed on another process"
-          self.log(f"checkpoint save at step {failed_step} failed ({reason}); "
-                   + (f"removed its partial {', '.join(removed)}; " if removed else "")
-                   + f"earlier checkpoints are untouched (newest: {good[-1] if good else 'none'})")
-        self.failing = True
-        return False
+      failed = agree_any(error is not None)
+      removed = self._discard_partial() if failed else []
+    self.events("checkpoint", step=step, tier="persistent", seconds=time.perf_counter() - t,
+                ok=not failed)
+    if failed:
+      if not self.failing:
+        good = [s for s in ckpt.all_steps() if s < (failed_step or step)]
+        reason = describe(error, ckpt.directory) if error is not None else \
+            "failed on another process"
+        self.log(f"checkpoint save at step {failed_step} failed ({reason}); "
+                 + (f"removed its partial {', '.join(removed)}; " if removed else "")
+                 + f"earlier checkpoints are untouched (newest: {good[-1] if good else 'none'})")
+      self.failing = True
+      return False
     if self.failing:
       self.log(f"checkpoint save at step {step} succeeded again")
     self.failing = False
@@ -170,3 +186,33 @@ class Saver:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("scaletrain: failed checkpoint save")
     return remove_partial(self.checkpointer.directory) if jax.process_index() == 0 else []
+
+  def to_local(self, step: int, state, train_iter) -> bool:
+    """Start a save to the local tier (every process, the same step). Never stops the run."""
+    t = time.perf_counter()
+    error = None
+    with self.timer.paused():
+      try:
+        self.local.check_for_errors()
+        meta = {"config": self.config, "autopilot": self._autopilot(),
+                "topology": self.topology(),
+                "data": pipeline.saved_state(train_iter.get_state(), self.data_spec)}
+        self.local.save(step, state, meta)
+      except Exception as e:  # noqa: BLE001  full disk, storage errors: the next save retries
+        error = e
+    self.events("checkpoint", step=step, tier="local", seconds=time.perf_counter() - t,
+                ok=error is None)
+    if error is not None:
+      if not self.local_failing:
+        reason = str(error) if isinstance(error, LocalSaveSkipped) else first_line(error)
+        self.log(f"local checkpoint at step {step} not written ({reason}); training goes on, "
+                 "and the next local save tries again")
+      self.local_failing = True
+      return False
+    if self.local_failing:
+      self.log(f"local checkpoint at step {step} written again")
+    self.local_failing = False
+    return True
+
+  def _autopilot(self) -> dict | None:
+    return None if self.autopilot is None else self.autopilot.state_dict()
