@@ -5,8 +5,9 @@
 Rerunning with the same --workdir resumes from its newest checkpoint. Command-line and config
 mistakes (an unknown argument or key, a wrong type, a config file that is missing, a directory,
 has a syntax error or raises in get_config(); a mesh that does not fit the devices, sizes that
-do not divide; a --workdir that is a file or cannot be written) are reported in one line with
-exit code 2, before anything is compiled.
+do not divide; a step that cannot fit a device's memory by a cheap lower bound,
+trainer/memory_bound.py; a --workdir that is a file or cannot be written) are reported in one
+line with exit code 2, before anything is compiled.
 
 Several processes (hosts) are started by running this same command on each of them: see
 trainer/distributed.py and docs/multihost.md.
@@ -15,7 +16,8 @@ Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not
 config or cannot be read, processes that cannot connect or do not agree); 3 stopped on a
 non-finite loss or a loss spike (policy "stop"; the newest checkpoint is the last good state);
 4 checkpoint storage failed (checkpoint.on_error = "stop"); 75 preempted by SIGTERM/SIGINT
-after saving a checkpoint (restart to continue).
+after saving a checkpoint (restart to continue); 130 a second Ctrl-C, which stops at once
+without saving (one line; the newest checkpoint is where a rerun resumes).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import os
 import sys
 
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def build_parser():
@@ -70,9 +73,10 @@ def main(argv: list[str]) -> int:
   from data.prepare import DataError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
   from trainer import distributed  # noqa: PLC0415
-  from trainer.cli import load  # noqa: PLC0415
+  from trainer.cli import load, quiet_library_logs  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer import memory_bound  # noqa: PLC0415
 
   try:
     config_path, workdir, overrides = parse_args(argv)
@@ -81,10 +85,12 @@ def main(argv: list[str]) -> int:
     # sure they all run the same thing (a disagreement is an error here, not a hang later).
     distributed.initialize(cfg.distributed)
     import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
-    from absl import logging as absl_logging  # noqa: PLC0415
-    absl_logging.set_verbosity(absl_logging.ERROR)  # library chatter; our own lines say it all
+    quiet_library_logs()
     distributed.check_agreement(cfg, workdir)
-    validate(cfg, jax.devices())
+    sizes = validate(cfg, jax.devices())
+    too_big = memory_bound.check(cfg, sizes, jax.local_devices())  # before compiling terabytes
+    if too_big:
+      raise ConfigError(too_big)
     check_workdir(workdir)
     from trainer.loop import Run  # noqa: PLC0415
     run = Run(cfg, workdir)
@@ -92,6 +98,10 @@ def main(argv: list[str]) -> int:
   except (ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
+  except KeyboardInterrupt:  # a second Ctrl-C (trainer/decisions.py StopSignals)
+    print("interrupted: stopped at once, without saving; rerun the command to resume from the "
+          "newest checkpoint", file=sys.stderr)
+    return EXIT_INTERRUPTED
   return result.exit_code
 
 

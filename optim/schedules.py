@@ -29,7 +29,8 @@ horizon as one of `decay_steps`, `decay_examples`, `decay_tokens` (all 0: `steps
 al. 2017's warmup of 5 epochs is a warmup in examples, which scales with the batch as theirs did.
 
 The horizon is a setting of its own (not `steps`) so that a run can be stopped and continued
-with a different `steps` and still follow the same curve, in every unit.
+with a different `steps` and still follow the same curve, in every unit: a run that leaves it
+unset gets the `steps` of its first start, kept in its checkpoints (trainer/horizon.py).
 
 Step decay. `halvings` finds where a decaying schedule (cosine, linear, wsd), past its warmup,
 has fallen to 1/2, 1/4, ... of its peak, evaluated at every step of a fixed batch; `step_decay`

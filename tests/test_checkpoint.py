@@ -50,9 +50,10 @@ def test_restore_is_exact_on_any_mesh(saved, data_dir, mesh_cfg, ndev):
   abstract = abstract_state(spec, tx)
   ckpt = Checkpointer(str(directory), keep=2)
   assert ckpt.latest_step() == 5
-  state, it, step = ckpt.restore_latest(
+  restored = ckpt.restore_latest(
       abstract, pipeline.StreamSpec(data_dir, "train", 32, 8), cfg.to_dict())
-  assert step == 5
+  state, it, step = restored.state, restored.iterator, restored.step
+  assert step == 5 and restored.tier == "persistent"
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state), want)
   w = state.params["blocks"]["attn"]["wq_EHD"]
   assert w.sharding == abstract.params["blocks"]["attn"]["wq_EHD"].sharding
@@ -78,10 +79,10 @@ def test_data_state_is_the_one_at_the_save_call(tmp_path, data_dir, async_save):
   for _ in range(3):
     next(it)
   ckpt.wait()
-  _, restored, step = Checkpointer(str(tmp_path), keep=1).restore_latest(
+  restored = Checkpointer(str(tmp_path), keep=1).restore_latest(
       abstract_state(spec, tx), data_spec, cfg.to_dict())
-  got = next(restored)
-  assert step == 1
+  got = next(restored.iterator)
+  assert restored.step == 1
   for key in pipeline.BATCH_KEYS:
     np.testing.assert_array_equal(got[key], want[key])
 

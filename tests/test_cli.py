@@ -76,6 +76,9 @@ def _config(tmp_path, text):
     (lambda t: ["--config", TINY, "--workdir", str(t / "w"), "--config.steps"],
      "--config.steps: no value; write --config.steps=VALUE"),
     (lambda t: ["--config", TINY], "the following arguments are required: --workdir"),
+    # Terabytes of attention scores (32 TB per device here): refused by a bound, not a compile.
+    (lambda t: ["--config", TINY, "--workdir", str(t / "w"), "--config.data.seq_len=1000000"],
+     "data.seq_len=1000000: a train step needs at least"),
     (lambda t: ["--config", TINY, "--workdir", "/proc"], "--workdir /proc: cannot write there"),
 ])
 def test_cli_mistake_is_one_line_exit_2(make_args, needle, tmp_path, capsys):

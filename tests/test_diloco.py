@@ -405,8 +405,9 @@ def test_checkpoint_restores_onto_another_mesh_with_the_same_m(tmp_path, data_di
   ckpt.wait()
   cfg = _run_cfg(**{"mesh.fsdp": 1, **{f"mesh.{k}": v for k, v in mesh.items()}})
   other = Program(cfg, run_mesh(cfg, jax.devices()[:ndev]))
-  got, _, step = Checkpointer(str(tmp_path), keep=1).restore_latest(
+  restored = Checkpointer(str(tmp_path), keep=1).restore_latest(
       other.abstract_state(), spec, cfg.to_dict())
+  got, step = restored.state, restored.step
   assert step == 1 and len(embed(got.anchor).sharding.device_set) == ndev
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), want)
 

@@ -187,3 +187,30 @@ def test_run_data_dir_of_a_mixture_run_is_its_first_source():
   from trainer.inference import run_data_dir
   assert run_data_dir({"dir": "", "mixture": "code=/d/a:0.7,prose=/d/b:0.3"}) == "/d/a"
   assert run_data_dir({"dir": "/d/c", "mixture": ""}) == "/d/c"
+
+
+def test_tools_name_what_the_user_typed_and_keep_quiet(run, tmp_path, capsys, caplog,
+                                                       monkeypatch):
+  workdir, _ = run
+  import logging  # noqa: PLC0415
+  from tools import convert as convert_cli  # noqa: PLC0415
+  monkeypatch.setattr(logging.getLogger("absl"), "level", logging.NOTSET)  # as a fresh process
+  missing = str(tmp_path / "no" / "such")
+  assert generate_cli.main(["--checkpoint", missing, "--prompt", "a"]) == 2
+  assert capsys.readouterr().err.strip() == (
+      f"error: --checkpoint={missing!r}: no checkpoint found there (give a workdir, its "
+      "checkpoints/ dir, or a step dir)")
+  with open(os.path.join(workdir, "config.json")) as f:
+    config_json = f.read()
+  assert convert_cli.main(["to-hf", workdir, "--out", workdir]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith(f"error: --out {workdir}: is the source's own directory") \
+      and len(err.splitlines()) == 1, err
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert f.read() == config_json
+  # Orbax's "Metadata file does not exist" (and other absl warnings) are not shown.
+  caplog.set_level(logging.WARNING)
+  assert generate_cli.main(["--checkpoint", workdir, "--prompt_ids", "1,2",
+                            "--max_new_tokens", "2"]) == 0
+  assert convert_cli.main(["to-hf", workdir, "--out", str(tmp_path / "hf")]) == 0
+  assert not [r.getMessage() for r in caplog.records if r.name == "absl"]

@@ -54,8 +54,9 @@ def child_env(devices: int, **extra) -> dict:
   return env
 
 
-def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300):
-  """Run train.py as `processes` processes of one run; [(returncode, stdout, stderr)]."""
+def start_processes(workdir, processes: int, args=(), per_process_args=None):
+  """Start train.py as `processes` processes of one run (8 CPU devices split between them);
+  their Popen objects (output piped)."""
   port = free_port()
   procs = []
   for pid in range(processes):
@@ -65,6 +66,12 @@ def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300)
     procs.append(subprocess.Popen(
         [sys.executable, "train.py", "--config", TINY, "--workdir", str(workdir), *args, *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300):
+  """Run train.py as `processes` processes of one run; [(returncode, stdout, stderr)]."""
+  procs = start_processes(workdir, processes, args, per_process_args)
   out = []
   try:
     for p in procs:

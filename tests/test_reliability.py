@@ -143,6 +143,18 @@ def test_preemption_signal_saves_and_exits_75(straight, tmp_path, sig):
   assert_same_tail(losses(tmp_path), straight["small"], stopped + 1)
 
 
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+  proc = start(tmp_path, 100000, "--config.checkpoint.every_steps=0")
+  wait_for_line(proc, "step 3:")
+  proc.send_signal(signal.SIGINT)
+  time.sleep(0.05)  # two signals before the handler runs would count as one
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 130, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  assert out.strip().splitlines()[-1].startswith("interrupted: stopped at once, without saving")
+
+
 # --- broken checkpoints ----------------------------------------------------------------------
 
 
@@ -211,6 +223,63 @@ def test_read_only_checkpoint_dir(straight, tmp_path, policy):
   steps_run = max(losses(tmp_path))
   assert steps_run == (6 if policy == "stop" else 8)
   # Every earlier checkpoint is still readable: the restart resumes from 4 and matches.
+  proc = train(tmp_path, 12)
+  assert proc.stdout.split("resumed from")[1].split()[0].endswith("/4")
+  assert_same_tail(losses(tmp_path), straight["small"], 5)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """`tmp_path/checkpoints` on a 4 MiB tmpfs (root only), and a function that leaves `free`
+  bytes free on it."""
+  mount = tmp_path / "checkpoints"
+  mount.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs",
+                                          str(mount)], capture_output=True).returncode:
+    pytest.skip("cannot mount a small tmpfs (needs root)")
+  filler = mount / "filler"
+
+  def leave_free(free):
+    filler.unlink(missing_ok=True)
+    with open(filler, "wb") as f:
+      f.write(b"\0" * max(shutil.disk_usage(mount).free - free, 0))
+    assert abs(shutil.disk_usage(mount).free - free) <= 4096
+
+  yield leave_free
+  subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_full_disk_during_a_save(straight, tmp_path, small_disk):
+  train(tmp_path, 4)
+  ckpts = os.path.join(tmp_path, "checkpoints")
+  # The disk fills while step 6's checkpoint is written: there is room for its bytes, not for
+  # the 4 KiB pages its ~20 files take. The failure, found when the next save waits for it,
+  # names step 6 and the cause, in one line.
+  small_disk(sum(os.path.getsize(p) for p in glob.glob(os.path.join(ckpts, "4", "**"),
+                                                       recursive=True) if os.path.isfile(p))
+             + 16384)
+  proc = train(tmp_path, 12, expect=4)
+  failures = [l for l in proc.stdout.splitlines() if "checkpoint save" in l]
+  assert len(failures) == 1 and failures[0].startswith(
+      "checkpoint save at step 6 failed (no space left on device in"), proc.stdout
+  assert "removed its partial 6.orbax-checkpoint-tmp" in failures[0]
+  assert "earlier checkpoints are untouched (newest: 4)" in failures[0]
+  assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]
+  assert max(losses(tmp_path)) == 8  # stopped at the next save, which waited for step 6's
+  assert sorted(os.listdir(ckpts)) == ["2", "4", "filler"]
+  # Too little space for a checkpoint: refused before anything is written; the run stops there.
+  small_disk(64 * 1024)
+  proc = train(tmp_path, 12, expect=4)
+  failures = [l for l in proc.stdout.splitlines() if "checkpoint save" in l]
+  assert len(failures) == 1 and failures[0].startswith(
+      "checkpoint save at step 6 failed (no space left on device: the checkpoint of step 6 "
+      "needs"), proc.stdout
+  steps_run = [l.split(":")[0] for l in proc.stdout.splitlines() if l.startswith("step ")]
+  assert "stopped at step 6" in proc.stdout and steps_run == ["step 5", "step 6"]
+  assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]
+  assert sorted(os.listdir(ckpts)) == ["2", "4", "filler"]
+  # Space again: the run resumes from 4 and follows the uninterrupted run.
+  os.remove(os.path.join(ckpts, "filler"))
   proc = train(tmp_path, 12)
   assert proc.stdout.split("resumed from")[1].split()[0].endswith("/4")
   assert_same_tail(losses(tmp_path), straight["small"], 5)

@@ -106,9 +106,13 @@ def test_mismatched_config_is_refused(tmp_path):
   assert result.status == "done" and result.step == 4
   # The global batch and the micro-batch are not part of what a checkpoint fixes: the data
   # order continues at the windows consumed (data/pipeline.py), as a batch ramp does.
-  result = _run(tmp_path, **{"steps": 6, "data.global_batch_size": 16,
-                             "data.micro_batch_size": 8, "model.parametrization": "mup"})
+  # The schedule's clock keeps the batch history (trainer/elastic.py; tests/test_local_tier.py).
+  run = Run(tiny_config(**{"steps": 6, "data.global_batch_size": 16,
+                           "data.micro_batch_size": 8, "model.parametrization": "mup"}),
+            str(tmp_path))
+  result = run.train()
   assert result.status == "done" and result.step == 6
+  assert run.ramp.stages_by_step() == [(0, 8), (4, 16)]
 
 
 def test_init_from_loads_parameters_only(tmp_path):

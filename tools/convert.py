@@ -71,8 +71,13 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
   from trainer.inference import copy_tokenizer, restore_params, tokenizer_dir  # noqa: PLC0415
 
   from models.hf import ConvertError  # noqa: PLC0415
+  step_dir = resolve_step_dir(src, "to-hf SRC")
+  if _holds_a_run(out_dir, step_dir):
+    raise ConvertError(f"--out {out_dir}: is the source's own directory or holds a run or "
+                       "checkpoint (writing config.json and the weights there would overwrite "
+                       f"its files); give a new directory, e.g. --out {os.path.join(src, 'hf')}")
   mesh = mesh or mesh_from_overrides([])
-  spec, params, config, _ = restore_params(src, mesh)
+  spec, params, config, _ = restore_params(src, mesh, flag="to-hf SRC")
   if spec.cfg.width_multiplier != 1.0:
     # Hugging Face's Llama has no output or query multipliers to carry muP's 1/m and 1/D.
     raise ConvertError(f"{src}: a muP model at width multiplier {spec.cfg.width_multiplier:g} "
@@ -81,7 +86,7 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
   hf_meta = config.get("hf", {})
   special = {"bos_id": hf_meta.get("bos_token_id"), "eos_id": hf_meta.get("eos_token_id"),
              "pad_id": hf_meta.get("pad_token_id")}
-  tok_dir = tokenizer_dir(resolve_step_dir(src), config)
+  tok_dir = tokenizer_dir(step_dir, config)
   if "data" in config:  # a training run: its data dir names the tokenizer
     special, tok_dir = _training_tokenizer(config, special)
   max_pos = hf_meta.get("max_position_embeddings") or config.get("data", {}).get("seq_len", 2048)
@@ -89,6 +94,18 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
                   max_shard_bytes=max_shard_bytes, max_position_embeddings=max_pos,
                   special_ids=special)
   return files + copy_tokenizer(tok_dir, out_dir)
+
+
+def _holds_a_run(out_dir: str, step_dir: str) -> bool:
+  """Whether `out_dir` is the checkpoint `step_dir`, its checkpoints dir or workdir, or any
+  directory holding a training run or a checkpoint (what to-hf must never write into)."""
+  out = os.path.realpath(out_dir)
+  own = {os.path.realpath(step_dir)}
+  parent = os.path.dirname(os.path.realpath(step_dir))
+  if os.path.basename(parent) == "checkpoints":
+    own |= {parent, os.path.dirname(parent)}
+  return out in own or any(os.path.exists(os.path.join(out, name))
+                           for name in ("checkpoints", "state", "metrics.jsonl"))
 
 
 def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
@@ -124,9 +141,11 @@ def main(argv: list[str]) -> int:
   from models.hf import ConvertError  # noqa: PLC0415
   from sharding.mesh import MeshError  # noqa: PLC0415
   from trainer.checkpoint import CheckpointError  # noqa: PLC0415
+  from trainer.cli import quiet_library_logs  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args, overrides = build_parser().parse(argv)
+    quiet_library_logs()
     mesh = mesh_from_overrides(overrides)
     if args.cmd == "from-hf":
       cfg = from_hf(args.hf_dir, args.out, param_dtype=args.param_dtype, mesh=mesh)

@@ -39,10 +39,12 @@ def build_parser():
 def main(argv: list[str]) -> int:
   platforms.choose()
   from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.cli import quiet_library_logs  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   parser = build_parser()
   try:
     args, overrides = parser.parse(argv)
+    quiet_library_logs()
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

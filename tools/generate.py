@@ -38,10 +38,12 @@ def build_parser():
 def main(argv: list[str]) -> int:
   platforms.choose()
   from sharding.mesh import MeshError  # noqa: PLC0415
+  from trainer.cli import quiet_library_logs  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
   parser = build_parser()
   try:
     args, overrides = parser.parse(argv)
+    quiet_library_logs()
     if bool(args.prompt) == bool(args.prompt_ids):
       parser.error("give --prompt TEXT or --prompt_ids 1,2,3 (either may repeat), not both")
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 \

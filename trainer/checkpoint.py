@@ -1,9 +1,12 @@
 """Orbax checkpoints of the whole run: train state, data-iterator position, config.
 
-Layout: `<workdir>/checkpoints/<step>/{state,data,config}`. `state` is the TrainState (arrays
-written by tensorstore, restored straight into the shardings of the *current* mesh, so a run
-saved on 8 devices continues on 1 or on a different split); `data` is the grain iterator state
-(JSON, one file per process); `config` is the resolved config (JSON). Nothing is pickled.
+Layout: `<workdir>/checkpoints/<step>/{state,data,config,topology}`. `state` is the TrainState
+(arrays written by tensorstore, restored straight into the shardings of the *current* mesh, so a
+run saved on 8 devices continues on 1 or on a different split); `data` is the grain iterator
+state (JSON, one file per process); `config` is the resolved config (JSON); `topology` the
+devices, mesh and batch history the steps ran with (`trainer/elastic.py`). Nothing is pickled.
+This is the persistent tier; `trainer/local_tier.py` is the fast local one beside it, and
+`restore_latest` takes the newest complete step of either.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the devices and the data
 state is taken, and the files (arrays, data state, config) are written in the background while
@@ -13,7 +16,7 @@ mid-save leaves the previous checkpoints as they were and no half checkpoint und
 
 Reading is defensive. The newest checkpoint is checked against the config first (parameter
 names and shapes, optimizer kind, data layout): a mismatch is a user error and is refused with
-a message naming it. A checkpoint that cannot be read (truncated or missing files) is reported
+a message naming it. A checkpoint that cannot be read (truncated or missing files, its config's included) is reported
 in one line and the previous one is tried; unreadable ones are moved aside to
 `<workdir>/checkpoints.unreadable/` (never deleted) once an older one has been restored. If
 none can be read the run stops rather than silently starting over.
@@ -42,6 +45,7 @@ from jax.experimental import multihost_utils
 from data import pipeline
 from data.meta import DataError
 from models.config import ModelConfig, functional_differences, overrides_to_match
+from trainer.distributed import exchange
 
 
 SAVE_SWITCH_INTERVAL = 2e-4  # seconds; see _short_gil_switch_interval
@@ -58,6 +62,36 @@ class CheckpointError(RuntimeError):
 MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len", "optim.diloco.replicas")
 
 
+class UnreadableConfig(ValueError):
+  """A checkpoint's `config` item is missing or is not the JSON it was written as."""
+
+
+def read_saved_config(step_dir: str) -> dict:
+  """The config saved in one checkpoint's directory; raises UnreadableConfig naming the file."""
+  path = os.path.join(step_dir, "config", "metadata")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UnreadableConfig(f"its config {path} cannot be read ({first_line(e)})") from None
+  if not isinstance(saved, dict):
+    raise UnreadableConfig(f"its config {path} holds no config")
+  return saved
+
+
+def newest_saved_config(directory: str) -> tuple[int, dict] | None:
+  """(step, config) of the newest checkpoint under `directory` whose config can be read, or
+  None (no checkpoint, or none with a readable config)."""
+  steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True) \
+      if os.path.isdir(directory) else []
+  for step in steps:
+    try:
+      return step, read_saved_config(os.path.join(directory, str(step)))
+    except UnreadableConfig:
+      continue
+  return None
+
+
 def _get(tree: dict, dotted: str):
   for part in dotted.split("."):
     if not isinstance(tree, dict) or part not in tree:
@@ -66,7 +100,19 @@ def _get(tree: dict, dotted: str):
   return tree
 
 
+class SavedShapes(dict):
+  """{leaf path: shape} of a saved tree, where the tree itself is not at hand (a local step)."""
+
+
+def leaf_keys(tree) -> list[str]:
+  """"a/b/c" paths of a pytree's leaves, in flatten order."""
+  return ["/".join(_key_name(k) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def _paths_and_shapes(tree) -> dict[str, tuple]:
+  if isinstance(tree, SavedShapes):
+    return {k: tuple(v) for k, v in tree.items()}
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     key = "/".join(_key_name(k) for k in path)
@@ -234,7 +280,8 @@ class Checkpointer:
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "data": DataStateHandler(),
                        "config": ocp.JsonCheckpointHandler(),
-                       "autopilot": ocp.JsonCheckpointHandler()})
+                       "autopilot": ocp.JsonCheckpointHandler(),
+                       "topology": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -250,10 +297,12 @@ class Checkpointer:
     self.manager.check_for_errors()
 
   def save(self, step: int, state, data_iterator, data_spec: pipeline.StreamSpec,
-           config: dict, autopilot: dict | None = None) -> None:
+           config: dict, autopilot: dict | None = None, topology: dict | None = None) -> None:
     """Start saving (async unless configured otherwise). Raises on storage errors.
-    `autopilot`: the batch autopilot's decisions (JSON, `optim/autopilot.py`), if it runs."""
-    extra = {} if autopilot is None else {"autopilot": ocp.args.JsonSave(autopilot)}
+    `autopilot`: the batch autopilot's decisions (JSON, `optim/autopilot.py`), if it runs;
+    `topology`: the devices, mesh and batch history (`trainer/elastic.py`)."""
+    extra = {k: ocp.args.JsonSave(v) for k, v in
+             (("autopilot", autopilot), ("topology", topology)) if v is not None}
     with _short_gil_switch_interval():
       self.manager.save(step, args=ocp.args.Composite(
           state=ocp.args.StandardSave(state),
@@ -276,7 +325,10 @@ class Checkpointer:
   # Reading
 
   def saved_config(self, step: int) -> dict:
-    return self._saved_json(step, "config") or {}
+    """The config checkpoint `step` was written with; raises UnreadableConfig if it is missing
+    or damaged (the checkpoint is then as unreadable as one with a damaged state: without its
+    config nothing can check that it fits this run)."""
+    return read_saved_config(os.path.join(self.directory, str(step)))
 
   def saved_autopilot(self, step: int) -> dict | None:
     """The batch autopilot's state saved with checkpoint `step`, or None if it has none."""
@@ -296,70 +348,93 @@ class Checkpointer:
     """Raise CheckpointError if checkpoint `step` was written by an incompatible config or on
     data of another tokenizer; returns the line that says how the data order changes, if it
     does (`data.pipeline.restored_state`)."""
-    saved_config = self.saved_config(step)
+    saved_config = self.saved_config(step)  # UnreadableConfig: restore_latest falls back
     try:
       saved_tree = self.manager.item_metadata(step)["state"].tree
     except Exception:  # noqa: BLE001  unreadable metadata: the restore attempt will report it
       saved_tree = None
-    reason = describe_mismatch(saved_config, config, saved_tree, abstract_state)
-    if not reason and data_spec is not None:
-      try:
-        saved_data = read_data_states(os.path.join(self.directory, str(step), "data"))
-      except (OSError, ValueError):
-        saved_data = None  # unreadable: the restore attempt will report it
-      if saved_data is not None:
-        try:
-          return pipeline.restored_state(saved_data, data_spec, windows_before)[1]
-        except DataError as e:
-          reason = str(e)
-        except (KeyError, TypeError, ValueError):
-          pass  # malformed: the restore attempt will report it
-    if reason:
-      raise CheckpointError(
-          f"checkpoint {self.directory}/{step} does not match this config: {reason}. Use a new "
-          "--workdir (optionally with --config.checkpoint.init_from=<old workdir> to start from "
-          "its parameters), or the config it was written with")
-    return None
+    try:
+      saved_data = read_data_states(os.path.join(self.directory, str(step), "data"))
+    except (OSError, ValueError):
+      saved_data = None  # unreadable: the restore attempt will report it
+    return check_saved(f"{self.directory}/{step}", saved_config, saved_tree,
+                       saved_data, abstract_state, config, data_spec, windows_before)
+
+  def restore_step(self, step: int, abstract_state, data_spec: pipeline.StreamSpec,
+                   windows_before: int | None = None):
+    """(state, data iterator) of checkpoint `step`, or the first line of why it cannot be read.
+    Every process settles on the same answer (one unreadable shard anywhere rejects it)."""
+    iterator = iter(pipeline.dataset(data_spec))
+    error = None
+    try:
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          data=DataStateRestore(iterator, data_spec, windows_before),
+      ))
+    except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
+      error = first_line(e)
+    if not _all_processes(error is None):
+      return error or "on another process"
+    return restored.state, iterator
 
   def restore_latest(self, abstract_state, data_spec: pipeline.StreamSpec, config: dict,
                      *, allow_fresh_start: bool = False,
-                     windows_before: Callable[[int], int] | None = None):
-    """(state, data iterator, step) from the newest readable checkpoint, or None if there is
-    none. Falls back past unreadable checkpoints; raises CheckpointError if none is readable.
-    `windows_before(step)`: the windows the steps before `step` read, where a data state of the
-    earlier per-row reader continues (None: such a state is refused)."""
+                     windows_before: Callable[[int], int] | None = None,
+                     local: "LocalTier | None" = None) -> "Restored | None":
+    """The newest readable step of this tier and of `local` (the local tier), or None if there
+    is none. A step of both is read from the local tier if it is complete there (faster), else
+    from this one. Falls back past unreadable steps; raises CheckpointError if none is
+    readable. `windows_before(step)`: the windows the steps before `step` read, where a data
+    state of the earlier per-row reader continues (None: such a state is refused)."""
     steps = self.all_steps()
-    if not steps:
+    local_steps = local.steps() if local is not None else []
+    if not steps and not local_steps:
       return None
     unreadable = []
-    for step in reversed(steps):
+    for step in sorted(set(steps) | set(local_steps), reverse=True):
       before = windows_before(step) if windows_before is not None else None
-      note = self.check_compatible(step, abstract_state, config, data_spec, before)
-      iterator = iter(pipeline.dataset(data_spec))
-      error = None
+      if step in local_steps:
+        restored = restore_local(local, step, abstract_state, config, data_spec, before)
+        if isinstance(restored, Restored):
+          self._set_aside(unreadable)
+          local.drop_newer(step)
+          return restored
+        self.log(f"local checkpoint {step} is not complete ({restored}); trying "
+                 + ("the persistent one" if step in steps else "the previous one"))
+      if step not in steps:
+        continue
+      error = note = None
       try:
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=DataStateRestore(iterator, data_spec, before),
-        ))
-      except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
-        error = first_line(e)
-      # Every process must settle on the same step: one unreadable shard anywhere rejects it.
+        note = self.check_compatible(step, abstract_state, config, data_spec, before)
+      except UnreadableConfig as e:  # as unreadable as a damaged state: fall back
+        error = str(e)
+      # Every process must settle on the same step before the (collective) restore.
       if not _all_processes(error is None):
-        self.log(f"checkpoint {self.directory}/{step} is unreadable "
-                 f"({error or 'on another process'}); trying the previous one")
+        restored = error or "on another process"
+      else:
+        restored = self.restore_step(step, abstract_state, data_spec, before)
+      if isinstance(restored, str):
+        self.log(f"checkpoint {self.directory}/{step} is unreadable ({restored}); trying the "
+                 "previous one")
         unreadable.append(step)
         continue
       self._set_aside(unreadable)
+      if local is not None:
+        local.drop_newer(step)
       if note:
         self.log(f"checkpoint {step}: {note}")
-      return restored.state, iterator, step
+      items = {k: self._saved_json(step, k) for k in ("autopilot", "topology")}
+      return Restored(*restored, step, "persistent", f"{self.directory}/{step}", items)
+    tried = ", ".join(map(str, sorted(set(steps) | set(local_steps), reverse=True)))
     if not allow_fresh_start:
       raise CheckpointError(
-          f"no readable checkpoint in {self.directory} (tried steps "
-          f"{', '.join(map(str, reversed(steps)))}); nothing was deleted. Inspect or move them, "
-          "or pass --config.checkpoint.allow_fresh_start=true to set them aside and start over")
+          f"no readable checkpoint in {self.directory}"
+          + (f" or {local.root}" if local is not None else "") + f" (tried steps {tried}); "
+          "nothing was deleted. Inspect or move them, or pass "
+          "--config.checkpoint.allow_fresh_start=true to set them aside and start over")
     self._set_aside(unreadable)
+    if local is not None:
+      local.drop_newer(None)
     return None
 
   def _set_aside(self, steps: list[int]) -> None:
@@ -379,12 +454,76 @@ class Checkpointer:
     self.manager.reload()
 
 
+@dataclasses.dataclass
+class Restored:
+  """A restored checkpoint: the train state, the data iterator at its position, the step, the
+  tier it came from ("persistent" or "local"), where exactly, and its small JSON items
+  (`autopilot`, `topology`; None where it has none)."""
+  state: Any
+  iterator: Any
+  step: int
+  tier: str
+  source: str
+  items: dict
+
+
+def check_saved(where: str, saved_config: dict, saved_tree, saved_data: list[dict] | None,
+                abstract_state, config: dict, data_spec: pipeline.StreamSpec | None,
+                windows_before: int | None) -> str | None:
+  """Raise CheckpointError if the checkpoint at `where` (its config, its tree or
+  `SavedShapes`, and its data states; None: unreadable, left to the restore) was written by
+  an incompatible config or on data of another tokenizer; returns the line that says how the
+  data order changes, if it does (`data.pipeline.restored_state`)."""
+  reason = describe_mismatch(saved_config, config, saved_tree, abstract_state)
+  if not reason and data_spec is not None and saved_data is not None:
+    try:
+      return pipeline.restored_state(saved_data, data_spec, windows_before)[1]
+    except DataError as e:
+      reason = str(e)
+    except (KeyError, TypeError, ValueError):
+      pass  # malformed: the restore attempt will report it
+  if reason:
+    raise CheckpointError(
+        f"checkpoint {where} does not match this config: {reason}. Use a new "
+        "--workdir (optionally with --config.checkpoint.init_from=<old workdir> to start from "
+        "its parameters), or the config it was written with")
+  return None
+
+
+def restore_local(local, step: int, abstract_state, config: dict,
+                  data_spec: pipeline.StreamSpec, windows_before: int | None):
+  """`Restored` from local step `step` (`trainer/local_tier.py`), or why it cannot be. Its
+  config and data position are checked like a persistent checkpoint's; every process takes the
+  small items from any copy (they are the same on all)."""
+  copies = [m for m in local.metas(step).values()]
+  meta = copies[0] if copies else None
+  if local.count > 1:
+    keys = ("config", "data", "autopilot", "topology", "keys", "shapes")
+    rows = exchange({k: meta[k] for k in keys} if meta else {}, local.timeout_s)
+    meta = next((r for r in rows if r), None)
+  if meta is None:
+    return "no process has a copy"
+  where = f"{local.root}/process_*/{step}"
+  note = check_saved(where, meta["config"], SavedShapes(zip(meta["keys"], meta["shapes"])),
+                     [meta["data"]], abstract_state, config, data_spec, windows_before)
+  state, how = local.restore(step, abstract_state)
+  if state is None:
+    return how
+  iterator = iter(pipeline.dataset(data_spec))
+  iterator.set_state(pipeline.restored_state([meta["data"]], data_spec, windows_before)[0])
+  if note:
+    local.log(f"checkpoint {step}: {note}")
+  return Restored(state, iterator, step, "local", f"{where} ({how})",
+                  {k: meta.get(k) for k in ("autopilot", "topology")})
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameters only, from another run (warm starts, fine-tuning)
 
 
-def resolve_step_dir(path: str) -> str:
-  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read."""
+def resolve_step_dir(path: str, flag: str = "checkpoint.init_from") -> str:
+  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read. `flag`: what the
+  user gave the path as (named in the error)."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     path = os.path.join(path, "checkpoints")
@@ -392,7 +531,7 @@ def resolve_step_dir(path: str) -> str:
     return path
   steps = sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
   if not steps:
-    raise CheckpointError(f"checkpoint.init_from={path!r}: no checkpoint found there "
+    raise CheckpointError(f"{flag}={path!r}: no checkpoint found there "
                           "(give a workdir, its checkpoints/ dir, or a step dir)")
   return os.path.join(path, str(steps[-1]))
 

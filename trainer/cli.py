@@ -21,6 +21,13 @@ import ml_collections
 from trainer.config import ConfigError, default_config
 
 
+def quiet_library_logs() -> None:
+  """Silence the libraries' absl chatter below ERROR (Orbax's "Metadata file does not exist",
+  ...): train.py and the tools say what matters in their own lines."""
+  from absl import logging as absl_logging  # noqa: PLC0415
+  absl_logging.set_verbosity(absl_logging.ERROR)
+
+
 def load_config_file(path: str) -> ml_collections.ConfigDict:
   """The ConfigDict of a config file's `get_config()`. Every way the file can fail (missing, a
   directory, a syntax error, an exception while it runs) is one ConfigError line naming the file

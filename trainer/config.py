@@ -126,6 +126,10 @@ def default_config() -> ml_collections.ConfigDict:
           margin=2.0, eta=0.8,
           patience=2,  # measurements in a row the trigger must hold
       )),
+      # Restarting on more or fewer data-parallel devices (trainer/elastic.py): "keep" the
+      # global batch (more or fewer micro-batches) or "rescale" it with the devices (rows per
+      # device kept, hyperparameters re-derived by the batch rules)
+      on_resize="keep",
   ))
 
   c.optim = ml_collections.ConfigDict(dict(
@@ -185,6 +189,11 @@ def default_config() -> ml_collections.ConfigDict:
       on_error="stop",  # a failed save: "stop" (exit 4) or "continue" (retry at the next save)
       allow_fresh_start=False,  # if no checkpoint in the workdir is readable: start over
       init_from="",  # another run's workdir / checkpoint: load its parameters (fresh runs only)
+      # The local tier (trainer/local_tier.py): a node-local directory (local SSD, /dev/shm;
+      # its name may differ between nodes) saved every local_every_steps steps, each process's
+      # shards plus a copy of its peer's; keeps local_keep steps per process. A restart takes
+      # the newest complete step of either tier.
+      local_dir="", local_every_steps=0, local_keep=2,
   ))
 
   # Several processes (hosts) in one run: see trainer/distributed.py for where the values come

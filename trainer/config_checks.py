@@ -184,6 +184,26 @@ def _check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
   return AutoConfig.from_config(d).sizes()
 
 
+def _check_local_tier(cfg: ml_collections.ConfigDict) -> None:
+  """checkpoint.local_* (trainer/local_tier.py) and data.on_resize (trainer/elastic.py)."""
+  from trainer.elastic import RESIZE_MODES  # noqa: PLC0415
+  ck, d = cfg.checkpoint, cfg.data
+  _need(ck.local_every_steps >= 0,
+        f"checkpoint.local_every_steps={ck.local_every_steps}: must be >= 0 (0 = no local tier)")
+  _need(ck.local_keep >= 1, f"checkpoint.local_keep={ck.local_keep}: must be >= 1")
+  _need(bool(ck.local_dir) == bool(ck.local_every_steps),
+        f"checkpoint.local_every_steps={ck.local_every_steps} needs checkpoint.local_dir (a "
+        "node-local directory, e.g. /dev/shm/<run>)" if ck.local_every_steps else
+        f"checkpoint.local_dir={ck.local_dir!r} needs checkpoint.local_every_steps (how often "
+        "to save there)")
+  _need(not ck.local_dir or "://" not in ck.local_dir,
+        f"checkpoint.local_dir={ck.local_dir!r}: must be a filesystem path on this node")
+  _choice(cfg, "data.on_resize", RESIZE_MODES)
+  _need(d.on_resize == "keep" or not d.batch_ramp,
+        f"data.on_resize='rescale' with data.batch_ramp={d.batch_ramp!r}: the ramp (or the "
+        "autopilot) decides the batch; use data.on_resize='keep'")
+
+
 def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
   """(vocabulary size, description) of the run's data: data.dir's or data.mixture's meta.json
   (all mixture sources share a tokenizer), or the byte tokenizer of the default corpus. The
@@ -414,6 +434,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
 
   ck, t = cfg.checkpoint, cfg.trainer
   _need(ck.every_seconds >= 0, f"checkpoint.every_seconds={ck.every_seconds}: must be >= 0")
+  _check_local_tier(cfg)
   _choice(cfg, "checkpoint.on_error", ("stop", "continue"))
   _choice(cfg, "trainer.nonfinite_policy", ("skip", "stop"))
   _choice(cfg, "trainer.spike_policy", ("off", "skip", "stop"))

@@ -1,8 +1,8 @@
 """When a run logs, evaluates, checkpoints and stops: decided in one place, the same on every
 process.
 
-Step counts (`log_every`, `eval_every`, `checkpoint.every_steps`, the last step, a DiLoCo run's
-outer steps every `optim.diloco.inner_steps`) give the same answer on every process by
+Step counts (`log_every`, `eval_every`, `checkpoint.every_steps` and `local_every_steps`, the last
+step, a DiLoCo run's outer steps every `optim.diloco.inner_steps`) give the same answer on every process by
 construction. Two inputs are per process: a stop signal and the wall
 clock (`checkpoint.every_seconds`). A save, an evaluation or a stop leads into collectives, so a
 decision taken from a per-process input alone can send processes down different paths and
@@ -89,6 +89,7 @@ class Decision:
   later, while the next step runs."""
   log: bool = False
   save: bool = False
+  local_save: bool = False  # a save to the local tier (a persistent save due supersedes it)
   evaluate: bool = False
   final: bool = False
   preempted: str | None = None  # the reason, when a stop signal ends the run
@@ -96,7 +97,7 @@ class Decision:
 
   @property
   def read(self) -> bool:
-    return self.save or self.evaluate or self.preempted is not None
+    return self.save or self.local_save or self.evaluate or self.preempted is not None
 
 
 class Decider:
@@ -109,6 +110,7 @@ class Decider:
     self.noise_every = cfg.optim.noise_scale_every
     self.diloco = DiLoCoConfig.from_config(cfg.optim)
     self.save_every = cfg.checkpoint.every_steps
+    self.local_every = cfg.checkpoint.local_every_steps
     self.save_seconds = cfg.checkpoint.every_seconds
     self.signals = signals
     self.multi_process = jax.process_count() > 1
@@ -149,8 +151,10 @@ class Decider:
     save = (bool(self.save_every) and step % self.save_every == 0) or due_time or final
     evaluate = bool(self.eval_every) and (step % self.eval_every == 0 or final)
     outer = self.diloco is not None and self.diloco.is_outer_step(step)
-    return Decision(log=log, save=save or preempted is not None, evaluate=evaluate,
-                    final=final, preempted=preempted, outer=outer)
+    save = save or preempted is not None
+    local = bool(self.local_every) and step % self.local_every == 0 and not save
+    return Decision(log=log, save=save, local_save=local, evaluate=evaluate, final=final,
+                    preempted=preempted, outer=outer)
 
 
 class MetricsWindow:

@@ -270,7 +270,8 @@ def code_fingerprint(root: str = ROOT) -> str:
 
 
 def fingerprint(cfg, workdir: str) -> dict[str, Any]:
-  """What every process of one run must have in common (the process id is left out)."""
+  """What every process of one run must have in common (the process id is left out, and the
+  local checkpoint tier's directory: node-local, it may be named differently on each node)."""
   import flax  # noqa: PLC0415
   import jax  # noqa: PLC0415
   import jaxlib  # noqa: PLC0415
@@ -278,6 +279,7 @@ def fingerprint(cfg, workdir: str) -> dict[str, Any]:
 
   config = cfg.to_dict()
   config.get("distributed", {}).pop("process_id", None)
+  config.get("checkpoint", {}).pop("local_dir", None)
   devices = jax.local_devices()
   return {
       "config": config,

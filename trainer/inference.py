@@ -22,7 +22,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig, functional_differences, overrides_to_match
-from trainer.checkpoint import CheckpointError, load_params, resolve_step_dir
+from trainer.checkpoint import (CheckpointError, UnreadableConfig, load_params,
+                                read_saved_config, resolve_step_dir)
 from trainer.state import ModelSpec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -30,17 +31,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 _VOCAB_FILES = ("tokenizer.json", "tokenizer.model")  # without one of these there is none
 
 
-def source_config(src: str) -> tuple[str, dict]:
-  """(step dir, the config saved with it) of a source."""
-  step_dir = resolve_step_dir(src)
-  path = os.path.join(step_dir, "config", "metadata")
+def source_config(src: str, flag: str = "--checkpoint") -> tuple[str, dict]:
+  """(step dir, the config saved with it) of a source; `flag`: what the user gave it as."""
+  step_dir = resolve_step_dir(src, flag)
   try:
-    with open(path) as f:
-      config = json.load(f)
-  except (OSError, ValueError) as e:
-    raise CheckpointError(f"{src}: cannot read its config ({path}: {e})") from None
+    config = read_saved_config(step_dir)
+  except UnreadableConfig as e:
+    raise CheckpointError(f"{flag}={src!r}: {e}") from None
   if "model" not in config:
-    raise CheckpointError(f"{src}: its config ({path}) has no model block")
+    raise CheckpointError(f"{flag}={src!r}: its config ({step_dir}/config/metadata) has no "
+                          "model block")
   return step_dir, config
 
 
@@ -48,13 +48,13 @@ def model_config(config: dict) -> ModelConfig:
   return ModelConfig.from_config(config["model"])
 
 
-def restore_params(src: str, mesh, *, ema: bool = False):
+def restore_params(src: str, mesh, *, ema: bool = False, flag: str = "--checkpoint"):
   """(ModelSpec on `mesh`, params sharded by the rule table, config dict, which weights).
 
   With `ema=True` and a checkpoint whose optimizer kept a parameter EMA (`optim.ema_decay`),
   the EMA weights are returned instead of the raw ones.
   """
-  step_dir, config = source_config(src)
+  step_dir, config = source_config(src, flag)
   cfg = model_config(config)
   spec = ModelSpec(cfg, mesh, seed=0)
   if ema and config.get("optim", {}).get("ema_decay", 0) > 0:
@@ -183,7 +183,7 @@ def init_from_mismatch(src: str, model_cfg: ModelConfig) -> str | None:
   """None if `src` (for checkpoint.init_from) was made with a model that computes what
   `model_cfg` does (models/config.py FUNCTIONAL), else one line naming the first differing key
   and the overrides that would fix it."""
-  _, config = source_config(src)
+  _, config = source_config(src, "checkpoint.init_from")
   differences = functional_differences(model_config(config), model_cfg)
   if not differences:
     return None

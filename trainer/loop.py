@@ -1,8 +1,11 @@
-"""The training loop: build everything from the config, resume if the workdir has a checkpoint,
-run the jitted step, log, evaluate, checkpoint, and stop cleanly when told to (`Run`, and
-`RunResult`, how it ended). Around the loop: `trainer/saver.py` saves checkpoints,
-`trainer/periodic_eval.py` evaluates every `eval_every` steps, `trainer/run_report.py` prints
-the opening lines and batch-size plan and times the steps.
+"""The training loop: build everything from the config, resume from the newest complete
+checkpoint of either tier (the persistent one in the workdir, the local one in
+`checkpoint.local_dir`), run the jitted step, log, evaluate, checkpoint, and stop cleanly when
+told to (`Run`, and `RunResult`, how it ended). Around the loop: `trainer/saver.py` saves
+checkpoints, `trainer/periodic_eval.py` evaluates every `eval_every` steps,
+`trainer/run_report.py` prints the opening lines and batch-size plan, times the steps and
+appends the goodput events (`python -m tools.goodput WORKDIR`), `trainer/elastic.py` says what
+the batch becomes when a restart has other devices (`data.on_resize`).
 
 The loop keeps the device busy: nothing is read back from the device between log steps, and a
 log step's metrics are read while the next step runs (`trainer/decisions.py` says when the loop
@@ -65,16 +68,19 @@ from data.prepare import ensure_default_corpus, read_meta
 from models.sizes import flops_per_token
 from optim.autopilot import AutoConfig, Autopilot
 from sharding.batch import assemble, process_rows
-from trainer.checkpoint import CheckpointError, Checkpointer, first_line, load_params
+from trainer import elastic
+from trainer.checkpoint import CheckpointError, Checkpointer, Restored, first_line, load_params
 from trainer.decisions import Decider, MetricsWindow, StopSignals
 from trainer.diloco import reduce_metrics
+from trainer.horizon import fix_horizon
 from trainer.inference import init_from_mismatch
 from trainer.metrics import MetricsWriter, machine_peak_flops
 from trainer.periodic_eval import make_evaluator
 from trainer.profiling import ProfileWindow
 from trainer.program import Program, run_mesh
-from trainer.run_report import (StepTimer, log_batch_plan, log_diloco, log_hyperparameters,
-                                log_setup, repair_jsonl)
+from trainer.local_tier import LocalTier
+from trainer.run_report import (Events, StepTimer, log_batch_plan, log_diloco,
+                                log_hyperparameters, log_setup, process_start_time, repair_jsonl)
 from trainer.saver import Saver
 from trainer.stages import bubble_cost, log_pipeline, log_pipeline_plan
 
@@ -120,34 +126,46 @@ class Run:
     self.workdir = os.path.abspath(workdir)
     self.is_lead = jax.process_index() == 0
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
+    # An unset schedule horizon is `steps` at the first start, kept in the checkpoints after.
+    cfg, self.horizon_note = fix_horizon(cfg, os.path.join(self.workdir, "checkpoints"))
     self.mesh = run_mesh(cfg)
-    self.program = p = Program(cfg, self.mesh)
-    self.cfg = cfg = p.cfg  # with the batch autopilot's defaults filled in (logged at start)
-    self.micro_rows, self.num_micro = p.micro_rows, p.num_micro
-    self.model_cfg, self.spec, self.tx = p.model_cfg, p.spec, p.tx
-    self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
-
-    d = cfg.data
-    self.ramp = p.ramp  # the run's one ramp, shared with the schedules
-    self.autopilot = Autopilot(AutoConfig.from_config(d), self.ramp, cost=bubble_cost(p)) \
-        if d.batch_ramp == "auto" else None
+    self._build(cfg)
     # (micro-batches, measures noise, computes the norm metrics) -> compiled train step
     self.compiled_steps: dict = {}
     self.compile_count = 0
     self._pipeline_logged: set = set()  # micro-batch counts whose pipeline line was printed
+    d = self.cfg.data
     # One source (data.dir or the default corpus) or a weighted mixture (data.mixture).
     self.sources = mixture.parse(d.mixture) if d.mixture else (
         mixture.Source("data", d.dir or ensure_default_corpus()),)
     self.data_dir = self.sources[0].dir
     self.data_meta = read_meta(self.data_dir)
+    self._set_train_spec()
+    self.writer = None
+    self.checkpointer = None
+    self.local = None
+    self.events = Events(self.workdir, enabled=False)
+
+  def _build(self, cfg: ml_collections.ConfigDict) -> None:
+    """The program of `cfg` on the run's mesh and what follows from it (again after a restore
+    that changes the batch, `trainer/elastic.py`)."""
+    self.program = p = Program(cfg, self.mesh)
+    self.cfg = cfg = p.cfg  # with the batch autopilot's defaults filled in (logged at start)
+    self.micro_rows, self.num_micro = p.micro_rows, p.num_micro
+    self.model_cfg, self.spec, self.tx = p.model_cfg, p.spec, p.tx
+    self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
+    self.ramp = p.ramp  # the run's one ramp, shared with the schedules
+    self.autopilot = Autopilot(AutoConfig.from_config(cfg.data), self.ramp, cost=bubble_cost(p)) \
+        if cfg.data.batch_ramp == "auto" else None
+
+  def _set_train_spec(self) -> None:
+    d = self.cfg.data
     # This process reads the rows its devices hold (any mesh device order works).
     self.local_rows = process_rows(self.batch_sharding, (1, self.micro_rows, d.seq_len), 1)
     self.train_spec = pipeline.StreamSpec(
-        self.data_dir, "train", d.seq_len, self.micro_rows, seed=cfg.seed,
+        self.data_dir, "train", d.seq_len, self.micro_rows, seed=self.cfg.seed,
         row_ids=self.local_rows, prefetch=d.prefetch,
         mixture=self.sources if d.mixture else ())
-    self.writer = None
-    self.checkpointer = None
 
   # --------------------------------------------------------------------------------------------
 
@@ -172,9 +190,13 @@ class Run:
     use, and a step that logs shares the other steps' program unless it computes more)."""
     key = self._step_key(num_micro, measure_noise, logs)
     if key not in self.compiled_steps:
+      t = time.perf_counter()
       self.compiled_steps[key] = self.program.compile(num_micro, measure_noise=measure_noise,
                                                       logs=logs)
       self.compile_count += 1
+      self.events("compile", seconds=time.perf_counter() - t,
+                  what=f"train step, {num_micro} micro-batch(es)"
+                  + (", noise scale" if measure_noise else "") + (", log" if logs else ""))
     return self.compiled_steps[key]
 
   def _log_pipeline(self, num_micro: int, step: int) -> None:
@@ -207,24 +229,27 @@ class Run:
       self.stop_reason = self.stop_when(step, row)
 
   def _start_state(self, checkpointer: Checkpointer):
-    """(state, data iterator, restored step or None) from the newest readable checkpoint,
-    `init_from`, or fresh."""
+    """(state, data iterator, restored step or None) from the newest readable checkpoint of
+    either tier, `init_from`, or fresh. `self.restored`: the `Restored` checkpoint, if any."""
     make_iterator = lambda: iter(pipeline.dataset(self.train_spec))
-    restored = checkpointer.restore_latest(
+    t = time.perf_counter()
+    self.restored = restored = checkpointer.restore_latest(
         self.program.abstract_state(), self.train_spec, self.cfg.to_dict(),
         allow_fresh_start=self.cfg.checkpoint.allow_fresh_start,
-        windows_before=self.ramp.examples_before)
+        windows_before=self.ramp.examples_before, local=self.local)
+    self.restore_seconds = time.perf_counter() - t
     if restored is not None:
+      iterator = self._resize(restored)
       # a checkpoint holds the plain layer stack (a circular pipeline stores another order)
-      restored = (self.program.layout.from_saved(restored[0]), *restored[1:])
+      restored = dataclasses.replace(restored, state=self.program.layout.from_saved(restored.state))
       if self.autopilot is not None:
-        saved = checkpointer.saved_autopilot(restored[2])
+        saved = restored.items.get("autopilot")
         if saved is None:
-          self.log(f"checkpoint {restored[2]} has no batch autopilot state: the autopilot "
+          self.log(f"checkpoint {restored.step} has no batch autopilot state: the autopilot "
                    f"starts at batch {self.ramp.batch_at(0)} from here")
         else:
           self.autopilot.load_state_dict(saved)
-      return restored
+      return restored.state, iterator, restored.step
     if self.cfg.checkpoint.init_from:
       # Shapes alone miss a different rope_theta, rope scaling, norm eps, parametrization or
       # router top_k (models/config.py FUNCTIONAL): name it.
@@ -236,20 +261,52 @@ class Run:
       return self.program.init_state(params), make_iterator(), None
     return self.program.init_state(), make_iterator(), None
 
+  def _resize(self, restored: Restored):
+    """The data iterator to continue with after a restore, rebuilding the program when the batch
+    or its history differ from the config's (`trainer/elastic.py`: `data.on_resize`)."""
+    cfg, line = elastic.plan(self.cfg, restored.items.get("topology"), restored.step,
+                             self.mesh)
+    self._resize_line = line
+    if cfg is None:
+      return restored.iterator
+    self._build(cfg)
+    self._set_train_spec()
+    iterator = iter(pipeline.dataset(self.train_spec))
+    iterator.set_state(restored.iterator.get_state())
+    return iterator
+
   # --------------------------------------------------------------------------------------------
 
   def train(self) -> RunResult:
     cfg = self.cfg
+    started, process_start = time.time(), process_start_time()
     os.makedirs(self.workdir, exist_ok=True)
     self.checkpointer = checkpointer = Checkpointer(
         os.path.join(self.workdir, "checkpoints"), keep=cfg.checkpoint.keep,
         async_save=cfg.checkpoint.async_save, log=self.log)
+    ck = cfg.checkpoint
+    self.local = LocalTier(ck.local_dir, self.mesh, keep=ck.local_keep,
+                           async_save=ck.async_save, log=self.log,
+                           timeout_s=cfg.distributed.initialization_timeout) \
+        if ck.local_dir else None
+    status = None
     try:
       with StopSignals(multi_process=jax.process_count() > 1) as signals:
         # Restore first: a run that cannot start (unreadable or mismatched checkpoints) leaves
         # the workdir exactly as it found it.
+        t = time.perf_counter()
         start_state = self._start_state(checkpointer)
+        init_seconds = time.perf_counter() - t - self.restore_seconds
+        cfg = self.cfg  # a resize may have changed the batch (trainer/elastic.py)
         repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
+        self.events = Events(self.workdir, enabled=self.is_lead)
+        self.events("start", time=started, process_start=process_start,
+                    processes=jax.process_count(), devices=jax.device_count())
+        r = self.restored
+        self.events("restore", seconds=self.restore_seconds, step=r and r.step,
+                    tier=r and r.tier, source=r and r.source)
+        if r is None:  # a fresh state: its initialiser is compiled, then run
+          self.events("compile", seconds=init_seconds, what="state initialisation")
         self.writer = MetricsWriter(self.workdir, enabled=self.is_lead,
                                     progress_total=cfg.steps,
                                     progress_bar=cfg.trainer.progress_bar,
@@ -257,9 +314,19 @@ class Run:
         if self.is_lead:
           with open(os.path.join(self.workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=1)
-        return self._train(checkpointer, signals, *start_state)
+        result = self._train(checkpointer, signals, *start_state)
+        status = (result.status, result.step, result.message)
+        return result
+    except BaseException as e:
+      status = ("error", None, first_line(e))
+      raise
     finally:
+      if status is not None:
+        self.events("stop", status=status[0], step=status[1], message=status[2])
       checkpointer.close()
+      if self.local is not None:
+        self.local.close()
+      self.events.close()
       if self.writer is not None:
         self.writer.close()
 
@@ -269,8 +336,13 @@ class Run:
               self.sources)
     start = int(jax.device_get(state.step))
     if resumed_at is not None:
-      self.log(f"resumed from {self.checkpointer.directory}/{resumed_at}")
-      self.writer.write(start, {"event": "resumed"}, console=False)
+      self.log(f"resumed from {self.restored.source}" + (
+          " (local tier)" if self.restored.tier == "local" else ""))
+      self.writer.write(start, {"event": "resumed", "tier": self.restored.tier}, console=False)
+      if self._resize_line:
+        self.log(self._resize_line)
+    if self.horizon_note and resumed_at is not None:
+      self.log(self.horizon_note)
     for line in self.program.defaults_filled:
       self.log(line)
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
@@ -286,7 +358,12 @@ class Run:
     t0 = time.perf_counter()
     self.train_step_for(self.ramp.batch_at(start) // self.micro_rows,
                         decider.measures_noise(start + 1), decider.logs(start + 1))
-    self.outer_step = self.program.compile_outer() if self.program.diloco else None
+    if self.program.diloco:
+      t = time.perf_counter()
+      self.outer_step = self.program.compile_outer()
+      self.events("compile", seconds=time.perf_counter() - t, what="DiLoCo outer step")
+    else:
+      self.outer_step = None
     compile_seconds = time.perf_counter() - t0
     evaluate = make_evaluator(self.program, self.sources, self.local_rows) \
         if cfg.eval_every else None
@@ -305,11 +382,14 @@ class Run:
       return RunResult("done", start, {})
 
     self.timer = timer = StepTimer()
+    self._recorded = self._dispatched = start  # steps in goodput events / dispatched so far
     self.last_metrics = {}
     self._stage = None  # the batch ramp's stage of the last step dispatched
     window = MetricsWindow(reduce_metrics(self.mesh) if self.program.diloco else None)
     save = Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
-                  autopilot=self.autopilot, to_saved=self.program.layout.to_saved)
+                  autopilot=self.autopilot, local=self.local, events=self.events,
+                  topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
+                  to_saved=self.program.layout.to_saved)
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
@@ -320,6 +400,8 @@ class Run:
         state, metrics = self._dispatch(state, train_iter, step, decider.measures_noise(step + 1),
                                         decider.logs(step + 1))
         step += 1
+        if step == start + 1:
+          self.events("first_step", step=step)
         profile.after_step(step, metrics)
         decision = decider.after(step)
         if decision.outer:  # DiLoCo: average the replicas into the anchor, restart them there
@@ -350,6 +432,8 @@ class Run:
                        if not decision.final else
                        f"finished step {step} but its checkpoint could not be written")
             break
+        if decision.local_save:
+          save.to_local(step, state, train_iter)
         if decision.evaluate:
           self._evaluate(evaluate, state, step)
         if self.stop_reason is not None:
@@ -359,11 +443,18 @@ class Run:
     status, message = outcome or ("done", "")
     if status == "done" and self.stop_reason is not None:
       message = f"stopped after step {step}: {self.stop_reason}"
+    t = time.perf_counter()
     try:
       checkpointer.wait()
     except Exception as e:  # noqa: BLE001
       if status == "done":
         status, message = "storage", f"the last checkpoint could not be written ({first_line(e)})"
+    if self.local is not None:
+      try:
+        self.local.wait()
+      except Exception as e:  # noqa: BLE001  a local write is best effort
+        self.log(f"the last local checkpoint could not be written ({first_line(e)})")
+    self.events("checkpoint", step=step, tier="wait", seconds=time.perf_counter() - t)
     if message:
       self.log(message)
     return RunResult(status, step, self.last_metrics, message)
@@ -387,12 +478,15 @@ class Run:
       batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
     state, metrics = train_step(state, batch)
     self.timer.step_dispatched()
+    self._dispatched = step + 1
     self.writer.advance(1)
     return state, metrics
 
   def _evaluate(self, evaluate, state, step: int) -> None:
+    t = time.perf_counter()
     with self.timer.paused():
       row = evaluate(state)
+    self.events("eval", step=step, seconds=time.perf_counter() - t)
     self.writer.write(step, row)
     self.last_metrics.update(row)
     self._stop_check(step, row)
@@ -407,6 +501,10 @@ class Run:
         if not self.ramp.is_constant or self.autopilot is not None:
           host["batch_size"] = batch
         self.timer.annotate(host, batch * cfg.data.seq_len, self.flops_token, self.peak)
+        _, seconds, data_wait = self.timer.window  # the steps dispatched since the last row
+        self.events("steps", first=self._recorded + 1, last=self._dispatched, seconds=seconds,
+                    data_wait=data_wait)
+        self._recorded = self._dispatched
       if log or host["skipped"]:
         self.writer.write(step, host)
         self.writer.advance(0, loss=host["loss"])
