@@ -76,7 +76,7 @@ def plan(cfg: ml_collections.ConfigDict, saved: dict | None, step: int, mesh: Me
   without one; nothing changes)."""
   if not saved:
     return None, None
-  now = topology(mesh, cfg, BatchRamp.from_config(cfg.data))
+  now = topology(mesh, cfg, BatchRamp.from_config(cfg.data, cfg.optim, cfg.steps))
   resized = any(saved[k] != now[k] for k in ("devices", "processes", "mesh"))
   d = cfg.data
   if d.batch_ramp:  # a config ramp or the autopilot decides the batch
