@@ -255,29 +255,8 @@ class Transformer(nnx.Module):
       tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
     x_BSE = self.embed(tokens_BS)
-    # Made once for all layers: the RoPE tables and (xla attention) the document masks.
-    # RoPE tables as buffers on CPU; TPU and GPU programs recompute them inside the rotations'
-    # fusions, which XLA's TPU cost analysis counts as fewer bytes (docs/performance.md).
-    rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling,
-                       buffer=mesh_platform(jax.sharding.get_abstract_mesh()) == "cpu")
-    segments = layer_segments(segment_ids_BS, cfg.attention, dtype=DTYPES[cfg.dtype],
-                              head_dim=cfg.dim_per_head)
-
-    policy = REMAT_POLICIES[cfg.remat]
-
-    def layer(x_BSE, block):  # every layer reads the same RoPE tables and masks
-      out = block(x_BSE, rope, segments)
-      return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
-
-    if cfg.remat != "none":
-      layer = nnx.remat(layer, policy=policy, prevent_cse=False)
-    # Unrolled (`scan_unroll`), the layers' residuals for the backward pass are separate buffers
-    # instead of slices of stacked [L, ...] arrays: no copies into and out of the stacks, for a
-    # program that grows with the number of layers unrolled.
-    run_layers = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
-                          unroll=min(cfg.scan_unroll, cfg.num_layers),
-                          transform_metadata={nnx.PARTITION_NAME: "layers"})
-    x_BSE, stats = run_layers(x_BSE, self.blocks)
+    rope, segments = layer_inputs(cfg, positions_BS, segment_ids_BS)
+    x_BSE, stats = run_layers(cfg, x_BSE, self.blocks, rope, segments)
 
     x_BSE = self.final_norm(x_BSE)
     if reorder:
@@ -315,12 +294,49 @@ class Transformer(nnx.Module):
 
   def loss_and_stats(self, tokens_BS, positions_BS, segment_ids_BS, targets_BS, mask_BS):
     """`loss_sums` and the MoE router statistics (`hidden(with_stats=True)`)."""
-    mask_BS = mask_BS.astype(jnp.float32)
     x_BSE, stats = self.hidden(tokens_BS, positions_BS, segment_ids_BS, with_stats=True)
+    total = self.loss_from_hidden(x_BSE, targets_BS, mask_BS)
+    return total, jnp.sum(mask_BS.astype(jnp.float32)), stats
+
+  def loss_from_hidden(self, x_BSE, targets_BS, mask_BS):
+    """The sum of token cross-entropies where `mask_BS` (fp32) from final-normed hidden states:
+    the full logits, or `logits_chunk` positions at a time."""
+    mask_BS = mask_BS.astype(jnp.float32)
     if self.cfg.logits_chunk:
-      total = chunked_cross_entropy(x_BSE, self.head(), targets_BS, mask_BS,
-                                    chunk=self.cfg.logits_chunk, dtype=DTYPES[self.cfg.dtype])
-    else:
-      losses_BS = optax.softmax_cross_entropy_with_integer_labels(self.logits(x_BSE), targets_BS)
-      total = jnp.sum(losses_BS * mask_BS)
-    return total, jnp.sum(mask_BS), stats
+      return chunked_cross_entropy(x_BSE, self.head(), targets_BS, mask_BS,
+                                   chunk=self.cfg.logits_chunk, dtype=DTYPES[self.cfg.dtype])
+    losses_BS = optax.softmax_cross_entropy_with_integer_labels(self.logits(x_BSE), targets_BS)
+    return jnp.sum(losses_BS * mask_BS)
+
+
+def layer_inputs(cfg: ModelConfig, positions_BS, segment_ids_BS):
+  """(RoPE tables, document masks): what every layer reads, made once for all of them. RoPE
+  tables as buffers on CPU; TPU and GPU programs recompute them inside the rotations' fusions,
+  which XLA's TPU cost analysis counts as fewer bytes (docs/performance.md). The masks only for
+  xla attention (`layer_segments`)."""
+  rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling,
+                     buffer=mesh_platform(jax.sharding.get_abstract_mesh()) == "cpu")
+  segments = layer_segments(segment_ids_BS, cfg.attention, dtype=DTYPES[cfg.dtype],
+                            head_dim=cfg.dim_per_head)
+  return rope, segments
+
+
+def run_layers(cfg: ModelConfig, x_BSE, blocks, rope, segments):
+  """x [B, S, E] through the stacked layers `blocks` (a Transformer's, or one pipeline stage's
+  share of them, models/pipeline.py), each under `model.remat`'s policy: (x, the MoE groups'
+  statistics stacked, {} if dense)."""
+
+  def layer(x_BSE, block):  # every layer reads the same RoPE tables and masks
+    out = block(x_BSE, rope, segments)
+    return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
+
+  if cfg.remat != "none":
+    layer = nnx.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+  depth = jax.tree.leaves(nnx.state(blocks))[0].shape[0]
+  # Unrolled (`scan_unroll`), the layers' residuals for the backward pass are separate buffers
+  # instead of slices of stacked [L, ...] arrays: no copies into and out of the stacks, for a
+  # program that grows with the number of layers unrolled.
+  run = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                 unroll=min(cfg.scan_unroll, depth),
+                 transform_metadata={nnx.PARTITION_NAME: "layers"})
+  return run(x_BSE, blocks)

@@ -53,7 +53,7 @@ STAT_KEYS = ("counts", "prob_sum", "z_sum", "entropy_sum", "dropped", "tokens")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """`model.moe.*` (documented in trainer/config.py, validated in trainer/config_checks.py)."""
+  """`model.moe.*` (documented in trainer/config.py, validated in trainer/parallel_checks.py)."""
   num_experts: int = 0  # 0: a dense model
   top_k: int = 2
   mlp_dim: int = 0  # width of each expert; 0: model.mlp_dim

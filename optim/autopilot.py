@@ -182,12 +182,25 @@ class Change:
 
 class Autopilot:
   """The rule, its state (the streak) and the ramp it grows (`ramp`, shared with the schedules
-  and the loop: the loop reads every step's batch from it)."""
+  and the loop: the loop reads every step's batch from it).
 
-  def __init__(self, cfg: AutoConfig, ramp: BatchRamp):
+  `cost(batch)`: the cost model of a batch size, the fraction of each step a pipelined run
+  (mesh.stage > 1) idles in the pipeline's bubble at that batch, (S - 1) / (M R + S - 1) with M
+  = batch / micro-batch rows (trainer/stages.py); None without stages. It does not change the
+  rule (a larger batch only shrinks the bubble); every decision says what it does to it."""
+
+  def __init__(self, cfg: AutoConfig, ramp: BatchRamp, cost=None):
     self.cfg, self.ramp = cfg, ramp
+    self.cost = cost
     self.streak = 0
     self.changes: list[Change] = []
+
+  def describe(self, change: Change) -> str:
+    """A decision's line, with what it does to the pipeline's bubble (`cost`)."""
+    if self.cost is None:
+      return change.describe()
+    return (f"{change.describe()}; pipeline bubble {self.cost(change.old):.1%} -> "
+            f"{self.cost(change.batch):.1%} of each step")
 
   def statistic(self, row: dict, batch: int) -> tuple[bool, str]:
     """(fires, why) for one measuring step's metrics at batch `batch`."""

@@ -348,3 +348,13 @@ def total_bytes(ops: Sequence[Collective]) -> float | None:
   times."""
   totals = [op.total_bytes for op in ops]
   return None if any(t is None for t in totals) else float(sum(totals))
+
+
+def format_bytes(n: float | None, unknown: str = "? B") -> str:
+  """A byte count for reports (3 significant digits, decimal units); `unknown` for None."""
+  if n is None:
+    return unknown
+  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    if n >= scale:
+      return f"{n / scale:.3g} {unit}"
+  return f"{n:.0f} B"

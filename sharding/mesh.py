@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -106,11 +107,11 @@ def resolve_mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int, slices: in
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices=None, *, replicas: int = 0) -> Mesh:
-  """A `jax.sharding.Mesh` with the five named axes, all of type Auto: the one mesh builder of
-  training, the tools and the ahead-of-time compiles. `replicas` M >= 1 (a DiLoCo run) puts a
-  sixth axis, `replica` of size M, in front of them (outermost: a replica is a contiguous block
-  of devices, whole slices where `resolve_mesh` can make it so, else whole hosts where the
-  devices' order allows); 0 (the default) builds the five-axis mesh of every other run.
+  """A `jax.sharding.Mesh` with the six named axes (`MESH_AXES`), all of type Auto: the one mesh
+  builder of training, the tools and the ahead-of-time compiles. `replicas` M >= 1 (a DiLoCo run)
+  puts one more axis, `replica` of size M, in front of them (outermost: a replica is a contiguous
+  block of devices, whole slices where `resolve_mesh` can make it so, else whole hosts where the
+  devices' order allows); 0 (the default) builds the six-axis mesh of every other run.
 
   One slice: `jax.make_mesh` (it orders devices for the chips' interconnect). It defaults to
   Explicit axes, which breaks `with_sharding_constraint`, so Auto is passed.
@@ -145,11 +146,15 @@ def over_replicas(sharding: NamedSharding) -> NamedSharding:
 
 
 def fold_replicas(mesh: Mesh) -> Mesh:
-  """The same devices in the same order as a plain five-axis mesh: the `replica` axis merged into
-  `data` (the replicas' devices become data-parallel), what plain data parallelism runs on in
-  place of DiLoCo (trainer/communication.py compares the two programs' communication)."""
+  """The same devices as a plain mesh: the `replica` axis merged into `data` (the replicas'
+  devices become data-parallel; in the same order when no axis lies between them), what plain
+  data parallelism runs on in place of DiLoCo (trainer/communication.py compares the two
+  programs' communication)."""
+  names = mesh.axis_names
+  grid = np.moveaxis(mesh.devices, 0, names.index("data") - 1)  # replica next to data
   shape = dict(mesh.shape)
-  grid = mesh.devices.reshape(shape[REPLICA_AXIS] * shape["data"], *mesh.devices.shape[2:])
+  grid = grid.reshape(*(shape[a] * (shape[REPLICA_AXIS] if a == "data" else 1)
+                        for a in MESH_AXES))
   return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -2,7 +2,7 @@
 
 Every parameter and every constrained activation in `models/` names its dimensions with the
 logical names below; this table is the only place that says how they map onto the device mesh
-(`data, fsdp, tensor, sequence, expert`). Change a strategy by editing one row.
+(`stage, data, fsdp, tensor, sequence, expert`). Change a strategy by editing one row.
 
 Parameters
   vocab     token vocabulary                      -> tensor (vocab-parallel embedding / logits)
@@ -12,7 +12,8 @@ Parameters
   head_dim  per-head width                        -> replicated
   mlp       feed-forward width                    -> tensor (Megatron MLP split)
   norm      RMSNorm scales                        -> replicated
-  layers    the stacked (scanned) layer axis      -> replicated
+  layers    the stacked (scanned) layer axis      -> stage  (pipeline stages; replicated at
+                                                            mesh.stage=1, the default)
   experts   the experts of an MoE layer           -> expert (expert parallelism)
   expert_mlp  an expert's feed-forward width      -> tensor
 The `expert` axis also splits the batch (BATCH_AXES), so expert parallelism is folded over
@@ -21,6 +22,14 @@ tokens over it with all-to-all (models/moe_dispatch.py). Expert weights are also
 `fsdp` on their embed dimension (ZeRO-3 like every weight).
 Activations (prefixed `act_`): batch over every data-parallel axis, sequence over `sequence`,
 heads / mlp / vocab over `tensor` so that they line up with the weights above.
+
+Pipeline parallelism (`mesh.stage` S > 1, sharding/pipeline.py): the layer stack's `layers`
+dimension is split over `stage`, so each stage's devices hold a contiguous block of L / S layers
+of the stored stack (a circular schedule stores it in the order its stages use it, see
+sharding/pipeline.py), and every other rule applies inside a stage unchanged. `act_stage` is the
+leading [S] dimension of the pipeline's activation buffers, and the micro-batch dimension of its
+inputs and outputs (each stage embeds and scores M / S of the micro-batches). Everything else
+(embedding, head, norms' scales outside the stack) is replicated over `stage`.
 
 DiLoCo (`optim.diloco.replicas` M, trainer/diloco.py) adds one more mesh axis, `replica`
 (REPLICA_AXIS), outermost, that no logical name maps to: the replica-local train state carries a
@@ -34,7 +43,10 @@ from collections.abc import Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence", "expert")
+# `stage` first (outermost): pipeline stages exchange only activations, so they are the axis
+# that may sit on the slowest links (mesh.dcn_stage: stages on different slices).
+MESH_AXES = ("stage", "data", "fsdp", "tensor", "sequence", "expert")
+STAGE_AXIS = "stage"
 # DiLoCo's replicas (only in a DiLoCo run's mesh, before MESH_AXES): see the module docstring.
 REPLICA_AXIS = "replica"
 # Axes the batch is split over. `expert` joins data parallelism for dense models (as in MaxText),
@@ -50,10 +62,11 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
-    ("layers", None),
+    ("layers", STAGE_AXIS),
     ("experts", "expert"),
     ("expert_mlp", "tensor"),
     # activations
+    ("act_stage", STAGE_AXIS),
     ("act_batch", BATCH_AXES),
     ("act_seq", "sequence"),
     ("act_embed", None),

@@ -187,10 +187,10 @@ def test_aot_and_training_build_the_same_multi_slice_mesh(two_slices, monkeypatc
   train_mesh = loop.run_mesh(cfg)
   ids = lambda mesh: np.vectorize(lambda d: d.id)(mesh.devices)
   np.testing.assert_array_equal(ids(aot_mesh), ids(train_mesh))
-  assert dict(train_mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1, "sequence": 1,
-                                    "expert": 1} == sizes
+  assert dict(train_mesh.shape) == {"stage": 1, "data": 4, "fsdp": 2, "tensor": 1,
+                                    "sequence": 1, "expert": 1} == sizes
   assert set(train_mesh.axis_types) == {AxisType.Auto}
-  slice_of = np.vectorize(lambda d: d.slice_index)(train_mesh.devices)
+  slice_of = np.vectorize(lambda d: d.slice_index)(train_mesh.devices).reshape(4, 2)  # data x fsdp
   assert (slice_of[:2] == 0).all() and (slice_of[2:] == 1).all()  # fsdp stays inside a slice
 
 
@@ -237,3 +237,28 @@ def test_diloco_replicas_are_slices_and_only_the_outer_step_crosses_them(two_sli
   inner, dp = report.communication
   assert "inner step 0 B (no collective joins two replicas)" in inner
   assert "outer step 0 B" not in inner and " 0 B per step" not in dp, report.communication
+
+
+@pytest.mark.slow
+def test_pipeline_bubble_bench_counts_each_compiled_program(tmp_path, capsys):
+  """bench/pipeline_bubble.py on the tiny model, 2 stages on v5e:2x2: every pipelined program's
+  counted ticks are M R + S - 1 and its bubble the formula; the programs without stages are the
+  reference rows; the roofline gives each a step time."""
+  import csv  # noqa: PLC0415
+
+  from conftest import bench_module  # noqa: PLC0415
+  out = tmp_path / "pipeline.csv"
+  assert bench_module("pipeline_bubble").main([
+      "--config", TINY, "--topology", "v5e:2x2", "--stages", "2", "--micro", "2,4",
+      "--repeats", "1,2", "--config.data.micro_batch_size=8", "--config.model.num_layers=4",
+      "--jobs", "2", "--csv", str(out)]) == 0
+  rows = list(csv.DictReader(open(out)))
+  assert [(r["schedule"], r["repeats"], r["micro"]) for r in rows] == [
+      ("gpipe", "1", "2"), ("gpipe", "1", "4"), ("circular", "2", "2"), ("circular", "2", "4"),
+      ("none", "1", "2"), ("none", "1", "4")]
+  for r in rows:
+    assert r["fits"] == "True" and float(r["step_ms"]) > 0
+    if r["schedule"] != "none":
+      assert int(r["ticks"]) == int(r["micro"]) * int(r["repeats"]) + 1
+      assert float(r["bubble"]) == pytest.approx(float(r["bubble_formula"]))
+  assert "| circular | 2 | 4 | 32 | 9 | 1 | 11.1% | 11.1% |" in capsys.readouterr().out

@@ -170,8 +170,8 @@ def test_replicas_on_8_devices_equal_the_same_run_on_2(data_dir, devices):
                        "mesh.fsdp": 2})
   batches = _batches(data_dir, cfg, 4)
   got, state8, program = _train(cfg, batches)
-  assert dict(program.mesh.shape) == {"replica": 2, "data": 2, "fsdp": 2, "tensor": 1,
-                                      "sequence": 1, "expert": 1}
+  assert dict(program.mesh.shape) == {"replica": 2, "stage": 1, "data": 2, "fsdp": 2,
+                                      "tensor": 1, "sequence": 1, "expert": 1}
   small = cfg.copy_and_resolve_references()
   small.mesh.fsdp = 1
   want, state2, _ = _train(small, batches, devices=jax.devices()[:2])

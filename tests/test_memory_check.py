@@ -54,6 +54,34 @@ def test_diloco_prediction_holds_the_replicas_state_and_the_outer_step(monkeypat
       "outer momentum)" in out and ", outer step " in out, out
 
 
+def test_circular_pipeline_predicts_its_checkpoint_save():
+  """A circular pipeline (mesh.stage=2, pipeline.repeats=2) on the 8 CPU devices: tools.aot's
+  report counts the bubble in the compiled step, and the prediction adds the program that turns
+  the stage-major state into the checkpoint's plain stack (its output beside the state)."""
+  import jax
+
+  stages = {"mesh.stage": 2, "mesh.data": 4, "model.num_layers": 4, "data.micro_batch_size": 4,
+            "pipeline.schedule": "circular", "pipeline.repeats": 2}
+  cfg = override(load(TINY, []), **stages)
+  report, phases = memory_check.predict(cfg, aot.Target("local", jax.devices()), "lm_tiny")
+  assert list(phases) == ["train step", "logging step", "evaluation", "checkpoint save"]
+  assert report.pipeline["pipeline/ticks"] == 4 * 2 + 2 - 1  # M R + S - 1
+  assert report.pipeline["pipeline/bubble"] == pytest.approx(1 / 9)
+  assert "bubble 11.1% (1 idle of 9 ticks per stage" in report.pipeline["line"]
+  layers = sum(aot.per_device_bytes(leaf) for leaf in jax.tree.leaves(
+      report_state(cfg)["params"]["blocks"]))
+  assert phases["checkpoint save"] >= report.state_bytes + layers
+
+
+def report_state(cfg):
+  """The abstract train state of `cfg` on the 8 CPU devices, as a dict of its fields."""
+  import dataclasses  # noqa: PLC0415
+
+  from trainer.program import Program, run_mesh  # noqa: PLC0415
+  state = Program(cfg, run_mesh(cfg)).abstract_state()
+  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+
+
 @pytest.mark.skipif(not aot.libtpu_available(), reason="libtpu is not installed: no TPU "
                     "topology can be described here (pip install -e \".[tpu]\")")
 def test_diloco_target_is_tools_aots(monkeypatch):

@@ -284,7 +284,7 @@ def test_batch_rows_replicated_across_processes(tmp_path):
           "--config.mesh.sequence=4", "--config.steps=3", "--config.checkpoint.every_steps=0"]
   args = MODEL_ARGS + mesh  # later overrides win
   results = launch_beside_reference(tmp_path / "multi", tmp_path / "single", args, args)
-  assert "mesh data=1 fsdp=1 tensor=2 sequence=4" in results[0][1]
+  assert "mesh stage=1 data=1 fsdp=1 tensor=2 sequence=4" in results[0][1]
   got, want = losses(tmp_path / "multi"), losses(tmp_path / "single")
   assert sorted(got) == sorted(want) == [1, 2, 3]
   np.testing.assert_allclose([got[s] for s in got], [want[s] for s in got], rtol=1e-6)

@@ -206,7 +206,7 @@ def test_the_meter_agrees_with_per_example_gradients_of_independent_sequences(da
     for _ in range(48):
       micro = [next(it) for _ in range(16)]
       batch = {k: np.stack([m[k] for m in micro]) for k in pipeline.BATCH_KEYS}
-      _, tokens, grad_sum, (small_sum, inv_tokens), _ = measure(params, batch)
+      _, tokens, grad_sum, (small_sum, inv_tokens, _), _ = measure(params, batch)
       tokens = float(tokens)
       g_sq, trace = noise_scale.estimate(
           float(small_sum) / 16, float(optax.tree.norm(grad_sum, squared=True)) / tokens ** 2,

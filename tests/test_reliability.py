@@ -63,6 +63,16 @@ def wait_for_line(proc, needle, timeout=120):
   raise AssertionError(f"never saw {needle!r}")
 
 
+def kill_once_saved(proc, workdir, step, timeout=120):
+  """SIGKILL `proc` as soon as its checkpoint `step` is complete in `workdir`."""
+  deadline = time.time() + timeout
+  while step not in checkpoint_steps(workdir) and time.time() < deadline:
+    time.sleep(0.002)
+  proc.kill()
+  proc.wait()
+  assert step in checkpoint_steps(workdir)
+
+
 def checkpoint_steps(workdir):
   d = os.path.join(workdir, "checkpoints")
   return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
@@ -90,13 +100,7 @@ def test_sigkill_before_first_checkpoint_then_right_after_one(straight, tmp_path
   proc.kill()
   proc.wait()
   assert checkpoint_steps(tmp_path) == []
-  proc = start(tmp_path, 12)
-  deadline = time.time() + 120
-  while 4 not in checkpoint_steps(tmp_path) and time.time() < deadline:
-    time.sleep(0.002)
-  proc.kill()
-  proc.wait()
-  assert 4 in checkpoint_steps(tmp_path)
+  kill_once_saved(start(tmp_path, 12), tmp_path, 4)
   train(tmp_path, 12)
   assert_same_tail(losses(tmp_path), straight["small"], 1)
 

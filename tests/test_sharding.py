@@ -11,24 +11,25 @@ from trainer.state import ModelSpec
 CFG = ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   mlp_dim=64)
 
-# Every parameter of the model, its logical names, and its spec on a data x fsdp x tensor mesh.
+# Every parameter of the model, its logical names, and its spec on a data x fsdp x tensor mesh
+# (the layer stack's `layers` on `stage`, of size 1 here: pipeline stages split it).
 GOLDEN = {
     "embed_VE": (("vocab", "embed"), P("tensor", "fsdp")),
     "lm_head_EV": (("embed", "vocab"), P("fsdp", "tensor")),
     "final_norm/scale": (("norm",), P(None)),
-    "blocks/attn_norm/scale": (("layers", "norm"), P(None, None)),
-    "blocks/mlp_norm/scale": (("layers", "norm"), P(None, None)),
+    "blocks/attn_norm/scale": (("layers", "norm"), P("stage", None)),
+    "blocks/mlp_norm/scale": (("layers", "norm"), P("stage", None)),
     "blocks/attn/wq_EHD": (("layers", "embed", "heads", "head_dim"),
-                           P(None, "fsdp", "tensor", None)),
+                           P("stage", "fsdp", "tensor", None)),
     "blocks/attn/wk_EKD": (("layers", "embed", "kv_heads", "head_dim"),
-                           P(None, "fsdp", "tensor", None)),
+                           P("stage", "fsdp", "tensor", None)),
     "blocks/attn/wv_EKD": (("layers", "embed", "kv_heads", "head_dim"),
-                           P(None, "fsdp", "tensor", None)),
+                           P("stage", "fsdp", "tensor", None)),
     "blocks/attn/wo_HDE": (("layers", "heads", "head_dim", "embed"),
-                           P(None, "tensor", None, "fsdp")),
-    "blocks/mlp/w_gate_EF": (("layers", "embed", "mlp"), P(None, "fsdp", "tensor")),
-    "blocks/mlp/w_up_EF": (("layers", "embed", "mlp"), P(None, "fsdp", "tensor")),
-    "blocks/mlp/w_down_FE": (("layers", "mlp", "embed"), P(None, "tensor", "fsdp")),
+                           P("stage", "tensor", None, "fsdp")),
+    "blocks/mlp/w_gate_EF": (("layers", "embed", "mlp"), P("stage", "fsdp", "tensor")),
+    "blocks/mlp/w_up_EF": (("layers", "embed", "mlp"), P("stage", "fsdp", "tensor")),
+    "blocks/mlp/w_down_FE": (("layers", "mlp", "embed"), P("stage", "tensor", "fsdp")),
 }
 
 
@@ -79,10 +80,10 @@ def test_init_is_sharded_not_replicated(devices):
   tx, _ = build_optimizer(default_config().optim, spec.logical_names, 10)
   state = init_state(spec, tx)
   w = state.params["blocks"]["mlp"]["w_gate_EF"]
-  assert w.sharding.spec == P(None, "fsdp", "tensor")
+  assert w.sharding.spec == P("stage", "fsdp", "tensor")  # stage: of size 1
   assert w.addressable_shards[0].data.shape == (2, 32 // 4, 64 // 2)
   mu = state.opt_state[1][0].mu["blocks"]["mlp"]["w_gate_EF"]  # clip, (adam, ...)
-  assert mu.sharding.spec == P(None, "fsdp", "tensor")
+  assert mu.sharding.spec == P("stage", "fsdp", "tensor")
 
 
 @pytest.mark.parametrize("mesh_cfg,n,want", [

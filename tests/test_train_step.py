@@ -135,7 +135,7 @@ def test_accumulator_is_pinned_to_the_parameters_shardings(devices):
   program = Program(cfg, make_mesh(cfg.mesh))
   lowered = program.lower(4)
   pinned = [line for line in lowered.as_text().splitlines() if "sdy.sharding_constraint" in line
-            and 'tensor<2x64x256xf32>' in line and '[{}, {"fsdp"}, {"tensor"}]' in line]
+            and 'tensor<2x64x256xf32>' in line and '[{"stage"}, {"fsdp"}, {"tensor"}]' in line]
   assert len(pinned) >= 2, "zeros and each step's sum carry w_up's sharding"
   loops = [line for line in lowered.compile().as_text().splitlines()
            if re.search(r" while\(", line) and "(s32[], f32[], f32[]," in line]

@@ -45,7 +45,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import NamedTuple  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,7 +56,9 @@ from sharding.mesh import data_parallel_size  # noqa: E402
 from trainer.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.config_checks import validate  # noqa: E402
-from tools.roofline import Roofline, kernel_flops, remat_mfu_bound  # noqa: E402
+from sharding.collectives import collectives, format_bytes, total_bytes  # noqa: E402
+from sharding.pipeline import count as pipeline_count  # noqa: E402
+from tools.roofline import Roofline, idle_flops, kernel_flops, remat_mfu_bound  # noqa: E402
 from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's API, for tests)
     AotError,
     Target,
@@ -69,6 +70,7 @@ from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's A
     make_target,
     tpu_target,
 )
+from trainer.compiled import CompiledCosts, compiled_costs  # noqa: E402, F401  (this tool's API)
 from trainer.metrics import GiB  # noqa: E402
 from trainer import communication  # noqa: E402
 from trainer.program import Program, run_mesh  # noqa: E402
@@ -111,6 +113,13 @@ class Report:
   loops: int = 0  # while loops in the lowered program (`while_loops`)
   # DiLoCo: the bytes that cross replicas, next to data parallelism's (trainer/communication.py)
   communication: list = dataclasses.field(default_factory=list)
+  # bytes per chip per step of each kind of collective (sharding.collectives; None: a loop of
+  # unknown trip count around one)
+  collective_bytes: dict = dataclasses.field(default_factory=dict)
+  # pipeline stages (mesh.stage > 1): the counted bubble and bytes between stages
+  # (sharding.pipeline.count), and the FLOPs the stages execute in their idle ticks
+  pipeline: dict = dataclasses.field(default_factory=dict)
+  idle_flops: float = 0.0
   outer_step_bytes: int | None = None  # DiLoCo: the outer step's memory sum, as total_bytes
 
   @property
@@ -123,7 +132,7 @@ class Report:
         device_kind=self.device_kind, chips=self.chips, model_flops=self.model_flops,
         tokens_per_step=self.tokens_per_step, remat_mfu_bound=self.remat_mfu_bound,
         peak_flops=self.peak_flops, hbm_bandwidth=self.hbm_bandwidth, xla_flops=self.xla_flops,
-        xla_bytes=self.xla_bytes, kernel_flops=self.kernel_flops)
+        xla_bytes=self.xla_bytes, kernel_flops=self.kernel_flops, idle_flops=self.idle_flops)
 
   def lines(self) -> list[str]:
     gib = lambda b: f"{b / GiB:.2f} GiB"
@@ -145,6 +154,11 @@ class Report:
       out.append(f"  note: no compiled {self.attention} kernel in the program: it was lowered in "
                  "interpret mode (the kernel chose that from this machine's backend, not the "
                  "target's), so the kernel itself was not compiled for the target")
+    if self.collective_bytes:
+      out.append("  collectives per chip per step: " + ", ".join(
+          f"{kind} {format_bytes(n)}" for kind, n in self.collective_bytes.items()))
+    if self.pipeline:
+      out.append(f"  {self.pipeline['line']}")
     out += self.roofline.lines()
     return out + [f"  {line}" for line in self.communication]
 
@@ -271,6 +285,17 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   seconds = time.perf_counter() - t0
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,
                    state_bytes, while_loops(lowered))
+  text = compiled.as_text() or ""
+  ops = collectives(text)
+  report.collective_bytes = {kind: total_bytes([op for op in ops if op.kind == kind])
+                             for kind in dict.fromkeys(op.kind for op in ops)}
+  if program.pipeline is not None:  # the bubble and the bytes between stages, counted
+    found = pipeline_count(program.pipeline, program.num_micro, text, mesh)
+    report.pipeline = {"line": found.line(), **found.row()}
+    if found.ticks is not None:
+      report.idle_flops = idle_flops(program.model_cfg, cfg.data.seq_len,
+                                     report.tokens_per_step, found.idle, found.busy,
+                                     program.pipeline.remat_stage)
   report.compiled = compiled  # not a field (not in the JSON): for callers that read the program
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
     with no_persistent_cache():
@@ -285,37 +310,6 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
         f"{report.total_bytes / GiB:.1f} GiB per chip (temporaries "
         f"{report.temp_bytes / GiB:.1f} GiB); {oom_advice(cfg, sizes, target, state_bytes)}")
   return report
-
-
-class CompiledCosts(NamedTuple):
-  """What XLA says of a compiled program, per device: cost analysis and memory analysis."""
-  xla_flops: float | None  # cost_analysis()'s "flops" (loop bodies once, Pallas kernels not)
-  xla_bytes: float | None  # cost_analysis()'s "bytes accessed" (loop bodies once)
-  argument_bytes: int
-  output_bytes: int  # outputs not aliased to (donated) inputs
-  temp_bytes: int
-  code_bytes: int
-
-  @property
-  def total_bytes(self) -> int:
-    """What the program holds on a device while it runs: arguments + temporaries + outputs
-    not aliased to donated inputs + code."""
-    return self.argument_bytes + self.temp_bytes + self.output_bytes + self.code_bytes
-
-
-def compiled_costs(compiled) -> CompiledCosts:
-  """The `CompiledCosts` of a compiled program (`jax.stages.Compiled`)."""
-  mem = compiled.memory_analysis()
-  get = lambda name: int(getattr(mem, name, 0) or 0) if mem is not None else 0
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) and cost else cost
-  xla_flops = float(cost.get("flops", 0.0)) if isinstance(cost, dict) else None
-  xla_bytes = float(cost.get("bytes accessed", 0.0)) if isinstance(cost, dict) else None
-  return CompiledCosts(
-      xla_flops=xla_flops, xla_bytes=xla_bytes or None,
-      argument_bytes=get("argument_size_in_bytes"),
-      output_bytes=max(get("output_size_in_bytes") - get("alias_size_in_bytes"), 0),
-      temp_bytes=get("temp_size_in_bytes"), code_bytes=get("generated_code_size_in_bytes"))
 
 
 def while_loops(lowered) -> int:
@@ -343,7 +337,8 @@ def _report(cfg, target, config_name, program, mesh, attention, compiled, second
       model_flops=flops_per_token(model_cfg, seq)["total"] * tokens, xla_flops=costs.xla_flops,
       xla_bytes=costs.xla_bytes, peak_flops=target.peak_flops,
       hbm_bandwidth=target.hbm_bandwidth, tokens_per_step=tokens,
-      remat_mfu_bound=remat_mfu_bound(model_cfg, seq),
+      remat_mfu_bound=remat_mfu_bound(model_cfg, seq, program.pipeline is not None
+                                      and program.pipeline.remat_stage),
       kernel_flops=kernel_flops(model_cfg, seq, tokens, kernel_calls), loops=loops)
 
 

@@ -15,6 +15,9 @@ with the train state alive throughout,
                  outputs + code;
   outer step     DiLoCo only (`optim.diloco.replicas` >= 1): the outer step's program, run
                  every `inner_steps` steps, the same sum as the train step's;
+  checkpoint save  a circular pipeline only (`pipeline.repeats` > 1): the program that turns
+                 the train state into the plain layer stack a checkpoint holds, its output
+                 beside the state (trainer/stages.py), the same sum;
 and the run's peak is the largest of them (tools.aot reports the train step alone). The train
 state is the run's own: for DiLoCo a `trainer.diloco.DiLoCoState`, each device holding its
 replica's parameters and inner optimizer state, the anchor and the outer momentum, and the
@@ -71,6 +74,10 @@ def predict(cfg, target, name: str):
                           - aot.per_device_bytes(model_params))
   if program.diloco is not None:  # its argument is the whole (donated) state; compiled by aot
     phases["outer step"] = report.outer_step_bytes
+  if program.layout.reordered:  # a circular pipeline's save: the plain-order copy beside it
+    with jax.set_mesh(mesh), aot.no_persistent_cache():
+      save = program.layout.conversion("to_saved").lower(state).compile()
+    phases["checkpoint save"] = aot.compiled_costs(save).total_bytes
   return report, phases
 
 

@@ -6,7 +6,8 @@ compiled program and the target chip; this module is the arithmetic and the repo
   * step time at 100% MFU: the model's FLOPs (`models.sizes.flops_per_token`, all chips) at the
     chips' bf16 peak (`trainer.metrics.known_peak_flops`): no step can be faster.
   * compute: the FLOPs the step executes, the model's plus what rematerialisation recomputes
-    (`remat_mfu_bound`), at the same peak.
+    (`remat_mfu_bound`) plus, in a pipelined step, what the stages execute in their idle ticks
+    (`idle_flops`, from the ticks counted in the compiled program), at the same peak.
   * memory: XLA's `bytes accessed` per chip (`compiled.cost_analysis()`) at the chip's HBM
     bandwidth (`trainer.metrics.known_hbm_bandwidth`). XLA counts the body of a loop (the scanned
     layers, the micro-batch loop) once, so this is a floor on the real traffic.
@@ -37,6 +38,7 @@ class Roofline:
   xla_flops: float | None = None  # per chip, as cost_analysis() counts them
   xla_bytes: float | None = None  # per chip, cost_analysis()'s "bytes accessed" (loop bodies once)
   kernel_flops: float = 0.0  # per step, all chips: model FLOPs inside compiled kernels
+  idle_flops: float = 0.0  # per step, all chips: what pipeline stages execute in idle ticks
 
   @property
   def step_seconds(self) -> float | None:
@@ -47,9 +49,12 @@ class Roofline:
 
   @property
   def compute_seconds(self) -> float | None:
-    """Executed FLOPs (model + recomputation) at the bf16 peak of every chip."""
+    """Executed FLOPs (model + recomputation + a pipeline's idle ticks) at the bf16 peak of
+    every chip."""
     step = self.step_seconds
-    return step / self.remat_mfu_bound if step else None
+    if not step:
+      return None
+    return step / self.remat_mfu_bound + self.idle_flops / (self.chips * self.peak_flops)
 
   @property
   def memory_seconds(self) -> float | None:
@@ -76,15 +81,18 @@ class Roofline:
     """XLA's bytes accessed scaled by its FLOP undercount (see the module docstring)."""
     if not self.xla_bytes or not self.xla_flops:
       return None
-    visible = (self.model_flops / self.remat_mfu_bound - self.kernel_flops) / self.chips
+    visible = (self.model_flops / self.remat_mfu_bound + self.idle_flops
+               - self.kernel_flops) / self.chips
     return self.xla_bytes * max(visible / self.xla_flops, 1.0)
 
   def step_line(self) -> str | None:
     if not self.step_seconds:
       return None
+    idle = (f" and the pipeline's idle ticks add {self.idle_flops / self.model_flops:.0%} of the "
+            "model FLOPs" if self.idle_flops else "")
     return (f"  step time at 100% MFU ({self.peak_flops / 1e12:.0f} TFLOP/s bf16 per chip): "
             f"{self.step_seconds * 1e3:,.1f} ms, {self.tokens_per_step / self.step_seconds:,.0f} "
-            f"tokens/s; rematerialisation caps MFU at {self.remat_mfu_bound:.0%}, so expect "
+            f"tokens/s; rematerialisation caps MFU at {self.remat_mfu_bound:.0%}{idle}, so expect "
             f">= {self.compute_seconds * 1e3:,.1f} ms")
 
   def line(self) -> str:
@@ -124,18 +132,20 @@ class Roofline:
             "roofline_mfu": self.mfu, "estimated_bytes": self.estimated_bytes}
 
 
-def remat_mfu_bound(model_cfg, seq_len: int) -> float:
+def remat_mfu_bound(model_cfg, seq_len: int, stage_remat: bool = False) -> float:
   """Model FLOPs / FLOPs executed when the remat policy recomputes part of the forward pass.
 
   `full` recomputes each block's forward (matmuls and attention) in the backward pass;
   `dots_no_batch` recomputes the attention matmuls (they have a batch dimension); `dots` and
-  `none` recompute no matmul. Kernels recompute inside themselves too (flash attention's
-  backward), which this does not count: it is a ceiling, not a prediction."""
+  `none` recompute no matmul. `stage_remat` (pipeline stages, `pipeline.remat_stage`): the
+  backward pass also recomputes every stage's forward from its input, one more forward of the
+  blocks. Kernels recompute inside themselves too (flash attention's backward), which this does
+  not count: it is a ceiling, not a prediction."""
   parts = flops_per_token(model_cfg, seq_len)
   head = 6.0 * model_cfg.d_model * model_cfg.vocab_size
   block_forward = (parts["matmuls"] - head) / 3 + parts["attention"] / 3
   extra = {"full": block_forward, "dots_no_batch": parts["attention"] / 3}.get(
-      model_cfg.remat, 0.0)
+      model_cfg.remat, 0.0) + (block_forward if stage_remat else 0.0)
   return parts["total"] / (parts["total"] + extra)
 
 
@@ -146,3 +156,15 @@ def kernel_flops(model_cfg, seq_len: int, tokens: int, kernel_calls: int) -> flo
     return 0.0
   recompute = 4 / 3 if model_cfg.remat in ("full", "dots_no_batch") else 1
   return flops_per_token(model_cfg, seq_len)["attention"] * tokens * recompute
+
+
+def idle_flops(model_cfg, seq_len: int, tokens: int, idle: int, busy: int,
+               stage_remat: bool = False) -> float:
+  """FLOPs per step (all chips) that pipeline stages execute in their idle ticks: every stage
+  runs its layers every tick (SPMD), so each busy tick's layer FLOPs (model + recomputation,
+  without the embedding and head, which run outside the tick loop) recur `idle / busy` times
+  over."""
+  parts = flops_per_token(model_cfg, seq_len)
+  layers = parts["total"] - 6.0 * model_cfg.d_model * model_cfg.vocab_size
+  layers += parts["total"] * (1 / remat_mfu_bound(model_cfg, seq_len, stage_remat) - 1)
+  return layers * tokens * idle / busy

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from sharding.collectives import collectives, crossing, total_bytes, unattributed
+from sharding.collectives import (collectives, crossing, format_bytes, total_bytes,
+                                  unattributed)
 from sharding.mesh import fold_replicas, replica_count
 from trainer.program import Program
 
@@ -119,9 +120,5 @@ def measure(program: Program, inner, outer, num_micro: int | None = None) -> Com
 
 
 def _size(n: float | None) -> str:
-  if n is None:
-    return "an unknown number of bytes (a loop of unknown trip count, or an unplaced transfer)"
-  for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-    if n >= scale:
-      return f"{n / scale:.3g} {unit}"
-  return f"{n:.0f} B"
+  return format_bytes(n, "an unknown number of bytes (a loop of unknown trip count, or an "
+                         "unplaced transfer)")

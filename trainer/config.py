@@ -18,6 +18,20 @@ class ConfigError(ValueError):
   """A user error in the config; train.py prints it as one line and exits with code 2."""
 
 
+def need(cond: bool, message: str) -> None:
+  """Raise ConfigError(message) unless `cond` (the config checks' one way to refuse)."""
+  if not cond:
+    raise ConfigError(message)
+
+
+def choice(cfg, key: str, choices) -> None:
+  """Refuse the dotted `key` of `cfg` unless its value is one of `choices`."""
+  node = cfg
+  for part in key.split("."):
+    node = node[part]
+  need(node in choices, f"{key}={node!r}: choose one of {', '.join(map(str, choices))}")
+
+
 def default_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.steps = 300  # optimizer steps to run to (a resumed run continues up to this)
@@ -30,9 +44,20 @@ def default_config() -> ml_collections.ConfigDict:
 
   # Devices per axis inside one slice (one axis may be -1 = fill), and across slices: the
   # dcn_* sizes multiply to the number of slices (TPU multi-slice, multi-node GPU), 1 = one.
+  # `stage`: pipeline stages (the layers split into stage x pipeline.repeats groups; below).
   c.mesh = ml_collections.ConfigDict(dict(
-      data=-1, fsdp=1, tensor=1, sequence=1, expert=1,
-      dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_sequence=1, dcn_expert=1))
+      stage=1, data=-1, fsdp=1, tensor=1, sequence=1, expert=1,
+      dcn_stage=1, dcn_data=1, dcn_fsdp=1, dcn_tensor=1, dcn_sequence=1, dcn_expert=1))
+  # Pipeline parallelism over mesh.stage S (x mesh.dcn_stage) > 1 (sharding/pipeline.py): the
+  # micro-batches are the accumulation micro-batches (M = global / micro batch, a multiple of
+  # S). "gpipe": each stage runs L / S consecutive layers; "circular" with `repeats` R: each
+  # stage runs R groups of L / (S R) layers, the micro-batches going round the stages R times
+  # (bubble (S - 1) / (M R + S - 1) instead of (S - 1) / (M + S - 1)).
+  # remat_stage: keep only each tick's stage input for the backward pass and recompute the
+  # stage's layers from it (GPipe's re-materialization: the activations of M R + S - 1 stage
+  # inputs instead of what model.remat keeps of every layer at every tick, for one more forward
+  # of the layers); model.remat applies per layer inside the stages either way.
+  c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", repeats=1, remat_stage=True))
 
   c.model = ml_collections.ConfigDict(dict(
       vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,

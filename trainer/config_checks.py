@@ -8,7 +8,8 @@ data's vocabulary against the model's (`model.vocab_size=0` is filled in from th
 logging and checkpoint settings. `check_distributed` checks the `distributed` block on its own
 (`trainer/distributed.py` calls it before jax.distributed starts). Each problem is one
 `ConfigError` line naming the key, the value and what would work; train.py prints it and exits
-with code 2.
+with code 2. The parallel layouts' checks (mixture of experts, DiLoCo, pipeline stages) are
+trainer/parallel_checks.py's.
 """
 from __future__ import annotations
 
@@ -19,18 +20,8 @@ import ml_collections
 
 from sharding.mesh import MeshError, data_parallel_size, num_slices, resolve_mesh_shape
 from trainer.config import NORM_METRICS, ConfigError
-
-
-def _need(cond: bool, message: str) -> None:
-  if not cond:
-    raise ConfigError(message)
-
-
-def _choice(cfg, key: str, choices) -> None:
-  node = cfg
-  for part in key.split("."):
-    node = node[part]
-  _need(node in choices, f"{key}={node!r}: choose one of {', '.join(map(str, choices))}")
+from trainer.config import choice as _choice, need as _need
+from trainer.parallel_checks import check_diloco, check_moe, check_pipeline
 
 
 def check_distributed(dist: ml_collections.ConfigDict) -> None:
@@ -52,37 +43,10 @@ def check_distributed(dist: ml_collections.ConfigDict) -> None:
         f"distributed.initialization_timeout={dist.initialization_timeout}: must be >= 1 second")
 
 
-def _check_moe(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
-  """model.moe.*: ranges, and that the experts and their width split over the mesh."""
-  from models.moe import BALANCE_SCOPES  # noqa: PLC0415
-  from models.moe_dispatch import IMPLS  # noqa: PLC0415
-  m, moe = cfg.model, cfg.model.moe
-  _need(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts}: must be >= 0 (0 = dense)")
-  if not moe.num_experts:
-    return
-  _need(1 <= moe.top_k <= moe.num_experts, f"model.moe.top_k={moe.top_k}: must be between 1 "
-        f"and model.moe.num_experts={moe.num_experts}")
-  _need(moe.every >= 1 and m.num_layers % moe.every == 0,
-        f"model.moe.every={moe.every} must be >= 1 and divide model.num_layers={m.num_layers} "
-        "(the layer scan repeats groups of `every` layers)")
-  for key in ("mlp_dim", "shared_expert", "capacity_factor", "router_z_loss",
-              "load_balance_loss"):
-    _need(moe[key] >= 0, f"model.moe.{key}={moe[key]}: must be >= 0")
-  _choice(cfg, "model.moe.balance_scope", BALANCE_SCOPES)
-  _choice(cfg, "model.moe.impl", IMPLS)
-  expert, tensor = sizes["expert"], sizes["tensor"]
-  _need(moe.num_experts % expert == 0,
-        f"model.moe.num_experts={moe.num_experts} does not split over mesh.expert={expert}; "
-        f"use a mesh.expert that divides {moe.num_experts}")
-  widths = {"model.moe.mlp_dim": moe.mlp_dim or m.mlp_dim,
-            "model.moe.shared_expert": moe.shared_expert}
-  for key, width in widths.items():
-    _need(width % tensor == 0, f"{key}: width {width} does not split over mesh.tensor={tensor}; "
-          f"use a multiple of {tensor}")
-
-
-def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
-  """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys."""
+def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
+                         ) -> list[int]:
+  """The batch-size rules, schedule units, batch ramp, EMA and noise-scale keys; returns every
+  global batch the run may use (the ramp's stages, the autopilot's sizes)."""
   from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES  # noqa: PLC0415
   from optim.ramp import parse_ramp  # noqa: PLC0415
   from optim.scaling import B2_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner  # noqa: PLC0415
@@ -147,13 +111,18 @@ def _check_batch_science(cfg: ml_collections.ConfigDict, dp: int) -> None:
     batches = [b for b, _ in stages]
   if d.batch_ramp == "auto":
     batches = _check_autopilot(cfg, micro)
-  if o.noise_scale_every and micro in batches:
+  if o.noise_scale_every and (micro in batches or num_stages > 1):
+    split = (f"optim.noise_scale_every on a step without accumulation splits its {micro} rows "
+             "into " if num_stages == 1 else
+             f"optim.noise_scale_every with mesh.stage={num_stages} runs the pipeline on two "
+             f"halves of every micro-batch's {micro} rows (trainer/stages.py), ")
     _need(micro % (2 * dp) == 0,
-          f"optim.noise_scale_every on a step without accumulation splits its {micro} rows into "
-          f"two halves, which must divide over the data-parallel size {dp}; use a multiple of "
-          f"{2 * dp} rows, or accumulate (data.micro_batch_size below the batch)"
+          split + f"two halves, which must divide over the data-parallel size {dp}; use a "
+          f"multiple of {2 * dp} rows"
+          + (", or accumulate (data.micro_batch_size below the batch)" if num_stages == 1 else "")
           + ("; data.micro_batch_size and optim.noise_scale_every are the autopilot's default "
              "here, set them to choose" if d.batch_ramp == "auto" else ""))
+  return batches
 
 
 def _check_seesaw(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
@@ -177,39 +146,6 @@ def resolved(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   except ValueError as e:
     raise ConfigError(str(e)) from None
 
-
-def _check_diloco(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
-  """optim.diloco.* of a DiLoCo run (replicas >= 1; the mesh and batch splits are checked with
-  the mesh): ranges, the settings whose meaning the replicas would change, and ring attention
-  (jax 0.10 cannot vmap its shard_map over the replicas: a varying-axes type error)."""
-  o, dl = cfg.optim, cfg.optim.diloco
-  _need(sizes["sequence"] == 1 or cfg.model.attention not in ("ring", "auto"),
-        f"model.attention={cfg.model.attention!r} runs ring attention over mesh.sequence="
-        f"{sizes['sequence']}, which does not run inside DiLoCo's replicas yet; use "
-        "model.attention='xla' (XLA splits the sequence itself) or mesh.sequence=1")
-  _need(cfg.data.batch_ramp != "seesaw", f"data.batch_ramp='seesaw' with "
-        f"optim.diloco.replicas={dl.replicas}: Seesaw derives its steps, which need not end on "
-        "an outer step; give DiLoCo a fixed batch or an explicit ramp")
-  h = dl.inner_steps
-  _need(h >= 1, f"optim.diloco.inner_steps={h}: must be >= 1 (the inner steps between outer "
-        "steps)")
-  _need(dl.outer_lr > 0, f"optim.diloco.outer_lr={dl.outer_lr}: must be positive (the paper's "
-        "0.7; 1 without momentum replaces the anchor by the replicas' mean)")
-  _need(0 <= dl.outer_momentum < 1,
-        f"optim.diloco.outer_momentum={dl.outer_momentum}: must be in [0, 1) (Nesterov; 0 = "
-        "plain SGD)")
-  _need(cfg.steps % h == 0, f"steps={cfg.steps} is not a multiple of optim.diloco.inner_steps="
-        f"{h}: a DiLoCo run ends on an outer step (the replicas' agreed model); use a multiple "
-        f"of {h}")
-  _need(cfg.eval_every % h == 0, f"eval_every={cfg.eval_every} is not a multiple of "
-        f"optim.diloco.inner_steps={h}: evaluations score the outer model, which exists after "
-        f"outer steps only; use a multiple of {h} (or 0)")
-  refused = (("optim.noise_scale_every", o.noise_scale_every, "the noise-scale meter"),
-             ("data.batch_ramp", cfg.data.batch_ramp == "auto" and "'auto'", "the batch autopilot"),
-             ("optim.ema_decay", o.ema_decay, "the parameter EMA"))
-  for key, value, what in refused:
-    _need(not value, f"{key}={value} with optim.diloco.replicas={dl.replicas}: {what} would "
-          "measure each replica apart, not the run; turn it off for DiLoCo runs")
 
 
 def _check_muon(cfg: ml_collections.ConfigDict) -> None:
@@ -461,7 +397,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           f"model.logits_chunk={m.logits_chunk} must divide data.seq_len={d.seq_len} and be a "
           f"multiple of mesh.sequence={seq_shards} (0 = no chunking)")
   _need(d.prefetch >= 0, f"data.prefetch={d.prefetch}: must be >= 0")
-  _check_moe(cfg, sizes)
+  check_moe(cfg, sizes)
   _need(not (m.fp8 and m.moe.num_experts),
         f"model.fp8=True with model.moe.num_experts={m.moe.num_experts}: fp8 covers the dense "
         "layers' projections and the experts' grouped matmul has no fp8 path; use "
@@ -488,9 +424,11 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _check_muon(cfg)
   # the batch autopilot's defaults (micro-batch, noise scale, schedule unit) and Seesaw's
   # (micro-batch, lr rule, horizon, steps) as the run fills them in (trainer/program.py)
-  _check_batch_science(resolved(cfg), dp)
+  filled = resolved(cfg)
+  batches = _check_batch_science(filled, dp, sizes["stage"])
+  check_pipeline(filled, sizes, batches)
   if replicas:
-    _check_diloco(cfg, sizes)
+    check_diloco(cfg, sizes)
 
   check_distributed(cfg.distributed)
 

@@ -82,6 +82,7 @@ from trainer.local_tier import LocalTier
 from trainer.run_report import (Events, StepTimer, log_batch_plan, log_diloco,
                                 log_hyperparameters, log_setup, process_start_time, repair_jsonl)
 from trainer.saver import Saver
+from trainer.stages import bubble_cost, log_pipeline, log_pipeline_plan
 
 EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
 
@@ -132,6 +133,7 @@ class Run:
     # (micro-batches, measures noise, computes the norm metrics) -> compiled train step
     self.compiled_steps: dict = {}
     self.compile_count = 0
+    self._pipeline_logged: set = set()  # micro-batch counts whose pipeline line was printed
     d = self.cfg.data
     # One source (data.dir or the default corpus) or a weighted mixture (data.mixture).
     self.sources = mixture.parse(d.mixture) if d.mixture else (
@@ -153,7 +155,7 @@ class Run:
     self.model_cfg, self.spec, self.tx = p.model_cfg, p.spec, p.tx
     self.shardings, self.batch_sharding = p.shardings, p.batch_sharding
     self.ramp = p.ramp  # the run's one ramp, shared with the schedules
-    self.autopilot = Autopilot(AutoConfig.from_config(cfg.data), self.ramp) \
+    self.autopilot = Autopilot(AutoConfig.from_config(cfg.data), self.ramp, cost=bubble_cost(p)) \
         if cfg.data.batch_ramp == "auto" else None
 
   def _set_train_spec(self) -> None:
@@ -197,6 +199,17 @@ class Run:
                   + (", noise scale" if measure_noise else "") + (", log" if logs else ""))
     return self.compiled_steps[key]
 
+  def _log_pipeline(self, num_micro: int, step: int) -> None:
+    """A pipelined run's line for the first step compiled for `num_micro` micro-batches: the
+    bubble and bytes between stages counted from it (trainer/stages.py)."""
+    if self.program.pipeline is None or num_micro in self._pipeline_logged:
+      return
+    compiled = next((c for (m, noise, _), c in self.compiled_steps.items()
+                     if m == num_micro and not noise), None)
+    if compiled is not None:
+      self._pipeline_logged.add(num_micro)
+      log_pipeline(self.writer, self.program, compiled, num_micro, step)
+
   def _step_key(self, num_micro: int, measure_noise: bool, logs: bool) -> tuple:
     return num_micro, measure_noise, self.program.computes_norms(logs)
 
@@ -205,7 +218,7 @@ class Run:
     change = self.autopilot.observe(step, host)
     if change is None:
       return
-    self.log(change.describe())
+    self.log(self.autopilot.describe(change))
     self.writer.write(step, {"event": "batch_change", "batch": change.batch,
                              "old_batch": change.old, "from_step": change.step,
                              "reason": change.reason}, console=False)
@@ -227,6 +240,8 @@ class Run:
     self.restore_seconds = time.perf_counter() - t
     if restored is not None:
       iterator = self._resize(restored)
+      # a checkpoint holds the plain layer stack (a circular pipeline stores another order)
+      restored = dataclasses.replace(restored, state=self.program.layout.from_saved(restored.state))
       if self.autopilot is not None:
         saved = restored.items.get("autopilot")
         if saved is None:
@@ -331,6 +346,8 @@ class Run:
     for line in self.program.defaults_filled:
       self.log(line)
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
+    log_pipeline_plan(self.writer, self.program,
+                      self.autopilot.cfg.sizes() if self.autopilot else self.ramp.batches)
     return start
 
   def _train(self, checkpointer: Checkpointer, signals: StopSignals, state, train_iter,
@@ -359,6 +376,7 @@ class Run:
       log_diloco(self.writer, self.program, self.ramp.batch_at(start), start,
                  next(iter(self.compiled_steps.values())), self.outer_step,
                  measure=self.is_lead)
+    self._log_pipeline(self.ramp.batch_at(start) // self.micro_rows, start)
     if start >= cfg.steps:
       self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
       return RunResult("done", start, {})
@@ -369,8 +387,9 @@ class Run:
     self._stage = None  # the batch ramp's stage of the last step dispatched
     window = MetricsWindow(reduce_metrics(self.mesh) if self.program.diloco else None)
     save = Saver(checkpointer, self.train_spec, cfg.to_dict(), timer, decider, self.log,
-                 autopilot=self.autopilot, local=self.local, events=self.events,
-                 topology=lambda: elastic.topology(self.mesh, cfg, self.ramp))
+                  autopilot=self.autopilot, local=self.local, events=self.events,
+                  topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
+                  to_saved=self.program.layout.to_saved)
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
@@ -454,6 +473,7 @@ class Run:
       jax.block_until_ready(state)
     with self.timer.paused():
       train_step = self.train_step_for(num_micro, measure_noise, logs)
+      self._log_pipeline(num_micro, step)
     with self.timer.waiting_for_data():
       batch = self.global_batch([next(train_iter) for _ in range(num_micro)])
     state, metrics = train_step(state, batch)

@@ -22,8 +22,11 @@ from optim.autopilot import with_defaults
 from optim.diloco import DiLoCoConfig, outer_optimizer
 from optim.ramp import seesaw_defaults
 from sharding.mesh import batch_sharding, make_mesh, mesh_platform, replicated
+from sharding.pipeline import Pipeline
 from trainer import diloco
-from trainer.state import ModelSpec, abstract_state, init_state, state_shardings
+from trainer.stages import Layout
+from trainer.state import (ModelSpec, abstract_state, fresh_state, init_sharded, init_state,
+                           state_shardings)
 from trainer.step import GuardConfig, make_eval_step, make_train_step
 
 
@@ -71,7 +74,9 @@ class Program:
     self.micro_rows = d.micro_batch_size or d.global_batch_size
     self.num_micro = d.global_batch_size // self.micro_rows
     self.model_cfg = ModelConfig.from_config(cfg.model)
-    self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed)
+    # Pipeline stages over `mesh.stage` (trainer/stages.py), or None.
+    self.pipeline = Pipeline.from_config(cfg, dict(mesh.shape))
+    self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed, self.pipeline)
     # One ramp per run, shared by the schedules and the loop (the batch autopilot grows it).
     self.ramp = BatchRamp.from_config(d, cfg.optim, cfg.steps)
     self.tx, self.schedule = build_optimizer(
@@ -84,6 +89,8 @@ class Program:
       self.outer_tx = outer_optimizer(self.diloco)
       self.shardings = diloco.state_shardings(self.spec, self.tx, self.outer_tx)
     self.batch_sharding = batch_sharding(mesh, microbatched=True)
+    # The layer order of the train state against the checkpoints' plain stack (trainer/stages.py)
+    self.layout = Layout(self.pipeline, self.model_cfg, self.shardings)
 
   def abstract_state(self):
     if self.diloco is None:
@@ -91,7 +98,13 @@ class Program:
     return diloco.abstract_state(self.spec, self.tx, self.outer_tx, self.diloco.replicas)
 
   def init_state(self, params=None):
-    """A fresh train state (from the seed, or with `params` and a fresh optimizer state)."""
+    """A fresh train state (from the seed, or with `params` (the plain layer stack) and a fresh
+    optimizer state)."""
+    if self.layout.reordered:  # a circular pipeline's state: from the plain stack, reordered
+      if params is None:
+        params = init_sharded(self.spec, lambda p: p, self.spec.param_shardings)
+      build = lambda p: fresh_state(self.tx, self.layout.stored(p, self.spec.param_shardings))
+      return init_sharded(self.spec, build, self.shardings, params)
     if self.diloco is None:
       return init_state(self.spec, self.tx, params)
     return diloco.init_state(self.spec, self.tx, self.outer_tx, self.diloco.replicas, params)

@@ -130,10 +130,13 @@ class Saver:
 
   def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
                autopilot=None, *, local: LocalTier | None = None, topology=dict,
-               events=lambda *a, **k: None):
+               events=lambda *a, **k: None, to_saved=lambda state: state):
+    """`to_saved(state)`: the state as a checkpoint of either tier holds it (a circular
+    pipeline's layer stack in the plain order, trainer/stages.py)."""
     self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
     self.timer, self.decider, self.log = timer, decider, log
     self.autopilot, self.local, self.topology, self.events = autopilot, local, topology, events
+    self.to_saved = to_saved
     self.failing = False
     self.local_failing = False
     self.last_step = None
@@ -149,7 +152,7 @@ class Saver:
         ckpt.wait()
         failed_step = step
         check_space(ckpt.directory, step, (ckpt.all_steps() or [None])[-1])
-        ckpt.save(step, state, train_iter, self.data_spec, self.config,
+        ckpt.save(step, self.to_saved(state), train_iter, self.data_spec, self.config,
                   autopilot=self._autopilot(), topology=self.topology())
         self.last_step = step
         if blocking:
@@ -197,7 +200,7 @@ class Saver:
         meta = {"config": self.config, "autopilot": self._autopilot(),
                 "topology": self.topology(),
                 "data": pipeline.saved_state(train_iter.get_state(), self.data_spec)}
-        self.local.save(step, state, meta)
+        self.local.save(step, self.to_saved(state), meta)
       except Exception as e:  # noqa: BLE001  full disk, storage errors: the next save retries
         error = e
     self.events("checkpoint", step=step, tier="local", seconds=time.perf_counter() - t,

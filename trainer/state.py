@@ -52,10 +52,13 @@ def init_guard() -> dict[str, jax.Array]:
 class ModelSpec:
   """Everything about the model the trainer needs, computed once without allocating it."""
 
-  def __init__(self, model_cfg: ModelConfig, mesh: Mesh, seed: int):
+  def __init__(self, model_cfg: ModelConfig, mesh: Mesh, seed: int, pipeline=None):
     self.cfg = model_cfg
     self.mesh = mesh
     self.seed = seed
+    # A `sharding.pipeline.Pipeline` when the layers run in stages over `mesh.stage` (the train
+    # and eval steps then go through trainer/stages.py); None: the plain layer scan.
+    self.pipeline = pipeline
     make = lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=seed))
     with nnx.logical_axis_rules(LOGICAL_RULES):
       abstract_model = nnx.eval_shape(make)

@@ -23,6 +23,11 @@ Accumulation. The gradient sum over micro-batches is float32 whatever `model.par
 constrained to the parameters' shardings (under FSDP it stays sharded); the optimizer receives
 the mean gradient cast back to the parameters' dtype.
 
+Pipeline stages (`mesh.stage` > 1, trainer/stages.py). The M micro-batches run through the
+pipeline instead of the scan: one value_and_grad over all of them (the pipeline's tick loop is
+the accumulation loop), with the same sums as the scan's; everything after `grad_sums` is this
+module's. The measuring step runs the pipeline on the two halves of every micro-batch's rows.
+
 Mixture of experts (`model.moe.*`, models/moe.py). The objective differentiated is
 (sum of token losses) / (target tokens of the whole step) + load_balance_loss x balance +
 router_z_loss x z: each micro-batch adds its loss sum plus the step's token count times its
@@ -68,6 +73,7 @@ import optax
 from models import moe as moe_lib
 from models.llama import moe_layer_ids
 from optim import noise_scale
+from trainer import stages
 from trainer.state import ModelSpec, TrainState
 
 
@@ -87,6 +93,8 @@ class GuardConfig:
 
 def loss_sums(spec: ModelSpec, params, batch) -> tuple[jax.Array, jax.Array]:
   """(sum of token cross-entropies over the batch, number of target tokens), in fp32."""
+  if spec.pipeline is not None:
+    return stages.loss_sums(spec, params, batch)
   return spec.model(params).loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"],
                                       batch["targets"], batch["loss_mask"])
 
@@ -132,7 +140,8 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
 
 def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
-  in float32 sharded like the parameters, noise-meter sums or None, MoE sums or None). The MoE
+  in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2 and 1 / t_i summed
+  over the pieces i, and their number) or None, MoE sums or None). The MoE
   sums are {"stats": router statistics, "aux": auxiliary losses} of the whole step; the gradient
   includes the weighted auxiliary losses times the step's target tokens (module docstring).
 
@@ -143,6 +152,8 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   `measure_noise` the scan also sums each micro-batch's |mean gradient|^2 and 1 / its tokens.
   """
 
+  if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/stages.py)
+    return stages.grad_sums(spec, params, batch, measure_noise=measure_noise)
   num_micro = jax.tree.leaves(batch)[0].shape[0]
   moe = spec.cfg.moe
   # The step's target tokens: the MoE auxiliary terms are scaled by it (see the docstring).
@@ -187,7 +198,8 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   if measure_noise:
     zeros += (zero, zero)
   carry, _ = jax.lax.scan(accumulate, zeros, batch)
-  return carry[0], carry[1], carry[2], (carry[4:] if measure_noise else None), carry[3]
+  return (carry[0], carry[1], carry[2], (*carry[4:], num_micro) if measure_noise else None,
+          carry[3])
 
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
@@ -228,10 +240,10 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
       # One clock: the schedule is read at the step counter, skipped steps included.
       extra.update(batch_size=batch_size, step=state.step)
       if measure_noise:
-        sq_small_sum, inv_tokens_sum = noise_sums
+        sq_small_sum, inv_tokens_sum, pieces = noise_sums
         extra["noise_sample"] = noise_scale.Sample(
-            sq_norm_small=sq_small_sum / num_micro, sq_norm_big=grad_norm * grad_norm,
-            b_small=num_micro / inv_tokens_sum, b_big=denom)
+            sq_norm_small=sq_small_sum / pieces, sq_norm_big=grad_norm * grad_norm,
+            b_small=pieces / inv_tokens_sum, b_big=denom)
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     # A bad step changes nothing but the step counter (its batch and its schedule slot are

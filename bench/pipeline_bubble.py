@@ -1,0 +1,161 @@
+"""What the batch size does to a pipeline's bubble: the train step compiled for a TPU topology at
+several numbers of micro-batches M, GPipe and circular, with the bubble counted from each
+compiled program and the step time of tools.aot's roofline.
+
+    python bench/pipeline_bubble.py --config configs/lm_1b.py --topology v5e:4x4 --stages 4 \\
+        --micro 4,8,16,32 --repeats 1,2,4 --config.data.micro_batch_size=16 --jobs 4 \\
+        --csv docs/pipeline.csv --png docs/pipeline.png
+
+No TPU is needed (compile only, as `tools.aot`). For each number of repeats R (1: GPipe, else
+circular) and each M, the config runs with `mesh.stage` = --stages and a global batch of M
+micro-batches of `data.micro_batch_size` (the batch ramp's and the autopilot's way of changing
+M), and `tools.aot.compile_report` compiles it; a row holds the ticks and idle ticks counted in
+the compiled step (`sharding.pipeline.count`), the bubble against (S - 1) / (M R + S - 1), the
+roofline's step time (executed FLOPs, idle ticks included, at the chips' peak, or the HBM floor
+if higher) and that time per micro-batch, the memory per chip, and the bytes between stages.
+The same batches without stages (`mesh.stage=1`, the config's own mesh) give the reference time
+per micro-batch. A config that does not fit is a row with `fits` False. `--jobs N` compiles N
+programs at once, each in a process of its own.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: no step runs here
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # as tools/aot.py
+
+import sys  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tools import aot  # noqa: E402
+from tools.figures import NO_PLOT, pyplot, save, write_csv  # noqa: E402
+from trainer.cli import CliParser, load  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.metrics import GiB  # noqa: E402
+
+FIELDS = ["schedule", "repeats", "micro", "global_batch", "fits", "ticks", "idle", "bubble",
+          "bubble_formula", "step_ms", "ms_per_micro", "memory_gib", "stage_mb"]
+
+
+def row(cfg, topology: str, name: str, stages: int, repeats: int, micro: int) -> dict:
+  """One compiled step of `micro` micro-batches on `stages` stages x `repeats` (1: no pipeline
+  when `stages` is 1), for `topology`."""
+  target = aot.config_target(cfg, topology)
+  cfg = cfg.copy_and_resolve_references()
+  cfg.mesh.stage = stages
+  cfg.pipeline.schedule = "circular" if repeats > 1 else "gpipe"
+  cfg.pipeline.repeats = repeats
+  cfg.data.global_batch_size = micro * cfg.data.micro_batch_size
+  out = {"schedule": "none" if stages == 1 else cfg.pipeline.schedule, "repeats": repeats,
+         "micro": micro, "global_batch": cfg.data.global_batch_size,
+         "bubble_formula": (stages - 1) / (micro * repeats + stages - 1)}
+  try:
+    report = aot.compile_report(cfg, target, name)
+  except aot.AotError as e:
+    print(f"  {out['schedule']} R={repeats} M={micro}: {e}", flush=True)
+    return {**out, "fits": False}
+  print(f"  {out['schedule']} R={repeats} M={micro}: compiled in {report.compile_seconds:.0f}s",
+        flush=True)
+  p = report.pipeline
+  seconds = report.roofline.seconds
+  out.update(fits=True, ticks=p.get("pipeline/ticks"), idle=p.get("pipeline/idle_ticks"),
+             bubble=p.get("pipeline/bubble", 0.0),
+             step_ms=None if seconds is None else seconds * 1e3,
+             ms_per_micro=None if seconds is None else seconds * 1e3 / micro,
+             memory_gib=report.total_bytes / GiB,
+             stage_mb=((p.get("pipeline/activation_bytes") or 0)
+                       + (p.get("pipeline/other_bytes") or 0)) / 1e6 if p else 0.0)
+  return out
+
+
+def plot(rows: list[dict], stages: int, path: str, title: str) -> None:
+  plt = pyplot()
+  if plt is None:
+    print("figure" + NO_PLOT)
+    return
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  for (schedule, repeats), style in zip(dict.fromkeys((r["schedule"], r["repeats"])
+                                                      for r in rows), ("o-", "s-", "^-", "v-")):
+    runs = [r for r in rows if (r["schedule"], r["repeats"]) == (schedule, repeats) and r["fits"]]
+    label = {"none": "no stages", "gpipe": "GPipe"}.get(schedule, f"circular R={repeats}")
+    ms = [r["micro"] for r in runs]
+    if schedule != "none":
+      left.plot(ms, [r["bubble"] for r in runs], style, label=f"{label} (counted)")
+      left.plot(ms, [r["bubble_formula"] for r in runs], "k:", lw=0.8)
+    right.plot(ms, [r["ms_per_micro"] for r in runs], style if schedule != "none" else "k--",
+               label=label)
+  left.set(xscale="log", xlabel="micro-batches M", ylabel="bubble (idle ticks / ticks)",
+           title=f"{stages} stages; dotted: (S-1)/(MR+S-1)")
+  right.set(xscale="log", xlabel="micro-batches M", ylabel="roofline step time / M (ms)",
+            title="step time per micro-batch")
+  for ax in (left, right):
+    ax.set_xticks(sorted({r["micro"] for r in rows}), labels=sorted({str(r["micro"])
+                                                                     for r in rows}, key=int))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+  save(fig, path, title)
+
+
+def build_parser() -> CliParser:
+  parser = CliParser("bench/pipeline_bubble.py", __doc__)
+  parser.add_argument("--topology", required=True, help="as tools.aot's, e.g. v5e:4x4")
+  parser.add_argument("--stages", type=int, default=4)
+  parser.add_argument("--micro", default="4,8,16,32", help="numbers of micro-batches M")
+  parser.add_argument("--repeats", default="1,2,4", help="1: GPipe; more: circular")
+  parser.add_argument("--csv", default="")
+  parser.add_argument("--png", default="")
+  parser.add_argument("--jobs", type=int, default=1,
+                      help="compile this many programs at once (processes)")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  try:
+    args, overrides = build_parser().parse(argv)
+    cfg = load(args.config, overrides)
+    if not cfg.data.micro_batch_size:
+      raise ConfigError("set data.micro_batch_size: M micro-batches of it make each batch")
+    micros = [int(m) for m in args.micro.split(",")]
+    repeats = [int(r) for r in args.repeats.split(",")]
+    aot.config_target(cfg, args.topology)
+  except (ConfigError, aot.AotError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  name = os.path.splitext(os.path.basename(args.config))[0]
+  work = [(cfg, args.topology, name, args.stages, r, m) for r in repeats for m in micros]
+  work += [(cfg, args.topology, name, 1, 1, m) for m in micros]  # no stages: the reference
+  if args.jobs > 1:
+    import concurrent.futures  # noqa: PLC0415
+    import multiprocessing  # noqa: PLC0415
+    with concurrent.futures.ProcessPoolExecutor(
+        args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+      rows = list(pool.map(row, *zip(*work)))
+  else:
+    rows = [row(*w) for w in work]
+  print(f"{name} on {args.topology}, {args.stages} stages, micro-batches of "
+        f"{cfg.data.micro_batch_size} sequences:")
+  print("| schedule | R | M | batch | ticks | idle | bubble (counted) | (S-1)/(MR+S-1) | "
+        "step (roofline) | per micro-batch | memory/chip | between stages |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+  fmt = lambda v, spec: "-" if v is None else format(v, spec)
+  for r in rows:
+    if not r["fits"]:
+      print(f"| {r['schedule']} | {r['repeats']} | {r['micro']} | {r['global_batch']} | "
+            "does not fit | | | | | | | |")
+      continue
+    print(f"| {r['schedule']} | {r['repeats']} | {r['micro']} | {r['global_batch']} | "
+          f"{fmt(r['ticks'], 'd')} | {fmt(r['idle'], 'd')} | {r['bubble']:.1%} | "
+          f"{r['bubble_formula']:.1%} | {fmt(r['step_ms'], ',.0f')} ms | "
+          f"{fmt(r['ms_per_micro'], ',.1f')} ms | {r['memory_gib']:.2f} GiB | "
+          f"{r['stage_mb']:,.0f} MB |")
+  if args.csv:
+    write_csv(args.csv, rows, FIELDS)
+  if args.png:
+    plot(rows, args.stages, args.png, f"{name} on {args.topology}: pipeline bubble and step "
+         "time against the number of micro-batches (compiled programs)")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,172 @@
+"""The Llama model through a pipeline over `mesh.stage` (sharding/pipeline.py has the schedule):
+the loss of a step's [M, B, S] batch as one differentiable function of the parameters, with the
+MoE router statistics and auxiliary losses of the whole step.
+
+Stages. The stored layer stack [G, ...] (G scan units: layers, or MoE groups of `moe.every`
+layers) is viewed as [S, R, G / (S R), ...]; each tick a stage merges its share into the stacked
+blocks module and runs them with `run_layers` (models/llama.py), reading the RoPE tables and
+document masks of the micro-batch it holds, each layer under `model.remat` as in the plain model;
+with `pipeline.remat_stage` (the default) the pipeline keeps one stage input per tick and the
+backward pass recomputes the stage from it (sharding/pipeline.py).
+
+Where the embedding and the head run: outside the tick loop, on every stage, each stage on its
+own M / S micro-batches (the micro-batch dimension split over `stage`). A stage's embeddings are
+its slots of the pipeline's input buffer, and the last stage's outputs come back to the same
+slots (sharding/pipeline.py), so neither moves more than the hand-over between stages already
+does. On the first and last stage instead, inside the loop, they would lengthen those stages'
+ticks and so every tick (the head is the largest matmul per token: 2 E V against a layer's
+~24 E^2 + attention); after the loop on the last stage alone, the other stages would idle
+through M heads. The price of spreading them: the embedding, head and final-norm weights are
+replicated over `stage` (sharded inside a stage as before) and their gradients are all-reduced
+over `stage` once per step, which the start-up line counts beside the activations. The loss of
+a stage's micro-batches runs one micro-batch at a time (a scan), so at most one micro-batch's
+logits exist; without `model.logits_chunk` each is recomputed in the backward pass rather than
+kept for all M / S.
+
+MoE. Each tick's router statistics are summed over the busy ticks into [S, R, G / (S R), ...]
+and put back in model layer order, so the step's statistics, the global-batch balance loss (f
+from the same pass: no pre-pass) and the z-loss are those of the accumulation path
+(trainer/step.py) to float rounding; the per-micro-batch balance (`balance_scope=
+"micro_batch"`) is summed per micro-batch inside the loop.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import moe as moe_lib
+from models.llama import Transformer, layer_inputs, run_layers
+from sharding.mesh import data_parallel_size
+from sharding.pipeline import Pipeline, run
+from sharding.rules import STAGE_AXIS, constrain
+
+ACT = ("act_batch", "act_seq", "act_embed")
+
+
+def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
+  """(loss sum, target tokens, router statistics [G, ...] in model order ({} if dense), the
+  per-micro-batch balance terms [G] (None if dense)) of `batch` (leaves [M, B, S], M a multiple
+  of the stages) through the pipeline."""
+  cfg = model.cfg
+  graphdef, state = nnx.split(model.blocks)
+  weights = jax.tree.map(pipe.stage_view, nnx.to_pure_dict(state))
+  positions, segments_ids = batch["positions"], batch["segment_ids"]
+
+  def stage(w, x_BSE, micro):
+    blocks = nnx.merge(graphdef, w)
+    rope, segments = layer_inputs(cfg, positions[micro], segments_ids[micro])
+    y_BSE, stats = run_layers(cfg, x_BSE, blocks, rope, segments)
+    if stats:  # this micro-batch's balance term per layer (balance_scope="micro_batch")
+      stats = {**stats, "balance_mb": _micro_balance(stats, cfg.moe)}
+    return y_BSE, stats
+
+  x_MBSE = jax.vmap(model.embed, spmd_axis_name=STAGE_AXIS)(batch["inputs"])
+  y_MBSE, sums = run(pipe, stage, weights, x_MBSE, act_names=ACT)
+  stats = jax.tree.map(_model_order, sums)
+  balance_mb = stats.pop("balance_mb", None)
+  loss_sum = _loss(model, pipe, y_MBSE, batch["targets"], batch["loss_mask"])
+  tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+  return loss_sum, tokens, stats, balance_mb
+
+
+def objective(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: int = 1,
+              fraction=None):
+  """(what the step differentiates, (loss sum, target tokens, {"stats", "aux"} or None)), as
+  trainer/step.py's accumulation objective: the loss sum plus the step's target tokens times
+  the weighted auxiliary losses. `batch` is the step's batch or one of `parts` equal pieces of
+  its rows (the noise-scale meter's halves), `fraction` then the whole step's f [G, N] for the
+  global balance loss (else taken from this pass)."""
+  loss_sum, tokens, stats, balance_mb = forward(model, pipe, batch)
+  moe = model.cfg.moe
+  if not moe.enabled:
+    return loss_sum, (loss_sum, tokens, None)
+  micro = jax.tree.leaves(batch)[0].shape[0]
+  aux = aux_losses(stats, balance_mb, moe, micro=micro * parts, parts=parts, fraction=fraction)
+  total = loss_sum + step_tokens * moe_lib.aux_objective(aux, moe)
+  return total, (loss_sum, tokens, {"stats": stats, "aux": aux})
+
+
+def aux_losses(stats, balance_mb, moe, *, micro: int, parts: int = 1, fraction=None):
+  """The auxiliary losses {"balance", "z"} of the step from statistics summed over this pass's
+  micro-batches (one of `parts` equal pieces of the step; `micro`: the step's micro-batches in
+  all pieces): `moe.aux_losses` summed over micro-batches, in closed form."""
+  N, K = moe.num_experts, moe.top_k
+  all_tokens = stats["tokens"] * parts  # [G]: the step's router tokens per layer
+  z = jnp.mean(stats["z_sum"] / all_tokens)
+  if moe.balance_scope == "micro_batch":
+    balance = jnp.mean(balance_mb) / micro
+  else:
+    f = fraction if fraction is not None else stats["counts"] / (K * all_tokens[:, None])
+    per_layer = N * jnp.sum(jax.lax.stop_gradient(f) * stats["prob_sum"], axis=-1)
+    balance = jnp.mean(per_layer / all_tokens)
+  return {"balance": balance, "z": z}
+
+
+def global_fraction(model: Transformer, pipe: Pipeline, batch):
+  """f [G, N]: each expert's share of the assignments of the whole `batch` (a forward pass, no
+  gradient): what the pieces of a step cut in parts share."""
+  _, _, stats, _ = forward(model, pipe, batch)
+  f = stats["counts"] / (model.cfg.moe.top_k * stats["tokens"][:, None])
+  return jax.lax.stop_gradient(f)
+
+
+def loss_sums(model: Transformer, pipe: Pipeline, batch):
+  """(loss sum, target tokens) of one batch [B, S] (evaluation): its rows cut into S
+  micro-batches (padded with empty rows to a multiple of S x the data-parallel size)."""
+  rows = batch["inputs"].shape[0]
+  mesh = jax.sharding.get_abstract_mesh()
+  dp = 1 if mesh.empty else data_parallel_size(mesh.shape)
+  unit = pipe.stages * dp
+  padded = -(-rows // unit) * unit
+  micro = {k: jnp.pad(v, [(0, padded - rows)] + [(0, 0)] * (v.ndim - 1))
+              .reshape(pipe.stages, padded // pipe.stages, *v.shape[1:])
+           for k, v in batch.items()}  # padded rows: empty, loss_mask False
+  micro = {k: constrain(v, (None, "act_batch", "act_seq")) for k, v in micro.items()}
+  loss_sum, tokens, _, _ = forward(model, pipe, micro)
+  return loss_sum, tokens
+
+
+def _micro_balance(stats, moe):
+  """N sum_i f_i P_i of one micro-batch per layer [G], f and P its own (no gradient through f)."""
+  tokens = stats["tokens"]
+  f = jax.lax.stop_gradient(stats["counts"] / (moe.top_k * tokens[:, None]))
+  return moe.num_experts * jnp.sum(f * stats["prob_sum"] / tokens[:, None], axis=-1)
+
+
+def _model_order(sums):
+  """[S, R, G / (S R), ...] sums of stage s in repeat r (layer group r S + s) -> [G, ...]."""
+  return jnp.swapaxes(sums, 0, 1).reshape(-1, *sums.shape[3:])
+
+
+def _loss(model: Transformer, pipe: Pipeline, y_MBSE, targets_MBS, mask_MBS):
+  """The loss sum of the pipeline's outputs: each stage its M / S micro-batches, one at a time.
+  The weights outside the layer stack (final norm, head) enter as one copy per stage, so each
+  stage sums its own gradient over its micro-batches and the copies' sum, the all-reduce over
+  `stage`, happens once, not once per micro-batch."""
+  S = pipe.stages
+  per_stage = lambda a: a.reshape(S, a.shape[0] // S, *a.shape[1:])
+  graphdef, state = nnx.split(model)
+  rest = nnx.to_pure_dict(state)
+  blocks = rest.pop("blocks")  # not read by the head: left out of the copies
+  P = jax.sharding.PartitionSpec  # inside a stage: sharded as the weight is
+  copies = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+      jnp.broadcast_to(a, (S, *a.shape)), P(STAGE_AXIS, *(P.UNCONSTRAINED,) * a.ndim)), rest)
+
+  def stage_sum(weights, y_KBSE, targets_KBS, mask_KBS):
+    head = nnx.merge(graphdef, {**weights, "blocks": blocks})
+
+    def one(x_BSE, targets_BS, mask_BS):
+      return head.loss_from_hidden(head.final_norm(x_BSE), targets_BS, mask_BS)
+
+    if not model.cfg.logits_chunk:  # keep no micro-batch's full logits for the backward pass
+      one = jax.checkpoint(one, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def add(total, xs):
+      return total + one(*xs), None
+
+    return jax.lax.scan(add, jnp.zeros((), jnp.float32), (y_KBSE, targets_KBS, mask_KBS))[0]
+
+  sums = jax.vmap(stage_sum, spmd_axis_name=STAGE_AXIS)(
+      copies, per_stage(y_MBSE), per_stage(targets_MBS), per_stage(mask_MBS))
+  return jnp.sum(sums)

@@ -1,0 +1,276 @@
+"""Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules as one SPMD loop
+inside the jitted step, the layer order a circular pipeline stores, and the bubble and the bytes
+between stages counted from a compiled program.
+
+Schedule. S stages (mesh.stage x mesh.dcn_stage), M micro-batches (the step's accumulation
+micro-batches), R repeats (`pipeline.repeats`; GPipe is R = 1). The layer stack is cut into S R
+groups of L / (S R) consecutive layers; group g = r S + s runs on stage s in repeat r, so every
+micro-batch goes round the stages R times. At tick t (0 <= t < M R + S - 1) stage s works on
+micro-batch (t - s) mod M of repeat (t - s) div M if 0 <= t - s < M R (its M R busy ticks) and
+idles otherwise: S - 1 idle ticks per stage, a bubble of (S - 1) / (M R + S - 1) of the step
+(Huang et al. 2019, "GPipe", for R = 1; the interleaved schedule of Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters", MaxText's "circular", for R >
+1: each tick is 1 / R as long, so the idle ticks cost R times less). Every micro-batch's
+forward runs before any backward (GPipe's order, not 1F1B's), so the activations of all M
+micro-batches are held at once (the stage inputs only, with rematerialisation per stage).
+M must be a multiple of S (each stage holds M / S of the inputs, below); a circular pipeline
+needs M >= S anyway (a micro-batch leaving the last stage must find the first one free).
+
+SPMD. One program runs every stage at once: per-stage state is an array with a leading [S]
+dimension sharded over `stage` (`act_stage` in sharding/rules.py), the stage function is
+`jax.vmap`ped over it with `spmd_axis_name="stage"` (so every rule inside a stage applies as
+without stages: fsdp, tensor, data, expert, sequence), and the hand-over between stages is
+`jnp.roll` by one along that dimension under a sharding constraint, which XLA lowers to a
+collective-permute between neighbouring stages. The backward pass is autodiff of the tick loop
+(`jax.lax.scan`); the rolls transpose to rolls the other way. Rematerialisation per stage
+(`pipeline.remat_stage`, GPipe's re-materialization): each tick's stage computation is one
+`jax.checkpoint` unit, so the backward pass keeps one stage input per tick and recomputes the
+stage from it (inside, the model's own per-layer `remat` bounds what that recomputation holds).
+
+Buffers (all sharded over `stage` on their first dimension):
+  shift [S, *act]        what each stage receives next: stage s - 1's output (a ring: stage 0
+                         receives the last stage's).
+  io    [S, M/S, *act]   the inputs, micro-batch m on stage m div (M/S) (each stage embeds its
+                         own); every tick one of the M/S slots rotates one stage down, so stage
+                         0 reads micro-batch t at tick t, and the last stage's output enters at
+                         the top: after the last tick every micro-batch's output lies where its
+                         input was, rolled by S - 1 slots (MaxText's `state_io`).
+  loop  [S, M, *act]     circular only: stage 0's queue of micro-batches coming round again (the
+                         last stage's output reaches stage 0 through `shift`'s ring); the other
+                         stages' copies are never read.
+
+Layer order. A GPipe stage s holds layers [s L/S, (s+1) L/S): the plain stack split over
+`stage`. A circular stage s holds groups s, S + s, 2S + s, ..., not a contiguous block, so a
+circular run keeps its layer stack in the order its stages use it (`Pipeline.stored_order`) and
+checkpoints convert to and from the plain order (`reorder`; trainer/program.py), so a checkpoint
+always holds the plain stack and restores on any mesh.
+
+Counted (`count`): the ticks per step are the run count of the collective-permutes that hand
+activations between stages in the compiled program (the trip count of the tick loop around
+them), the idle ticks those minus M R, and the bytes between stages the collectives whose
+device groups join two stages (`sharding.collectives`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.collectives import collectives, crossing, format_bytes as size, total_bytes
+from sharding.rules import STAGE_AXIS, constrain
+
+SCHEDULES = ("gpipe", "circular")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """S stages, R repeats (1 for GPipe), the schedule's name, and whether each tick's stage is
+  rematerialised from its input (`pipeline.remat_stage`)."""
+  stages: int
+  repeats: int = 1
+  schedule: str = "gpipe"
+  remat_stage: bool = True
+
+  @classmethod
+  def from_config(cls, cfg, mesh_sizes) -> "Pipeline | None":
+    """From a run config and its mesh sizes over all devices ({axis: size}); None for one stage
+    (no pipeline: the plain layer scan)."""
+    stages = int(mesh_sizes.get(STAGE_AXIS, 1))
+    if stages == 1:
+      return None
+    p = cfg.pipeline
+    repeats = int(p.repeats) if p.schedule == "circular" else 1
+    return cls(stages, repeats, "circular" if repeats > 1 else "gpipe",  # circular R=1: GPipe
+               bool(p.remat_stage))
+
+  def ticks(self, micro: int) -> int:
+    """Ticks of a step of `micro` micro-batches: M R + S - 1."""
+    return micro * self.repeats + self.stages - 1
+
+  def bubble(self, micro: int) -> float:
+    """The idle fraction of each stage's ticks, (S - 1) / (M R + S - 1): the cost model of a
+    batch size (the compiled program's own count is `count`)."""
+    return (self.stages - 1) / self.ticks(micro)
+
+  def describe(self) -> str:
+    return (f"{self.stages} stages, GPipe" if self.schedule == "gpipe" else
+            f"{self.stages} stages x {self.repeats} repeats, circular")
+
+  def stored_order(self, groups: int) -> np.ndarray:
+    """order[i] = the plain index of the layer group stored at position i: stage-major (stage s
+    holds groups s, S + s, ... in that order). The identity for GPipe."""
+    S, R = self.stages, self.repeats
+    return np.arange(groups).reshape(R, S, groups // (S * R)).transpose(1, 0, 2).reshape(-1)
+
+  def stage_view(self, stack):
+    """A stored layer stack [G, ...] as [S, R, G / (S R), ...] (a local reshape: stage s's
+    block of the stored stack is its R groups)."""
+    S, R = self.stages, self.repeats
+    view = stack.reshape(S, R, stack.shape[0] // (S * R), *stack.shape[1:])
+    if jax.sharding.get_abstract_mesh().empty:
+      return view
+    P = jax.sharding.PartitionSpec  # the other dimensions stay as the stack's (fsdp, tensor, ...)
+    return jax.lax.with_sharding_constraint(
+        view, P(STAGE_AXIS, *(P.UNCONSTRAINED,) * (view.ndim - 1)))
+
+
+def reorder(tree, shardings, order: np.ndarray):
+  """`tree` with every leaf whose first dimension is split over `stage` (the layer stacks of
+  the parameters and of the optimizer state that mirrors them) permuted along it by `order`
+  (new[i] = old[order[i]]); other leaves unchanged. Traceable: jit it with `shardings`."""
+  def one(leaf, sharding):
+    spec = tuple(sharding.spec)
+    first = spec[0] if spec else None
+    axes = (first,) if isinstance(first, str) else tuple(first or ())
+    return jnp.take(leaf, jnp.asarray(order), axis=0) if STAGE_AXIS in axes else leaf
+  return jax.tree.map(one, tree, shardings)
+
+
+def run(pipe: Pipeline, stage_fn: Callable, weights, inputs, *, act_names):
+  """The pipelined forward of M micro-batches (the module docstring's schedule).
+
+  stage_fn(w, x, micro) -> (y, aux): one stage's work on one micro-batch, `w` the weights of
+      that stage and repeat (leaves [...]), `x` [*act] its input activation, `micro` the
+      micro-batch's index (int32 scalar, to read per-micro-batch data such as positions); `y` like
+      `x`; `aux` a pytree of arrays (e.g. router statistics) summed over the busy ticks.
+  weights: a pytree whose leaves are [S, R, ...] (`Pipeline.stage_view` of the stored stack).
+  inputs: [M, *act], the micro-batch dimension split over `stage` (M / S per stage).
+  act_names: the logical names of one micro-batch's activation dimensions (`*act`).
+  With `pipe.remat_stage` each tick's stage computation is one `jax.checkpoint` that saves
+  nothing but its inputs: the backward pass recomputes the stage from the tick's input.
+
+  Returns (outputs [M, *act] sharded like `inputs`, aux sums with leaves [S, R, ...]: entry
+  [s, r] is the sum over stage s's busy ticks of repeat r, i.e. layer group r S + s).
+  """
+  S, R = pipe.stages, pipe.repeats
+  M = inputs.shape[0]
+  if M % S:
+    raise ValueError(f"{M} micro-batches do not split over {S} pipeline stages")
+  K = M // S
+  act = ("act_stage", *act_names)
+  io = constrain(inputs.reshape(S, K, *inputs.shape[1:]), ("act_stage", None, *act_names))
+  shift = constrain(jnp.zeros((S, *inputs.shape[1:]), inputs.dtype), act)
+  loop = (constrain(jnp.zeros((S, M, *inputs.shape[1:]), inputs.dtype),
+                    ("act_stage", None, *act_names)) if R > 1 else None)
+  stage_ids = jnp.arange(S)
+  per_stage = lambda mask, x: mask.reshape(S, *(1,) * (x.ndim - 1))
+
+  def compute(weights, x, repeat, micro):
+    def one(w, x, r, m):  # one stage: its repeat's weights, then its layers
+      w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), w)
+      return stage_fn(w, x, m)
+    return jax.vmap(one, spmd_axis_name=STAGE_AXIS)(weights, x, repeat, micro)
+
+  if pipe.remat_stage:
+    compute = jax.checkpoint(compute, policy=jax.checkpoint_policies.nothing_saveable,
+                             prevent_cse=False)
+  w0 = jax.tree.map(lambda a: a[0, 0], weights)
+  _, aux_shape = jax.eval_shape(stage_fn, w0, jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype),
+                                jax.ShapeDtypeStruct((), jnp.int32))
+  aux0 = jax.tree.map(lambda a: jnp.zeros((S, R, *a.shape), a.dtype), aux_shape)
+
+  def tick(carry, t):
+    shift, io, loop, aux = carry
+    k = t - stage_ids  # stage s's position in its sequence of M R busy ticks
+    busy = (k >= 0) & (k < M * R)
+    repeat = jnp.clip(k // M, 0, R - 1)
+    micro = k % M
+    slot = io[:, t % K]
+    first = slot if loop is None else jnp.where(t < M, slot, loop[:, t % M])
+    x = constrain(jnp.where(per_stage(stage_ids == 0, shift), first, shift), act)
+    y, out = compute(weights, x, repeat, micro)
+    y = constrain(y, act)
+    shift = constrain(jnp.roll(y, 1, axis=0), act)
+    if loop is not None:  # the last stage's output, now on stage 0, queued for its next repeat
+      loop = loop.at[:, (t - (S - 1)) % M].set(shift)
+    slot = jnp.where(per_stage(stage_ids == S - 1, y), y, jnp.roll(slot, -1, axis=0))
+    io = io.at[:, t % K].set(constrain(slot, act))
+    add = lambda acc, o: jax.vmap(
+        lambda a, r, b, v: a.at[r].add(jnp.where(b, v, jnp.zeros_like(v))),
+        spmd_axis_name=STAGE_AXIS)(acc, repeat, busy, o)
+    aux = jax.tree.map(add, aux, out)
+    return (shift, io, loop, aux), None
+
+  (_, io, _, aux), _ = jax.lax.scan(tick, (shift, io, loop, aux0),
+                                    jnp.arange(pipe.ticks(M), dtype=jnp.int32))
+  outputs = jnp.roll(io, -(S - 1), axis=1).reshape(inputs.shape)
+  return constrain(outputs, ("act_stage", *act_names)), aux
+
+
+# ----------------------------------------------------------------------------------------------
+# Counted from a compiled program
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+  """What a compiled pipelined step does, per device, read from its HLO."""
+  stages: int
+  micro: int
+  repeats: int
+  ticks: int | None  # ticks per step: the run count of the stage hand-over collective-permutes
+  activation_bytes: float | None  # collective-permutes between stages, per step
+  other_bytes: float | None  # other collectives joining stages (stage-replicated weights' grads)
+  permutes: int  # collective-permute instructions between stages
+
+  @property
+  def busy(self) -> int:
+    """Ticks each stage works: every micro-batch passes every stage R times."""
+    return self.micro * self.repeats
+
+  @property
+  def idle(self) -> int | None:
+    return None if self.ticks is None else self.ticks - self.busy
+
+  @property
+  def bubble(self) -> float | None:
+    return None if self.ticks is None else self.idle / self.ticks
+
+  @property
+  def stage_bytes(self) -> float | None:
+    if self.activation_bytes is None or self.other_bytes is None:
+      return None
+    return self.activation_bytes + self.other_bytes
+
+  def line(self) -> str:
+    """The start-up / tools.aot line."""
+    bubble = ("unknown (no hand-over between stages found in the compiled program)"
+              if self.ticks is None else
+              f"{self.bubble:.1%} ({self.idle} idle of {self.ticks} ticks per stage, counted "
+              f"from the compiled step; (S-1)/(MR+S-1) = {self.stages - 1}/"
+              f"{self.micro * self.repeats + self.stages - 1})")
+    return (f"pipeline: M={self.micro} micro-batches, bubble {bubble}; between stages per step "
+            f"and device: {size(self.stage_bytes)} (activations {size(self.activation_bytes)} "
+            f"in {self.permutes} collective-permute(s) run {self.ticks or '?'} times each, "
+            f"stage-replicated weights' gradients {size(self.other_bytes)})")
+
+  def row(self) -> dict:
+    return {"pipeline/micro_batches": self.micro, "pipeline/ticks": self.ticks,
+            "pipeline/idle_ticks": self.idle, "pipeline/bubble": self.bubble,
+            "pipeline/activation_bytes": self.activation_bytes,
+            "pipeline/other_bytes": self.other_bytes}
+
+
+def stage_labels(mesh) -> list[int]:
+  """The stage of each position in the mesh's device order (the programs' device assignment)."""
+  names = list(mesh.axis_names)
+  shape = mesh.devices.shape
+  if STAGE_AXIS not in names:
+    return [0] * math.prod(shape)
+  axis = names.index(STAGE_AXIS)
+  ids = np.arange(shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+  return np.broadcast_to(ids, shape).ravel().tolist()
+
+
+def count(pipe: Pipeline, micro: int, hlo_text: str, mesh) -> Count:
+  """The `Count` of a compiled pipelined step of `micro` micro-batches (`compiled.as_text()`)."""
+  ops = crossing(collectives(hlo_text), stage_labels(mesh))
+  permutes = [op for op in ops if op.kind == "collective-permute"]
+  runs = [op.count for op in permutes]
+  ticks = None if not runs or any(r is None for r in runs) else max(runs)
+  others = [op for op in ops if op.kind != "collective-permute"]
+  return Count(pipe.stages, micro, pipe.repeats, ticks, total_bytes(permutes),
+               total_bytes(others), len(permutes))
