@@ -92,6 +92,7 @@ def plot(rows: list[dict], stages: int, path: str, title: str) -> None:
   for ax in (left, right):
     ax.set_xticks(sorted({r["micro"] for r in rows}), labels=sorted({str(r["micro"])
                                                                      for r in rows}, key=int))
+    ax.set_xticks([], minor=True)  # no log-scale minor labels between the M ticks
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   save(fig, path, title)
