@@ -25,7 +25,6 @@ import os
 import sys
 
 EXIT_CONFIG_ERROR = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 def build_parser():
@@ -98,9 +97,9 @@ def main(argv: list[str]) -> int:
   except (ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
-  except KeyboardInterrupt:  # a second Ctrl-C (trainer/decisions.py StopSignals)
-    print("interrupted: stopped at once, without saving; rerun the command to resume from the "
-          "newest checkpoint", file=sys.stderr)
+  except KeyboardInterrupt:  # a Ctrl-C before the loop's handlers (a second one: StopSignals)
+    from trainer.decisions import EXIT_INTERRUPTED, INTERRUPTED  # noqa: PLC0415
+    print(INTERRUPTED, file=sys.stderr)
     return EXIT_INTERRUPTED
   return result.exit_code
 

@@ -30,7 +30,9 @@ at the next such step: before any checkpoint, evaluation or log row, never later
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
+import sys
 import time
 
 import jax
@@ -42,6 +44,22 @@ from optim.diloco import DiLoCoConfig
 # What is read back for a step that is not a log step: enough to report a skipped update (and
 # the target tokens that weight a DiLoCo run's replicas' losses, `trainer.diloco.reduce_metrics`).
 FLAG_KEYS = ("loss", "skipped", "nonfinite", "spike", "target_tokens")
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+INTERRUPTED = ("interrupted: stopped at once, without saving; rerun the command to resume from "
+               "the newest checkpoint")
+
+
+def interrupted_exit() -> None:
+  """Leave the process now, in one line. Not by raising KeyboardInterrupt from the handler: it
+  would surface wherever the main thread is, and where that is a callback whose exceptions
+  Python ignores (a garbage-collection hook, a finaliser) it is printed as a traceback and lost,
+  and the run goes on. The newest complete checkpoint is untouched (an interrupted save is a
+  temporary directory a restart ignores)."""
+  sys.stdout.flush()
+  print(INTERRUPTED, file=sys.stderr, flush=True)
+  os._exit(EXIT_INTERRUPTED)
 
 
 class StopSignals:
@@ -64,7 +82,7 @@ class StopSignals:
 
   def _handle(self, signum, frame):
     if self.received is not None and signum == signal.SIGINT:
-      raise KeyboardInterrupt  # a second Ctrl-C stops at once
+      interrupted_exit()  # a second Ctrl-C stops at once
     self.received = signal.Signals(signum).name
     if self.multi_process:
       signal.raise_signal(signal.SIGTERM)  # JAX's notifier tells every process
