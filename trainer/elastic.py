@@ -69,14 +69,14 @@ def _ramp_text(stages: list[tuple[int, int]], seq_len: int) -> str:
   return ",".join(f"{b}:{t}" for b, t in zip(ramp.batches, ramp.start_tokens))
 
 
-def plan(cfg: ml_collections.ConfigDict, saved: dict | None, step: int, mesh: Mesh
-         ) -> tuple[ml_collections.ConfigDict | None, str | None]:
+def plan(cfg: ml_collections.ConfigDict, saved: dict | None, step: int, mesh: Mesh,
+         ramp: BatchRamp) -> tuple[ml_collections.ConfigDict | None, str | None]:
   """(the config to continue with, when it differs from `cfg`; the line to log, if any) for a
   run restored at `step` from a checkpoint with topology `saved` (None: an older checkpoint
-  without one; nothing changes)."""
+  without one; nothing changes). `ramp`: the run's own batch ramp (the program's)."""
   if not saved:
     return None, None
-  now = topology(mesh, cfg, BatchRamp.from_config(cfg.data, cfg.optim, cfg.steps))
+  now = topology(mesh, cfg, ramp)
   resized = any(saved[k] != now[k] for k in ("devices", "processes", "mesh"))
   d = cfg.data
   if d.batch_ramp:  # a config ramp or the autopilot decides the batch

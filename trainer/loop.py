@@ -265,7 +265,7 @@ class Run:
     """The data iterator to continue with after a restore, rebuilding the program when the batch
     or its history differ from the config's (`trainer/elastic.py`: `data.on_resize`)."""
     cfg, line = elastic.plan(self.cfg, restored.items.get("topology"), restored.step,
-                             self.mesh)
+                             self.mesh, self.ramp)
     self._resize_line = line
     if cfg is None:
       return restored.iterator
