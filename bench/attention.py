@@ -47,6 +47,12 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+from trainer.multihost import platforms
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 IMPLS = ("flash", "flash_triton", "cudnn", "xla")
@@ -54,9 +60,8 @@ CHECK_ROWS = 256  # queries of the first sequence each implementation is checked
 
 
 def build_parser():
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.cli import CliParser  # noqa: PLC0415
   gpu = jax.default_backend() == "gpu"
   p = CliParser("bench/attention.py", __doc__, config=False)
 
@@ -108,7 +113,6 @@ def parse(argv):
 
 def segment_ids(batch: int, seq: int, seed: int):
   """[B, S] ids of packed documents of random lengths (>= 64 tokens, or the whole row)."""
-  import numpy as np  # noqa: PLC0415
   rng = np.random.default_rng(seed)
   ids = np.zeros((batch, seq), np.int32)
   for row in ids:
@@ -121,10 +125,10 @@ def segment_ids(batch: int, seq: int, seed: int):
 
 def implementation(name: str, tiles, dtype=None, head_dim: int | None = None):
   """(fn(q, k, v, seg) -> out, None) or (None, why it cannot run here)."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from kernels import BlockSizes, flash_attention, flash_attention_mosaic  # noqa: PLC0415
-  from models.attention import choose_impl, cudnn_attention, xla_attention  # noqa: PLC0415
+  from kernels import BlockSizes, flash_attention, flash_attention_mosaic  # noqa: PLC0415  start-up
+  from models.attention import choose_impl, cudnn_attention, xla_attention  # noqa: PLC0415  start-up
   if name == "flash":  # our kernel as the model picks it on this device
     capability = getattr(jax.devices()[0], "compute_capability", None)
     chosen = choose_impl("flash", platform=jax.default_backend(), dtype=dtype,
@@ -152,8 +156,8 @@ def check_rows(seq: int) -> slice:
 def attend_rows(q, k, v, seg, rows: slice):
   """Causal softmax attention of queries `rows` of q [1, S, H, D] against keys [0, rows.stop),
   with segment ids [1, S] or None: plain jnp at the precision in force, in fp32."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
   H, K = q.shape[2], k.shape[2]
   q = q[:, rows] * q.shape[3] ** -0.5
   k, v = (jnp.repeat(x[:, :rows.stop], H // K, axis=2) for x in (k, v))
@@ -169,7 +173,7 @@ def fp32_reference(q, k, v, seg):
   """The fp32 reference on the checked rows of the first sequence (`check_rows`), at the
   highest matmul precision: by default a GPU runs fp32 dots in TF32 and a TPU in bf16 passes,
   which would make the reference as coarse as what it checks."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   rows = check_rows(q.shape[1])
   first = lambda x: None if x is None else x[:1]
   with jax.default_matmul_precision("highest"):  # read when the function is traced, below
@@ -179,7 +183,7 @@ def fp32_reference(q, k, v, seg):
 
 def time_calls(fn, args, reps: int, calls: int) -> float:
   """Median seconds per call over `reps` timings of `calls` back-to-back calls."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   for _ in range(2):
     jax.block_until_ready(fn(*args))
   times = []
@@ -195,8 +199,8 @@ def time_calls(fn, args, reps: int, calls: int) -> float:
 def _check_and_time(fn, inputs, reference, args) -> dict:
   """{"err", "fwd", "fwd+bwd"} of one implementation, or {"skip": why} when its output is off
   the fp32 reference (then it is not timed)."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
   q, k, v, seg, do = inputs
   fwd = jax.jit(fn)
   checked = fwd(q, k, v, seg)[:1, check_rows(q.shape[1])].astype(jnp.float32)
@@ -215,10 +219,10 @@ def _check_and_time(fn, inputs, reference, args) -> dict:
 
 def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
   """{impl: {"fwd": s, "fwd+bwd": s, "err": relative error}} or {impl: {"skip": why}}."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
 
-  from models.attention import cudnn_applies  # noqa: PLC0415
+  from models.attention import cudnn_applies  # noqa: PLC0415  start-up
   dtype = jnp.dtype(args.dtype)
   batch = max(1, args.tokens // seq)
   keys = jax.random.split(jax.random.key(seq * 1000 + head_dim * 10 + kv_heads), 4)
@@ -246,11 +250,9 @@ def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args = parse(argv)
   except ConfigError as e:

@@ -58,6 +58,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from kernels import flash_attention  # noqa: E402
 from models.attention import xla_attention  # noqa: E402
 from sharding import ring_attention, ring_work  # noqa: E402
+from tools.aot import gpu_target  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
 
 HEADS, HEAD_DIM, DTYPE = 8, 64, jnp.float32
 MiB = 2 ** 20
@@ -167,7 +170,6 @@ def longest_fitting(impl: str, n: int, budget: int, granule: int) -> int:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/attention_memory.py", __doc__, config=False)
   parser.add_argument("--seq", default="2048,4096,8192,16384")
   parser.add_argument("--devices", default="2,4,8")
@@ -183,7 +185,6 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = build_parser()
   try:
     args = parser.parse_args(argv)
@@ -199,7 +200,6 @@ def main(argv=None):
   comparisons = list(COMPARISONS)
   where = f"{jax.device_count()} {jax.default_backend()} devices"
   if args.target != "cpu":
-    from tools.aot import gpu_target  # noqa: PLC0415 (needs jax's CUDA plugin)
     target = gpu_target(args.target)
     _target.update(devices=target.devices, gpu=True)
     comparisons = ["ring(flash) vs flash"]

@@ -26,12 +26,15 @@ import sys
 import tempfile
 import time
 
+from tools.goodput import account, read_events
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/fault_goodput.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--kills", default="45,130,185", help="steps after which to SIGKILL")
@@ -43,7 +46,6 @@ def build_parser():
 
 def recorded_step(workdir: str) -> int:
   """The last step the current start recorded (goodput.jsonl `steps` events)."""
-  from tools.goodput import read_events  # noqa: PLC0415
   path = os.path.join(workdir, "goodput.jsonl")
   if not os.path.exists(path):
     return 0
@@ -75,14 +77,12 @@ def last_losses(workdir: str) -> dict[int, float]:
 
 
 def main(argv=None) -> int:
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args = build_parser().parse_args(argv)
     kills = [int(k) for k in args.kills.split(",")]
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from tools.goodput import account, read_events  # noqa: PLC0415
 
   scratch = tempfile.mkdtemp(prefix="fault-goodput-")
   fast = "/dev/shm" if os.path.isdir("/dev/shm") else scratch

@@ -31,7 +31,7 @@ an accelerator, `tiny` on a CPU.
 MFU = (6 (N_non-embedding + V d) + 12 L S d) tokens/s / peak: `models.sizes.flops_per_token`
 with `causal=False` (attention counted whole, as the issue's formula; the norm scales' 6 x
 (2L + 1) d FLOPs, < 0.1%, are the one difference), over the table peak of the device in the
-model's dtype (H100 bf16: 989 TFLOP/s; `trainer.metrics`), or on a CPU the measured matmul
+model's dtype (H100 bf16: 989 TFLOP/s; `trainer.tracking.metrics`), or on a CPU the measured matmul
 peak. JAX and PyTorch share the GPU in one process, so JAX's preallocation of 75% of the GPU is
 turned off here (XLA_PYTHON_CLIENT_PREALLOCATE=false) and each framework allocates what it
 uses: at d2048 four ~1B-parameter runners at once may not fit 80 GB (run two, e.g.
@@ -46,14 +46,16 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax starts
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline, nanodo, torch_peer  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 RUNNERS = ("nanodo", "plain", "plain-docs", "ours", "torch")
 
 
 def build_parser():
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/peers.py", __doc__, config=False)
   parser.add_argument("--runners", default="plain,ours,torch",
                       help=f"comma-separated, of {', '.join(RUNNERS)} (default plain,ours,torch; "
@@ -71,7 +73,6 @@ def build_parser():
 
 def parse(argv):
   """(args, [(label, config)], runners); a mistake raises ConfigError."""
-  from trainer.config import ConfigError  # noqa: PLC0415
   args, configs = baseline.load_sized(build_parser(), argv, sizes=baseline.SHAPES)
   runners = [r for r in args.runners.split(",") if r]
   unknown = [r for r in runners if r not in RUNNERS]
@@ -112,9 +113,9 @@ def make_runners(names, cfg, args) -> dict:
 
 def peak_flops(dtype: str) -> tuple[float, str]:
   """The device's peak for the model's matmul dtype: the table's, or on a CPU measured."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.metrics import known_peak_flops, measure_matmul_peak  # noqa: PLC0415
+  from trainer.tracking.peaks import known_peak_flops, measure_matmul_peak  # noqa: PLC0415  start-up
   kind = jax.devices()[0].device_kind
   table = known_peak_flops(kind, dtype)
   if table is not None:
@@ -123,10 +124,8 @@ def peak_flops(dtype: str) -> tuple[float, str]:
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from models.sizes import flops_per_token  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from models.sizes import flops_per_token  # noqa: PLC0415  start-up
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs, names = parse(argv)
   except ConfigError as e:

@@ -19,6 +19,8 @@ programs at once, each in a process of its own.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: no step runs here
@@ -30,9 +32,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tools import aot  # noqa: E402
 from tools.figures import NO_PLOT, pyplot, save, write_csv  # noqa: E402
-from trainer.cli import CliParser, load  # noqa: E402
+from trainer.config.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
-from trainer.metrics import GiB  # noqa: E402
+from trainer.tracking.peaks import GiB  # noqa: E402
 
 FIELDS = ["schedule", "repeats", "micro", "global_batch", "fits", "ticks", "idle", "bubble",
           "bubble_formula", "step_ms", "ms_per_micro", "memory_gib", "stage_mb"]
@@ -127,8 +129,6 @@ def main(argv: list[str]) -> int:
   work = [(cfg, args.topology, name, args.stages, r, m) for r in repeats for m in micros]
   work += [(cfg, args.topology, name, 1, 1, m) for m in micros]  # no stages: the reference
   if args.jobs > 1:
-    import concurrent.futures  # noqa: PLC0415
-    import multiprocessing  # noqa: PLC0415
     with concurrent.futures.ProcessPoolExecutor(
         args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
       rows = list(pool.map(row, *zip(*work)))

@@ -39,12 +39,17 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline  # noqa: E402
 
 from models.attention import CAUSAL_BLOCK  # noqa: E402
 from tools.hlo import Module  # noqa: E402
+import jax  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 KINDS = ("layer matmuls (q, k, v, o, MLP)", "attention matmuls (QK^T, PV)",
          "attention softmax and mask", "layer elementwise (norms, RoPE, SwiGLU, residuals)",
@@ -160,9 +165,7 @@ def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float, d
   step by name) of `steps` traced steps of `run` (an `Ours`), after two warm-up steps; `keep`:
   a path stem to copy the Perfetto trace to (KEEP.perfetto.json.gz) and to write the optimized
   HLO to (KEEP.hlo.txt.gz)."""
-  import time  # noqa: PLC0415
 
-  import jax  # noqa: PLC0415
   text = run.step.as_text()
   module = Module(text)
   if keep:
@@ -200,7 +203,6 @@ def table(totals: dict, unnamed: dict) -> list[str]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/step_profile.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--keep", default="", metavar="DIR",
@@ -212,9 +214,7 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv, sizes=PROFILED)
   except ConfigError as e:

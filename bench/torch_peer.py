@@ -26,8 +26,8 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "off")
 def torch_available() -> str | None:
   """None when torch and transformers import; else why not (one line)."""
   try:
-    import torch  # noqa: F401, PLC0415
-    import transformers  # noqa: F401, PLC0415
+    import torch  # noqa: F401, PLC0415  optional
+    import transformers  # noqa: F401, PLC0415  optional
   except ImportError as e:
     return f"the PyTorch peer needs the hf extra (pip install -e \".[hf]\"): {e}"
   return None
@@ -36,9 +36,9 @@ def torch_available() -> str | None:
 def hf_llama(model_cfg, seq_len: int):
   """transformers' LlamaForCausalLM of our model config (fp32, SDPA attention), on torch's
   current default device."""
-  import transformers  # noqa: PLC0415
+  import transformers  # noqa: PLC0415  optional
 
-  from models.hf import hf_config_from_model  # noqa: PLC0415
+  from models.hf import hf_config_from_model  # noqa: PLC0415  start-up
   hf = transformers.LlamaConfig.from_dict(hf_config_from_model(
       model_cfg, dtype="float32", max_position_embeddings=seq_len))
   hf._attn_implementation = "sdpa"
@@ -51,10 +51,10 @@ class Torch:
   returns the seconds per step (bench/baseline.py's runner protocol)."""
 
   def __init__(self, cfg, model_cfg, tokens, *, compile_mode: str = "default"):
-    import torch  # noqa: PLC0415
-    import torch.nn.functional as F  # noqa: N812, PLC0415
+    import torch  # noqa: PLC0415  optional
+    import torch.nn.functional as F  # noqa: N812, PLC0415  optional
 
-    from optim import derive  # noqa: PLC0415
+    from optim import derive  # noqa: PLC0415  start-up
     self.torch = torch
     self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)

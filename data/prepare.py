@@ -39,6 +39,7 @@ import os
 import shutil
 import sys
 
+from tqdm import tqdm
 
 from data import corpus, shards, sources
 from data import tokenizer as tokenizers
@@ -166,7 +167,6 @@ def dataclasses_asdict(unit: Unit) -> dict:
 
 
 def _run_units(work: str, units: list[Unit], pending: list[int], job: dict, workers: int):
-  from tqdm import tqdm  # noqa: PLC0415
   bar = tqdm(total=len(units), initial=len(units) - len(pending), desc="prepare", unit="shard",
              disable=None, leave=False)
   try:

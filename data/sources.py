@@ -128,7 +128,7 @@ def group_files(paths: list[str], root: str = "") -> list[Unit]:
 
 def _load_hf(name: str):
   try:
-    import datasets  # noqa: PLC0415
+    import datasets  # noqa: PLC0415  optional
   except ImportError:
     raise SourceError(f"{name!r} is a Hugging Face dataset; install the `datasets` package "
                       "(pip install 'scaletrain[datasets]')") from None
@@ -191,7 +191,7 @@ def documents(unit: Unit, text_field: str) -> Iterator[Document]:
 
 def _parquet_documents(path: str, key: str, text_field: str) -> Iterator[Document]:
   try:
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415  optional
   except ImportError:
     raise SourceError(f"{path} is Parquet; install pyarrow (pip install 'scaletrain[data]')") \
         from None

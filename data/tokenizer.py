@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
+import sentencepiece
+import tokenizers
 
 from data.meta import read_meta
 
@@ -108,9 +110,8 @@ class HFTokenizer:
   kind = "hf"
 
   def __init__(self, path: str, special: dict | None = None):
-    from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
     self.path = path
-    self._tok = _Tok.from_file(path)
+    self._tok = tokenizers.Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     names = _config_special_names(os.path.dirname(path))
     vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -181,11 +182,6 @@ class SentencePieceTokenizer:
   kind = "sentencepiece"
 
   def __init__(self, path: str):
-    try:
-      import sentencepiece  # noqa: PLC0415
-    except ImportError:
-      raise TokenizerError(f"{path} is a SentencePiece model; install it with "
-                           "`pip install sentencepiece`") from None
     self.path = path
     self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     self.vocab_size = self._sp.get_piece_size()
@@ -269,17 +265,15 @@ def storage_dtype(vocab_size: int) -> str:
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HFTokenizer:
   """Train a byte-level BPE of `vocab_size` ids (3 specials + 256 bytes + merges) on `texts`;
   saves `out_dir/tokenizer.json`."""
-  from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
   if vocab_size < 256 + len(BPE_SPECIALS):
     raise TokenizerError(f"bpe:{vocab_size}: a byte-level BPE needs at least "
                          f"{256 + len(BPE_SPECIALS)} ids")
-  tok = _Tok(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "tokenizer.json")

@@ -132,8 +132,8 @@ def at_targets(name: str, kind: str, margin: float | None, r: batch_sweep.Result
         "examples": None if hit is None else hit.examples,
         "tokens": None if hit is None else hit.tokens,
         "batch_at_target": None if hit is None else ramp.batch_at(int(hit.steps)),
-        "noise_scale": None if hit is None else batch_sweep.interpolate(
-            batch_sweep.noise_curve(rows), hit.steps),
+        "noise_scale": None if hit is None else common.interpolate(
+            common.noise_curve(rows), hit.steps),
         "final_batch": ramp.batches[-1], "steps_run": r.steps_run,
         "final_eval_loss": r.final_eval_loss, "seconds": r.seconds})
   return out

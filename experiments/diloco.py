@@ -41,6 +41,7 @@ import sys
 
 from experiments import common
 from tools import figures
+from trainer.config import ConfigError
 
 
 def build_parser():
@@ -101,7 +102,7 @@ def best_batch(points: list[tuple[int, float]]) -> tuple[float, bool]:
 
 
 def experiment(args, cfg) -> list[dict]:
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   rows = []
   for name, m, h in arms(args):
     for batch in args.batch_sizes:
@@ -178,7 +179,6 @@ def host_devices(argv: list[str]) -> None:
   """`--devices` host devices for this process (the command's own, set before jax starts its
   backend; in-process callers such as the tests keep the devices they have). A mistake on the
   command line is left to `main`, which reports it in one line."""
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     devices = build_parser().parse_known_args(argv)[0].devices
   except ConfigError:

@@ -92,7 +92,7 @@ def optimizer_config(base, args, name: str, batch: int):
 
 
 def experiment(args, cfg) -> list[dict]:
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   batches = [args.batch] + ([args.reference_batch] if args.reference_batch
                             and args.reference_batch != args.batch else [])
   rows, curves = [], {}

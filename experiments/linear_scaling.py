@@ -74,7 +74,7 @@ def arm_config(base, args, batch: int, rule: str, warmup: bool):
 
 
 def experiment(args, cfg) -> list[dict]:
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   rows, done = [], {}
   for batch in args.batch_sizes:
     for name, rule, warmup in ARMS:

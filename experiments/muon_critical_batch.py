@@ -67,7 +67,7 @@ def build_parser():
 def parse(argv):
   p = build_parser()
   args, overrides = p.parse(argv)
-  from optim import OPTIMIZERS  # noqa: PLC0415
+  from optim import OPTIMIZERS  # noqa: PLC0415  start-up
   args.optimizers = [o for o in args.optimizers.split(",") if o]
   bad = [o for o in args.optimizers if o not in OPTIMIZERS]
   if bad:

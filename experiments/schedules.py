@@ -38,9 +38,11 @@ import math
 import os
 import sys
 
+import numpy as np
+
 from experiments import common
 from tools import figures
-from tools.runs import copy_checkpoint
+from trainer.run.inprocess import copy_checkpoint
 
 
 def build_parser():
@@ -109,9 +111,8 @@ def power_a(peak: float, batch: int, warmup_tokens: float, b: float) -> float:
 
 def schedule_values(cfg, steps: int) -> list[float]:
   """The learning rate the config's schedule gives at steps 0 .. steps-1 (float32)."""
-  import numpy as np  # noqa: PLC0415
-  from optim.ramp import BatchRamp  # noqa: PLC0415
-  from optim.schedules import build_schedule  # noqa: PLC0415
+  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
+  from optim.schedules import build_schedule  # noqa: PLC0415  start-up
   ramp = BatchRamp.from_config(cfg.data)
   sched = build_schedule(cfg.optim, cfg.steps, ramp, batch_size=cfg.data.global_batch_size)
   return [float(np.float32(sched(n))) for n in range(steps)]

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -51,7 +52,6 @@ PAD_Q, PAD_KV = -2, -1  # segment ids of padding (they match nothing, not even e
 def _mgpu():
   """Pallas' Mosaic GPU module (imported lazily: importing it on a machine without CUDA
   libraries is fine, using it to lower needs jax's CUDA plugin)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   return plgpu
 
 
@@ -63,7 +63,7 @@ def supports(head_dim: int, dtype) -> bool:
 def _interpret(interpret: bool):
   if not interpret:
     return None
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415  version
   return InterpretGPUParams()
 
 

@@ -18,7 +18,7 @@ the `expert` axis splits the experts, the rows go to the device holding their ex
 `all_to_all` and come back the same way (`moe_dispatch.py`).
 
 Statistics (returned per layer, summed over the layer's tokens; the trainer turns them into the
-auxiliary losses with `aux_losses`, `trainer/step.py`):
+auxiliary losses with `aux_losses`, `trainer/step/train_step.py`):
   counts [N]     assignments routed to each expert before dropping (no gradient),
   prob_sum [N]   sum over tokens of the router probabilities (differentiable),
   z_sum          sum over tokens of logsumexp(logits)^2 (differentiable; ST-MoE's z-loss),
@@ -53,7 +53,7 @@ STAT_KEYS = ("counts", "prob_sum", "z_sum", "entropy_sum", "dropped", "tokens")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """`model.moe.*` (documented in trainer/config.py, validated in trainer/parallel_checks.py)."""
+  """`model.moe.*` (documented in trainer/config/defaults.py, validated in trainer/config/parallel_checks.py)."""
   num_experts: int = 0  # 0: a dense model
   top_k: int = 2
   mlp_dim: int = 0  # width of each expert; 0: model.mlp_dim

@@ -32,6 +32,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import ops
 
 from sharding.mesh import mesh_platform
 from sharding.rules import logical_to_spec, spec_axes
@@ -72,7 +73,6 @@ def _megablox(x_RE, w_nEF, sizes_n, valid_R):
   """megablox `gmm` on the rows of the groups. Rows past the groups come out of the kernel
   (and its backward pass) undefined, so they are zeroed on the way in and out: `where` passes
   no gradient to its unselected side."""
-  from jax.experimental.pallas.ops.tpu.megablox import ops  # noqa: PLC0415
   R, E = x_RE.shape
   tm, tk, tn = MEGABLOX_TILE
   tm = min(tm, -(-R // 8) * 8)

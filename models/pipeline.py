@@ -26,7 +26,7 @@ kept for all M / S.
 MoE. Each tick's router statistics are summed over the busy ticks into [S, R, G / (S R), ...]
 and put back in model layer order, so the step's statistics, the global-batch balance loss (f
 from the same pass: no pre-pass) and the z-loss are those of the accumulation path
-(trainer/step.py) to float rounding; the per-micro-batch balance (`balance_scope=
+(trainer/step/train_step.py) to float rounding; the per-micro-batch balance (`balance_scope=
 "micro_batch"`) is summed per micro-batch inside the loop.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
 def objective(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: int = 1,
               fraction=None):
   """(what the step differentiates, (loss sum, target tokens, {"stats", "aux"} or None)), as
-  trainer/step.py's accumulation objective: the loss sum plus the step's target tokens times
+  trainer/step/train_step.py's accumulation objective: the loss sum plus the step's target tokens times
   the weighted auxiliary losses. `batch` is the step's batch or one of `parts` equal pieces of
   its rows (the noise-scale meter's halves), `fraction` then the whole step's f [G, N] for the
   global balance loss (else taken from this pass)."""

@@ -49,7 +49,7 @@ runs needs; each filled-in value is printed when the run starts:
                                (examples x seq_len), while a schedule in steps would have to
                                convert them through batches not yet decided.
 
-What stays ambiguous is refused by the config checks (trainer/config_checks.py): lengths in
+What stays ambiguous is refused by the config checks (trainer/config/checks.py): lengths in
 steps for a schedule in tokens or examples (and the reverse, when some lengths are in steps),
 a decaying schedule in tokens without a horizon in tokens or examples.
 """
@@ -186,7 +186,7 @@ class Autopilot:
 
   `cost(batch)`: the cost model of a batch size, the fraction of each step a pipelined run
   (mesh.stage > 1) idles in the pipeline's bubble at that batch, (S - 1) / (M R + S - 1) with M
-  = batch / micro-batch rows (trainer/stages.py); None without stages. It does not change the
+  = batch / micro-batch rows (trainer/step/pipelined.py); None without stages. It does not change the
   rule (a larger batch only shrinks the bubble); every decision says what it does to it."""
 
   def __init__(self, cfg: AutoConfig, ramp: BatchRamp, cost=None):

@@ -21,7 +21,7 @@ SGD of rate 1 without momentum, the anchor after each step is the replicas' mean
 linear inner optimizer is data parallelism's update on the global batch; with M = 1 the outer
 step is the Lookahead-style update computed by hand.
 
-The trainer holds the replicas and runs the steps (trainer/diloco.py); this module has no
+The trainer holds the replicas and runs the steps (trainer/step/diloco.py); this module has no
 model or mesh: the settings (`DiLoCoConfig`), the outer optimizer (`outer_optimizer`, optax), and
 `outer_update`, the outer step on parameter trees.
 """

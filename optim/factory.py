@@ -30,7 +30,7 @@ update of every *hidden* matrix (a matrix without a `vocab` axis: attention and 
 not the embedding or the LM head) by 1/m after the learning rate (and the weight decay inside
 it), i.e. a per-parameter learning rate lr/m, the Adam rule of Tensor Programs V. It is derived
 for optimizers whose per-coordinate step does not depend on the gradient's scale: adamw,
-adafactor, lion (`SCALE_INVARIANT_OPTIMIZERS`; trainer/config_checks.py refuses the others).
+adafactor, lion (`SCALE_INVARIANT_OPTIMIZERS`; trainer/config/checks.py refuses the others).
 LAMB and LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
 whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
 change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
@@ -68,6 +68,7 @@ from optim.muon import muon
 from optim.ramp import BatchRamp
 from optim.scaling import SCALE_INVARIANT_OPTIMIZERS, Hyperparameters, derive
 from optim.schedules import build_schedule
+from optim.seesaw import planned_ramp
 from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion", "muon")
@@ -148,7 +149,7 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
                        f"{SCALE_INVARIANT_OPTIMIZERS}, not optim.name={cfg.name!r}")
     m["lr_multipliers"] = lr_multipliers(param_names, width_multiplier)
   if ramp is None and data is not None:
-    ramp = BatchRamp.from_config(data, cfg, total_steps)
+    ramp = planned_ramp(data, cfg, total_steps)
   default_batch = data.global_batch_size if data is not None else None
 
   @functools.lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ trainer compiles a measuring variant of the train step beside the plain one
 the meter, and the meter's state passes through it unchanged. So the EMA below advances once
 per measurement, and `noise_scale_ema` is its coefficient per measurement.
 
-Where the two batch sizes come from (trainer/step.py): the big one is the whole global batch;
+Where the two batch sizes come from (trainer/step/train_step.py): the big one is the whole global batch;
 the small one is each accumulation micro-batch, whose gradient the scan computes anyway, so
 the measurement costs one squared norm per micro-batch. The small-batch value is the mean of
 |G_b|^2 over the micro-batches, with b their harmonic-mean size (so unequal token counts stay

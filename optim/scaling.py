@@ -115,7 +115,7 @@ def stated(cfg) -> dict:
 # derived for them (optim/factory.py), and Muon's fallback is one of them (optim/muon.py).
 SCALE_INVARIANT_OPTIMIZERS = ("adamw", "adafactor", "lion")
 
-# Which optimizers each non-trivial rule makes sense for (checked by trainer/config_checks.py).
+# Which optimizers each non-trivial rule makes sense for (checked by trainer/config/checks.py).
 # decay multiplied by the learning rate
 TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
 B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment (Muon's: `b2_owner`, its fallback's)

@@ -30,7 +30,7 @@ al. 2017's warmup of 5 epochs is a warmup in examples, which scales with the bat
 
 The horizon is a setting of its own (not `steps`) so that a run can be stopped and continued
 with a different `steps` and still follow the same curve, in every unit: a run that leaves it
-unset gets the `steps` of its first start, kept in its checkpoints (trainer/horizon.py).
+unset gets the `steps` of its first start, kept in its checkpoints (trainer/checkpoint/horizon.py).
 
 Step decay. `halvings` finds where a decaying schedule (cosine, linear, wsd), past its warmup,
 has fallen to 1/2, 1/4, ... of its peak, evaluated at every step of a fixed batch; `step_decay`
@@ -49,6 +49,7 @@ import numpy as np
 import optax
 
 from optim.ramp import UNITS, BatchRamp
+from optim.scaling import stated
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd", "power", "rsqrt")
 WSD_SHAPES = ("linear", "cosine", "sqrt")
@@ -93,10 +94,9 @@ def build_schedule(cfg, total_steps: int, ramp: BatchRamp | None = None, *,
   `total_steps` is the horizon when no `decay_*` key is set; `ramp` converts between units
   (needed for units other than steps and for the power schedule); `peak` replaces the stated
   learning rate (the batch-size rules' value); `batch_size` is the power law's beta. The count
-  the trainer passes is its step counter, skipped steps included (trainer/step.py).
+  the trainer passes is its step counter, skipped steps included (trainer/step/train_step.py).
   """
   if peak is None:  # the stated rate, or the optimizer's default when the config leaves it unset
-    from optim.scaling import stated  # noqa: PLC0415
     peak = stated(cfg)["learning_rate"][0]
   peak = float(peak)
   unit = cfg.get("schedule_unit", "steps")

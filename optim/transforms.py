@@ -48,7 +48,7 @@ def scale_by_learning_rate_at(schedule) -> optax.GradientTransformationExtraArgs
 
   The trainer passes its own step counter (`TrainState.step`, which also counts skipped steps),
   so the learning rate an update uses is a pure function of the step, like the batch ramp and
-  the data position (trainer/step.py, "One clock"). Without `step` (a plain optax call) it is
+  the data position (trainer/step/train_step.py, "One clock"). Without `step` (a plain optax call) it is
   optax's: the number of updates this state has seen. The state is optax's
   `ScaleByScheduleState`, so optimizer states keep optax's structure.
   """

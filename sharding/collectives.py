@@ -27,7 +27,7 @@ Replica groups come in four spellings, all read here: explicit lists `{{0,1},{2,
 form `[2,4]<=[4,2]T(1,0)`, its mesh form `mesh['x'=2,'y'=4] {'y'}` (with sub-axes `'y':(2)2` and
 an optional `device_ids=(...)`), and `{}` (every device in one group); collective-permutes name
 `source_target_pairs`. `crossing(ops, labels)` keeps the ops whose groups join devices with
-different labels (e.g. DiLoCo's replicas: `trainer/communication.py` counts the bytes that
+different labels (e.g. DiLoCo's replicas: `trainer/tracking/communication.py` counts the bytes that
 cross them).
 """
 from __future__ import annotations

@@ -42,7 +42,7 @@ Buffers (all sharded over `stage` on their first dimension):
 Layer order. A GPipe stage s holds layers [s L/S, (s+1) L/S): the plain stack split over
 `stage`. A circular stage s holds groups s, S + s, 2S + s, ..., not a contiguous block, so a
 circular run keeps its layer stack in the order its stages use it (`Pipeline.stored_order`) and
-checkpoints convert to and from the plain order (`reorder`; trainer/program.py), so a checkpoint
+checkpoints convert to and from the plain order (`reorder`; trainer/step/program.py), so a checkpoint
 always holds the plain stack and restores on any mesh.
 
 Counted (`count`): the ticks per step are the run count of the collective-permutes that hand

@@ -31,7 +31,7 @@ leading [S] dimension of the pipeline's activation buffers, and the micro-batch 
 inputs and outputs (each stage embeds and scores M / S of the micro-batches). Everything else
 (embedding, head, norms' scales outside the stack) is replicated over `stage`.
 
-DiLoCo (`optim.diloco.replicas` M, trainer/diloco.py) adds one more mesh axis, `replica`
+DiLoCo (`optim.diloco.replicas` M, trainer/step/diloco.py) adds one more mesh axis, `replica`
 (REPLICA_AXIS), outermost, that no logical name maps to: the replica-local train state carries a
 leading [M] dimension over it, and the inner step runs once per replica (`jax.vmap` with
 `spmd_axis_name`), so every rule above applies inside a replica unchanged.

@@ -1,4 +1,4 @@
-"""When the loop logs, saves, evaluates and stops (`trainer/decisions.py`): in process for one
+"""When the loop logs, saves, evaluates and stops (`trainer/run/decisions.py`): in process for one
 process, and with two real processes where only one of them is sent SIGTERM."""
 import json
 import os
@@ -9,12 +9,14 @@ import time
 
 import jax
 import numpy as np
+from test_multihost import MODEL_ARGS, ROOT, TINY, assert_ok, child_env, free_port, launch
 
 from conftest import losses, tiny_config
-from test_multihost import MODEL_ARGS, ROOT, TINY, assert_ok, child_env, free_port, launch
-from trainer.decisions import Decider, MetricsWindow, StopSignals
-from trainer.loop import Run
-from trainer.program import Program
+from trainer.run.decisions import Decider, StopSignals
+from trainer.run.feed import Feed
+from trainer.run.loop import Run
+from trainer.run.readback import MetricsWindow
+from trainer.step.program import Program
 
 
 def _decider(**overrides):
@@ -169,8 +171,8 @@ def test_two_processes_agree_on_clock_saves(tmp_path):
 
 def test_data_wait_is_reported(tmp_path, monkeypatch):
   """A slow input pipeline shows as `data_wait_ms` (part of `step_time`)."""
-  slow = Run.global_batch
-  monkeypatch.setattr(Run, "global_batch",
+  slow = Feed.global_batch
+  monkeypatch.setattr(Feed, "global_batch",
                       lambda self, mbs: time.sleep(0.05) or slow(self, mbs))
   Run(tiny_config(**{"steps": 4, "log_every": 2}), str(tmp_path)).train()
   rows = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]

@@ -54,7 +54,12 @@ import sys
 import time
 
 from tools import figures
-from tools.runs import load_run, schedule_in_tokens
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, apply_override, ints
+from trainer.multihost import platforms
+from trainer.run.inprocess import load_run, schedule_in_tokens
+from trainer.run.inprocess import copy_checkpoint, read_rows, train
+from trainer.tracking.record import interpolate, noise_curve
 
 ALPHA = 0.5  # the smoothing of the evaluations (Merrill et al.'s EMA weight)
 
@@ -100,8 +105,7 @@ def implied_stages(points: list[tuple[int, float]], start: int) -> list[tuple[in
 
 def check_run(cfg) -> str:
   """The rate rule of the run's optimizer; a ConfigError for a run the probe cannot branch."""
-  from optim.ramp import SEESAW_RULES, seesaw_rule  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from optim.seesaw import SEESAW_RULES, seesaw_rule  # noqa: PLC0415  start-up
   if cfg.data.batch_ramp:
     raise ConfigError(f"the run trains with data.batch_ramp={cfg.data.batch_ramp!r}; the probe "
                       "branches from a run at a fixed batch")
@@ -123,7 +127,7 @@ def rate_settings(run, rule: str) -> dict:
   """{optim key: value} under which `rule` moves the run's own rate at its batch B to k B:
   the run's reference batch and rules; a run without a rate rule (`lr_rule="none"`) used its
   stated rate at B, which is restated at its reference batch so that B still gets it."""
-  from optim.scaling import lr_factor, stated  # noqa: PLC0415
+  from optim.scaling import lr_factor, stated  # noqa: PLC0415  start-up
   batch = run.data.global_batch_size
   ref = run.optim.reference_batch_size or batch
   out = {"lr_rule": rule, "reference_batch_size": ref}
@@ -174,7 +178,6 @@ class Branch:
 
 
 def run_branch(run_dir: str, run, step: int, factor: int, args, rule: str) -> Branch:
-  from tools.runs import copy_checkpoint, train  # noqa: PLC0415
   cfg = branch_config(run, step, factor, args.tokens, args.evals, args.eval_sequences, rule)
   workdir = os.path.join(args.out, "branches", f"at{step}_x{factor}")
   copy_checkpoint(run_dir, step, workdir)
@@ -196,8 +199,6 @@ def run_branch(run_dir: str, run, step: int, factor: int, args, rule: str) -> Br
 
 def noise_at(run_dir: str, step: int) -> float | None:
   """The run's own smoothed B_simple at `step` (interpolated between its measurements)."""
-  from tools.batch_sweep import interpolate, noise_curve  # noqa: PLC0415
-  from tools.runs import read_rows  # noqa: PLC0415
   try:
     return interpolate(noise_curve(read_rows(run_dir)), step)
   except OSError:
@@ -207,7 +208,6 @@ def noise_at(run_dir: str, step: int) -> float | None:
 def probe(args):
   """(every branch of every point, the summary: critical batch per point and the implied ramp,
   the run's config with the command line's overrides)."""
-  from trainer.cli import apply_override  # noqa: PLC0415
   run = load_run(args.workdir, args.at[0])
   for key, value in args.overrides:
     apply_override(run, key, value)
@@ -251,7 +251,7 @@ def ramp_overrides(run, stages: list[tuple[int, int]], rule: str) -> tuple[list[
   """(overrides of a plain run with the ramp, of an autopilot run up to its largest batch): the
   schedule in tokens, the rule from the run's batch, and for the plain run the steps that read
   the run's tokens under the ramp."""
-  from optim.ramp import BatchRamp  # noqa: PLC0415
+  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
   batch, seq = run.data.global_batch_size, run.data.seq_len
   micro = run.data.micro_batch_size or batch
   optim = {**schedule_in_tokens(run), **rate_settings(run, rule)}
@@ -284,8 +284,6 @@ def plot(path: str, branches: list[Branch], summary: dict, run_dir: str, b_crit:
   plt = figures.pyplot()
   if plt is None or not branches:
     return False
-  from tools.batch_sweep import noise_curve  # noqa: PLC0415
-  from tools.runs import read_rows  # noqa: PLC0415
   batch, seq = summary["batch"], summary["seq_len"]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.4))
   marker = {">=": "^", "<=": "v", "": "o"}
@@ -327,7 +325,6 @@ def plot(path: str, branches: list[Branch], summary: dict, run_dir: str, b_crit:
 
 
 def build_parser():
-  from trainer.cli import CliParser, ints  # noqa: PLC0415
   p = CliParser("-m tools.batch_probe", __doc__, config=False)
   p.add_argument("--workdir", required=True, help="the run to branch from (left untouched)")
   p.add_argument("--at", type=ints, required=True,
@@ -368,9 +365,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import ConfigError  # noqa: PLC0415
   t0 = time.perf_counter()
   try:
     args = parse_args(argv)

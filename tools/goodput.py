@@ -3,7 +3,7 @@
     python -m tools.goodput WORKDIR [--json]
 
 Reads `WORKDIR/goodput.jsonl`, the events every start of the run appended
-(`trainer/run_report.py` `Events`), and splits the wall time from the first process's start to
+(`trainer/tracking/report.py` `Events`), and splits the wall time from the first process's start to
 the end (the last event of a run that finished; now, while it runs or waits for a restart) into:
 
   productive   step time of steps that stayed done (not redone later), less its data waits
@@ -29,6 +29,9 @@ import os
 import sys
 import time
 
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+
 CATEGORIES = ("productive", "compile", "restore", "checkpoint", "evaluation", "data",
               "redone", "startup", "down", "other")
 SUMMED = {"compile": "compile", "restore": "restore", "checkpoint": "checkpoint",
@@ -36,7 +39,6 @@ SUMMED = {"compile": "compile", "restore": "restore", "checkpoint": "checkpoint"
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.goodput", __doc__, config=False)
   parser.add_argument("workdir", help="the run's --workdir")
   parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -132,7 +134,6 @@ def describe(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args, overrides = build_parser().parse(argv)
     if overrides:

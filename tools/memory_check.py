@@ -17,9 +17,9 @@ with the train state alive throughout,
                  every `inner_steps` steps, the same sum as the train step's;
   checkpoint save  a circular pipeline only (`pipeline.repeats` > 1): the program that turns
                  the train state into the plain layer stack a checkpoint holds, its output
-                 beside the state (trainer/stages.py), the same sum;
+                 beside the state (trainer/step/pipelined.py), the same sum;
 and the run's peak is the largest of them (tools.aot reports the train step alone). The train
-state is the run's own: for DiLoCo a `trainer.diloco.DiLoCoState`, each device holding its
+state is the run's own: for DiLoCo a `trainer.step.diloco.DiLoCoState`, each device holding its
 replica's parameters and inner optimizer state, the anchor and the outer momentum, and the
 target is tools.aot's for the config (a copy of a TPU topology per replica).
 
@@ -40,7 +40,9 @@ import os
 import sys
 import tempfile
 
-from trainer import platforms
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, load
+from trainer.multihost import platforms
 
 GOAL = 0.10  # |measured / predicted - 1| the prediction is held to (issue 25)
 
@@ -49,11 +51,11 @@ def predict(cfg, target, name: str):
   """(tools.aot's report of the train step, {phase: predicted bytes per device}) of a run of
   `cfg` on `target` (module docstring); raises tools.aot.AotError when the train step does not
   fit."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from tools import aot  # noqa: PLC0415
-  from trainer.periodic_eval import jitted_eval_step  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415  start-up
+  from trainer.evaluation.periodic import jitted_eval_step  # noqa: PLC0415  start-up
+  from trainer.step.program import Program  # noqa: PLC0415  start-up
 
   report = aot.compile_report(cfg, target, name)
   phases = {"train step": report.total_bytes}
@@ -83,7 +85,7 @@ def predict(cfg, target, name: str):
 
 def _stats() -> dict[str, int]:
   """`memory_stats()` of this process's device with the most bytes in use at their peak."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   return max((d.memory_stats() or {} for d in jax.local_devices()),
              key=lambda st: st.get("peak_bytes_in_use", 0))
 
@@ -94,8 +96,8 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
   allocator's statistics before and after each compile of a train step, at every logged row and
   at the end, to see when the peak came: a compile runs while the state is resident, and XLA's
   GPU autotuner allocates the buffers it tries candidate kernels on from the same allocator)."""
-  from trainer.loop import Run  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415  start-up
+  from trainer.step.program import Program  # noqa: PLC0415  start-up
   run_cfg = cfg.copy_and_resolve_references()
   run_cfg.steps = steps
   run_cfg.log_every = 2
@@ -129,7 +131,6 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.memory_check", __doc__)
   parser.add_argument("--topology", required=True,
                       help="as tools.aot's (h100:1, v5e:2x2, ...), or local: this process's "
@@ -144,16 +145,14 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   platforms.choose()  # before jax starts: a machine with an NVIDIA GPU measures on it
-  from tools import aot  # noqa: PLC0415
-  from trainer.cli import load  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.metrics import GiB  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415  start-up
+  from trainer.tracking.peaks import GiB  # noqa: PLC0415  start-up
   try:
     args, overrides = build_parser().parse(argv)
     name = os.path.splitext(os.path.basename(args.config))[0]
     cfg = load(args.config, overrides)
     if args.topology == "local":
-      import jax  # noqa: PLC0415
+      import jax  # noqa: PLC0415  start-up
       target = aot.Target("local", jax.devices())
     else:
       target = aot.config_target(cfg, args.topology)  # as tools.aot compiles for
@@ -165,7 +164,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--steps {args.steps}: a DiLoCo run's outer step (a phase predicted "
                           f"here) runs every optim.diloco.inner_steps={inner} steps; measure "
                           f"over a multiple of it (--steps {inner})")
-      import jax  # noqa: PLC0415
+      import jax  # noqa: PLC0415  start-up
       local = jax.local_devices()
       if local[0].device_kind != target.kind or len(jax.devices()) != len(target.devices):
         raise ConfigError(f"--measure needs the target's devices here ({len(target.devices)} x "

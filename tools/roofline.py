@@ -4,12 +4,12 @@
 compiled program and the target chip; this module is the arithmetic and the report lines.
 
   * step time at 100% MFU: the model's FLOPs (`models.sizes.flops_per_token`, all chips) at the
-    chips' bf16 peak (`trainer.metrics.known_peak_flops`): no step can be faster.
+    chips' bf16 peak (`trainer.tracking.metrics.known_peak_flops`): no step can be faster.
   * compute: the FLOPs the step executes, the model's plus what rematerialisation recomputes
     (`remat_mfu_bound`) plus, in a pipelined step, what the stages execute in their idle ticks
     (`idle_flops`, from the ticks counted in the compiled program), at the same peak.
   * memory: XLA's `bytes accessed` per chip (`compiled.cost_analysis()`) at the chip's HBM
-    bandwidth (`trainer.metrics.known_hbm_bandwidth`). XLA counts the body of a loop (the scanned
+    bandwidth (`trainer.tracking.metrics.known_hbm_bandwidth`). XLA counts the body of a loop (the scanned
     layers, the micro-batch loop) once, so this is a floor on the real traffic.
   * the bound is max(compute, memory); the MFU ceiling is model FLOPs / (bound x chips x peak).
   * an estimate beside it (not a bound): the bytes scaled by how much XLA undercounted the FLOPs
