@@ -16,7 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from test_multihost import MODEL_ARGS, ROOT, assert_ok, launch, start_processes
+from test_multihost import MODEL_ARGS, ROOT, assert_ok, run_processes, start_processes
 from test_reliability import _env, assert_same_tail, start, train
 
 from conftest import losses, tiny_config
@@ -161,7 +161,7 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   root = tmp_path / "local"
   node = (lambda i: root) if case.startswith("one node") else (lambda i: root / f"node{i}")
   per_process = [[f"--config.checkpoint.local_dir={node(i)}"] for i in range(2)]
-  assert_ok(launch(tmp_path / "straight", 2, args, per_process_args=[
+  assert_ok(run_processes(tmp_path / "straight", 2, args, per_process_args=[
       [f"--config.checkpoint.local_dir={tmp_path / 's' / str(i)}"] for i in range(2)]))
   procs = start_processes(tmp_path / "w", 2, args, per_process)
   deadline = time.time() + 300
@@ -176,7 +176,7 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   else:
     newest = max(set(local_steps(node(0), 0)) & set(local_steps(node(1), 1)))
     corrupt(node(1) / "process_1" / str(newest))
-  results = launch(tmp_path / "w", 2, args, per_process_args=per_process)
+  results = run_processes(tmp_path / "w", 2, args, per_process_args=per_process)
   assert_ok(results)
   out = results[0][1]
   where, tier = resumed_from(out)
