@@ -120,10 +120,11 @@ def test_init_from_loads_parameters_only(tmp_path):
   source = tmp_path / "source"
   _run(source, **{"steps": 4, "checkpoint.every_steps": 4})
   saved = Run(tiny_config(), str(source))
-  want, _, _ = saved._start_state(Checkpointer(str(source / "checkpoints"), keep=3))
+  saved.checkpointer = Checkpointer(str(source / "checkpoints"), keep=3)
+  want, _, _, _ = saved._start()
   warm = Run(tiny_config(**{"checkpoint.init_from": str(source)}), str(tmp_path / "warm"))
-  state, _, resumed = warm._start_state(
-      Checkpointer(str(tmp_path / "warm" / "checkpoints"), keep=3))
+  warm.checkpointer = Checkpointer(str(tmp_path / "warm" / "checkpoints"), keep=3)
+  state, _, resumed, _ = warm._start()
   assert resumed is None and int(state.step) == 0
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
                jax.device_get(want.params))
