@@ -2,22 +2,15 @@
 
     python train.py --config configs/lm_tiny.py --workdir runs/tiny [--config.a.b=value ...]
 
-Rerunning with the same --workdir resumes from its newest checkpoint. Command-line and config
-mistakes (an unknown argument or key, a wrong type, a config file that is missing, a directory,
-has a syntax error or raises in get_config(); a mesh that does not fit the devices, sizes that
-do not divide; a step that cannot fit a device's memory by a cheap lower bound,
-trainer/config/memory_bound.py; a --workdir that is a file or cannot be written) are reported in one
-line with exit code 2, before anything is compiled.
+Rerunning with the same --workdir resumes from its newest checkpoint. A mistake in the command
+line or the config, down to a step that cannot fit a device's memory by a cheap lower bound
+(trainer/config/memory_bound.py), is one line and exit code 2 before anything is compiled
+(docs/configs.md#what-a-run-does). Several processes (hosts): this same command on each of them
+(docs/multihost.md).
 
-Several processes (hosts) are started by running this same command on each of them: see
-trainer/multihost/launch.py and docs/multihost.md.
-
-Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not match the
-config or cannot be read, processes that cannot connect or do not agree); 3 stopped on a
-non-finite loss or a loss spike (policy "stop"; the newest checkpoint is the last good state);
-4 checkpoint storage failed (checkpoint.on_error = "stop"); 75 preempted by SIGTERM/SIGINT
-after saving a checkpoint (restart to continue); 130 a second Ctrl-C, which stops at once
-without saving (one line; the newest checkpoint is where a rerun resumes).
+Exit codes: 0 finished, 2 a user error, 3 stopped on a non-finite loss or a spike, 4 checkpoint
+storage failed, 75 preempted (restart to continue), 130 a second Ctrl-C: what each means,
+docs/reliability.md#exit-codes.
 """
 from __future__ import annotations
 

@@ -6,37 +6,13 @@ attention vs XLA, forward and forward + backward, causal.
         # on a CPU: tiny, the flash kernel interpreted, cuDNN skipped (tests run this)
     python bench/attention.py --flash-tiles 128x64/64x64,64x64/64x64 ...   # tile A/B
 
-Implementations (`--impls`):
-  flash   our flash kernel as `model.attention=flash` picks it here (models/attention.py's
-          `choose_impl`): on a Hopper GPU, for 16-bit q/k/v and head dims a multiple of 64,
-          the Mosaic GPU kernel (kernels/flash_mosaic.py), else the Triton one;
-  flash_triton  kernels/flash_attention.py, compiled through Triton on a GPU (interpreted
-          elsewhere: exact but slow, so CPU times say nothing about the kernel);
-          `--flash-tiles` adds variants of it with other tiles, BQxBK/BQBxBKB (forward query x
-          key tile / backward ones);
-  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (models/attention.py's
-          `cudnn_attention`: packed documents as a mask, which cuDNN adds as a bias); GPU only,
-          bf16/fp16, head dim <= 128 -- elsewhere skipped, and the reason printed;
-  xla     models/attention.py's `xla_attention` (what `model.attention=xla` runs).
-Cases: every combination of `--seq`, `--head-dim`, `--kv-heads` (= `--heads`: MHA; fewer:
-GQA) and packing (`--packed`: none, one document per row; docs, rows of packed documents of
-random lengths, at least 64 tokens each), with `--tokens` tokens per call (batch = tokens /
-seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against an
-fp32 reference at the highest matmul precision (not a GPU's TF32 or a TPU's bf16 passes) on a
-slice: the last CHECK_ROWS queries of the first sequence, which attend to every key before them
-(so the reference at S8192 D128 is a [H, 256, 8192] score block, not [B, H, 8192, 8192]: a
-fraction of a second where the whole reference took minutes); the largest error relative to
-the largest output is printed; over 5e-2 in bf16/fp16 or 1e-3 in fp32 the
-implementation is reported WRONG and not timed (one that fails to compile, e.g. for its tiles,
-is reported with the error); then it is timed: jitted, two warm-up calls, then
-`--reps` timings of `--calls` calls launched back to back (so launch gaps do not count); the
-median.
-
-Prints per case the milliseconds of each implementation, forward and forward + backward, and
-the speed ratios flash/cudnn and flash/xla (> 1: ours faster; the forward + backward ratio is
-the one training sees), then per case the fastest implementation: the measured table that
-`models/attention.py:choose_impl`'s GPU rule for `auto` is to be written from (by hand, as a
-rule over head dim, length, grouping and packing, citing this command and its output).
+Implementations (`--impls`): flash (as `model.attention=flash` picks it here), flash_triton
+(with `--flash-tiles` variants), cudnn (GPU only; elsewhere skipped, the reason printed), xla.
+For every case of `--seq`, `--head-dim`, `--kv-heads` and `--packed`, each implementation is
+checked against an fp32 reference on a slice (reported WRONG and not timed past 5e-2 in
+bf16/fp16, 1e-3 in fp32), then timed; prints milliseconds, the ratios flash/cudnn and flash/xla
+(> 1: ours faster) and the fastest per case, the table `models/attention.py:choose_impl`'s GPU
+rule is written from. Details: docs/performance.md#attention-kernels-timed
 """
 from __future__ import annotations
 

@@ -4,18 +4,12 @@ the compiled program, counted by kind with the bytes they produce.
     python bench/collectives.py --vary optim.name=adamw,muon [--mesh fsdp=4,tensor=2]
         [--size 3m] [--config.a.b=v ...]
 
-Each variant is the compiled step train.py runs (`trainer/step/program.py`) on a mesh of fake CPU
-devices (`--mesh`, axis=size pairs; the device count is their product), compiled and never
-run: the numbers are read from the optimized HLO, so they are exact for XLA's CPU SPMD
-partitioner, and the same partitioner (GSPMD/Shardy) decides the collectives on GPU and TPU,
-whose backends may still combine or reorder them. Per variant: the number of all-gather,
-all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes they move per
-device per step, then the difference from the first variant; and each variant's FLOPs per
-device from XLA's cost analysis (`tools.aot`). The HLO is read by `sharding.collectives`, the
-reader DiLoCo's communication report uses (its docstring says which array of each kind is
-counted: an all-reduce's, an all-gather's gathered result, a reduce-scatter's operand): each op
-is counted once, and its bytes times the trips of the loops around it (the scanned layers, the
-micro-batches).
+Each variant is the compiled step train.py runs on a mesh of fake CPU devices (`--mesh`,
+axis=size pairs), compiled and never run. Per variant: the number of all-gather, all-reduce,
+reduce-scatter, all-to-all and collective-permute ops and the bytes they move per device per
+step (read from the optimized HLO by `sharding.collectives`, loop trips counted), the difference
+from the first variant, and its FLOPs per device from XLA's cost analysis.
+What is exact and what is counted: docs/performance.md#what-a-sharded-step-communicates
 """
 from __future__ import annotations
 

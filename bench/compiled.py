@@ -3,40 +3,15 @@ one chip, and what ours does that the plain step does not, kernel by kernel.
 
     python bench/compiled.py [--nanodo_dir DIR] [--size 3m,25m] [--topology v5e:1x1]
         [--dtypes bfloat16] [--attention xla,auto] [--config.a.b=v ...]
-    python bench/compiled.py --topology h100:1 --size d768-s1024,d768-s2048,d2048-s2048 \
+    python bench/compiled.py --topology h100:1 --size d768-s1024,d768-s2048,d2048-s2048 \\
         --attention auto                                        # issue 34: the GPU programs
 
-No TPU or GPU is needed: the programs are compiled for one compile-only chip of `--topology`
-(`tools.targets.make_target`: libtpu's compiler for a TPU topology, jax's CUDA plugin for
-`h100:1`), as `tools.aot` does. Per model (`--size`: bench/baseline.py's matched SIZES, or its
-issue SHAPES) and compute dtype (`--dtypes`: our `model.dtype` and nanodo's `dtype`;
-parameters, optimizer state, norms, softmax and the loss are fp32 in all of them) it compiles,
-for each `--attention` value A:
-
-  * ours (A): the step `train.py` runs (`trainer.step.program.Program`, through `tools.aot`);
-  * plain+docs (A): bench/baseline.py's `plain_step` on the same model, fed the same segment ids
-    (one document per row, as ours is fed): the same model work as ours, so what ours adds
-    beyond it is our step's own (metrics, guard, token-weighted loss, donation);
-  * plain (A): the plainest step, no segment ids: causal attention only, as issue 25's table ran
-    it; plain+docs against it is what keeping packed documents apart costs;
-  * nanodo: bench/nanodo.py's `Nanodo` (google-deepmind/nanodo's own model, optimizer, loss and
-    step) when `--nanodo_dir` is a nanodo checkout, with attention xla; else a line says why not.
-
-For each it prints the FLOPs and bytes of a step, its memory (arguments, outputs not aliased to
-donated inputs, temporaries), its kernel launches per step, and the roofline bound on the step
-time (`tools.roofline.Roofline`: the model's FLOPs at the chip's bf16 peak vs the bytes at its
-HBM bandwidth). The FLOPs and bytes are XLA's cost analysis where the compiler gives one (TPU),
-else counted from the optimized HLO (`tools/hlo.py`: every loop trip counted, matmul FLOPs only;
-jax 0.10.2 gives no cost analysis for a GPU program compiled without a GPU). Then, per A, the
-kernel diff (`tools.hlo.diff`): the kernels ours launches that plain+docs does not (and the other
-way round), and those plain+docs launches that plain does not, each with its bytes, FLOPs and
-its time at the chip's rates (a roofline per kernel, no launch cost).
-
-Fairness: XLA's cost analysis counts the body of a while loop once, so on a TPU ours and plain
-(the same module) are compiled with `model.scan_unroll = num_layers` and the `loops` column
-counts the while loops left; on a GPU the programs are compiled as configured (the HLO count
-weighs each loop body by its trips). XLA counts neither the FLOPs inside a Pallas kernel (splash
-or flash attention) nor, in the HLO count, those of elementwise work.
+No TPU or GPU is needed (one compile-only chip of `--topology`, as `tools.aot`). Per model,
+dtype and `--attention` value it compiles ours, plain+docs (the plain step fed our segment ids),
+plain (no segment ids) and nanodo's step, and prints each one's FLOPs, bytes, memory, kernel
+launches and roofline bound, then the kernel diffs ours vs plain+docs and plain+docs vs plain.
+What each program is, how FLOPs and bytes are counted, fairness:
+docs/performance.md#the-compiled-programs-compared
 """
 from __future__ import annotations
 

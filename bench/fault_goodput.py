@@ -1,19 +1,16 @@
 """Goodput of a run that is killed three times: the persistent tier alone against the local tier
 beside it.
 
-    python bench/fault_goodput.py [--steps 200] [--kills 45,130,185] [--every 50] [--local-every 10] [--rounds 1]
+    python bench/fault_goodput.py [--steps 200] [--kills 45,130,185] [--every 50] \\
+        [--local-every 10] [--rounds 1]
 
-Runs `configs/lm_tiny.py` (evaluation off, a log row every 5 steps) in a fresh workdir per
-configuration with `train.py`, SIGKILLs the process as soon as a start has recorded reaching
-each step of `--kills` (one kill per start, so both configurations die at the same steps),
-restarts it with the same command at once, and lets the last start finish. `--rounds`
-alternates the configurations that many times (the machine's load drifts; compare within a
-round). Then `tools.goodput` accounts for the
-wall time: goodput, the steps redone and their time, and the rest. Both configurations save to
-the persistent tier every `--every` steps; "local" also saves every `--local-every` steps to a
-local directory (here under /dev/shm when it exists). A warm-up run fills the compilation cache
-first, so every start compiles the same way. The last lines check that both runs ended on the
-same losses.
+Runs `configs/lm_tiny.py` with `train.py` in a fresh workdir per configuration, SIGKILLs it as
+soon as a start has recorded reaching each step of `--kills` (one kill per start) and restarts
+it at once; then `tools.goodput` accounts for the wall time. Both configurations save to the
+persistent tier every `--every` steps; "local" also saves every `--local-every` steps to a local
+directory (under /dev/shm when it exists). `--rounds` alternates the configurations (compare
+within a round). The last lines check that both runs ended on the same losses.
+Setup and results: docs/reliability.md#failures-with-and-without-the-local-tier
 """
 from __future__ import annotations
 

@@ -5,27 +5,12 @@
 
 nanodo is not a dependency and nothing is downloaded: DIR is a checkout of
 https://github.com/google-deepmind/nanodo (the directory holding its `nanodo/` package); without
-one the bench says so and exits with code 2. Its modules import `tensorflow_datasets` (for its
-data pipeline, not used here): `pip install tensorflow-datasets` (TensorFlow itself is not
-needed).
-
-nanodo's side is built with nanodo's own code: `model_factory.get_model_and_loss` (its
-TransformerDo: learned positions, LayerNorm, GELU MLP of 4 d, causal einsum attention, tied
-embeddings), `optimizer.get_optimizer` (its AdamW with global-norm clipping at our clip_norm,
-cosine schedule, inside optax.MultiSteps), its loss and its per-step metrics
-(`metrics.get_metrics`, with `log_internal_metrics` off, its cheapest setting), one device, our
-model.dtype. The step is `nanodo.train._train_step` when that module imports (it needs `clu`, whose
-metric writers need TensorFlow); otherwise the same ten lines, copied here (`_train_step`), and
-the bench says which it ran. Ours is the compiled step train.py runs (bench/baseline.py's
-`Ours`), on the matched model (SIZES). Both models have the same FLOPs per token to 0.05%
-(SwiGLU of 2/3 x 4d vs GELU of 4d), so the tokens/s ratio is the FLOP/s ratio.
-
-Both train on the same random tokens, timed alternately (`--rounds` rounds of `--steps` steps
-after two warm-up steps) with an fp32 1024^3 matmul in between that measures the machine's
-peak in the same round, besides one longer measurement before the rounds (as
-bench/throughput.py). MFU is ours' median model FLOP/s over the best of those measurements:
-a peak is the best the machine was seen to do, and a matmul timed right after a large step
-has read as low as half the idle peak on this CPU.
+one the bench says so and exits with code 2. Its modules import `tensorflow_datasets`: `pip
+install tensorflow-datasets` (TensorFlow itself is not needed). nanodo's side runs nanodo's own
+model, optimizer, loss, metrics and step; ours is the compiled step train.py runs, on a model of
+the same FLOPs per token. Both are timed alternately with a matmul peak measured in every round;
+prints tokens/s, ours/nanodo and MFU.
+How each side is built and timed: docs/performance.md#against-nanodo
 """
 from __future__ import annotations
 

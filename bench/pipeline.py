@@ -3,29 +3,13 @@
     python bench/pipeline.py --config configs/lm_125m.py [--devices 8] [--steps 20]
     python bench/pipeline.py --config configs/lm_125m.py --step-tokens-per-s 400000
 
-Times the data path a run takes for every step, alone: this process's rows of the step's
-windows (`data.pipeline.dataset` with the run's `StreamSpec`: the config's rows, sequence length,
-prefetch, mixture), read at random positions of the token files, and `Run.global_batch`
-assembling them into the global [micro-batches, rows, seq_len] arrays on the mesh (blocked until
-they are on the devices). `--devices N` runs on N fake CPU devices (XLA_FLAGS is set before jax
-is imported), so the mesh and the per-device split are those of an N-device run. The default
-corpus (the Python standard library, ~16k tokens per document) has about one document per
-window; `--doc-tokens 1000` reads synthetic documents of web-text length instead, where a window
-holds pieces of 2-3.
-
-It counts what the reads cost: the pieces (document slices) per window, the bytes of the token
-slices read per trained token, and the distinct 4 KiB pages they touch (what a memory-mapped
-read brings in from disk at worst), from the slices' own addresses in the mapped files.
-
-Then it measures the train step's tokens/s for the same model and sequence length on this
-machine (compiled as train.py compiles it): a full lm_125m step takes many minutes on a CPU, so
-the step is timed at a smaller global batch (`--step-batch`, default the smallest the mesh
-allows) and its tokens/s is taken as the step's rate (a CPU step is compute-bound: tokens/s
-hardly changes with the batch). `--step-tokens-per-s` compares against a given rate instead (a
-target accelerator's, e.g. from `python -m tools.aot`'s roofline) and skips the measurement.
-Prints both rates, their ratio, and the target: the pipeline should produce at least 20x what
-the step consumes, so that input never stalls a step (a run reports the wait per step as
-`data_wait_ms`).
+Times the data path a run takes for every step, alone (this process's rows, read at random
+positions of the token files, and their assembly into the global arrays on the mesh; `--devices
+N` fakes N CPU devices), and counts what the reads cost: document pieces per window, bytes read
+and 4 KiB pages touched per trained token. Then measures the train step's tokens/s for the same
+model on this machine (at a smaller batch, `--step-batch`), or takes `--step-tokens-per-s`, and
+prints both rates, their ratio and the target: at least 20x what the step consumes.
+What is timed and why: docs/performance.md#input-pipeline
 """
 from __future__ import annotations
 

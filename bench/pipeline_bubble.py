@@ -6,16 +6,12 @@ compiled program and the step time of tools.aot's roofline.
         --micro 4,8,16,32 --repeats 1,2,4 --config.data.micro_batch_size=16 --jobs 4 \\
         --csv docs/pipeline.csv --png docs/pipeline.png
 
-No TPU is needed (compile only, as `tools.aot`). For each number of repeats R (1: GPipe, else
-circular) and each M, the config runs with `mesh.stage` = --stages and a global batch of M
-micro-batches of `data.micro_batch_size` (the batch ramp's and the autopilot's way of changing
-M), and `tools.aot.compile_report` compiles it; a row holds the ticks and idle ticks counted in
-the compiled step (`sharding.pipeline.count`), the bubble against (S - 1) / (M R + S - 1), the
-roofline's step time (executed FLOPs, idle ticks included, at the chips' peak, or the HBM floor
-if higher) and that time per micro-batch, the memory per chip, and the bytes between stages.
-The same batches without stages (`mesh.stage=1`, the config's own mesh) give the reference time
-per micro-batch. A config that does not fit is a row with `fits` False. `--jobs N` compiles N
-programs at once, each in a process of its own.
+No TPU is needed (compile only, as `tools.aot`). One row per program (repeats R, M): the ticks
+and idle ticks counted in it, the bubble against (S - 1) / (M R + S - 1), the roofline's step
+time and time per micro-batch, the memory per chip and the bytes between stages; the same
+batches without stages give the reference. A config that does not fit is a row with `fits`
+False; `--jobs N` compiles N programs at once.
+Details: docs/pipeline.md#the-bubble-against-the-batch-size
 """
 from __future__ import annotations
 

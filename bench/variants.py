@@ -6,19 +6,11 @@
     python bench/variants.py --vary model.fp8=false,true --size d768-s1024   # issue 25's shapes
     python bench/variants.py --xla xla_gpu_enable_latency_hiding_scheduler=false,true ...
 
-An A/B of any option of the step: each value of `--vary KEY=V1,V2,...` is a `--config.KEY=V`
-override added last, so it wins over the size's and the command line's own. Every variant is
-the compiled step train.py runs (bench/baseline.py's `Ours`: one device, one fixed random batch),
-compiled up front, then timed in turns (`--rounds` rounds of `--steps` steps, after two warm-up
-steps each), so machine drift hits them alike. Prints each variant's median time per step and
-its time over the first variant's (the median of the per-round ratios: < 1 is faster).
-
-`--xla OPTION=V1,V2,...` varies an XLA compiler option instead (a DebugOptions field, e.g.
-xla_gpu_enable_latency_hiding_scheduler, xla_gpu_enable_triton_gemm, xla_gpu_autotune_level):
-each variant's step is compiled with the option set for this platform, on top of the
-platform's own options (trainer/step/program.py's COMPILER_OPTIONS, where a winner would go), all in
-one process, so the variants alternate as the config ones do; values true/false, integers or
-text.
+Each value of `--vary KEY=V1,V2,...` is a `--config.KEY=V` override added last; `--xla
+OPTION=V1,V2,...` varies an XLA compiler option instead. Every variant is compiled up front and
+timed in turns, so machine drift hits them alike. Prints each variant's median time per step
+and its time over the first variant's (the median of the per-round ratios: < 1 is faster).
+Details: docs/performance.md#ab-of-one-config-key
 """
 from __future__ import annotations
 

@@ -2,29 +2,16 @@
 
 Every tokenizer has `.kind` ("byte" | "hf" | "sentencepiece"), `.vocab_size`, `.bos_id`,
 `.eos_id`, `.pad_id` (int or None), `.encode(text, *, bos=True, eos=True) -> np.ndarray` (int64
-ids), `.decode(ids) -> str` (special tokens dropped) and `.files()` (the files that define it,
-empty for bytes).
+ids), `.decode(ids) -> str` (special tokens dropped) and `.files()` (empty for bytes).
 
-  * byte: ids 0..255 are UTF-8 bytes, then BOS=256, EOS=257, PAD=258 (259 ids). No vocabulary
-    file, no unknown tokens, exact round trip. The module-level `encode`/`decode`/`VOCAB_SIZE`/
-    `BOS_ID`/`EOS_ID`/`PAD_ID` are this tokenizer.
-  * hf: a `tokenizer.json` read by the `tokenizers` library (or a Hugging Face model directory
-    holding one; its `tokenizer_config.json`, when present, names the bos/eos/pad tokens).
-  * sentencepiece: a SentencePiece `.model` file.
+  byte           ids 0..255 are UTF-8 bytes, BOS 256, EOS 257, PAD 258 (the module-level names)
+  hf             a `tokenizer.json` (or a Hugging Face model directory holding one)
+  sentencepiece  a SentencePiece `.model` file
 
-Only the ids `encode` inserts are special: text that spells a special token (a document that
-quotes `<|bos|>` or `<|end_of_text|>`) is encoded as ordinary text and decodes back to it. The
-`tokenizers` library would match added tokens in raw text; `encode_special_tokens` turns that
-off, and a bos/eos/pad id that a tokenizer still gives (a non-special added token, a plain
-vocabulary entry such as a word-level `<s>`) is encoded again one character at a time.
-SentencePiece never matches its control symbols (bos/eos/pad) in text; byte ids 256+ are never
-text.
-
-`from_path(path)` loads an hf/sentencepiece tokenizer from a file or directory;
-`load_tokenizer(data_dir)` the one a prepared data directory was tokenized with (its meta.json
-names it; the files live in `<data_dir>/tokenizer/`). `train_bpe(texts, vocab_size, out_dir)`
-trains a byte-level BPE (GPT-2 style: any text encodes, no unknown tokens) with the special
-tokens `<|bos|>`, `<|eos|>`, `<|pad|>` at ids 0, 1, 2.
+Only the ids `encode` inserts are special: text that spells a special token encodes as text.
+`from_path(path)` loads an hf or sentencepiece tokenizer, `load_tokenizer(data_dir)` the one a
+prepared directory names; `train_bpe(texts, vocab_size, out_dir)` trains a byte-level BPE with
+`<|bos|>`, `<|eos|>`, `<|pad|>` at ids 0, 1, 2. Details: docs/data.md#inputs-and-tokenizers
 """
 from __future__ import annotations
 

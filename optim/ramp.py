@@ -1,24 +1,16 @@
 """The global batch as a function of the step: a batch-size ramp, and the step <-> examples <->
 tokens clock that schedules and the data pipeline share.
 
-A ramp grows the batch in stages during training, e.g. 64 -> 256 -> 1024 sequences at given
-token counts (`data.batch_ramp = "64:0,256:2000000,1024:8000000"`, each stage `batch:start
-tokens`). Growing the batch once the gradient noise scale has grown with falling loss is the
-recipe of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", Sec. 5) and of
-Smith et al. 2018 ("Don't Decay the Learning Rate, Increase the Batch Size"); GPT-3 (Brown et
-al. 2020) ramped its batch over the first tokens the same way.
+  data.batch_ramp = "64:0,256:2000000,1024:8000000"          (batch:start tokens, ...)
+  step    0 ......... n_1 ............ n_2 ...........        n_i: the first step whose
+  batch   64          256              1024                   tokens seen reach stage i's start
 
-A stage starts at the first step whose tokens seen so far reach its start, so a ramp is a pure
-function of the step: the stage of step n, and the examples and tokens before it, follow from n
-alone (`BatchRamp.batch_at`, `examples_before`). The trainer realises a stage's batch as more
-or fewer accumulated micro-batches of one fixed shape, so nothing in the data order or the
-compiled micro-batch changes; a run without a ramp is a one-stage ramp.
-
-Under the batch autopilot (`data.batch_ramp = "auto"`, `optim/autopilot.py`) the ramp starts as
-one stage and the run appends stages as it decides (`add_stage`): still a pure function of the
-step given those decisions, which checkpoints save.
-
+So a ramp is a pure function of the step (`BatchRamp.batch_at`, `examples_before`). A stage's
+batch is more or fewer accumulated micro-batches of one fixed shape: the data order and the
+compiled micro-batch do not change; a run without a ramp is a one-stage ramp. The autopilot
+(`data.batch_ramp = "auto"`, optim/autopilot.py) appends stages as it decides (`add_stage`);
 Seesaw's ramp, derived from the schedule, is optim/seesaw.py's.
+Why: docs/batch_size.md#batch-size-ramp
 """
 from __future__ import annotations
 

@@ -1,32 +1,17 @@
-"""Seesaw (`data.batch_ramp = "seesaw"`, `data.max_batch`; Meterez et al. 2025, "Seesaw:
-Accelerating Training by Balancing Learning Rate and Batch Size Scheduling", arXiv 2510.14717).
-Wherever a step decay would cut the rate by 2, Seesaw cuts it by sqrt(2) and doubles the batch
-(Adam-type optimizers, whose rate follows sqrt(B); for SGD and LARS, whose rate follows B, the
-linear rule: keep the rate, double the batch). The paper's equivalence: lr x 1/alpha with batch
-x beta follows the same loss curve in tokens as a halving when alpha sqrt(beta) = 2 (Adam, via
-normalized SGD in the variance-dominated regime) or alpha beta = 2 (SGD), in fewer serial
-steps, as long as the batch stays below the critical batch. The plan (`Seesaw.from_config`):
+"""Seesaw (`data.batch_ramp = "seesaw"`, `data.max_batch`; Meterez et al. 2025, arXiv 2510.14717):
+where a step decay would halve the rate, the batch doubles and the rate is cut by the rule.
 
-  1. The configured schedule (cosine, linear or wsd), evaluated at every step of the starting
-     batch `data.global_batch_size` B0 up to its horizon, is discretised where it has halved
-     (`optim.schedules.halvings`): cut k at the first step c_k whose rate is <= peak / 2^k,
-     i.e. at c_k x B0 x seq_len tokens. The warmup is kept as it is.
-  2. At each cut the batch doubles, while it is below `data.max_batch`; later cuts halve the rate.
-     A doubled stage starts at its cut rounded up to a whole number of its own batch (so a
-     horizon the largest batch divides is read exactly), a later cut at the first step whose
-     tokens reach it, and the rate of a step is the stage's peak (the rule of `optim.lr_rule`
-     from the reference batch, `optim/scaling.py`) x 1/2^k, k the cuts reached
-     (`BatchRamp.cuts`, read by `optim.schedules.build_schedule`): per doubling x sqrt(2)/2
-     (sqrt) or x 1 (linear).
-  3. The token horizon is unchanged: `steps` at B0 (or the `optim.decay_*` horizon) becomes the
-     steps that read the horizon's tokens under the ramp, the last one not past it
-     (`seesaw_defaults`). With
-     `data.max_batch = data.global_batch_size` nothing doubles: the plain step decay at B0,
-     Seesaw's own baseline.
+  step               0              c_1            c_2         c_3   (where the rate at B0 halves)
+  batch              B0             2 B0           4 B0        4 B0   (data.max_batch = 4 B0)
+  rate, sqrt rule    lr             lr / sqrt(2)   lr / 2      lr / 4
+  rate, linear rule  lr             lr             lr          lr / 2
 
-The rule is `optim.lr_rule` when it is set, else the optimizer's (`SEESAW_RULES`); an
-optimizer without one (lion) must state it. Everything else the batch-size rules derive (b2,
-weight decay, EMA) follows each stage's batch as under any ramp.
+`Seesaw.from_config` plans it: the cuts are `optim.schedules.halvings` of the cosine, linear or
+wsd schedule at B0 (the warmup kept), a doubled stage starts at its cut rounded up to a whole
+number of its batch, and the token horizon stays (`seesaw_defaults`: `steps` at B0 becomes the
+steps that read the same tokens). The rule is `optim.lr_rule`, else `SEESAW_RULES`; b2, weight
+decay and EMA follow each stage's batch as under any ramp.
+Why and details: docs/batch_size.md#seesaw
 """
 from __future__ import annotations
 

@@ -3,34 +3,15 @@
     python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4
     python -m tools.aot --config configs/lm_8b.py --topology v5:4x4x4 --config.mesh.fsdp=-1
     python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 --config.mesh.dcn_data=2
-    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 \
+    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 \\
         --config.optim.diloco.replicas=2 --config.optim.diloco.inner_steps=32
 
-The program compiled is the one `train.py` runs: the same `trainer.step.program.Program` (model,
-logical->mesh rules, optimizer, micro-batching, donated state) on the mesh `sharding.make_mesh`
-builds from the config, as in training, but over the devices of a TPU topology description made
-by libtpu's compiler on this CPU machine (`jax.experimental.topologies`; install with
-`pip install -e ".[tpu]"`). Multi-slice: the target has as many slices as the config's
-`mesh.dcn_*` sizes multiply to (the third example: two v5e:2x2 slices, data across them), times
-`optim.diloco.replicas` for DiLoCo (a replica per copy of the topology; the last example), whose
-report adds the bytes that cross replicas per step, next to plain data parallelism's on the
-same chips (`trainer/tracking/communication.py`).
-On TPU the attention is jax's splash attention (a Mosaic kernel) when `model.attention` is
-`auto` or `flash`, so a kernel that does not lower for TPU fails here, before anyone pays for a
-slice.
-
-It prints, per device (= chip): argument memory (train state + batch), temporaries, outputs not
-aliased to the donated inputs, and their sum against the chip's HBM; the step's FLOPs (the
-model's own count, `models.sizes.flops_per_token`; XLA's `cost_analysis()` number is shown for
-information only); and the roofline (`tools.roofline`): the step time at 100% MFU, the lower
-bound on the step time from the executed FLOPs and the HBM traffic, and the MFU it allows. Compare
-configs with these before paying for hardware. A program that does not fit fails with one line
-naming the knob to turn (exit 2).
-
-Topologies: `v4:2x2x1`, `v5:2x2x1` (v5p), `v5e:2x2`, `v6e:4x4`, ... (libtpu's names: chip
-version, then chips along each axis; v4 and v5p run one megacore device per chip, as on real
-hardware). Quirks handled here: JAX_PLATFORMS=cpu (we compile, never run), and
-ALLOW_MULTIPLE_LIBTPU_LOAD=1 so that several compiles can run at once.
+Compiles the program `train.py` runs (`trainer.step.program.Program` on the config's mesh) for
+the devices of a TPU topology (libtpu's compiler: `pip install -e ".[tpu]"`), of several slices
+(`mesh.dcn_*`), of a replica each (DiLoCo) or of GPUs, on this CPU machine, and prints per chip
+the memory against the HBM, the step's FLOPs and the roofline (`tools.roofline`). A program that
+does not fit fails with one line naming the knob to turn (exit 2).
+What it compiles, what the numbers are, topologies: docs/aot.md
 """
 from __future__ import annotations
 

@@ -1,47 +1,17 @@
 """The critical batch over training, measured by branching: short continuations of one run at k
-times its batch, compared at equal tokens (Merrill et al. 2025, "Critical Batch Size Revisited:
-A Simple Empirical Approach to Large-Batch Language Model Training", arXiv 2505.23971).
+times its batch, compared at equal tokens (Merrill et al. 2025, arXiv 2505.23971).
 
     python -m tools.batch_probe --workdir RUN --at 100,200,400 --factors 2,4,8 \\
         --tokens 65536 [--tolerance 0.01] [--evals 4] [--eval_sequences 256] [--ramp] \\
         [--out DIR] [--b_crit B] [--config.KEY=VALUE ...]
 
-The protocol (their Sec. 3.1). From the checkpoint of RUN at each step s of `--at` (a run at a
-fixed batch B, trained with checkpoints there), one branch per factor k of 1 and `--factors`
-trains `--tokens` more tokens at batch k B, its learning rate moved by the rule of the run's
-optimizer (`optim.lr_rule`, else the optimizer's, as Seesaw's: sqrt(k) for Adam-type, k for
-SGD-type; `optim/ramp.py`), every other hyperparameter by the run's own rules from its
-reference batch (`optim/scaling.py`). The schedule keeps its shape in tokens (every length of
-it is converted to tokens at the run's batch), so the branch at k = 1 is the run itself
-continued, and every branch reads the same sequences: step t reads windows [g_t, g_t + batch)
-of the run's data order, so after equal tokens all have read [g_s, g_s + tokens / seq_len).
-Each branch is evaluated `--evals` times at the same token counts on the same
-`--eval_sequences` validation sequences, and the evaluations are smoothed by an exponential
-moving average of weight 0.5 (the paper smooths its training loss so; a held-out loss on fixed
-sequences is the same measure for every batch). The critical batch at s is k* B for the largest
-k* whose smoothed loss L_k* is within `--tolerance` (the paper's epsilon, 0.01 nats) of every
-smaller factor's: L_k* <= L_k + eps for all k < k*. It is censored by the factors tried: at
-least max(k) B when the largest passes, at most B when k = 2 already fails (then reported as B).
-
-Next to it, the run's own gradient-noise scale B_simple at s (`optim/noise_scale.py`, when the
-run measured it; McCandlish et al. 2018), and optionally a critical-batch sweep's B_crit
-(`--b_crit`, `python -m tools.batch_sweep`).
-
-The run is not touched: each branch starts from a copy of the checkpoint in its own workdir under
-`--out`/branches (removed after it ran, with `--keep_branches` kept).
-
-`--ramp` writes the batch ramp the measurements imply (their Sec. 4.1, batch size warmup):
-starting at B, the batch doubles at the first branch point whose critical batch is at least
-twice the current batch (as many times as it allows), the rate following the rule, as config
-overrides a plain run takes (`ramp_overrides.txt`: the explicit `data.batch_ramp`, the schedule in
-tokens, the run's tokens in `steps`), and the autopilot with the same largest batch
-(`autopilot_overrides.txt`); e.g. `python train.py --config FILE --workdir DIR $(cat
-OUT/ramp_overrides.txt)`.
-
-Outputs in `--out` (default runs/batch_probe/<run>): `batch_probe.csv` (one row per branch,
-each with its point's critical batch and B_simple), `batch_probe.json` (the summary),
-`batch_probe.png` (the critical batch over training next to B_simple; each point's loss
-differences against k; needs matplotlib, the `tools` extra).
+From RUN's checkpoint at each step of `--at`, one branch per factor k (and k = 1, the run
+continued) trains `--tokens` tokens at k times the run's batch B, its hyperparameters moved by
+the run's rules; the critical batch there is k B for the largest k whose smoothed loss is within
+`--tolerance` of every smaller factor's. RUN is not touched. `--ramp` writes the batch ramp the
+measurements imply as config overrides. Outputs in `--out` (default runs/batch_probe/<run>):
+batch_probe.csv (one row per branch), batch_probe.json (the summary), batch_probe.png.
+Protocol, censoring, the ramp: docs/batch_size.md#critical-batch-by-branching
 """
 from __future__ import annotations
 

@@ -4,35 +4,13 @@ McCandlish et al. 2018, and the measured gradient noise scale beside it.
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
         --target_loss 2.6 [--lr_grid 0.5,1,2] [--out runs/batch_sweep] [--config.KEY=VALUE ...]
 
-One short training per batch size B (and per learning-rate multiplier of `--lr_grid`, keeping
-the fastest), each stopped once the validation loss reaches the target. Everything but the
-batch is the config's: the learning rate, weight decay, beta2 and EMA come from its reference
-batch and rules (`optim/scaling.py`), and its warmup should be in examples or tokens so that it
-is the same amount of data at every batch. Every run reads the same micro-batches in the same
-order (one fixed micro-batch of `--micro_batch_size` rows, accumulated B / micro times), and is
-evaluated on the same validation set every `--eval_examples` examples. At a constant learning
-rate the evaluated loss jitters from evaluation to evaluation (the parameters themselves are
-noisy), so the curve is first averaged over a centered window of `--smooth_examples` examples
-(the same window at every batch; no lag on a linear trend), and the number of examples at which
-the smoothed curve crosses the target is interpolated linearly between evaluations; a run stops
-once its smoothed curve is below the target.
-
-From the steps S and examples E = B S of each batch, the tool fits the trade-off of "An
-Empirical Model of Large-Batch Training" (McCandlish et al. 2018),
-
-    (S / S_min - 1) (E / E_min - 1) = 1,  i.e.  S(B) = S_min + E_min / B,
-
-by least squares on relative errors, and reports the critical batch B_crit = E_min / S_min
-(sequences) beside the gradient noise scale B_simple that the runs measured on the way
-(`optim/noise_scale.py`; the value when each run crossed the target). The summary takes the
-median over runs with at least 4 micro-batches per step, whose estimates are the precise ones:
-the estimator's relative noise per step is about B_simple / b for small batches of b. The
-paper predicts B_crit ~ B_noise, with B_simple equal to B_noise when the Hessian is a multiple
-of the identity and otherwise usually within an order of magnitude of it.
-
-Outputs in `--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the
-noise scale), `batch_sweep.png` (steps vs batch with the fit; the noise scale over training;
-needs matplotlib, the `tools` extra), and each run's workdir under `runs/`.
+One short training per batch size B (and per multiplier of `--lr_grid`, keeping the fastest),
+everything but the batch from the config and its rules, each stopped once its smoothed
+validation loss reaches the target; the fit S(B) = S_min + E_min / B gives B_crit = E_min /
+S_min, reported beside the B_simple the runs measured (`optim/noise_scale.py`). Outputs in
+`--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the noise scale),
+`batch_sweep.png` (needs matplotlib, the `tools` extra) and each run's workdir under `runs/`.
+Method (data order, smoothing, the fit, which B_simple): docs/batch_size.md#critical-batch-sweep
 """
 from __future__ import annotations
 

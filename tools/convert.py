@@ -4,16 +4,13 @@
     python -m tools.convert to-hf SRC --out HF_DIR [--dtype bfloat16] [--max_shard_gb 5]
 
 `from-hf` reads a Llama / Llama-3 style directory (config.json + model.safetensors or sharded
-model-*.safetensors with an index; GQA, tied or untied embeddings, rope_theta, Llama 3
-rope_scaling) into a converted dir (trainer/checkpoint/model_dirs.py) that `checkpoint.init_from`,
-`tools.generate` and `tools.evaluate` accept; tokenizer files in HF_DIR are copied along.
-Each tensor goes straight from the memory-mapped file to its shards on the mesh
-(`--config.mesh.fsdp=-1` style overrides pick the mesh, as in train.py; default: all devices on
-`data`).
-
-`to-hf` writes config.json + safetensors (+ the tokenizer files the source has) from a
-training workdir (its newest checkpoint), a step dir or a converted dir, for
+model-*.safetensors with an index) into a converted dir (trainer/checkpoint/model_dirs.py) that
+`checkpoint.init_from`, `tools.generate` and `tools.evaluate` accept, each tensor straight from
+the memory-mapped file to its shards on the mesh (`--config.mesh.fsdp=-1` style overrides; by
+default all devices on `data`). `to-hf` writes config.json + safetensors (+ the tokenizer files
+the source has) from a training workdir, a step dir or a converted dir, for
 `transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`. Mapping: models/hf.py.
+What is supported and tested: docs/models_io.md#hugging-face-llama-in-and-out
 """
 from __future__ import annotations
 

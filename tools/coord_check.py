@@ -4,20 +4,13 @@ few Adam steps, across widths, under SP and muP.
     python -m tools.coord_check [--widths 32,64,128,256] [--base_width 32] [--steps 8] \\
         [--lr 0.01] [--out runs/coord_check]
 
-For each parametrization and width d_model (num_heads fixed, so the head dim grows with width;
-mlp_dim = 3 d_model) the same Llama model (models/llama.py) is initialised with the same seed,
-trained for `--steps` steps of AdamW at a constant learning rate (optim/factory.py, with muP's
-per-parameter learning rates) on the same batches of the embedded corpus, and after every step
-the mean absolute coordinate of each layer's output on one fixed batch is recorded: the
-embedding, every block's residual stream, and the logits. Under muP these should stay flat in
-width (each coordinate moves by O(1) however wide the model); under SP, with Adam's
-width-independent per-coordinate step, the hidden and output activations grow with width.
-The summary is the slope of log(activation) against log(width) at the last step per layer.
-
-Outputs in `--out`: `coord_check.csv` (parametrization, width, step, layer, mean |x|) and
-`coord_check.png` (activation vs width, one panel per parametrization, one line per layer at
-the last step; needs matplotlib, the `tools` extra). Deterministic on a given machine: fixed
-seeds, and the batches a training run with the setup's seed reads (data/pipeline.py).
+Per parametrization and width d_model, the same Llama model (same seed, same batches) trains
+`--steps` AdamW steps, and after every step the mean absolute coordinate of each layer's output
+(embedding, every block's residual stream, logits) on one fixed batch is recorded. Under muP
+these stay flat in width; under SP the hidden and output activations grow. Prints the slope of
+log(activation) against log(width) at the last step per layer. Outputs in `--out`:
+`coord_check.csv`, `coord_check.png` (needs matplotlib, the `tools` extra). Deterministic.
+Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 included), its cycles, the arrows between parts that the README's dependency order forbids, the
 function-level imports without a reason, and the core reading path with its line counts.
 
-    python -m tools.layout            # the report; exit code 1 if the layout has a problem
+    python -m tools.layout [ROOT]      # the report; exit code 1 if the layout has a problem
 
 tests/test_layout.py runs the same checks. A function-level import must carry one of these reasons
 in its comment (`# noqa: PLC0415  start-up`, ...), and the reason must hold:
@@ -22,6 +22,8 @@ import os
 import re
 import sys
 from collections.abc import Iterable
+
+from trainer.config.cli import CliParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ("kernels", "data", "sharding", "optim", "models", "trainer", "configs", "tools",
@@ -288,8 +290,15 @@ def problems(root: str = ROOT) -> list[str]:
           + unjustified(found))
 
 
+def build_parser():
+  parser = CliParser("-m tools.layout", __doc__, config=False)
+  parser.add_argument("root", nargs="?", default=ROOT, help="the repository (default: this one)")
+  return parser
+
+
 def main(argv: list[str]) -> int:
-  root = argv[0] if argv else ROOT
+  args, _ = build_parser().parse(argv)
+  root = args.root
   found = imports(root)
   known = modules(root)
   size = {}
@@ -300,9 +309,9 @@ def main(argv: list[str]) -> int:
   print("parts (modules, lines):")
   for name in sorted(size):
     print(f"  {name:22s} {size[name][0]:3d} {size[name][1]:6,d}")
-  function_level = [i for i in found if i.function_level]
-  print(f"function-level imports: {len(function_level)} ("
-        + ", ".join(f"{r} {sum(r in i.comment for i in function_level)}" for r in REASONS) + ")")
+  statements = {(i.importer, i.line): i.comment for i in found if i.function_level}
+  print(f"imports inside functions: {len(statements)} ("
+        + ", ".join(f"{r} {sum(r in c for c in statements.values())}" for r in REASONS) + ")")
   print("core reading path:")
   rows = reading_path(root)
   for what, path, lines, code in rows:

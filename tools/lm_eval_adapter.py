@@ -9,19 +9,10 @@ or from the harness's CLI, which finds the class by its registered name:
 
     python -m tools.lm_eval_adapter --model_args checkpoint=runs/tiny --tasks lambada_openai
 
-It implements the harness's `LM` interface (lm-eval 0.4):
-
-- `loglikelihood`: (context, continuation) -> (sum of log p(continuation tokens), whether they
-  are all the greedy choice). The continuation's tokens are those of encode(context +
-  continuation) past encode(context) (right for merges across the boundary); long inputs are
-  cut from the left to `max_length` tokens.
-- `loglikelihood_rolling`: a text's total log-likelihood, every token after BOS scored once in
-  windows of `max_length` (the windows of trainer/evaluation/split.py).
-- `generate_until`: KV-cache generation (models/decode.py), greedy unless the request asks for
-  sampling, cut at the first stop string.
-
-Scoring runs one compiled forward of [batch_size, max_length] (requests padded to it).
-Needs the `lm-eval` extra.
+It implements the harness's `LM` interface (lm-eval 0.4): `loglikelihood`,
+`loglikelihood_rolling` and `generate_until` (KV-cache generation), scoring with one compiled
+forward of [batch_size, max_length]. Needs the `lm-eval` extra.
+Each method's contract: docs/models_io.md#lm-evaluation-harness
 """
 from __future__ import annotations
 

@@ -4,35 +4,14 @@ run holds memory for, and checked against the device's own count.
     python -m tools.memory_check --config configs/lm_125m.py --topology h100:1 \\
         [--measure] [--steps 4] [--config.a.b=v ...]
 
-Prediction (compile-only, on `tools.aot`'s target devices, no accelerator needed; or with
-`--topology local` on this process's devices): per device,
-with the train state alive throughout,
-  train step     `tools.aot`'s number: arguments (state + batch) + temporaries + outputs not
-                 aliased to the donated state + code;
-  logging step   the step the logged steps run when it differs (`trainer.norm_metrics`
-                 "log_steps": param_norm and update_norm), the same sum;
-  evaluation     the eval step on one micro-batch: the state + its batch + temporaries +
-                 outputs + code;
-  outer step     DiLoCo only (`optim.diloco.replicas` >= 1): the outer step's program, run
-                 every `inner_steps` steps, the same sum as the train step's;
-  checkpoint save  a circular pipeline only (`pipeline.repeats` > 1): the program that turns
-                 the train state into the plain layer stack a checkpoint holds, its output
-                 beside the state (trainer/step/pipelined.py), the same sum;
-and the run's peak is the largest of them (tools.aot reports the train step alone). The train
-state is the run's own: for DiLoCo a `trainer.step.diloco.DiLoCoState`, each device holding its
-replica's parameters and inner optimizer state, the anchor and the outer momentum, and the
-target is tools.aot's for the config (a copy of a TPU topology per replica).
-
-`--measure` (on devices of the target's kind, e.g. `JAX_PLATFORMS=cuda` on a GPU machine; a
-machine with an NVIDIA GPU picks that by itself): trains the config for `--steps` steps (for
-DiLoCo a multiple of `optim.diloco.inner_steps`, so that an outer step runs) in a temporary
-workdir, logging every second step, evaluating and saving a checkpoint at the last
-step, as train.py does, then reads each device's `memory_stats()["peak_bytes_in_use"]` (the
-most bytes JAX's allocator had handed out at once) and prints measured / predicted; the goal
-is within 10% (issue 25). The allocator's statistics before and after each compile of a train
-step, after every logged row and at the end are printed too, to see which part of the run
-reached the peak. The data are the config's (the
-embedded corpus by default).
+Prediction (compile-only on `tools.aot`'s target devices, or `--topology local`): per device,
+with the train state alive throughout, the train step, the logging step, evaluation, and where
+the run has them DiLoCo's outer step and a circular pipeline's checkpoint save; the run's peak
+is the largest. `--measure` (on devices of the target's kind) trains `--steps` steps as
+train.py does (logged, evaluated, checkpointed), reads each device's peak_bytes_in_use and
+prints measured / predicted (goal: within 10%) and the allocator's statistics around each
+compile, at every logged row and at the end.
+What each phase counts: docs/aot.md#predicted-against-measured-memory
 """
 from __future__ import annotations
 

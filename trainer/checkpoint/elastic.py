@@ -1,37 +1,17 @@
 """Restarting on more or fewer devices: what the batch, the schedule's clock and the data
-position become (`data.on_resize`).
+position become (`data.on_resize`, `plan`).
 
-Every checkpoint (both tiers) holds the run's `topology`: devices, processes, mesh, the
-data-parallel size (mesh.data x fsdp x expert), the micro-batch, and the batch history as
-[first step, batch] stages. A restart compares it with its own devices:
+Every checkpoint (both tiers) holds the run's `topology` (devices, processes, mesh, data-parallel
+size, micro-batch, batch history); a restart compares it with its own devices:
 
-  keep     (default) the global batch stays the config's `data.global_batch_size`; more or
-           fewer devices take more or fewer micro-batches (`data.micro_batch_size` of the
-           restart). A step's sequences do not depend on micro-batching, devices or processes
-           (docs/data.md), so the losses continue as if nothing happened (up to the order of
-           float reductions).
-  rescale  the batch follows the data-parallel devices: B' = B x dp' / dp (B the checkpoint's
-           last batch), and the micro-batch m' = m x dp' / dp, so every device keeps its rows
-           per step and per micro-batch (a restart takes them from the checkpoint, not from
-           `data.global_batch_size` and `micro_batch_size`, which set a fresh run's). The hyperparameters are re-derived at B' by the batch
-           rules from the values stated at the reference batch (`optim.reference_batch_size`,
-           0 = the config's `data.global_batch_size`; optim/scaling.py).
+  keep     (default) the global batch stays `data.global_batch_size`, in more or fewer
+           micro-batches; the losses continue as if nothing happened (to float reduction order)
+  rescale  B' = B x dp' / dp and m' = m x dp' / dp (every device keeps its rows), the
+           hyperparameters re-derived at B' by the batch rules (optim/scaling.py)
 
-What stays exact across a resize, in both modes:
-  * the data position: the checkpoint's count of windows read; step r + 1 reads the windows
-    [g, g + B') of the same order, so no sequence is skipped or read twice;
-  * the schedule's clock: the batch history becomes the run's batch ramp (the stages before the
-    resize, then B' from the restored step), which the schedules read (optim/ramp.py). With
-    `optim.schedule_unit="steps"` the clock is the optimizer step, so the learning rate at step
-    n is the curve's value at n at any batch (and `steps` still ends the run); with "examples"
-    or "tokens" the clock is the sequences or tokens the applied steps consumed, summed over the
-    history, so the schedule continues from exactly the tokens seen (lengths are then best given
-    in that unit, as a batch ramp's are).
-The resize is said in one line; the hyperparameters at every batch of the history are printed
-and written to metrics.jsonl as at any start (trainer/tracking/report.py).
-
-Runs whose config sets a batch ramp or the batch autopilot (`data.batch_ramp`) keep their own
-batch plan: a resize there is `keep` (the config checks refuse `rescale` with them).
+In both modes the data position and the schedule's clock stay exact; a run with a batch ramp or
+the autopilot keeps its own batch plan. Why and details:
+docs/reliability.md#elastic-restarts-keep-or-rescale-the-batch.
 """
 from __future__ import annotations
 

@@ -1,43 +1,16 @@
 """The local checkpoint tier: frequent saves to node-local storage, each process's shards plus a
-copy of its peer's, and restores from whatever copies survive.
+copy of its peer's, and restores from whatever copies survive (`LocalTier`).
 
-Layout: `<checkpoint.local_dir>/process_<i>/<step>/{state,peer,meta}`, one Orbax
-CheckpointManager per process (`MultiprocessingOptions(active_processes={i})`: no barrier with
-the other processes, so a process that died or lost its disk holds nobody up).
+  <checkpoint.local_dir>/process_<i>/<step>/    one Orbax manager per process, no barrier
+    state   the shards of the train state this process's devices hold, each distinct one once
+    peer    the shards process i - 1 (mod the count) holds, copied one process on
+    meta    JSON: each item's array boxes, the layout's fingerprint, the small items
 
-  state  the train state as this process holds it: Orbax's local-checkpoint array handler
-         (`ArrayHandler(primary_host=None, replica_id=None)`, as in
-         `orbax.checkpoint.experimental.emergency`) writes each distinct shard of this
-         process's devices, once.
-  peer   (several processes) the shards process i - 1 (mod the count) holds: `jax.device_put`
-         onto `next_process_mesh`, the run's mesh with each device replaced by the device of the
-         same local rank on the next process, is the same global array with every process's
-         shards on its successor, written the same way.
-  meta   JSON: the boxes of every array each item holds, the layout's fingerprint, and the
-         persistent tier's small items (config, data position, batch autopilot, topology).
-
-Saves are asynchronous like the persistent tier's: the arrays are copied off the devices, then
-written in the background (while a save copies them, the devices also hold the peer copy). A
-save that would leave less than `RESERVE` of the disk free is skipped with one line, the manager
-keeps `checkpoint.local_keep` steps (it deletes older ones after each save) and removes the
-temporary directories of interrupted saves at start, so the tier never fills the disk.
-
-Restoring (`restore`): a local step counts only when every shard every process needs under the
-*current* mesh is readable somewhere.
-  1. Each process plans, for each array, one readable item it can see that covers its shards:
-     its own `state`, else another process's `state` or `peer` under the same `local_dir`
-     (processes on one node share it). Plans and read errors are agreed
-     (`trainer.multihost.launch.exchange`); an item that fails to read (truncated or missing files:
-     tensorstore refuses missing chunks instead of filling them with zeros) is dropped and the
-     plans redone. This restores a step onto another mesh or device count wherever one copy
-     holds each array's shards a process needs (one process; arrays replicated over processes),
-     and a process whose own directory is gone reads the peer copy its predecessor's successor
-     wrote.
-  2. Processes on different nodes cannot see each other's directories. On the mesh and process
-     count of the save, a process without its own copy gets it over the devices' interconnect:
-     its successor reads the peer item onto `next_process_mesh`, and one `ppermute` over all
-     mesh axes sends each device's block back to the device it belongs to
-     (`_over_interconnect`).
+Saves are asynchronous, keep `checkpoint.local_keep` steps and are skipped rather than leave
+less than `RESERVE` of the disk free. A step restores only if every shard every process needs
+under the current mesh is readable somewhere: its own copy, another process's under the same
+directory, or over the interconnect (same mesh and process count as the save). Why and details:
+docs/reliability.md#two-tiers-a-local-one-beside-the-persistent-one.
 """
 from __future__ import annotations
 

@@ -1,25 +1,16 @@
-"""Orbax checkpoints of the whole run: train state, data-iterator position, config.
+"""The persistent checkpoint tier: Orbax checkpoints of the whole run (`Checkpointer`).
 
-Layout: `<workdir>/checkpoints/<step>/{state,data,config,topology}`. `state` is the TrainState
-(arrays written by tensorstore, restored straight into the shardings of the *current* mesh, so a
-run saved on 8 devices continues on 1 or on a different split); `data` is the grain iterator
-state (JSON, one file per process); `config` is the resolved config (JSON); `topology` the
-devices, mesh and batch history the steps ran with (`trainer/checkpoint/elastic.py`). Nothing is pickled.
-This is the persistent tier; `trainer/checkpoint/local_tier.py` is the fast local one beside it, and
-`restore_latest` takes the newest complete step of either.
+  <workdir>/checkpoints/<step>/
+    state     the TrainState (tensorstore), restored into the shardings of the current mesh
+    data      the grain iterator's position (JSON, one file per process)
+    config    the resolved config (JSON)
+    topology  the devices, mesh and batch history (trainer/checkpoint/elastic.py)
+  <workdir>/checkpoints.unreadable/    unreadable checkpoints, moved aside, never deleted
 
-Saves are asynchronous: `save` returns once the arrays are copied off the devices and the data
-state is taken, and the files (arrays, data state, config) are written in the background while
-training continues. One Orbax CheckpointManager (and its handlers) serves the whole run. Orbax writes each checkpoint
-under a temporary name and renames it when every file is complete, so a process killed
-mid-save leaves the previous checkpoints as they were and no half checkpoint under a step name.
-
-Reading is defensive. The newest checkpoint is checked against the config first (parameter
-names and shapes, optimizer kind, data layout): a mismatch is a user error and is refused with
-a message naming it. A checkpoint that cannot be read (truncated or missing files, its config's included) is reported
-in one line and the previous one is tried; unreadable ones are moved aside to
-`<workdir>/checkpoints.unreadable/` (never deleted) once an older one has been restored. If
-none can be read the run stops rather than silently starting over.
+Saves are asynchronous and atomic (written under a temporary name, renamed when complete);
+nothing is pickled. `restore_latest` takes the newest complete step of this tier or the local one
+(trainer/checkpoint/local_tier.py), checked against the config before it is read, and falls back
+past unreadable ones. Why and details: docs/reliability.md#the-persistent-tier.
 """
 from __future__ import annotations
 
@@ -281,9 +272,9 @@ class Restored:
 
 def restore_local(local, step: int, abstract_state, config: dict,
                   data_spec: pipeline.StreamSpec, windows_before: int | None):
-  """`Restored` from local step `step` (`trainer/checkpoint/local_tier.py`), or why it cannot be. Its
-  config and data position are checked like a persistent checkpoint's; every process takes the
-  small items from any copy (they are the same on all)."""
+  """`Restored` from local step `step` (`trainer/checkpoint/local_tier.py`), or why it cannot
+  be. Its config and data position are checked like a persistent checkpoint's; every process
+  takes the small items from any copy (they are the same on all)."""
   copies = [m for m in local.metas(step).values()]
   meta = copies[0] if copies else None
   if local.count > 1:

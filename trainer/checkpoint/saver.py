@@ -1,27 +1,12 @@
-"""`Saver`: the training loop's checkpoint saves, to the persistent tier and to the local one, and
-when a save counts as written.
+"""The training loop's checkpoint saves to both tiers, and when a save counts as written (`Saver`).
 
-A save hands the state, the data iterator's position, the config, the batch autopilot's
-decisions and the topology (`trainer/checkpoint/elastic.py`) to `trainer/checkpoint/persistent.py` (persistent) or
-`trainer/checkpoint/local_tier.py` (local), which write them asynchronously unless the save is blocking
-(the final one, or a preemption's).
-
-Persistent saves: before one starts, the previous background write is waited for (Orbax's save
-waits for it anyway), so an error of that write is reported under its own step, and the free
-space of the checkpoint directory is compared with the size of the newest checkpoint: a save
-that cannot fit is refused before anything is written ("no space left on device"). A save that
-fails anyway (the disk filled while writing, an unwritable directory) is reported in one line
-naming its step and cause, and its partial `<step>.orbax-checkpoint-tmp` directory is removed;
-earlier checkpoints stay readable. Orbax's own error logs and tracebacks of such a failure (absl
-ERROR records, "Event loop is closed" from its closed event loops) are silenced while the loop
-saves: the one line says it all. A failing storage is logged once per streak of failures and
-once more when saving works again. With several processes, a persistent save counts as written
-only if it was written on all of them (one collective, `agree_any`), so every process takes the
-same decision after it.
-
-Local saves are best effort: one that fails or would fill the disk is logged once per streak and
-the run goes on (a restore counts a local step only where it is complete). Time spent saving is
-not step time (`StepTimer.paused`); how long each save blocked the loop is a goodput event.
+A save hands the state, the data position, the config, the batch autopilot's decisions and the
+topology to the persistent tier (trainer/checkpoint/persistent.py) or the local one
+(trainer/checkpoint/local_tier.py), asynchronously unless it blocks (the final save, a
+preemption's). A persistent save that cannot fit is refused before it starts; one that fails is
+one line naming its step and cause, its partial directory removed; with several processes it
+counts as written only if every process wrote it. Local saves are best effort: a failure is
+logged and the run goes on. Why and details: docs/reliability.md#the-persistent-tier.
 """
 from __future__ import annotations
 
@@ -127,7 +112,7 @@ def silence_orbax_failures() -> None:
 
 class Saver:
   """Starts checkpoints of both tiers (module docstring). `topology()`: the topology item of a
-  save now; `events`: the run's goodput events (`trainer.tracking.report.Events`)."""
+  save now; `events`: the run's goodput events (`trainer.tracking.goodput.Events`)."""
 
   def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
                autopilot=None, *, local: LocalTier | None = None, topology=dict,

@@ -1,24 +1,14 @@
-"""A cheap lower bound of the memory one device needs for a training step, checked by train.py
-before compiling (on the devices the run trains on; `validate` also serves configs checked
-against stand-in devices, so the bound is not part of it).
+"""A cheap lower bound of the memory one device needs for a train step (`check`), checked by
+train.py before compiling, on the devices the run trains on (`validate` also serves stand-in
+devices, so the bound is not part of it).
 
-`tools.memory_check` predicts a run's memory from the compiled programs (ahead of time, seconds
-to minutes of compiling); a config that is off by orders of magnitude (`--config.data.seq_len=
-100000` on a small model: terabytes) should not wait for a compile to be told. Two arrays that a
-step must hold at once on one device, whatever XLA does with the rest, bound it from below:
+  bound = the parameters (model.param_dtype, split over fsdp x tensor x expert)
+        + the larger of one layer's attention scores (xla attention: rows x heads x seq_len^2,
+          model.dtype) and the logits (rows x seq_len or logits_chunk x vocab, float32)
 
-  the parameters    in `model.param_dtype`, split over the parameter axes (fsdp x tensor x
-                    expert; the optimizer's moments come on top and are left out);
-  the largest activation of one layer: with the `xla` attention (the default on CPU), one
-                    layer's attention scores, rows x heads x seq_len x seq_len in `model.dtype`;
-                    the logits, rows x seq_len x vocab in float32 (per `model.logits_chunk`
-                    when it is set);
-
-where rows are the micro-batch's rows on one device. If that bound is more than the device's
-memory (an accelerator's `bytes_limit`; on CPU all of the host's memory, which its devices
-share: a bound, not an estimate) the
-config is refused in one line naming the arrays and what would fit. A bound below the memory
-proves nothing: `tools.memory_check` says whether the run fits.
+with rows the micro-batch's rows on one device. A bound above the device's memory refuses the
+config in one line; a bound below it proves nothing (`tools.memory_check` says whether a run
+fits). Why and details: docs/configs.md#a-step-that-cannot-fit-a-device.
 """
 from __future__ import annotations
 

@@ -1,21 +1,13 @@
 """The evaluation a training run does every `eval_every` steps (`make_evaluator`).
 
-The validation set is fixed: the first `eval_sequences` windows of each data source's
-validation split in a fixed order (documents in stored order packed into windows of
-seq_len + 1 tokens, the windows permuted with a constant seed: a uniform sample of the split's
-windows; all of them when it has fewer; data/pipeline.py `validation_batches`), read once when
-the evaluator is built and scored the same way every time, in micro-batches of the run's
-micro-batch rows, each process holding the rows its devices hold. The set depends on neither the
-run's seed nor its micro-batch size, devices or processes. A window is packed as a training
-sequence: a token's context is what precedes it in its window, as in training; `eval_loss` is
-the training loss's counterpart on unseen text, not a whole-split score (`eval_sequences` must be
->= 1; nothing scored would be no score). A score is the token-weighted mean
-loss (`eval_loss`) and bits per byte (`eval_bpb`: comparable across tokenizers); with a mixture
-of sources they are the sources' weighted sum, and each source's own are `eval_loss/NAME` and
-`eval_bpb/NAME`. With `optim.ema_decay` the averaged parameters are scored too
-(`eval_loss_ema`). A DiLoCo run scores its anchor (the outer model; evaluations fall on outer
-steps), each replica its rows of the validation batch. The whole-split evaluation of a saved
-model is `trainer/evaluation/split.py`.
+The validation set is fixed: the first `eval_sequences` windows of each source's validation split
+in a fixed order (a uniform sample of its windows; data/pipeline.py `validation_batches`), read
+once and scored the same way every time, whatever the run's seed, micro-batch size, devices or
+processes. Windows are packed as training sequences, so `eval_loss` is the training loss's
+counterpart on unseen text, not a whole-split score (that is trainer/evaluation/split.py).
+Scores: `eval_loss` and `eval_bpb`, per source too with a mixture (`eval_loss/NAME`), of the EMA
+parameters too (`eval_loss_ema`); a DiLoCo run scores its anchor. Why and details:
+docs/tracking.md#evaluation-during-training.
 """
 from __future__ import annotations
 

@@ -1,29 +1,16 @@
-"""Loss, perplexity and bits per byte over a whole split (every document once, no sampling).
+"""Loss, perplexity and bits per byte over a whole split, every document once, no sampling
+(`evaluate_split`, which tools.evaluate runs).
 
 Each document is scored on its own, every token after its first exactly once, in windows of at
-most `seq_len` inputs (`windows`), each starting a fresh context (positions from 0):
-
-  stride = seq_len (the default): disjoint windows of seq_len + 1 tokens that overlap by one,
-      so every target is scored once, but with only the tokens since its window's start as
-      context: the first target of a window sees 1 token, the last seq_len.
-  stride < seq_len: the sliding-window protocol (Hugging Face's "Perplexity of fixed-length
-      models"): windows start every `stride` tokens and each scores only the targets the one
-      before did not reach (the last `stride` of its seq_len; the first window all of them), so
-      every target is still scored once, with at least seq_len - stride + 1 tokens of context
-      (all the document's earlier tokens when fewer). Costs about seq_len / stride times the
-      forward passes; stride 1 gives every target seq_len tokens of context (or all earlier
-      ones), the most a model trained at seq_len can use.
-
-Windows are packed back to back into rows of `seq_len + 1` (segment ids keep them apart, a
-loss mask marks the scored targets) and rows into fixed-size batches, so one program is
-compiled; the last batch is padded with empty rows that carry no loss.
-
-Bits per byte = total cross-entropy in bits / UTF-8 bytes of the split's text: the split's
-byte count from meta.json when the data preparation recorded it (`splits.<split>.bytes`),
-else counted by decoding every document with the data's tokenizer.
-
-The `eval_loss` a training run logs is another measurement: a fixed sample of
-`eval_sequences` validation windows packed as training sequences (trainer/evaluation/periodic.py).
+most `seq_len` inputs that each start a fresh context (`windows`):
+  stride = seq_len (default)  disjoint windows: a target sees the 1 to seq_len tokens since its
+                              window's start
+  stride < seq_len            windows every `stride` tokens, each scoring what the one before
+                              did not reach: at least seq_len - stride + 1 tokens of context,
+                              for about seq_len / stride times the forward passes
+Windows are packed into rows of seq_len + 1 (segment ids, a loss mask) and rows into fixed-size
+batches: one compiled program. Bits per byte = cross-entropy in bits / UTF-8 bytes of the text.
+Why and details: docs/models_io.md#evaluation.
 """
 from __future__ import annotations
 

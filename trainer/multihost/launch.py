@@ -1,37 +1,17 @@
-"""Several processes, one program: `jax.distributed` start-up and the agreement check.
+"""Several processes, one program: how this process joins the run (`resolve`) and the
+`jax.distributed` start-up (`initialize`). First match wins:
 
-JAX's multi-controller runtime runs one Python process per host (per GPU under SLURM); every
-process runs the same program on its own devices and the processes meet in collectives. Two
-things go wrong at that scale that never do on one machine, and both used to mean a hang:
-
-  * a process cannot reach the coordinator (wrong address, process 0 not started, a firewall):
-    `initialize` waits `distributed.initialization_timeout` seconds, then fails with a message
-    naming the coordinator, this process and what to check;
-  * the processes do not run the same thing (a different override on one host, a stale checkout,
-    a host with fewer devices): they would compile different programs and wait for each other
-    in a collective forever. `check_agreement` gathers every process's fingerprint (config,
-    workdir, source code, library versions, devices) on every process with one small collective
-    of its own (`multihost_utils.process_allgather`, under a watchdog) and compares all of them
-    with process 0's before the train step is compiled, so every process stops with the same
-    one-line `DistributedError` naming the first difference.
-
-Where the processes come from, first match wins (`resolve`):
-  1. `distributed.mode="off"`: one process, whatever the environment says.
+  1. `distributed.mode="off"`: one process, whatever the environment says;
   2. the config: `distributed.{coordinator_address,num_processes,process_id}`;
-  3. the environment: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`
-     (each key separately: a config value beats its variable);
-  4. a cluster manager jax itself understands: SLURM (`srun`, `SLURM_NTASKS` > 1), Open MPI
-     (`mpirun`, `OMPI_COMM_WORLD_SIZE` > 1), a multi-host Cloud TPU slice (`TPU_WORKER_HOSTNAMES`,
-     or a TPU VM: Google TPU chips on the PCI bus and libtpu installed); here we only decide
-     that `jax.distributed.initialize()` should run, and jax's own cluster detection fills in
-     what 2-3 left unset (on a TPU VM it asks the metadata server how many workers there are:
-     one worker initialises a one-process run, and a VM whose metadata jax cannot read runs as
-     one process).
-Nothing found, or a count of 1: a single process and nothing to initialise. `mode="on"` insists
-on initialising (jax's own detection must then find the rest).
+  3. the environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (each key
+     separately: a config value beats its variable);
+  4. a cluster manager jax understands (SLURM, Open MPI, a Cloud TPU slice): jax's own cluster
+     detection fills in what 2-3 left unset.
 
-Only public jax APIs are used: `jax.distributed` to start, `jax.experimental.multihost_utils`
-to exchange the agreement fingerprints.
+Nothing found, or a count of 1: one process, nothing to initialise. A process that cannot reach
+the coordinator stops after `distributed.initialization_timeout` seconds with one line
+(`DistributedError`, under a `Watchdog`); the agreement check is trainer/multihost/agreement.py.
+Why and details: docs/multihost.md#how-the-processes-find-each-other.
 """
 from __future__ import annotations
 

@@ -1,28 +1,15 @@
-"""When a run logs, evaluates, checkpoints and stops: decided in one place, the same on every
-process.
+"""When a run logs, evaluates, checkpoints and stops (`Decider`): decided in one place, the same
+on every process, since a save, an evaluation or a stop leads into collectives.
 
-Step counts (`log_every`, `eval_every`, `checkpoint.every_steps` and `local_every_steps`, the last
-step, a DiLoCo run's outer steps every `optim.diloco.inner_steps`) give the same answer on every process by
-construction. Two inputs are per process: a stop signal and the wall
-clock (`checkpoint.every_seconds`). A save, an evaluation or a stop leads into collectives, so a
-decision taken from a per-process input alone can send processes down different paths and
-deadlock them. Hence:
+  step counts   log_every, eval_every, checkpoint.every_steps and local_every_steps, the last
+                step, DiLoCo's outer steps: the same on every process by construction
+  stop signals  SIGTERM / SIGINT (`StopSignals`), read after every step; with several processes
+                through JAX's preemption sync service, so that all stop after the same step
+  the clock     checkpoint.every_seconds: with several processes read at log steps and agreed
+                (any process due: all save)
 
-- Stop signals. One process: SIGTERM / SIGINT set a flag that is read after every step (a step
-  is never cut). Several processes: the notice goes through JAX's preemption sync service (the
-  `jax.distributed` coordination service, host to host, no device work): a SIGTERM that reaches
-  any one process is propagated to all, and `multihost_utils.reached_preemption_sync_point`
-  returns True on every process at the same step (one past the largest step any process had
-  reached when the notice arrived). SIGINT (Ctrl-C) raises that same notice; a second SIGINT on
-  a process stops it at once.
-- The clock. One process: read after every step. Several processes: read at log steps, where
-  the loop reads metrics back anyway, and agreed by a one-integer all-gather (any process due:
-  all save).
-- Outcomes that follow from reading metrics (a non-finite step under policy "stop", a sweep's
-  target loss) need no agreement: the metrics are replicated, and they are read at steps fixed
-  by step counts. A checkpoint write that fails on one process is agreed like the clock.
-
-Metrics are read back only where a decision needs them (trainer/run/readback.py).
+Metrics are read back only where a decision needs them (trainer/run/readback.py). Why and
+details: docs/multihost.md#decisions-the-same-on-every-process.
 """
 from __future__ import annotations
 

@@ -1,36 +1,18 @@
-"""DiLoCo in the trainer: the replicas' state, their inner step, the outer step, evaluation.
+"""DiLoCo in the trainer: the replicas' state, their inner step, the outer step, evaluation (the
+maths and settings are optim/diloco.py; this module lays them onto the mesh).
 
-The maths and settings are in optim/diloco.py; this module lays them onto the mesh.
+  DiLoCoState      parameters, inner optimizer state and guard counters with a leading [M]
+                   dimension over the `replica` axis (`sharding.mesh.over_replicas`); the shared
+                   step counter; the outer state (anchor, momentum) laid out like the parameters
+  make_inner_step  the plain train step vmapped over `replica`: replica r steps on block r of
+                   the global batch's rows, with no collective over `replica`
+  reduce_metrics   the replicas' [M] metrics into the run's row: counts summed, the loss weighted
+                   by target tokens, the rest averaged
+  make_outer_step  every H-th step: the parameters' mean over `replica`, the outer optimizer,
+                   every replica set to the new anchor
+  make_eval_step   the plain evaluation mapped over the replicas, scoring the anchor
 
-State (`DiLoCoState`). The replica-local part (parameters, inner optimizer state, the guard's
-counters) carries a leading [M] dimension sharded over the mesh's `replica` axis
-(`sharding.mesh.over_replicas`): replica r's copy lives on replica r's devices, laid out inside
-them as a plain run's state (FSDP, tensor, ... unchanged). The step counter is shared (one clock).
-The outer state (the anchor and the outer optimizer's momentum) is laid out like the parameters
-and replicated over `replica`. All of it is one pytree, so every checkpoint holds it, restores it
-onto any mesh with the same M, and a resumed run continues bit for bit.
-
-Inner step (`make_inner_step`). The plain train step (trainer/step/train_step.py) mapped over the replicas
-with `jax.vmap(..., spmd_axis_name="replica")`: the global batch [micro-batches, B, S] (the rows
-plain data parallelism reads, split over `replica` first, `sharding.mesh.batch_sharding`) is cut
-into M blocks of B/M rows, and replica r steps on block r. The program has no collective over
-`replica` (each replica's reductions stay inside its devices; `trainer/tracking/communication.py` reads
-that from the compiled program and the tests assert it). Its metrics keep the [M] dimension,
-sharded over `replica` (gathering them would be a collective over `replica`); `reduce_metrics`
-summarises them into the run's row, dispatched right after the step it reads (so it runs while
-the next step does): counts (`target_tokens`, `skipped`, `nonfinite`, `spike`) are summed over
-the replicas, the loss is weighted by each replica's target tokens (the global batch's mean
-loss per token, as plain data parallelism reports it), everything else averaged (grad_norm,
-update_norm and param_norm are then the replicas' mean norms).
-
-Outer step (`make_outer_step`). A separate small program, run after every H-th inner step
-(`trainer/run/decisions.py`): the mean over `replica` of the parameters (the only collective that
-crosses replicas, one all-reduce of the parameters' size), the outer optimizer
-(`optim.diloco.outer_update`), and every replica's parameters set to the new anchor.
-
-Evaluation scores the anchor, the model the replicas agreed on (the loop evaluates only at outer
-steps: `eval_every` is a multiple of H): `make_eval_step` maps the plain evaluation over the
-replicas, each scoring its rows of the validation batch.
+Why and details: docs/diloco.md#how-it-works.
 """
 from __future__ import annotations
 

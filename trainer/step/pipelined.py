@@ -1,31 +1,16 @@
-"""Pipeline stages in the trainer (`mesh.stage` > 1; the schedule is sharding/pipeline.py, the
-model's side models/pipeline.py): the train step's pipelined gradient sums, the layer order a
-circular pipeline stores and its conversion at the checkpoint boundary, and what the run prints
-about the pipeline at start-up.
+"""Pipeline stages in the train step (`mesh.stage` > 1): the gradient sums through the pipeline,
+and the layer order a circular pipeline stores. The schedule is sharding/pipeline.py, the model's
+side models/pipeline.py, the start-up report trainer/tracking/report.py.
 
-Gradient sums (`grad_sums`, what trainer/step/train_step.py's `grad_sums` is for a pipelined model). The
-pipeline is the accumulation loop: its micro-batches are the step's M accumulation
-micro-batches, and one `jax.value_and_grad` runs through the whole pipelined loss, so the step
-sums the same token losses and gradients as the accumulation scan does (to float rounding), and
-everything after (the division by the step's tokens, clipping, the optimizer, the guards) is
-the step's own. The step that measures the gradient noise scale runs the pipeline twice, on the
-two halves of every micro-batch's rows (rows 0, 2, 4, ... and 1, 3, 5, ...: each device keeps
-its rows), so the meter gets two small-batch gradients: the update is the same up to float
-rounding; that step costs one more pass through the bubble, every `noise_scale_every` steps.
+  grad_sums  trainer/step/train_step.py's `grad_sums` for a pipelined model: the pipeline's
+             micro-batches are the step's M accumulation micro-batches, one value_and_grad runs
+             through all of them, and the rest of the step is unchanged; the step that measures
+             the noise scale runs it on the two halves of every micro-batch's rows
+  Layout     the stored layer order and the plain stack checkpoints hold: the same for GPipe;
+             stage-major for a circular pipeline, converted at every save and restore
+             (`to_saved` / `from_saved`), so its checkpoints restore on any mesh
 
-Layout. GPipe stores the plain layer stack (split over `stage`). A circular pipeline stores it
-in stage-major order (`Pipeline.stored_order`): the parameters and every optimizer-state leaf
-that mirrors them along the layer axis (Adam's moments, Adafactor's factors, the EMA; found as
-the leaves whose first dimension is split over `stage`). `Layout.to_saved` / `from_saved` turn a
-train state into the plain order and back (one jitted gather along the layer axis, an all-to-all
-between stages); checkpoints hold the plain stack, so a circular run restores on any mesh and
-any mesh's checkpoint restores into it. While a save copies the arrays off the devices, the
-converted layer stack exists beside the state's (see docs/pipeline.md, Limits).
-
-Start-up (`log_pipeline`): the schedule, the bubble and the bytes between stages counted from
-the compiled step (`sharding.pipeline.count`), next to the step's memory per device, as a line
-and a `{"event": "pipeline", ...}` row; again for each number of micro-batches the batch ramp or
-autopilot compiles a step for.
+Why and details: docs/pipeline.md#what-it-does.
 """
 from __future__ import annotations
 
@@ -39,9 +24,9 @@ from sharding.pipeline import Pipeline, reorder
 
 
 def grad_sums(spec, params, batch, *, measure_noise: bool = False):
-  """trainer/step/train_step.py's `grad_sums` for a pipelined model (module docstring): (loss sum, target
-  tokens, gradient sum in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2
-  summed, 1 / t_i summed, pieces) or None, MoE sums or None)."""
+  """trainer/step/train_step.py's `grad_sums` for a pipelined model (module docstring): (loss
+  sum, target tokens, gradient sum in float32 sharded like the parameters, noise-meter sums
+  (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None)."""
   pipe, moe = spec.pipeline, spec.cfg.moe
   step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
   pieces = _halves(batch) if measure_noise else [batch]
@@ -71,7 +56,8 @@ def _halves(batch) -> list:
 
 
 def loss_sums(spec, params, batch):
-  """trainer/step/train_step.py's `loss_sums` (evaluation, one batch [B, S]) through the pipeline."""
+  """trainer/step/train_step.py's `loss_sums` (evaluation, one batch [B, S]), through the
+  pipeline."""
   return model_pipeline.loss_sums(spec.model(params), spec.pipeline, batch)
 
 
@@ -113,9 +99,3 @@ class Layout:
       self._jitted[name] = jax.jit(lambda s: reorder(s, self.shardings, order),
                                    in_shardings=(self.shardings,), out_shardings=self.shardings)
     return self._jitted[name]
-
-
-# ----------------------------------------------------------------------------------------------
-# What the run prints
-
-

@@ -1,65 +1,16 @@
-"""The jitted train and eval steps.
+"""The jitted train and eval steps (`make_train_step`, `make_eval_step`).
 
-The global batch arrives as [M, B, S] arrays: M micro-batches of B sequences. The step scans
-over the micro-batches, summing the token-weighted loss and its gradient, then divides by the
-number of target tokens of the whole batch, so the update is the same whatever M is (exact
-gradient accumulation). M = 1 is the ordinary step.
+  batch [M, B, S]  M micro-batches of B sequences (M = 1: the ordinary step)
+    -> sums over the micro-batches (a scan; the pipeline with stages, trainer/step/pipelined.py)
+       of token losses and float32 gradients, sharded like the parameters
+    -> / the target tokens of the whole batch: the update does not depend on M
+    -> guards: a step whose loss or gradient norm is not finite (or a spike) is not applied
+    -> the optimizer, told the batch B and the step (the step counter is the only clock)
 
-Gradient noise scale (McCandlish et al. 2018, `optim/noise_scale.py`). The step comes in two
-compiled variants (`make_train_step(..., measure_noise=)`, `Program.compile`). The plain one is
-the ordinary step: with the meter in the optimizer (`optim.noise_scale_every` > 0) its state
-just passes through. The measuring one, which the loop runs only on the steps that log the
-noise scale (every `noise_scale_every`-th), also measures the squared norm of each
-micro-batch's mean gradient inside the scan (free: the scan computes those gradients anyway)
-and hands the meter their mean, their harmonic-mean token count, and the squared norm and token
-count of the whole batch. A measuring step without accumulation (M = 1) runs as two
-micro-batches of interleaved half rows (rows 0, 2, 4, ... and 1, 3, 5, ...: each device keeps
-its own rows), the same update up to float rounding at half the matmul batch; so the meter
-costs that once every N steps, and nothing on the other steps. The metrics of a measuring step
-carry the smoothed estimates: `noise_scale` (B_simple in sequences), `noise_scale_tokens`,
-`noise_g_sq` (|G|^2) and `noise_trace` (tr Sigma per token).
-
-Accumulation. The gradient sum over micro-batches is float32 whatever `model.param_dtype`, and
-constrained to the parameters' shardings (under FSDP it stays sharded); the optimizer receives
-the mean gradient cast back to the parameters' dtype.
-
-Pipeline stages (`mesh.stage` > 1, trainer/step/pipelined.py). The M micro-batches run through the
-pipeline instead of the scan: one value_and_grad over all of them (the pipeline's tick loop is
-the accumulation loop), with the same sums as the scan's; everything after `grad_sums` is this
-module's. The measuring step runs the pipeline on the two halves of every micro-batch's rows.
-
-Mixture of experts (`model.moe.*`, models/moe.py). The objective differentiated is
-(sum of token losses) / (target tokens of the whole step) + load_balance_loss x balance +
-router_z_loss x z: each micro-batch adds its loss sum plus the step's token count times its
-share of the weighted auxiliary losses (`moe.aux_losses`), so the division by the step's tokens
-leaves the auxiliary terms exactly weighted. `loss` stays the cross-entropy; the auxiliary
-losses and router statistics are logged as `moe/...` (`moe.metrics`). The global-batch balance
-loss (`balance_scope="global"`) needs each expert's share f of the *whole* step's assignments
-before any micro-batch's backward pass: with one micro-batch it is that micro-batch's own
-(statistics inside one jitted SPMD step already span every data-parallel device); with M > 1
-a forward-only pre-pass over the M micro-batches counts the assignments first (costing one
-more forward pass), and each micro-batch's balance term is N sum_i f_i (its sum of router
-probabilities of expert i) / (the step's tokens), whose sum over micro-batches is exactly
-N sum_i f_i P_i of the global batch: the loss and the gradient do not depend on M.
-
-Batch size. The step tells the optimizer the batch it has (`update(..., batch_size=B)`, B known
-from the batch's static shape), so a batch-size ramp's stages each use their own derived
-hyperparameters (`optim/factory.py`); the logged `learning_rate` is that batch's.
-
-Guards. An update whose loss or gradient norm is not finite is never applied: parameters and
-optimizer state stay as they were, `skipped` counts it, and the loop decides (policy `skip` or
-`stop`) whether to go on. Optionally a loss spike is treated the same way: a loss more than
-`spike_zscore` standard deviations above an exponential moving average of recent losses (time
-constant `spike_window` steps; armed after one window of good steps).
-
-One clock. The step counter (`TrainState.step`) is the only clock: a skipped step consumes its
-batch, its batch-ramp slot and its learning-rate schedule slot; only its update is not applied.
-The learning rate of the update made at step n (0-based) is the schedule at n, whatever was
-skipped before (the trainer passes `step=state.step` to the optimizer, which reads its schedule
-there; `optim/transforms.py`), so the learning rate, the ramp's stage and the tokens seen are
-pure functions of the step and a resumed run cannot drift. Counts that belong to the optimizer's
-own statistics stay its own: Adam's bias correction (and Adafactor's decay) count the updates
-actually applied, since they correct moving averages that skipped steps did not feed.
+The variant with `measure_noise` also feeds the gradient noise-scale meter; MoE auxiliary losses
+are weighted so that they do not depend on M either. Why and details:
+docs/configs.md#the-train-step; the meter docs/batch_size.md#gradient-noise-scale; MoE
+docs/moe.md#auxiliary-losses.
 """
 from __future__ import annotations
 
@@ -141,22 +92,16 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
 def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
   in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2 and 1 / t_i summed
-  over the pieces i, and their number) or None, MoE sums or None). The MoE
-  sums are {"stats": router statistics, "aux": auxiliary losses} of the whole step; the gradient
-  includes the weighted auxiliary losses times the step's target tokens (module docstring).
-
-  M = 1 is one plain backward pass. M > 1 scans over the micro-batches; the running gradient
-  sum is float32 whatever the parameters' dtype (a bf16 sum would round away each addend's low
-  bits, and more of them the more micro-batches) and is constrained to the parameters'
-  shardings, so under FSDP the accumulator stays sharded like the parameters. With
-  `measure_noise` the scan also sums each micro-batch's |mean gradient|^2 and 1 / its tokens.
+  over the pieces i, and their number) or None, MoE sums ({"stats": router statistics, "aux":
+  auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1 a scan
+  (why float32 and sharded: docs/configs.md#the-train-step; MoE: docs/moe.md#auxiliary-losses).
   """
 
   if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/step/pipelined.py)
     return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise)
   num_micro = jax.tree.leaves(batch)[0].shape[0]
   moe = spec.cfg.moe
-  # The step's target tokens: the MoE auxiliary terms are scaled by it (see the docstring).
+  # The step's target tokens: the MoE auxiliary terms are scaled by it (docs/moe.md).
   step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
   fraction = None
   if moe.enabled and moe.balance_scope == "global" and num_micro > 1:

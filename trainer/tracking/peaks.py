@@ -1,22 +1,15 @@
 """What a device can do: peak FLOP/s by arithmetic (for MFU), HBM bytes and bandwidth (for the
 AOT roofline), matched by device kind or measured on a CPU.
 
-MFU = achieved model FLOP/s / peak FLOP/s of all devices, with the model's own FLOP count
-(`models.sizes.flops_per_token`), against the peak of the arithmetic the matmuls really run in,
-which follows `model.dtype` (`matmul_peak`):
-  * bf16 / fp16: the dense tensor-core / MXU peak of that type (V100 and T4 have no bf16 units:
-    their bf16 peak is the fp32 one);
-  * fp32 on NVIDIA GPUs: JAX's default matmul precision computes fp32 dots in TF32 (10-bit
-    mantissa inputs, fp32 accumulation) on the tensor cores of Ampere and later, so the peak is
-    the dense TF32 one (A100: 156 TFLOP/s); with `jax_default_matmul_precision` "highest" /
-    "float32" they run on the CUDA cores at the fp32 peak (A100: 19.5), and V100/T4 always do;
-  * fp32 on TPUs: MXUs multiply bf16; the default precision runs fp32 dots as one bf16 pass (the
-    bf16 peak), "high" / "bfloat16_3x" as three passes (1/3), "highest" / "float32" as six (1/6).
-Peaks of known accelerators are in `PEAK_FLOPS` (dense, per device as JAX sees it, from the
-vendors' spec sheets; sparsity figures are not used). Device kinds are matched word by word
-(`match_device_kind`: "L4" is not "L40S", "TPU v5" is v5p and not "TPU v5 lite"). A CPU has no
-spec-sheet number that means anything for XLA, so its peak is *measured*: the best FLOP/s of a
-large matmul in the model's dtype in this process.
+  PEAK_FLOPS           known accelerators' dense peaks per device (vendors' spec sheets)
+  match_device_kind    a device kind matched word by word ("L4" is not "L40S")
+  matmul_peak          the peak of the arithmetic the matmuls run in, which follows model.dtype
+                       and JAX's matmul precision (fp32: TF32 on NVIDIA Ampere and later, one
+                       bf16 pass on TPUs, by default)
+  measure_matmul_peak  a CPU's peak: the best FLOP/s of a large matmul in the model's dtype
+
+MFU = achieved model FLOP/s (`models.sizes.flops_per_token`) / the peak of all devices. Why and
+details: docs/tracking.md#mfu-and-device-peaks.
 """
 from __future__ import annotations
 
@@ -145,7 +138,7 @@ def match_device_kind(table, device_kind: str):
 
 def matmul_peak(peak: Peak, dtype, precision: str | None = None) -> float:
   """Peak FLOP/s for matmuls in `dtype` under JAX's matmul `precision` (default: the
-  `jax_default_matmul_precision` setting); see the module docstring."""
+  `jax_default_matmul_precision` setting); docs/tracking.md#mfu-and-device-peaks."""
   name = jnp.dtype(dtype).name
   if name == "bfloat16":
     return peak.bf16

@@ -1,20 +1,17 @@
-"""What a training run reports about itself besides the metric rows of its steps.
+"""What a training run reports about itself besides the metric rows of its steps: lines on the
+console and event rows in metrics.jsonl, through the run's `MetricsWriter` (lead process only).
 
-  log_setup         the opening lines: devices and mesh, model size, the data and its mixture
-  log_batch_plan    the batch-size plan: the batch autopilot's settings and decisions so far,
-                    the ramp's stages, the schedule in its unit, and for each batch size the
-                    hyperparameters the batch-size rules derive (`optim/scaling.py`)
-  log_hyperparameters  one batch size's derived hyperparameters, printed and written to
-                    metrics.jsonl as a `{"event": "hyperparameters", "hparams/...": ...}` row
-  log_diloco        a DiLoCo run's replicas and steps, and the bytes that cross replicas next
-                    to plain data parallelism's (`trainer/tracking/communication.py`), also as a
-                    `{"event": "communication", "comm/...": ...}` row
-  log_pipeline      a pipelined run's schedule, bubble and bytes between stages, counted from
-                    the compiled step (`sharding.pipeline.count`), with its memory per device
-  log_pipeline_plan the pipeline's bubble by batch (`bubble_cost`, also the autopilot's cost)
+  log_setup            devices and mesh, model size, the data and its mixture
+  log_batch_plan       the batch autopilot's settings and decisions, the ramp's stages, the
+                       schedule in its unit, the hyperparameters each batch gets (optim/scaling.py)
+  log_hyperparameters  one batch's derived hyperparameters, also as a `hyperparameters` event
+  log_diloco           a DiLoCo run's replicas and steps, and the bytes that cross replicas next
+                       to plain data parallelism's (trainer/tracking/communication.py)
+  log_pipeline         a pipelined run's schedule, bubble and bytes between stages, counted from
+                       the compiled step (`sharding.pipeline.count`), with its memory per device
+  log_pipeline_plan    the pipeline's bubble by batch (`bubble_cost`, also the autopilot's cost)
 
-Lines go to the console through the run's `MetricsWriter` (`trainer/tracking/metrics.py`, the lead
-process only), event rows to its metrics.jsonl.
+The event rows: docs/tracking.md#what-a-run-writes.
 """
 from __future__ import annotations
 
