@@ -2,35 +2,33 @@
 
     python train.py --config configs/lm_tiny.py --workdir runs/tiny [--config.a.b=value ...]
 
-Rerunning with the same --workdir resumes from its newest checkpoint. Command-line and config
-mistakes (an unknown argument or key, a wrong type, a config file that is missing, a directory,
-has a syntax error or raises in get_config(); a mesh that does not fit the devices, sizes that
-do not divide; a step that cannot fit a device's memory by a cheap lower bound,
-trainer/memory_bound.py; a --workdir that is a file or cannot be written) are reported in one
-line with exit code 2, before anything is compiled.
+Rerunning with the same --workdir resumes from its newest checkpoint. A mistake in the command
+line or the config, down to a step that cannot fit a device's memory by a cheap lower bound
+(trainer/config/memory_bound.py), is one line and exit code 2 before anything is compiled
+(docs/configs.md#what-a-run-does). Several processes (hosts): this same command on each of them
+(docs/multihost.md).
 
-Several processes (hosts) are started by running this same command on each of them: see
-trainer/distributed.py and docs/multihost.md.
-
-Exit codes: 0 finished; 2 a user error (config, data, a checkpoint that does not match the
-config or cannot be read, processes that cannot connect or do not agree); 3 stopped on a
-non-finite loss or a loss spike (policy "stop"; the newest checkpoint is the last good state);
-4 checkpoint storage failed (checkpoint.on_error = "stop"); 75 preempted by SIGTERM/SIGINT
-after saving a checkpoint (restart to continue); 130 a second Ctrl-C, which stops at once
-without saving (one line; the newest checkpoint is where a rerun resumes).
+Exit codes: 0 finished, 2 a user error, 3 stopped on a non-finite loss or a spike, 4 checkpoint
+storage failed, 75 preempted (restart to continue), 130 a second Ctrl-C: what each means,
+docs/reliability.md#exit-codes.
 """
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
+
+from data.prepare import DataError
+from trainer.config import ConfigError, memory_bound
+from trainer.config.cli import CliParser, load, quiet_library_logs
+from trainer.multihost import launch, platforms
 
 EXIT_CONFIG_ERROR = 2
 
 
 def build_parser():
-  """The command line's parser (`trainer.cli.CliParser`): --config FILE, --workdir DIR, and
+  """The command line's parser (`trainer.config.cli.CliParser`): --config FILE, --workdir DIR, and
   --config.a.b=v (or --config.a.b v) overrides."""
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("train.py", __doc__)
   parser.add_argument("--workdir", required=True, metavar="DIR",
                       help="run directory: checkpoints, metrics.jsonl; rerun to resume")
@@ -39,7 +37,6 @@ def build_parser():
 
 def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
   """(config file, workdir, overrides) of a command line; a mistake is one ConfigError."""
-  from trainer.config import ConfigError  # noqa: PLC0415
   args, overrides = build_parser().parse(argv)
   if "://" in args.workdir:
     raise ConfigError(
@@ -52,8 +49,6 @@ def parse_args(argv: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
 def check_workdir(workdir: str) -> None:
   """Create the workdir (if new) and make sure this process can write in it; a ConfigError
   otherwise. Permission bits do not stop root, so it really writes (and removes) a file."""
-  import tempfile  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f"--workdir {workdir}: is a file, not a directory; give a directory "
                       "(it is created if missing)")
@@ -67,38 +62,33 @@ def check_workdir(workdir: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # before anything imports jax: no TPU probing on machines without TPUs
-  from data.prepare import DataError  # noqa: PLC0415
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
-  from trainer import distributed  # noqa: PLC0415
-  from trainer.cli import load, quiet_library_logs  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
-  from trainer import memory_bound  # noqa: PLC0415
+  from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
+  from trainer.config.checks import validate  # noqa: PLC0415  start-up
 
   try:
     config_path, workdir, overrides = parse_args(argv)
     cfg = load(config_path, overrides)
     # Several processes (hosts): join them before anything touches a jax backend, then make
     # sure they all run the same thing (a disagreement is an error here, not a hang later).
-    distributed.initialize(cfg.distributed)
-    import jax  # noqa: PLC0415  (imported after the config parses: errors stay fast)
+    launch.initialize(cfg.distributed)
+    import jax  # noqa: PLC0415  start-up (imported after the config parses: errors stay fast)
     quiet_library_logs()
-    distributed.check_agreement(cfg, workdir)
+    from trainer.multihost.agreement import check_agreement  # noqa: PLC0415  start-up
+    check_agreement(cfg, workdir)
     sizes = validate(cfg, jax.devices())
     too_big = memory_bound.check(cfg, sizes, jax.local_devices())  # before compiling terabytes
     if too_big:
       raise ConfigError(too_big)
     check_workdir(workdir)
-    from trainer.loop import Run  # noqa: PLC0415
+    from trainer.run.loop import Run  # noqa: PLC0415  start-up
     run = Run(cfg, workdir)
     result = run.train()
-  except (ConfigError, DataError, CheckpointError, distributed.DistributedError) as e:
+  except (ConfigError, DataError, CheckpointError, launch.DistributedError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_CONFIG_ERROR
   except KeyboardInterrupt:  # a Ctrl-C before the loop's handlers (a second one: StopSignals)
-    from trainer.decisions import EXIT_INTERRUPTED, INTERRUPTED  # noqa: PLC0415
+    from trainer.run.decisions import EXIT_INTERRUPTED, INTERRUPTED  # noqa: PLC0415  start-up
     print(INTERRUPTED, file=sys.stderr)
     return EXIT_INTERRUPTED
   return result.exit_code

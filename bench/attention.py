@@ -6,37 +6,13 @@ attention vs XLA, forward and forward + backward, causal.
         # on a CPU: tiny, the flash kernel interpreted, cuDNN skipped (tests run this)
     python bench/attention.py --flash-tiles 128x64/64x64,64x64/64x64 ...   # tile A/B
 
-Implementations (`--impls`):
-  flash   our flash kernel as `model.attention=flash` picks it here (models/attention.py's
-          `choose_impl`): on a Hopper GPU, for 16-bit q/k/v and head dims a multiple of 64,
-          the Mosaic GPU kernel (kernels/flash_mosaic.py), else the Triton one;
-  flash_triton  kernels/flash_attention.py, compiled through Triton on a GPU (interpreted
-          elsewhere: exact but slow, so CPU times say nothing about the kernel);
-          `--flash-tiles` adds variants of it with other tiles, BQxBK/BQBxBKB (forward query x
-          key tile / backward ones);
-  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")` (models/attention.py's
-          `cudnn_attention`: packed documents as a mask, which cuDNN adds as a bias); GPU only,
-          bf16/fp16, head dim <= 128 -- elsewhere skipped, and the reason printed;
-  xla     models/attention.py's `xla_attention` (what `model.attention=xla` runs).
-Cases: every combination of `--seq`, `--head-dim`, `--kv-heads` (= `--heads`: MHA; fewer:
-GQA) and packing (`--packed`: none, one document per row; docs, rows of packed documents of
-random lengths, at least 64 tokens each), with `--tokens` tokens per call (batch = tokens /
-seq), `--dtype` (bf16 default), causal. Each implementation's output is checked against an
-fp32 reference at the highest matmul precision (not a GPU's TF32 or a TPU's bf16 passes) on a
-slice: the last CHECK_ROWS queries of the first sequence, which attend to every key before them
-(so the reference at S8192 D128 is a [H, 256, 8192] score block, not [B, H, 8192, 8192]: a
-fraction of a second where the whole reference took minutes); the largest error relative to
-the largest output is printed; over 5e-2 in bf16/fp16 or 1e-3 in fp32 the
-implementation is reported WRONG and not timed (one that fails to compile, e.g. for its tiles,
-is reported with the error); then it is timed: jitted, two warm-up calls, then
-`--reps` timings of `--calls` calls launched back to back (so launch gaps do not count); the
-median.
-
-Prints per case the milliseconds of each implementation, forward and forward + backward, and
-the speed ratios flash/cudnn and flash/xla (> 1: ours faster; the forward + backward ratio is
-the one training sees), then per case the fastest implementation: the measured table that
-`models/attention.py:choose_impl`'s GPU rule for `auto` is to be written from (by hand, as a
-rule over head dim, length, grouping and packing, citing this command and its output).
+Implementations (`--impls`): flash (as `model.attention=flash` picks it here), flash_triton
+(with `--flash-tiles` variants), cudnn (GPU only; elsewhere skipped, the reason printed), xla.
+For every case of `--seq`, `--head-dim`, `--kv-heads` and `--packed`, each implementation is
+checked against an fp32 reference on a slice (reported WRONG and not timed past 5e-2 in
+bf16/fp16, 1e-3 in fp32), then timed; prints milliseconds, the ratios flash/cudnn and flash/xla
+(> 1: ours faster) and the fastest per case, the table `models/attention.py:choose_impl`'s GPU
+rule is written from. Details: docs/performance.md#attention-kernels-timed
 """
 from __future__ import annotations
 
@@ -47,6 +23,12 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+from trainer.multihost import platforms
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 IMPLS = ("flash", "flash_triton", "cudnn", "xla")
@@ -54,9 +36,8 @@ CHECK_ROWS = 256  # queries of the first sequence each implementation is checked
 
 
 def build_parser():
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.cli import CliParser  # noqa: PLC0415
   gpu = jax.default_backend() == "gpu"
   p = CliParser("bench/attention.py", __doc__, config=False)
 
@@ -108,7 +89,6 @@ def parse(argv):
 
 def segment_ids(batch: int, seq: int, seed: int):
   """[B, S] ids of packed documents of random lengths (>= 64 tokens, or the whole row)."""
-  import numpy as np  # noqa: PLC0415
   rng = np.random.default_rng(seed)
   ids = np.zeros((batch, seq), np.int32)
   for row in ids:
@@ -121,10 +101,10 @@ def segment_ids(batch: int, seq: int, seed: int):
 
 def implementation(name: str, tiles, dtype=None, head_dim: int | None = None):
   """(fn(q, k, v, seg) -> out, None) or (None, why it cannot run here)."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from kernels import BlockSizes, flash_attention, flash_attention_mosaic  # noqa: PLC0415
-  from models.attention import choose_impl, cudnn_attention, xla_attention  # noqa: PLC0415
+  from kernels import BlockSizes, flash_attention, flash_attention_mosaic  # noqa: PLC0415  start-up
+  from models.attention import choose_impl, cudnn_attention, xla_attention  # noqa: PLC0415  start-up
   if name == "flash":  # our kernel as the model picks it on this device
     capability = getattr(jax.devices()[0], "compute_capability", None)
     chosen = choose_impl("flash", platform=jax.default_backend(), dtype=dtype,
@@ -152,8 +132,8 @@ def check_rows(seq: int) -> slice:
 def attend_rows(q, k, v, seg, rows: slice):
   """Causal softmax attention of queries `rows` of q [1, S, H, D] against keys [0, rows.stop),
   with segment ids [1, S] or None: plain jnp at the precision in force, in fp32."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
   H, K = q.shape[2], k.shape[2]
   q = q[:, rows] * q.shape[3] ** -0.5
   k, v = (jnp.repeat(x[:, :rows.stop], H // K, axis=2) for x in (k, v))
@@ -169,7 +149,7 @@ def fp32_reference(q, k, v, seg):
   """The fp32 reference on the checked rows of the first sequence (`check_rows`), at the
   highest matmul precision: by default a GPU runs fp32 dots in TF32 and a TPU in bf16 passes,
   which would make the reference as coarse as what it checks."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   rows = check_rows(q.shape[1])
   first = lambda x: None if x is None else x[:1]
   with jax.default_matmul_precision("highest"):  # read when the function is traced, below
@@ -179,7 +159,7 @@ def fp32_reference(q, k, v, seg):
 
 def time_calls(fn, args, reps: int, calls: int) -> float:
   """Median seconds per call over `reps` timings of `calls` back-to-back calls."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   for _ in range(2):
     jax.block_until_ready(fn(*args))
   times = []
@@ -195,8 +175,8 @@ def time_calls(fn, args, reps: int, calls: int) -> float:
 def _check_and_time(fn, inputs, reference, args) -> dict:
   """{"err", "fwd", "fwd+bwd"} of one implementation, or {"skip": why} when its output is off
   the fp32 reference (then it is not timed)."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
   q, k, v, seg, do = inputs
   fwd = jax.jit(fn)
   checked = fwd(q, k, v, seg)[:1, check_rows(q.shape[1])].astype(jnp.float32)
@@ -215,10 +195,10 @@ def _check_and_time(fn, inputs, reference, args) -> dict:
 
 def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
   """{impl: {"fwd": s, "fwd+bwd": s, "err": relative error}} or {impl: {"skip": why}}."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
 
-  from models.attention import cudnn_applies  # noqa: PLC0415
+  from models.attention import cudnn_applies  # noqa: PLC0415  start-up
   dtype = jnp.dtype(args.dtype)
   batch = max(1, args.tokens // seq)
   keys = jax.random.split(jax.random.key(seq * 1000 + head_dim * 10 + kv_heads), 4)
@@ -246,11 +226,9 @@ def run_case(args, seq: int, head_dim: int, kv_heads: int, packed: str) -> dict:
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args = parse(argv)
   except ConfigError as e:

@@ -4,40 +4,14 @@
   python bench/attention_memory.py --seq 2048,4096 --devices 2,4 --budget-mib 0   # quicker
   python bench/attention_memory.py --target h100:8 [--kv-heads 2]   # compiled for GPUs, ~1.5 min
 
-Nothing is run: every number comes from XLA's buffer assignment of the compiled program
-(`compiled.memory_analysis()`), per device, on 8 fake CPU devices. `temp` is the memory the
-program allocates besides its arguments and outputs (scores, softmax, residuals, ring buffers);
-`total` = temp + arguments + outputs. Forward is out = attention(q, k, v); forward+backward is
-(dq, dk, dv) = vjp(attention)(q, k, v)(d_out), so it includes the residuals.
-
-Three comparisons of ring attention on N devices with one device:
-  * ring(jnp) vs xla: ring attention with jnp blocks (what runs on CPU and TPU; keys in
-    chunks of 512, so O(S/N) memory) vs `jax.nn.dot_product_attention`, whose [S, S] scores
-    make it O(S^2): what the model does unsharded on CPU.
-  * ring(jnp) vs jnp on 1 device: the same blockwise jnp attention without the ring (N = 1),
-    both O(S): the cost of the ring itself.
-  * ring(flash) vs flash: ring attention with the Pallas kernel as the block (each step one
-    kernel call that updates the running (o, lse), dQ and the travelling dK/dV in place) vs the
-    kernel unsharded: what runs on GPU. Off-GPU the kernel is interpreted, i.e. compiled to XLA
-    loops that carry every operand and, for a read-only one, hold two copies of it: those copies
-    are nearly all of the unsharded kernel's temp (printed under the table as multiples of one
-    [S, H, D] operand). A GPU kernel has none (forward, its temp is its lse), so against it
-    the temp ratio of any ring, which must hold the next k/v block, says little; `total` is the
-    number to compare there.
-Target: ring per device <= 1.5/N x unsharded, i.e. "xN" <= 1.5, for temp and for total.
-
-`--target h100:8` compiles the flash comparison for GPUs instead: compile-only H100s described
-by tools/aot.py (needs `pip install jax-cuda12-plugin==<jax version>` and `ptxas`, no GPU), the
-kernels compiled through Triton, so no interpreter copies: the memory a GPU would hold. There
-only `total` is judged. `--kv-heads` < 8 measures grouped-query attention, where the k/v blocks
-the ring double-buffers are smaller than q.
-
-Then the longest causal sequence whose attention (forward+backward, `total`) fits a per-device
-budget, unsharded vs ring on 8 devices, for each comparison; and the causal work balance of the zig-zag layout
-(max/min attention FLOPs per device; target <= 1.1) vs the contiguous layout.
-
-Shapes: batch 1, 8 heads (8 kv heads unless --kv-heads), head dim 64, fp32, causal, zig-zag
-layout (the model's: inputs already reordered, see sharding/ring_attention.py).
+Nothing is run: every number is XLA's buffer assignment of the compiled program, per device, on
+8 fake CPU devices (or compile-only H100s with `--target`): `temp` (what the program allocates
+besides its arguments and outputs) and `total`, forward and forward+backward, for ring(jnp) vs
+xla, ring(jnp) vs the same jnp blocks on 1 device, and ring(flash) vs flash. Target: ring per
+device <= 1.5/N x unsharded ("xN" <= 1.5). Then the longest causal sequence that fits a
+per-device budget, unsharded vs ring on 8 devices, and the causal work balance of the zig-zag
+layout (max/min FLOPs per device; target <= 1.1) vs the contiguous one. Batch 1, 8 heads, head
+dim 64, fp32, causal. What each comparison measures: docs/attention.md#memory-per-device
 """
 from __future__ import annotations
 
@@ -58,6 +32,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from kernels import flash_attention  # noqa: E402
 from models.attention import xla_attention  # noqa: E402
 from sharding import ring_attention, ring_work  # noqa: E402
+from tools.aot import gpu_target  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
 
 HEADS, HEAD_DIM, DTYPE = 8, 64, jnp.float32
 MiB = 2 ** 20
@@ -167,7 +144,6 @@ def longest_fitting(impl: str, n: int, budget: int, granule: int) -> int:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/attention_memory.py", __doc__, config=False)
   parser.add_argument("--seq", default="2048,4096,8192,16384")
   parser.add_argument("--devices", default="2,4,8")
@@ -183,7 +159,6 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = build_parser()
   try:
     args = parser.parse_args(argv)
@@ -199,7 +174,6 @@ def main(argv=None):
   comparisons = list(COMPARISONS)
   where = f"{jax.device_count()} {jax.default_backend()} devices"
   if args.target != "cpu":
-    from tools.aot import gpu_target  # noqa: PLC0415 (needs jax's CUDA plugin)
     target = gpu_target(args.target)
     _target.update(devices=target.devices, gpu=True)
     comparisons = ["ring(flash) vs flash"]

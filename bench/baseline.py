@@ -5,7 +5,7 @@
 
 The baseline is jit + optax and nothing else: the same Transformer module, mean token
 cross-entropy, `optax.chain(clip_by_global_norm(clip), adamw(...))`, donated parameters and
-optimizer state. Ours is the compiled step `train.py` runs (`trainer/program.py`: exact
+optimizer state. Ours is the compiled step `train.py` runs (`trainer/step/program.py`: exact
 token-weighted accumulation, non-finite/spike guard, metrics, explicit shardings). Both get the
 same random batch on one device; they are timed alternately (`--rounds` rounds of `--steps`
 steps each, after two warm-up steps), so machine drift hits both alike. `--size` runs the two
@@ -22,6 +22,12 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, load_from_cli
+from trainer.multihost import platforms
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -32,11 +38,11 @@ def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):
   `step(params, opt_state, inputs, targets, segment_ids=None)`: with segment ids [B, S] the
   model keeps packed documents apart as ours does (the same attention masks; `Plain`'s
   `documents`), without them it is the plainest causal step."""
-  import jax  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import optax  # noqa: PLC0415  start-up
+  from flax import nnx  # noqa: PLC0415  start-up
 
-  from models.llama import Transformer  # noqa: PLC0415
+  from models.llama import Transformer  # noqa: PLC0415  start-up
 
   graphdef, params = nnx.split(Transformer(model_cfg, rngs=nnx.Rngs(params=seed)))
   params = nnx.to_pure_dict(params)
@@ -72,7 +78,7 @@ SIZES = {
 # small at two lengths and a ~1B model, GPT-2's padded vocabulary, bf16 over fp32 parameters,
 # attention auto and remat dots (the issue's best setting); `tiny` for CPUs. Every matmul width
 # is a multiple of 128: the ~1B model's SwiGLU is 5632 wide (issue 25 ran 8/3 d = 5461, which
-# cost XLA 35% on an H200; trainer/config_checks.py warns about such widths on GPUs).
+# cost XLA 35% on an H200; trainer/config/checks.py warns about such widths on GPUs).
 _ISSUE = dict(vocab_size=50_304, dtype="bfloat16", param_dtype="float32", attention="auto",
               remat="dots", scan_unroll=1)
 SHAPES = {
@@ -104,7 +110,6 @@ def size_overrides(size: str, sizes: dict = SIZES) -> list[str]:
 
 def random_tokens(cfg, vocab_size: int, seed: int = 0):
   """[B, S + 1] random token ids (both steps, and nanodo's, train on the same ones)."""
-  import numpy as np  # noqa: PLC0415
   d = cfg.data
   return np.random.default_rng(seed).integers(0, vocab_size, (d.global_batch_size,
                                                               d.seq_len + 1), dtype=np.int32)
@@ -114,12 +119,11 @@ class Ours:
   """The compiled step `train.py` runs, on one device, fed one fixed random batch."""
 
   def __init__(self, cfg):
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    import jax  # noqa: PLC0415  start-up
 
-    from sharding.mesh import make_mesh  # noqa: PLC0415
-    from trainer.program import Program  # noqa: PLC0415
-    from trainer.state import init_state  # noqa: PLC0415
+    from sharding.mesh import make_mesh  # noqa: PLC0415  start-up
+    from trainer.step.program import Program  # noqa: PLC0415  start-up
+    from trainer.step.state import init_state  # noqa: PLC0415  start-up
 
     self.program = program = Program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
     self.step = program.compile()
@@ -136,7 +140,7 @@ class Ours:
 
   def __call__(self, n: int) -> float:
     """Seconds per step over `n` steps."""
-    import jax  # noqa: PLC0415
+    import jax  # noqa: PLC0415  start-up
     t = time.perf_counter()
     with jax.set_mesh(self.program.mesh):
       for _ in range(n):
@@ -152,10 +156,9 @@ class Plain:
   against which what our step itself adds is measured (bench/peers.py's `plain-docs`)."""
 
   def __init__(self, cfg, model_cfg, documents: bool = False):
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
+    import jax  # noqa: PLC0415  start-up
 
-    from optim import derive  # noqa: PLC0415
+    from optim import derive  # noqa: PLC0415  start-up
     hp = derive(cfg.optim, cfg.data.global_batch_size, cfg.data.global_batch_size)
     self.params, self.opt_state, self.step = plain_step(
         model_cfg, hp, cfg.optim.b1, cfg.optim.clip_norm, cfg.seed)
@@ -219,9 +222,7 @@ def load_sized(parser, argv, sizes: dict = SIZES):
   `--size` picks models of `sizes` (default the matched models of SIZES; overrides of
   configs/lm_tiny.py, applied before the command line's own), or `--size none` takes --config
   as it is. A mistake raises ConfigError."""
-  from trainer.cli import load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415  start-up
   args, rest = parser.parse_known_args(argv)
   chosen = [] if args.size == "none" else args.size.split(",")
   for size in chosen:
@@ -249,13 +250,12 @@ def describe(cfg) -> str:
 
 def header(args) -> str:
   """The first line a bench prints: the device and how the steps are timed."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   return (f"device     1 x {jax.devices()[0].device_kind}; {args.rounds} rounds x {args.steps} "
           f"steps, alternated; medians")
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/baseline.py", __doc__, config=False)
   add_timing_args(parser, steps=3)
   add_size_args(parser)
@@ -263,9 +263,7 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = load_sized(build_parser(), argv)
   except ConfigError as e:

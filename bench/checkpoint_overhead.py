@@ -5,7 +5,7 @@ N steps costs in step time.
 
 The model is sized for ~100 MB of train state (8.9M fp32 parameters + two Adam moments) but
 fed tiny batches, so a step is short and the checkpoint cost is easy to see. Everything goes
-through the real code path: `trainer.program.Program` for the step, `trainer.checkpoint.
+through the real code path: `trainer.step.program.Program` for the step, `trainer.checkpoint.persistent.
 Checkpointer` (Orbax) for saves, the grain pipeline for data. Prints medians; the machine's
 noise is visible in the min/max columns.
 """
@@ -18,11 +18,15 @@ import sys
 import tempfile
 import time
 
+from data.prepare import ensure_default_corpus
+from trainer.config import ConfigError, default_config
+from trainer.config.cli import CliParser
+from trainer.multihost import platforms
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/checkpoint_overhead.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=60, help="steps per overhead measurement")
   parser.add_argument("--saves", type=int, default=5, help="saves per blocking measurement")
@@ -33,24 +37,20 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args = build_parser().parse_args(argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from data import pipeline  # noqa: PLC0415
-  from data.prepare import ensure_default_corpus  # noqa: PLC0415
-  from sharding import make_mesh  # noqa: PLC0415
-  from trainer.checkpoint import Checkpointer  # noqa: PLC0415
-  from trainer.config import default_config  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
-  from trainer.state import init_state  # noqa: PLC0415
+  from data import pipeline  # noqa: PLC0415  start-up
+  from sharding import make_mesh  # noqa: PLC0415  start-up
+  from trainer.checkpoint.persistent import Checkpointer  # noqa: PLC0415  start-up
+  from trainer.step.program import Program  # noqa: PLC0415  start-up
+  from trainer.step.state import init_state  # noqa: PLC0415  start-up
 
   cfg = default_config()
   cfg.model.update(d_model=args.d_model, num_layers=2, num_heads=8, num_kv_heads=8,

@@ -4,18 +4,12 @@ the compiled program, counted by kind with the bytes they produce.
     python bench/collectives.py --vary optim.name=adamw,muon [--mesh fsdp=4,tensor=2]
         [--size 3m] [--config.a.b=v ...]
 
-Each variant is the compiled step train.py runs (`trainer/program.py`) on a mesh of fake CPU
-devices (`--mesh`, axis=size pairs; the device count is their product), compiled and never
-run: the numbers are read from the optimized HLO, so they are exact for XLA's CPU SPMD
-partitioner, and the same partitioner (GSPMD/Shardy) decides the collectives on GPU and TPU,
-whose backends may still combine or reorder them. Per variant: the number of all-gather,
-all-reduce, reduce-scatter, all-to-all and collective-permute ops and the bytes they move per
-device per step, then the difference from the first variant; and each variant's FLOPs per
-device from XLA's cost analysis (`tools.aot`). The HLO is read by `sharding.collectives`, the
-reader DiLoCo's communication report uses (its docstring says which array of each kind is
-counted: an all-reduce's, an all-gather's gathered result, a reduce-scatter's operand): each op
-is counted once, and its bytes times the trips of the loops around it (the scanned layers, the
-micro-batches).
+Each variant is the compiled step train.py runs on a mesh of fake CPU devices (`--mesh`,
+axis=size pairs), compiled and never run. Per variant: the number of all-gather, all-reduce,
+reduce-scatter, all-to-all and collective-permute ops and the bytes they move per device per
+step (read from the optimized HLO by `sharding.collectives`, loop trips counted), the difference
+from the first variant, and its FLOPs per device from XLA's cost analysis.
+What is exact and what is counted: docs/performance.md#what-a-sharded-step-communicates
 """
 from __future__ import annotations
 
@@ -30,6 +24,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import variants as variants_bench  # noqa: E402
 from sharding.collectives import collectives, total_bytes  # noqa: E402
+import jax  # noqa: E402
+from sharding.mesh import make_mesh  # noqa: E402
+from tools import aot  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
+from trainer.step.program import Program  # noqa: E402
 
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -47,7 +48,6 @@ def summarize(hlo_text: str) -> dict[str, tuple[int, float | None]]:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     mesh = {k: int(v) for k, v in (p.split("=") for p in text.split(",") if p)}
   except ValueError:
@@ -59,7 +59,6 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/collectives.py", __doc__, config=False)
   parser.add_argument("--vary", required=True, metavar="KEY=V1,V2",
                       help="the config key to vary and its values, e.g. optim.name=adamw,muon")
@@ -70,9 +69,7 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
   baseline = variants_bench.baseline
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv)
@@ -86,11 +83,7 @@ def main(argv=None):
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  import jax  # noqa: PLC0415
 
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-  from tools import aot  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
   print(f"mesh {args.mesh} on {devices} fake CPU devices; collectives of the compiled step")
   for (label, _), cfgs in zip(configs, variants):
     print(f"\n{label}: {baseline.describe(cfgs[0][1])}")

@@ -3,40 +3,15 @@ one chip, and what ours does that the plain step does not, kernel by kernel.
 
     python bench/compiled.py [--nanodo_dir DIR] [--size 3m,25m] [--topology v5e:1x1]
         [--dtypes bfloat16] [--attention xla,auto] [--config.a.b=v ...]
-    python bench/compiled.py --topology h100:1 --size d768-s1024,d768-s2048,d2048-s2048 \
+    python bench/compiled.py --topology h100:1 --size d768-s1024,d768-s2048,d2048-s2048 \\
         --attention auto                                        # issue 34: the GPU programs
 
-No TPU or GPU is needed: the programs are compiled for one compile-only chip of `--topology`
-(`tools.targets.make_target`: libtpu's compiler for a TPU topology, jax's CUDA plugin for
-`h100:1`), as `tools.aot` does. Per model (`--size`: bench/baseline.py's matched SIZES, or its
-issue SHAPES) and compute dtype (`--dtypes`: our `model.dtype` and nanodo's `dtype`;
-parameters, optimizer state, norms, softmax and the loss are fp32 in all of them) it compiles,
-for each `--attention` value A:
-
-  * ours (A): the step `train.py` runs (`trainer.program.Program`, through `tools.aot`);
-  * plain+docs (A): bench/baseline.py's `plain_step` on the same model, fed the same segment ids
-    (one document per row, as ours is fed): the same model work as ours, so what ours adds
-    beyond it is our step's own (metrics, guard, token-weighted loss, donation);
-  * plain (A): the plainest step, no segment ids: causal attention only, as issue 25's table ran
-    it; plain+docs against it is what keeping packed documents apart costs;
-  * nanodo: bench/nanodo.py's `Nanodo` (google-deepmind/nanodo's own model, optimizer, loss and
-    step) when `--nanodo_dir` is a nanodo checkout, with attention xla; else a line says why not.
-
-For each it prints the FLOPs and bytes of a step, its memory (arguments, outputs not aliased to
-donated inputs, temporaries), its kernel launches per step, and the roofline bound on the step
-time (`tools.roofline.Roofline`: the model's FLOPs at the chip's bf16 peak vs the bytes at its
-HBM bandwidth). The FLOPs and bytes are XLA's cost analysis where the compiler gives one (TPU),
-else counted from the optimized HLO (`tools/hlo.py`: every loop trip counted, matmul FLOPs only;
-jax 0.10.2 gives no cost analysis for a GPU program compiled without a GPU). Then, per A, the
-kernel diff (`tools.hlo.diff`): the kernels ours launches that plain+docs does not (and the other
-way round), and those plain+docs launches that plain does not, each with its bytes, FLOPs and
-its time at the chip's rates (a roofline per kernel, no launch cost).
-
-Fairness: XLA's cost analysis counts the body of a while loop once, so on a TPU ours and plain
-(the same module) are compiled with `model.scan_unroll = num_layers` and the `loops` column
-counts the while loops left; on a GPU the programs are compiled as configured (the HLO count
-weighs each loop body by its trips). XLA counts neither the FLOPs inside a Pallas kernel (splash
-or flash attention) nor, in the HLO count, those of elementwise work.
+No TPU or GPU is needed (one compile-only chip of `--topology`, as `tools.aot`). Per model,
+dtype and `--attention` value it compiles ours, plain+docs (the plain step fed our segment ids),
+plain (no segment ids) and nanodo's step, and prints each one's FLOPs, bytes, memory, kernel
+launches and roofline bound, then the kernel diffs ours vs plain+docs and plain+docs vs plain.
+What each program is, how FLOPs and bytes are counted, fairness:
+docs/performance.md#the-compiled-programs-compared
 """
 from __future__ import annotations
 
@@ -52,6 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench import baseline  # noqa: E402  (SIZES, SHAPES, load_sized, plain_step)
 from bench import nanodo as nanodo_bench  # noqa: E402
+from tools.hlo import Module, diff  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.errors import first_line  # noqa: E402
 
 MiB = 2**20
 DIFF_LINES = 12  # kernels listed per side of a diff (the costliest), the rest summed
@@ -90,7 +69,7 @@ HEADER = ["step", "GFLOPs", "GB accessed", "args MiB", "out MiB", "temp MiB", "l
 
 def one_chip(topology: str):
   """A compile-only target of one chip of `topology` (its first device)."""
-  from tools.targets import Target, make_target  # noqa: PLC0415
+  from tools.targets import Target, make_target  # noqa: PLC0415  start-up
   target = make_target(topology)
   if len(target.devices) == 1:
     return target
@@ -99,7 +78,7 @@ def one_chip(topology: str):
 
 def _abstract(tree, device):
   """ShapeDtypeStructs of `tree`'s arrays, placed on the compile-only `device`."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   sharding = jax.sharding.SingleDeviceSharding(device)
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
@@ -107,9 +86,8 @@ def _abstract(tree, device):
 def _row(name: str, compiled, loops: int, target, ours_report, kernel_calls: int = 0,
          remat_bound: float = 1.0) -> Row:
   """A compiled step's costs: XLA's cost analysis where given, else counted from its HLO."""
-  from tools import aot  # noqa: PLC0415
-  from tools.hlo import Module  # noqa: PLC0415
-  from tools.roofline import Roofline  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415  start-up
+  from tools.roofline import Roofline  # noqa: PLC0415  start-up
   costs = aot.compiled_costs(compiled)
   kernels = Module(compiled.as_text()).kernels()
   counted = not costs.xla_bytes
@@ -125,7 +103,7 @@ def _row(name: str, compiled, loops: int, target, ours_report, kernel_calls: int
 
 def ours_row(cfg, target, label: str) -> tuple[Row, object]:
   """Our step through tools.aot's compile (the one `train.py` runs), and its report."""
-  from tools import aot  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415  start-up
   report = aot.compile_report(cfg, target, label)
   row = _row(f"ours ({report.attention})", report.compiled, report.loops, target, report,
              report.kernel_calls, report.remat_mfu_bound)
@@ -135,12 +113,12 @@ def ours_row(cfg, target, label: str) -> tuple[Row, object]:
 def plain_row(cfg, target, ours_report, *, documents: bool) -> Row:
   """bench/baseline.py's plain jit + optax step on our model (`documents`: fed the segment ids
   ours is fed), compiled for the target."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from models.llama import ModelConfig  # noqa: PLC0415
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-  from tools import aot  # noqa: PLC0415
-  from models.attention import resolve_impl  # noqa: PLC0415
+  from models.llama import ModelConfig  # noqa: PLC0415  start-up
+  from sharding.mesh import make_mesh  # noqa: PLC0415  start-up
+  from tools import aot  # noqa: PLC0415  start-up
+  from models.attention import resolve_impl  # noqa: PLC0415  start-up
   # its state and tokens made on this machine's CPU; only their shapes go to the target
   plain_model = ModelConfig.from_config(cfg.model)
   plain = baseline.Plain(cfg, plain_model, documents=documents)
@@ -162,8 +140,8 @@ def plain_row(cfg, target, ours_report, *, documents: bool) -> Row:
 
 def nanodo_row(cfg, target, ours_report) -> Row:
   """bench/nanodo.py's nanodo step (nanodo's model in `model.dtype`), for the target."""
-  from models.llama import ModelConfig  # noqa: PLC0415
-  from tools import aot  # noqa: PLC0415
+  from models.llama import ModelConfig  # noqa: PLC0415  start-up
+  from tools import aot  # noqa: PLC0415  start-up
   # nanodo's own state, initialised on this machine's CPU; only its shapes go to the target
   theirs = nanodo_bench.Nanodo(cfg, ModelConfig.from_config(cfg.model).vocab_size)
   lowered = theirs.step.lower(*_abstract((theirs.state, theirs.tokens), target.devices[0]))
@@ -190,7 +168,6 @@ def table(rows: list[Row]) -> list[str]:
 def kernel_diff(a: Row, b: Row, target, title: str) -> list[str]:
   """The kernels `a` launches that `b` does not and the other way round (`tools.hlo.diff`),
   the costliest first, with their bytes, FLOPs and time at the chip's rates."""
-  from tools.hlo import diff  # noqa: PLC0415
   peak, bandwidth = target.peak_flops, target.hbm_bandwidth
   out = [f"  {a.name} vs {b.name}: {title}"]
   sides = diff(a.kernels, b.kernels)
@@ -221,7 +198,6 @@ def compare(label: str, cfg, target, *, dtype: str, attentions: list[str],
             nanodo_skip: str | None) -> list[str]:
   """The rows, ratios and kernel diffs of one model in one compute dtype (printed as they
   come)."""
-  from tools.targets import first_line  # noqa: PLC0415
   base = cfg.copy_and_resolve_references()
   base.model.dtype = dtype
   if target.platform == "tpu":  # XLA's cost analysis: no layer in a loop (module docstring)
@@ -237,7 +213,7 @@ def compare(label: str, cfg, target, *, dtype: str, attentions: list[str],
       ours, rep = ours_row(run, target, label)
     except Exception as e:  # noqa: BLE001  e.g. a kernel that does not lower: say so
       lines.append(f"  ours (attention={attention}) does not compile for {target.name}: "
-                   f"{first_line(e)}")
+                   f"{first_line(e, with_type=False)}")
       print(lines[-1], flush=True)
       continue
     report = report or rep
@@ -255,7 +231,7 @@ def compare(label: str, cfg, target, *, dtype: str, attentions: list[str],
       xla.model.attention = "xla"
       rows.append(nanodo_row(xla, target, report))
     except Exception as e:  # noqa: BLE001
-      lines.append(f"  nanodo's step does not compile for {target.name}: {first_line(e)}")
+      lines.append(f"  nanodo's step does not compile for {target.name}: {first_line(e, with_type=False)}")
   lines += ["  " + x for x in table(rows)]
   for ours, docs, plain in groups:
     lines += ["  " + ratios(ours, docs), "  " + ratios(ours, plain)]
@@ -272,7 +248,6 @@ def compare(label: str, cfg, target, *, dtype: str, attentions: list[str],
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/compiled.py", __doc__, config=False)
   parser.add_argument("--nanodo_dir", default="", metavar="DIR",
                       help="a checkout of github.com/google-deepmind/nanodo (else no nanodo row)")
@@ -293,9 +268,8 @@ SIZES = {**baseline.SIZES, **baseline.SHAPES}  # the matched models and issue 25
 
 
 def main(argv=None) -> int:
-  from models.params import DTYPES  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from tools.targets import AotError  # noqa: PLC0415
+  from models.params import DTYPES  # noqa: PLC0415  start-up
+  from tools.targets import AotError  # noqa: PLC0415  start-up
   try:  # a mistake in the command line, the config or the topology: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv, sizes=SIZES)
     dtypes = args.dtypes.split(",")

@@ -1,19 +1,16 @@
 """Goodput of a run that is killed three times: the persistent tier alone against the local tier
 beside it.
 
-    python bench/fault_goodput.py [--steps 200] [--kills 45,130,185] [--every 50] [--local-every 10] [--rounds 1]
+    python bench/fault_goodput.py [--steps 200] [--kills 45,130,185] [--every 50] \\
+        [--local-every 10] [--rounds 1]
 
-Runs `configs/lm_tiny.py` (evaluation off, a log row every 5 steps) in a fresh workdir per
-configuration with `train.py`, SIGKILLs the process as soon as a start has recorded reaching
-each step of `--kills` (one kill per start, so both configurations die at the same steps),
-restarts it with the same command at once, and lets the last start finish. `--rounds`
-alternates the configurations that many times (the machine's load drifts; compare within a
-round). Then `tools.goodput` accounts for the
-wall time: goodput, the steps redone and their time, and the rest. Both configurations save to
-the persistent tier every `--every` steps; "local" also saves every `--local-every` steps to a
-local directory (here under /dev/shm when it exists). A warm-up run fills the compilation cache
-first, so every start compiles the same way. The last lines check that both runs ended on the
-same losses.
+Runs `configs/lm_tiny.py` with `train.py` in a fresh workdir per configuration, SIGKILLs it as
+soon as a start has recorded reaching each step of `--kills` (one kill per start) and restarts
+it at once; then `tools.goodput` accounts for the wall time. Both configurations save to the
+persistent tier every `--every` steps; "local" also saves every `--local-every` steps to a local
+directory (under /dev/shm when it exists). `--rounds` alternates the configurations (compare
+within a round). The last lines check that both runs ended on the same losses.
+Setup and results: docs/reliability.md#failures-with-and-without-the-local-tier
 """
 from __future__ import annotations
 
@@ -26,12 +23,15 @@ import sys
 import tempfile
 import time
 
+from tools.goodput import account, read_events
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/fault_goodput.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--kills", default="45,130,185", help="steps after which to SIGKILL")
@@ -43,7 +43,6 @@ def build_parser():
 
 def recorded_step(workdir: str) -> int:
   """The last step the current start recorded (goodput.jsonl `steps` events)."""
-  from tools.goodput import read_events  # noqa: PLC0415
   path = os.path.join(workdir, "goodput.jsonl")
   if not os.path.exists(path):
     return 0
@@ -75,14 +74,12 @@ def last_losses(workdir: str) -> dict[int, float]:
 
 
 def main(argv=None) -> int:
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args = build_parser().parse_args(argv)
     kills = [int(k) for k in args.kills.split(",")]
   except (ConfigError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  from tools.goodput import account, read_events  # noqa: PLC0415
 
   scratch = tempfile.mkdtemp(prefix="fault-goodput-")
   fast = "/dev/shm" if os.path.isdir("/dev/shm") else scratch

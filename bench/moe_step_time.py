@@ -2,7 +2,7 @@
 
     python bench/moe_step_time.py [--rounds 5] [--steps 10]
 
-Builds the real train steps (trainer/step.py) of: moe_tiny (dropless, ragged_dot), moe_tiny
+Builds the real train steps (trainer/step/train_step.py) of: moe_tiny (dropless, ragged_dot), moe_tiny
 with a capacity (capacity_factor 1.25, static buffers), and the dense model of moe_tiny's shape
 whose MLP has the experts' active width (top_k x moe.mlp_dim = 384, i.e. configs/lm_tiny.py),
 all on one device with the same batches. The three are timed in alternation, `--steps` steps
@@ -16,11 +16,18 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
+from configs.moe_tiny import get_config
+from data.prepare import ensure_default_corpus
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+from trainer.multihost import platforms
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/moe_step_time.py", __doc__, config=False)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=10)
@@ -28,26 +35,21 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line: one line, exit 2
     args = build_parser().parse_args(argv)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  import jax  # noqa: PLC0415
-  import numpy as np  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from configs.moe_tiny import get_config  # noqa: PLC0415
-  from data import pipeline  # noqa: PLC0415
-  from data.prepare import ensure_default_corpus  # noqa: PLC0415
-  from models.llama import ModelConfig  # noqa: PLC0415
-  from models.sizes import param_counts  # noqa: PLC0415
-  from optim import build_optimizer  # noqa: PLC0415
-  from sharding import batch_sharding, make_mesh, replicated  # noqa: PLC0415
-  from trainer.state import ModelSpec, init_state, state_shardings  # noqa: PLC0415
-  from trainer.step import make_train_step  # noqa: PLC0415
+  from data import pipeline  # noqa: PLC0415  start-up
+  from models.llama import ModelConfig  # noqa: PLC0415  start-up
+  from models.sizes import param_counts  # noqa: PLC0415  start-up
+  from optim import build_optimizer  # noqa: PLC0415  start-up
+  from sharding import batch_sharding, make_mesh, replicated  # noqa: PLC0415  start-up
+  from trainer.step.state import ModelSpec, init_state, state_shardings  # noqa: PLC0415  start-up
+  from trainer.step.train_step import make_train_step  # noqa: PLC0415  start-up
 
   base = get_config()
   variants = {"moe dropless": {}, "moe capacity 1.25": {"capacity_factor": 1.25},

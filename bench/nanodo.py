@@ -5,44 +5,35 @@
 
 nanodo is not a dependency and nothing is downloaded: DIR is a checkout of
 https://github.com/google-deepmind/nanodo (the directory holding its `nanodo/` package); without
-one the bench says so and exits with code 2. Its modules import `tensorflow_datasets` (for its
-data pipeline, not used here): `pip install tensorflow-datasets` (TensorFlow itself is not
-needed).
-
-nanodo's side is built with nanodo's own code: `model_factory.get_model_and_loss` (its
-TransformerDo: learned positions, LayerNorm, GELU MLP of 4 d, causal einsum attention, tied
-embeddings), `optimizer.get_optimizer` (its AdamW with global-norm clipping at our clip_norm,
-cosine schedule, inside optax.MultiSteps), its loss and its per-step metrics
-(`metrics.get_metrics`, with `log_internal_metrics` off, its cheapest setting), one device, our
-model.dtype. The step is `nanodo.train._train_step` when that module imports (it needs `clu`, whose
-metric writers need TensorFlow); otherwise the same ten lines, copied here (`_train_step`), and
-the bench says which it ran. Ours is the compiled step train.py runs (bench/baseline.py's
-`Ours`), on the matched model (SIZES). Both models have the same FLOPs per token to 0.05%
-(SwiGLU of 2/3 x 4d vs GELU of 4d), so the tokens/s ratio is the FLOP/s ratio.
-
-Both train on the same random tokens, timed alternately (`--rounds` rounds of `--steps` steps
-after two warm-up steps) with an fp32 1024^3 matmul in between that measures the machine's
-peak in the same round, besides one longer measurement before the rounds (as
-bench/throughput.py). MFU is ours' median model FLOP/s over the best of those measurements:
-a peak is the best the machine was seen to do, and a matmul timed right after a large step
-has read as low as half the idle peak on this CPU.
+one the bench says so and exits with code 2. Its modules import `tensorflow_datasets`: `pip
+install tensorflow-datasets` (TensorFlow itself is not needed). nanodo's side runs nanodo's own
+model, optimizer, loss, metrics and step; ours is the compiled step train.py runs, on a model of
+the same FLOPs per token. Both are timed alternately with a matmul peak measured in every round;
+prints tokens/s, ours/nanodo and MFU.
+How each side is built and timed: docs/performance.md#against-nanodo
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline  # noqa: E402
+import ml_collections  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def _train_step(state, in_BxL, c, get_loss_fn):
   """nanodo/train.py's `_train_step` (commit 10aefdee), without its mesh constraint (one
   device): the loss and gradient, the optimizer update, and nanodo's per-step metrics."""
-  import jax  # noqa: PLC0415
-  import optax  # noqa: PLC0415
-  from nanodo import metrics as metrics_lib  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import optax  # noqa: PLC0415  start-up
+  from nanodo import metrics as metrics_lib  # noqa: PLC0415  optional
   grad_fn = jax.value_and_grad(get_loss_fn(in_BxL, state.apply_fn, c), has_aux=True)
   (loss, aux_data), grads = grad_fn(state.params)
   updates, new_opt_state = state.tx.update(grads, state.opt_state, state.params)
@@ -55,10 +46,9 @@ def _train_step(state, in_BxL, c, get_loss_fn):
 
 def nanodo_config(cfg, vocab_size: int):
   """nanodo's config for the model and optimizer matched to our `cfg`."""
-  import jax.numpy as jnp  # noqa: PLC0415
-  import ml_collections  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
 
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   m, o = cfg.model, cfg.optim
   hp = derive(o, cfg.data.global_batch_size, cfg.data.global_batch_size)  # as our step's
   return ml_collections.ConfigDict(dict(
@@ -75,16 +65,15 @@ class Nanodo:
   """nanodo's model, optimizer, loss, metrics and step (module docstring), one device."""
 
   def __init__(self, cfg, vocab_size: int):
-    import functools  # noqa: PLC0415
 
-    import jax  # noqa: PLC0415
-    import jax.numpy as jnp  # noqa: PLC0415
-    from flax.training.train_state import TrainState  # noqa: PLC0415
-    from nanodo import model_factory, optimizer  # noqa: PLC0415
+    import jax  # noqa: PLC0415  start-up
+    import jax.numpy as jnp  # noqa: PLC0415  start-up
+    from flax.training.train_state import TrainState  # noqa: PLC0415  start-up
+    from nanodo import model_factory, optimizer  # noqa: PLC0415  optional
     c = nanodo_config(cfg, vocab_size)
     module, get_loss_fn = model_factory.get_model_and_loss(c, vocab_size)
     try:
-      from nanodo.train import _train_step as step  # noqa: PLC0415
+      from nanodo.train import _train_step as step  # noqa: PLC0415  optional
       self.source = "nanodo.train._train_step"
     except ImportError as e:
       step = _train_step
@@ -104,7 +93,6 @@ class Nanodo:
     self.loss = None
 
   def __call__(self, n: int) -> float:
-    import time  # noqa: PLC0415
     t = time.perf_counter()
     for _ in range(n):
       self.state, metrics = self.step(self.state, self.tokens)
@@ -119,7 +107,7 @@ def find_nanodo(path: str) -> str | None:
             "https://github.com/google-deepmind/nanodo (git clone it there); skipping")
   sys.path.insert(0, os.path.abspath(path))
   try:
-    import nanodo.loss  # noqa: F401, PLC0415
+    import nanodo.loss  # noqa: F401, PLC0415  optional
   except ImportError as e:
     return (f"nanodo at {path!r} does not import ({e}); it needs tensorflow_datasets: pip "
             "install tensorflow-datasets")
@@ -127,7 +115,6 @@ def find_nanodo(path: str) -> str | None:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/nanodo.py", __doc__, config=False)
   parser.add_argument("--nanodo_dir", required=True, metavar="DIR",
                       help="a checkout of github.com/google-deepmind/nanodo")
@@ -138,9 +125,7 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv)
     if any(cfg.model.num_kv_heads != cfg.model.num_heads or not cfg.model.tie_embeddings
@@ -154,8 +139,8 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from models.sizes import flops_per_token  # noqa: PLC0415
-  from trainer.metrics import measure_matmul_peak  # noqa: PLC0415
+  from models.sizes import flops_per_token  # noqa: PLC0415  start-up
+  from trainer.tracking.peaks import measure_matmul_peak  # noqa: PLC0415  start-up
   print(baseline.header(args))
   for label, cfg in configs:
     ours = baseline.Ours(cfg)

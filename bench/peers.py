@@ -6,36 +6,11 @@ and optimizer settings, with one MFU formula.
     python bench/peers.py --size d768-s1024 --runners ours,torch [--rounds 5] [--steps 5]
         [--nanodo_dir DIR] [--torch-compile default] [--config.a.b=v ...]
 
-Runners (`--runners`, comma-separated, in this order of columns; ours always runs):
-  nanodo  google-deepmind/nanodo's step (bench/nanodo.py; only with --nanodo_dir);
-  plain   the plainest jit + optax step on our model (bench/baseline.py's `Plain`): causal
-          attention, no segment ids;
-  plain-docs  the same step fed the segment ids ours is fed (`Plain(documents=True)`): ours'
-          model work, so ours/plain-docs is what our step itself costs and plain-docs/plain
-          what keeping packed documents apart costs (issue 34);
-  ours    the compiled step train.py runs (bench/baseline.py's `Ours`);
-  torch   Hugging Face LlamaForCausalLM + torch.compile, SDPA attention, bf16 autocast over fp32
-          parameters, clip_grad_norm_ 1, fused AdamW (bench/torch_peer.py; the `hf` extra).
-All train on the same random tokens; they are timed alternately (`--rounds` rounds of `--steps`
-steps each, after two warm-up steps that compile), so drift hits them alike; the numbers are
-medians over rounds, ratios the medians of per-round ratios.
-
-Shapes (`--size`, bench/baseline.py's SHAPES): issue 25's -- d768 L12 (GPT-2 small) at seq x
-batch 1024 x 32 and 2048 x 16, d2048 L16 (~1B) at 2048 x 4 -- with GPT-2's vocabulary padded
-to 50,304, tied embeddings, as many kv heads as heads, SwiGLU of 2/3 x 4d (nanodo's GELU 4d
-has the same FLOPs), bf16 compute over fp32 parameters, our attention `auto` and remat `dots`
-(the issue's best setting; --config.model.* overrides change ours and the plain step's model,
-and the torch model follows the widths); `tiny` for CPUs. Default: the three issue shapes on
-an accelerator, `tiny` on a CPU.
-
-MFU = (6 (N_non-embedding + V d) + 12 L S d) tokens/s / peak: `models.sizes.flops_per_token`
-with `causal=False` (attention counted whole, as the issue's formula; the norm scales' 6 x
-(2L + 1) d FLOPs, < 0.1%, are the one difference), over the table peak of the device in the
-model's dtype (H100 bf16: 989 TFLOP/s; `trainer.metrics`), or on a CPU the measured matmul
-peak. JAX and PyTorch share the GPU in one process, so JAX's preallocation of 75% of the GPU is
-turned off here (XLA_PYTHON_CLIENT_PREALLOCATE=false) and each framework allocates what it
-uses: at d2048 four ~1B-parameter runners at once may not fit 80 GB (run two, e.g.
-`--runners ours,torch`).
+Runners (`--runners`, in this order of columns; ours always runs): nanodo, plain, plain-docs,
+ours, torch (bench/torch_peer.py; the `hf` extra). All train on the same random tokens, timed
+alternately (`--rounds` rounds of `--steps` steps), so drift hits them alike; prints tokens/s
+and MFU per runner (medians over rounds) and ours/peer ratios (medians of per-round ratios).
+Runners, shapes, the MFU formula, memory: docs/performance.md#against-the-peers-on-a-gpu
 """
 from __future__ import annotations
 
@@ -46,14 +21,16 @@ import sys
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax starts
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline, nanodo, torch_peer  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 RUNNERS = ("nanodo", "plain", "plain-docs", "ours", "torch")
 
 
 def build_parser():
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/peers.py", __doc__, config=False)
   parser.add_argument("--runners", default="plain,ours,torch",
                       help=f"comma-separated, of {', '.join(RUNNERS)} (default plain,ours,torch; "
@@ -71,7 +48,6 @@ def build_parser():
 
 def parse(argv):
   """(args, [(label, config)], runners); a mistake raises ConfigError."""
-  from trainer.config import ConfigError  # noqa: PLC0415
   args, configs = baseline.load_sized(build_parser(), argv, sizes=baseline.SHAPES)
   runners = [r for r in args.runners.split(",") if r]
   unknown = [r for r in runners if r not in RUNNERS]
@@ -112,9 +88,9 @@ def make_runners(names, cfg, args) -> dict:
 
 def peak_flops(dtype: str) -> tuple[float, str]:
   """The device's peak for the model's matmul dtype: the table's, or on a CPU measured."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer.metrics import known_peak_flops, measure_matmul_peak  # noqa: PLC0415
+  from trainer.tracking.peaks import known_peak_flops, measure_matmul_peak  # noqa: PLC0415  start-up
   kind = jax.devices()[0].device_kind
   table = known_peak_flops(kind, dtype)
   if table is not None:
@@ -123,10 +99,8 @@ def peak_flops(dtype: str) -> tuple[float, str]:
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from models.sizes import flops_per_token  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from models.sizes import flops_per_token  # noqa: PLC0415  start-up
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs, names = parse(argv)
   except ConfigError as e:

@@ -3,37 +3,29 @@
     python bench/pipeline.py --config configs/lm_125m.py [--devices 8] [--steps 20]
     python bench/pipeline.py --config configs/lm_125m.py --step-tokens-per-s 400000
 
-Times the data path a run takes for every step, alone: this process's rows of the step's
-windows (`data.pipeline.dataset` with the run's `StreamSpec`: the config's rows, sequence length,
-prefetch, mixture), read at random positions of the token files, and `Run.global_batch`
-assembling them into the global [micro-batches, rows, seq_len] arrays on the mesh (blocked until
-they are on the devices). `--devices N` runs on N fake CPU devices (XLA_FLAGS is set before jax
-is imported), so the mesh and the per-device split are those of an N-device run. The default
-corpus (the Python standard library, ~16k tokens per document) has about one document per
-window; `--doc-tokens 1000` reads synthetic documents of web-text length instead, where a window
-holds pieces of 2-3.
-
-It counts what the reads cost: the pieces (document slices) per window, the bytes of the token
-slices read per trained token, and the distinct 4 KiB pages they touch (what a memory-mapped
-read brings in from disk at worst), from the slices' own addresses in the mapped files.
-
-Then it measures the train step's tokens/s for the same model and sequence length on this
-machine (compiled as train.py compiles it): a full lm_125m step takes many minutes on a CPU, so
-the step is timed at a smaller global batch (`--step-batch`, default the smallest the mesh
-allows) and its tokens/s is taken as the step's rate (a CPU step is compute-bound: tokens/s
-hardly changes with the batch). `--step-tokens-per-s` compares against a given rate instead (a
-target accelerator's, e.g. from `python -m tools.aot`'s roofline) and skips the measurement.
-Prints both rates, their ratio, and the target: the pipeline should produce at least 20x what
-the step consumes, so that input never stalls a step (a run reports the wait per step as
-`data_wait_ms`).
+Times the data path a run takes for every step, alone (this process's rows, read at random
+positions of the token files, and their assembly into the global arrays on the mesh; `--devices
+N` fakes N CPU devices), and counts what the reads cost: document pieces per window, bytes read
+and 4 KiB pages touched per trained token. Then measures the train step's tokens/s for the same
+model on this machine (at a smaller batch, `--step-batch`), or takes `--step-tokens-per-s`, and
+prints both rates, their ratio and the target: at least 20x what the step consumes.
+What is timed and why: docs/performance.md#input-pipeline
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+
+import numpy as np
+
+from data.prepare import prepare_files
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, load_from_cli
+from trainer.multihost import platforms
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,11 +44,8 @@ def _devices_from_argv(argv: list[str]) -> int:
 def synthetic_corpus(out_dir: str, doc_tokens: int, documents: int = 4000) -> str:
   """A prepared (byte-tokenized) directory of random-letter documents of about `doc_tokens`
   tokens: web-text-like document lengths, where a row stream packs several per sequence."""
-  import json  # noqa: PLC0415
 
-  import numpy as np  # noqa: PLC0415
 
-  from data.prepare import prepare_files  # noqa: PLC0415
   rng = np.random.default_rng(0)
   letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz     ", dtype=np.uint8)
   os.makedirs(out_dir + "-src")
@@ -73,8 +62,8 @@ PAGE = 4096
 def read_cost(run, steps: int) -> dict:
   """What reading `steps` steps of the run's windows costs, counted from the token slices it
   reads: pieces per window, bytes read and 4 KiB pages touched per trained token."""
-  from data import pipeline  # noqa: PLC0415
-  windows = pipeline.Windows(run.train_spec)
+  from data import pipeline  # noqa: PLC0415  start-up
+  windows = pipeline.Windows(run.feed.spec)
   count = steps * run.cfg.data.global_batch_size
   pieces = windows.pieces(range(count))
   nbytes = sum(p.nbytes for row in pieces for p in row)
@@ -93,16 +82,16 @@ def read_cost(run, steps: int) -> dict:
 def time_pipeline(run, steps: int, warmup: int = 2) -> dict:
   """Seconds per step of the pipeline alone: drawing a step's micro-batches (`host`) and
   assembling the global arrays on the devices (`assemble`); medians over `steps` steps."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from data import pipeline  # noqa: PLC0415
-  it = iter(pipeline.dataset(run.train_spec))
+  from data import pipeline  # noqa: PLC0415  start-up
+  it = iter(pipeline.dataset(run.feed.spec))
   host, assemble, total = [], [], []
   for i in range(steps + warmup):
     t0 = time.perf_counter()
-    micro = [next(it) for _ in range(run.num_micro)]
+    micro = [next(it) for _ in range(run.program.num_micro)]
     t1 = time.perf_counter()
-    jax.block_until_ready(run.global_batch(micro))
+    jax.block_until_ready(run.feed.global_batch(micro))
     t2 = time.perf_counter()
     if i >= warmup:
       host.append(t1 - t0)
@@ -114,11 +103,11 @@ def time_pipeline(run, steps: int, warmup: int = 2) -> dict:
 
 def time_train_step(cfg, batch: int, steps: int = 2) -> tuple[float, int]:
   """(median seconds, tokens) of the config's train step at global batch `batch`."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from data import pipeline  # noqa: PLC0415
-  from trainer.loop import Run  # noqa: PLC0415
-  from trainer.state import init_state  # noqa: PLC0415
+  from data import pipeline  # noqa: PLC0415  start-up
+  from trainer.run.loop import Run  # noqa: PLC0415  start-up
+  from trainer.step.state import init_state  # noqa: PLC0415  start-up
   cfg = cfg.copy_and_resolve_references()
   cfg.data.global_batch_size = batch
   cfg.data.micro_batch_size = batch
@@ -126,9 +115,9 @@ def time_train_step(cfg, batch: int, steps: int = 2) -> tuple[float, int]:
   with tempfile.TemporaryDirectory() as workdir:
     run = Run(cfg, workdir)
     step = run.program.compile()
-    state = init_state(run.spec, run.tx)
-    it = iter(pipeline.dataset(run.train_spec))
-    batch_arrays = run.global_batch([next(it) for _ in range(run.num_micro)])
+    state = init_state(run.program.spec, run.program.tx)
+    it = iter(pipeline.dataset(run.feed.spec))
+    batch_arrays = run.feed.global_batch([next(it) for _ in range(run.program.num_micro)])
     times = []
     with jax.set_mesh(run.mesh):
       for i in range(steps + 1):
@@ -141,7 +130,6 @@ def time_train_step(cfg, batch: int, steps: int = 2) -> tuple[float, int]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/pipeline.py", __doc__)
   parser.add_argument("--devices", type=int, default=0,
                       help="run on this many fake CPU devices (0 = the machine's devices)")
@@ -164,12 +152,9 @@ def main(argv=None):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={devices}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.cli import load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = build_parser()
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   try:
     args, rest = parser.parse_known_args(argv)
     cfg = load_from_cli(args.config, rest, devices=jax.devices())
@@ -177,7 +162,7 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415  start-up
   d = cfg.data
   tokens = d.global_batch_size * d.seq_len
   with tempfile.TemporaryDirectory() as workdir:
@@ -187,12 +172,12 @@ def main(argv=None):
     mesh = " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1) or "1 device"
     t = time_pipeline(run, args.steps)
     cost = read_cost(run, args.steps)
-    rows = len(run.local_rows)
+    rows = len(run.feed.local_rows)
   pipe_tps = tokens / t["total"]
   print(f"config            {args.config} {' '.join(rest)}".rstrip())
   print(f"devices           {jax.device_count()} x {jax.devices()[0].device_kind}; mesh {mesh}")
-  print(f"step              {d.global_batch_size} x {d.seq_len} tokens = {run.num_micro} "
-        f"micro-batches of {run.micro_rows} rows ({rows} rows read by this process); "
+  print(f"step              {d.global_batch_size} x {d.seq_len} tokens = {run.program.num_micro} "
+        f"micro-batches of {run.program.micro_rows} rows ({rows} rows read by this process); "
         f"prefetch={d.prefetch}")
   print(f"pipeline          {t['total'] * 1e3:.1f} ms/step median over {args.steps} steps (mean "
         f"{t['mean'] * 1e3:.1f}): rows {t['host'] * 1e3:.1f} ms + global arrays "
@@ -204,7 +189,7 @@ def main(argv=None):
   if args.step_tokens_per_s:
     step_tps, how = args.step_tokens_per_s, "given"
   else:
-    from sharding.mesh import data_parallel_size  # noqa: PLC0415
+    from sharding.mesh import data_parallel_size  # noqa: PLC0415  start-up
     batch = args.step_batch or data_parallel_size(dict(run.mesh.shape))
     seconds, step_tokens = time_train_step(cfg, batch)
     step_tps = step_tokens / seconds

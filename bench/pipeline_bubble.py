@@ -6,19 +6,17 @@ compiled program and the step time of tools.aot's roofline.
         --micro 4,8,16,32 --repeats 1,2,4 --config.data.micro_batch_size=16 --jobs 4 \\
         --csv docs/pipeline.csv --png docs/pipeline.png
 
-No TPU is needed (compile only, as `tools.aot`). For each number of repeats R (1: GPipe, else
-circular) and each M, the config runs with `mesh.stage` = --stages and a global batch of M
-micro-batches of `data.micro_batch_size` (the batch ramp's and the autopilot's way of changing
-M), and `tools.aot.compile_report` compiles it; a row holds the ticks and idle ticks counted in
-the compiled step (`sharding.pipeline.count`), the bubble against (S - 1) / (M R + S - 1), the
-roofline's step time (executed FLOPs, idle ticks included, at the chips' peak, or the HBM floor
-if higher) and that time per micro-batch, the memory per chip, and the bytes between stages.
-The same batches without stages (`mesh.stage=1`, the config's own mesh) give the reference time
-per micro-batch. A config that does not fit is a row with `fits` False. `--jobs N` compiles N
-programs at once, each in a process of its own.
+No TPU is needed (compile only, as `tools.aot`). One row per program (repeats R, M): the ticks
+and idle ticks counted in it, the bubble against (S - 1) / (M R + S - 1), the roofline's step
+time and time per micro-batch, the memory per chip and the bytes between stages; the same
+batches without stages give the reference. A config that does not fit is a row with `fits`
+False; `--jobs N` compiles N programs at once.
+Details: docs/pipeline.md#the-bubble-against-the-batch-size
 """
 from __future__ import annotations
 
+import concurrent.futures
+import multiprocessing
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile only: no step runs here
@@ -30,9 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tools import aot  # noqa: E402
 from tools.figures import NO_PLOT, pyplot, save, write_csv  # noqa: E402
-from trainer.cli import CliParser, load  # noqa: E402
+from trainer.config.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
-from trainer.metrics import GiB  # noqa: E402
+from trainer.tracking.peaks import GiB  # noqa: E402
 
 FIELDS = ["schedule", "repeats", "micro", "global_batch", "fits", "ticks", "idle", "bubble",
           "bubble_formula", "step_ms", "ms_per_micro", "memory_gib", "stage_mb"]
@@ -127,8 +125,6 @@ def main(argv: list[str]) -> int:
   work = [(cfg, args.topology, name, args.stages, r, m) for r in repeats for m in micros]
   work += [(cfg, args.topology, name, 1, 1, m) for m in micros]  # no stages: the reference
   if args.jobs > 1:
-    import concurrent.futures  # noqa: PLC0415
-    import multiprocessing  # noqa: PLC0415
     with concurrent.futures.ProcessPoolExecutor(
         args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
       rows = list(pool.map(row, *zip(*work)))

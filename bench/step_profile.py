@@ -4,29 +4,14 @@
     python bench/step_profile.py --size none --config configs/lm_small.py
     python bench/step_profile.py --size d768-s1024 --keep DIR   # a GPU; issue 25's shapes
 
-Compiles the step train.py runs (bench/baseline.py's `Ours`, one device, the matched sizes by
-default), runs two warm-up steps, then traces `--steps` steps with `jax.profiler` (a Perfetto
-trace in a temporary directory) and adds up the time of each compiled kernel (XLA's thunks on
-CPU, its kernels on the device elsewhere), sorted into kinds of work from the optimized HLO
-(read by `tools/hlo.py`): matmuls inside the layers (projections and MLP) and of attention (the
-batched ones over heads), fused attention kernels (flash, cuDNN), the attention's softmax and
-mask, the layers' other elementwise work, the copies and zero-fills of the layer scan's stacked
-residuals, the LM head, embedding and loss, and everything after the gradient (optimizer,
-clipping, guard, norms, metrics). The kinds come from each kernel's `op_name` (forward or
-backward, inside the layer loop or not) and what it computes: a heuristic, good to a few
-percent. Times are summed over threads (the cores' work), per step; the runtime's own events
-(thread-pool waits, loops as a whole) are left out.
-
-On a GPU only the device's own tracks count (not the host threads that launch kernels, nor
-the "XLA Modules" spans that contain them; the "XLA Ops" track when the trace has one, else the
-streams' kernels). A kernel is named by the HLO instruction it runs (`device_kind`): the
-`hlo_op` (or any other) argument of its event, else its name, which XLA derives from the
-instruction (loop_add_fusion.3 runs as loop_add_fusion_3); library kernels that carry neither
-(cuBLAS, cuDNN, a Pallas kernel) are sorted by their names (GEMM_KERNELS, ATTENTION_KERNELS).
-What is left is printed as "unattributed", with its largest kernel names, so that a rule can be
-added. `--size` also takes issue 25's shapes (bench/baseline.py's SHAPES); `--keep DIR` keeps
-each traced Perfetto file as DIR/<size>.perfetto.json.gz and the optimized HLO of the step as
-DIR/<size>.hlo.txt.gz (the raw trace and program to attribute again by hand).
+Traces `--steps` steps of the step train.py runs (after two warm-up steps) and adds up each
+compiled kernel's time per step by kind of work (layer and attention matmuls, fused attention,
+softmax and mask, elementwise, the scan's stacked residuals, LM head, embedding and loss, after
+the gradient), sorted from the optimized HLO (`tools/hlo.py`): a heuristic, good to a few
+percent. What it cannot place is printed as "unattributed" with its largest kernel names.
+`--keep DIR` keeps each trace and the step's HLO as DIR/<size>.perfetto.json.gz and
+DIR/<size>.hlo.txt.gz.
+How kernels are found and named (CPU and GPU): docs/performance.md#where-the-steps-time-goes
 """
 from __future__ import annotations
 
@@ -39,12 +24,17 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline  # noqa: E402
 
 from models.attention import CAUSAL_BLOCK  # noqa: E402
 from tools.hlo import Module  # noqa: E402
+import jax  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 KINDS = ("layer matmuls (q, k, v, o, MLP)", "attention matmuls (QK^T, PV)",
          "attention softmax and mask", "layer elementwise (norms, RoPE, SwiGLU, residuals)",
@@ -160,9 +150,7 @@ def profile(run, steps: int, keep: str = "") -> tuple[dict[str, float], float, d
   step by name) of `steps` traced steps of `run` (an `Ours`), after two warm-up steps; `keep`:
   a path stem to copy the Perfetto trace to (KEEP.perfetto.json.gz) and to write the optimized
   HLO to (KEEP.hlo.txt.gz)."""
-  import time  # noqa: PLC0415
 
-  import jax  # noqa: PLC0415
   text = run.step.as_text()
   module = Module(text)
   if keep:
@@ -200,7 +188,6 @@ def table(totals: dict, unnamed: dict) -> list[str]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/step_profile.py", __doc__, config=False)
   parser.add_argument("--steps", type=int, default=2)
   parser.add_argument("--keep", default="", metavar="DIR",
@@ -212,9 +199,7 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv, sizes=PROFILED)
   except ConfigError as e:

@@ -8,7 +8,7 @@ gradient-noise-scale meter as a run with `--config.optim.noise_scale_every=N` ha
 measuring step on every Nth step, the plain step otherwise (compare the mean step time with and
 without). Prints the median step time,
 tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this same process, in
-the model's dtype on a product that fills the device (`trainer.metrics.measure_matmul_peak`:
+the model's dtype on a product that fills the device (`trainer.tracking.metrics.measure_matmul_peak`:
 1024^3 on a CPU, 8192^3 on an accelerator), and (b) the configured/known peak, so the ratio is
 honest on any machine.
 """
@@ -20,11 +20,14 @@ import sys
 import tempfile
 import time
 
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, load_from_cli
+from trainer.multihost import platforms
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/throughput.py", __doc__)
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--noise-every", type=int, default=0, metavar="N",
@@ -34,11 +37,8 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.cli import load_from_cli  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   try:  # a mistake in the command line or config: one line, exit 2
     args, rest = build_parser().parse_known_args(argv)
     if args.noise_every:  # the meter in the optimizer, as in a run that logs the noise scale
@@ -48,11 +48,10 @@ def main(argv=None):
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from models.sizes import flops_per_token, param_counts  # noqa: PLC0415
-  from trainer.loop import Run  # noqa: PLC0415
-  from trainer.metrics import (  # noqa: PLC0415
-      machine_peak_flops, matmul_probe_size, measure_matmul_peak)
-  from trainer.state import init_state  # noqa: PLC0415
+  from models.sizes import flops_per_token, param_counts  # noqa: PLC0415  start-up
+  from trainer.run.loop import Run  # noqa: PLC0415  start-up
+  from trainer.tracking.peaks import machine_peak_flops, matmul_probe_size, measure_matmul_peak  # noqa: PLC0415  start-up
+  from trainer.step.state import init_state  # noqa: PLC0415  start-up
 
   with tempfile.TemporaryDirectory() as workdir:
     run = Run(cfg, workdir)
@@ -60,9 +59,9 @@ def main(argv=None):
     step = run.program.compile()
     measuring = run.program.compile(measure_noise=True, logs=True) if args.noise_every else None
     compile_s = time.perf_counter() - t0
-    state = init_state(run.spec, run.tx)
-    it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.train_spec))
-    batches = [run.global_batch([next(it) for _ in range(run.num_micro)])
+    state = init_state(run.program.spec, run.program.tx)
+    it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.feed.spec))
+    batches = [run.feed.global_batch([next(it) for _ in range(run.program.num_micro)])
                for _ in range(min(args.steps, 8))]
     times = []
     with jax.set_mesh(run.mesh):
@@ -79,9 +78,9 @@ def main(argv=None):
   table_peak, source = machine_peak_flops(cfg.trainer.peak_flops_per_device, cfg.model.dtype)
   step_s = statistics.median(times)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
-  fpt = flops_per_token(run.model_cfg, cfg.data.seq_len)["total"]
+  fpt = flops_per_token(run.program.model_cfg, cfg.data.seq_len)["total"]
   tps = tokens / step_s
-  counts = param_counts(run.model_cfg)
+  counts = param_counts(run.program.model_cfg)
   print(f"config            {args.config} {' '.join(rest)}")
   print(f"devices           {jax.device_count()} x {jax.devices()[0].device_kind}; mesh "
         + " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1))

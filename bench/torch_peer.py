@@ -1,20 +1,12 @@
 """The PyTorch peer of our train step: Hugging Face's LlamaForCausalLM trained the way a PyTorch
 user would, on the same model, optimizer settings and tokens (bench/peers.py times it).
 
-`Torch(cfg, model_cfg)` builds `transformers.LlamaForCausalLM` from our model config
-(`models.hf.hf_config_from_model`: the same widths, heads, kv heads, head dim, MLP, RoPE theta,
-norm epsilon and embedding tying, so the same parameter count and FLOPs per token) with
-`attn_implementation="sdpa"` (PyTorch's scaled_dot_product_attention: flash or
-memory-efficient kernels on a GPU), fp32 parameters, and trains it with
-  * bf16 autocast when `model.dtype` is bfloat16 (fp32 otherwise, TF32 matmuls on a GPU as
-    JAX's default precision has them), the loss as fp32 cross-entropy of the logits;
-  * forward + loss under `torch.compile` (`--torch-compile`: default, max-autotune-no-cudagraphs
-    or off), backward through the compiled graph;
-  * `torch.nn.utils.clip_grad_norm_` at `optim.clip_norm`, then `torch.optim.AdamW(fused=True)`
-    with our derived learning rate, betas, eps and weight decay, decay on the matrices but not
-    on the embedding and the norm scales (as ours with `optim.decay_embeddings=False`).
-The learning rate is constant (the schedule's value does not change a step's work).
-Needs the `hf` extra (`pip install -e ".[hf]"`: transformers and torch).
+`Torch(cfg, model_cfg)` builds `transformers.LlamaForCausalLM` from our model config (the same
+widths, so the same parameter count and FLOPs per token) with SDPA attention and fp32
+parameters, and trains it with bf16 autocast (when `model.dtype` is bfloat16), forward + loss
+under `torch.compile` (`--torch-compile`), `clip_grad_norm_` and fused AdamW at our derived
+settings, at a constant learning rate. Needs the `hf` extra (`pip install -e ".[hf]"`).
+Details: docs/performance.md#against-the-peers-on-a-gpu
 """
 from __future__ import annotations
 
@@ -26,8 +18,8 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "off")
 def torch_available() -> str | None:
   """None when torch and transformers import; else why not (one line)."""
   try:
-    import torch  # noqa: F401, PLC0415
-    import transformers  # noqa: F401, PLC0415
+    import torch  # noqa: F401, PLC0415  optional
+    import transformers  # noqa: F401, PLC0415  optional
   except ImportError as e:
     return f"the PyTorch peer needs the hf extra (pip install -e \".[hf]\"): {e}"
   return None
@@ -36,9 +28,9 @@ def torch_available() -> str | None:
 def hf_llama(model_cfg, seq_len: int):
   """transformers' LlamaForCausalLM of our model config (fp32, SDPA attention), on torch's
   current default device."""
-  import transformers  # noqa: PLC0415
+  import transformers  # noqa: PLC0415  optional
 
-  from models.hf import hf_config_from_model  # noqa: PLC0415
+  from models.hf import hf_config_from_model  # noqa: PLC0415  start-up
   hf = transformers.LlamaConfig.from_dict(hf_config_from_model(
       model_cfg, dtype="float32", max_position_embeddings=seq_len))
   hf._attn_implementation = "sdpa"
@@ -51,10 +43,10 @@ class Torch:
   returns the seconds per step (bench/baseline.py's runner protocol)."""
 
   def __init__(self, cfg, model_cfg, tokens, *, compile_mode: str = "default"):
-    import torch  # noqa: PLC0415
-    import torch.nn.functional as F  # noqa: N812, PLC0415
+    import torch  # noqa: PLC0415  optional
+    import torch.nn.functional as F  # noqa: N812, PLC0415  optional
 
-    from optim import derive  # noqa: PLC0415
+    from optim import derive  # noqa: PLC0415  start-up
     self.torch = torch
     self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(cfg.seed)

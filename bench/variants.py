@@ -6,19 +6,11 @@
     python bench/variants.py --vary model.fp8=false,true --size d768-s1024   # issue 25's shapes
     python bench/variants.py --xla xla_gpu_enable_latency_hiding_scheduler=false,true ...
 
-An A/B of any option of the step: each value of `--vary KEY=V1,V2,...` is a `--config.KEY=V`
-override added last, so it wins over the size's and the command line's own. Every variant is
-the compiled step train.py runs (bench/baseline.py's `Ours`: one device, one fixed random batch),
-compiled up front, then timed in turns (`--rounds` rounds of `--steps` steps, after two warm-up
-steps each), so machine drift hits them alike. Prints each variant's median time per step and
-its time over the first variant's (the median of the per-round ratios: < 1 is faster).
-
-`--xla OPTION=V1,V2,...` varies an XLA compiler option instead (a DebugOptions field, e.g.
-xla_gpu_enable_latency_hiding_scheduler, xla_gpu_enable_triton_gemm, xla_gpu_autotune_level):
-each variant's step is compiled with the option set for this platform, on top of the
-platform's own options (trainer/program.py's COMPILER_OPTIONS, where a winner would go), all in
-one process, so the variants alternate as the config ones do; values true/false, integers or
-text.
+Each value of `--vary KEY=V1,V2,...` is a `--config.KEY=V` override added last; `--xla
+OPTION=V1,V2,...` varies an XLA compiler option instead. Every variant is compiled up front and
+timed in turns, so machine drift hits them alike. Prints each variant's median time per step
+and its time over the first variant's (the median of the per-round ratios: < 1 is faster).
+Details: docs/performance.md#ab-of-one-config-key
 """
 from __future__ import annotations
 
@@ -29,11 +21,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 from bench import baseline  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser, apply_override  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def parse_vary(text: str) -> tuple[str, list[str]]:
   """`KEY=V1,V2,...` -> (KEY, [V1, V2, ...]); a mistake raises ConfigError."""
-  from trainer.config import ConfigError  # noqa: PLC0415
   key, sep, values = text.partition("=")
   values = [v for v in values.split(",") if v]
   if not sep or not key or len(values) < 2:
@@ -55,9 +49,9 @@ def option_value(text: str):
 @contextlib.contextmanager
 def compiler_option(name: str, value):
   """The train step compiled in this block has XLA option `name` = `value` on this platform."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from trainer import program  # noqa: PLC0415
+  from trainer.step import program  # noqa: PLC0415  start-up
   platform = jax.default_backend()
   saved = program.COMPILER_OPTIONS.get(platform)
   program.COMPILER_OPTIONS[platform] = {**(saved or {}), name: option_value(value)}
@@ -73,8 +67,7 @@ def compiler_option(name: str, value):
 def vary(cfg, key: str, value: str, devices: int = 1):
   """A copy of `cfg` with `--config.KEY=VALUE` applied (and checked, as train.py checks it, for
   `devices` devices)."""
-  from trainer.cli import apply_override  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415  start-up
   out = cfg.copy_and_resolve_references()
   apply_override(out, key, value)
   validate(out, devices)
@@ -85,7 +78,6 @@ VARIED = {**baseline.SIZES, **baseline.SHAPES}  # the matched models and issue 2
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("bench/variants.py", __doc__, config=False)
   parser.add_argument("--vary", default="", metavar="KEY=V1,V2",
                       help="the config key to vary and its values, e.g. model.scan_unroll=1,64")
@@ -99,9 +91,7 @@ def build_parser():
 
 
 def main(argv=None):
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:  # a mistake in the command line or config: one line, exit 2
     args, configs = baseline.load_sized(build_parser(), argv, sizes=VARIED)
     if bool(args.vary) == bool(args.xla):

@@ -5,19 +5,11 @@ mesh axis with ring attention.
         --config.data.dir=/path/to/prepared
     python -m tools.aot --config configs/lm_1b_32k.py --topology v5e:4x4
 
-Llama 3's vocabulary (128,256 ids; `--config.model.vocab_size=0` takes the vocabulary from the
-prepared data instead), the loss run 2048 positions at a time (`model.logits_chunk`; on each
-device a quarter of them, its own part of the sequence): 14.6 GiB per v5e chip; without it the
-compiler asks for 17.3 GiB of temporaries alone.
-mesh.sequence=4: every device holds 8k tokens of each sequence and ring attention passes keys
-and values around the 4 devices (O(S/4) memory for keys and values, causal work balanced by the
-zig-zag layout); FSDP over the remaining devices. 1M tokens per step (32 x 32768) in
-micro-batches of 8 sequences; full rematerialisation; RoPE base 1e6 for the long range.
-model.ring_head_chunks=4: the ring runs once per 2 of a chip's 8 kv heads, so the blocks in
-flight and the blockwise scores are a quarter of the size (on TPU the ring computes its block
-pairs with plain XLA): 11.9 GiB per chip instead of 29.3 GiB with one ring over all heads
-(both measured with a 512-id vocabulary).
-Documented fit: a v5e slice of 16 chips (`v5e:4x4`, 4 hosts), see docs/aot.md.
+Fits a v5e slice of 16 chips (`v5e:4x4`, 4 hosts) at 14.6 GiB per chip with Llama 3's 128,256-id
+vocabulary (`--config.model.vocab_size=0` takes the prepared data's), by the chunked loss
+(`model.logits_chunk`) and a ring per quarter of a chip's kv heads (`model.ring_head_chunks`).
+1M tokens per step (32 x 32768) in micro-batches of 8, full rematerialisation, RoPE base 1e6.
+Why and details: docs/configs.md#the-shipped-configs.
 """
 from trainer.config import default_config
 

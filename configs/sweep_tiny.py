@@ -3,23 +3,15 @@
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \
         --lr_grid 0.5,1 --target_loss 2.7
 
-(about 13 minutes on 2 busy CPU cores; the figure in docs/batch_size.md.) 0.16M
-parameters, sequences of 64 bytes. The hyperparameters are stated at a reference batch of 16
-sequences (AdamW, lr 3e-3, b2 0.99) and moved to each batch by the square-root rule for the
-learning rate (Adam-type optimizers; `--lr_grid` also tries half of it) and the half-life rule
-for beta2 (b2 ** (B/16): 0.92 at 128, still above b1^2 = 0.81). The warmup is a fixed number of
-examples, so every batch warms up on the same data, and the rate is constant after it, so
-steps-to-target depend on no horizon. Every run measures the gradient noise scale (the
-accumulation micro-batches are the estimator's small batch; its average spans the same ~800
-examples at every batch). As a plain run it trains at batch 16:
+As a plain run at batch 16, and under the batch autopilot from 16 up to 128:
 
     python train.py --config configs/sweep_tiny.py --workdir runs/sweep_tiny
-
-and under the batch autopilot from 16 up to 128 (its defaults, printed at start: the schedule
-then runs in tokens, the warmup being in examples):
-
     python train.py --config configs/sweep_tiny.py --workdir runs/sweep_auto \
         --config.data.batch_ramp=auto
+
+0.16M parameters, sequences of 64 bytes; AdamW stated at a reference batch of 16 and moved to
+each batch by the batch-size rules; a warmup in examples, then a constant rate; every run
+measures the gradient noise scale. Why and details: docs/configs.md#the-shipped-configs.
 """
 from trainer.config import default_config
 

@@ -2,34 +2,17 @@
 
     --config.data.mixture="code=data/a:0.7,prose=data/b:0.3"     # NAME=DIR:WEIGHT, ...
 
-Weights are fractions of the tokens the model trains on (normalised to sum to 1), whatever the
-lengths of the sources' documents. The mixture is chosen per packed *sequence* (window): every
-window of `seq_len + 1` tokens comes from one source alone, so a source's share of windows is its
-share of tokens. A source of 300k-token documents and one of 40-token documents mix as exactly as
-two sources of equal lengths: each source's windows are cut from its own packed documents
-(data/windows.py).
+Weights are fractions of the tokens trained on. Every window of `seq_len + 1` tokens comes from
+one source, so a source's share of windows is its share of tokens, whatever its documents'
+lengths. Which source fills global window g is a pure function of g, the same on any process
+count, and g is window `rank` of that source's own order (`MixtureSelection.rank`):
 
-Which source fills global window g is a pure function of g, and g is window `rank` of that
-source's own order (`MixtureSelection.rank`: the source's windows before g), so a position in a
-mixture is one number, exact on any process count:
+  apportionment  N_s(x), source s's windows among the first x, in closed form from integer
+                 weights: within S - 1 of w_s x at every x (S sources)
+  placement      blocks of BLOCK windows, each block's sources permuted by a seed of (seed, b)
 
-  * apportionment: N_s(x), the number of source-s sequences among the first x, is computed in
-    closed form by splitting the sources one at a time (smallest weight first):
-    N_1(x) = floor(w_1 x), then the rest x - N_1(x) is split the same way among the other
-    sources with their weights renormalised, and the largest source takes what remains. N_s is
-    non-decreasing in x and within S - 1 sequences of w_s x at every x (S sources); a weight
-    below 1/BLOCK still gets its sequences, e.g. one in 10,000 for w = 1e-4 (nothing is rounded
-    per block). The weights are exact integers (units of 2^-48 of the total), so every process
-    computes the same counts; a weight below one unit is refused (`parse`).
-  * placement: the sequences are cut into blocks of BLOCK; block b holds N_s((b+1) BLOCK) -
-    N_s(b BLOCK) sequences of source s, placed at positions given by a permutation seeded by
-    (seed, b), so every stretch of the order mixes the sources and each block holds
-    w_s x BLOCK sequences of source s to within S - 1.
-
-Each source's windows are ordered (documents shuffled per epoch, windows permuted) with a seed of
-its own and repeated on its own (a small source repeats more often). All sources
-must share one tokenizer. Evaluation scores each source's validation split on its own
-(`eval_loss/NAME`, `eval_bpb/NAME`).
+Each source is shuffled with a seed of its own and repeats on its own; all share one tokenizer.
+Why and details: docs/data.md#mixtures
 """
 from __future__ import annotations
 

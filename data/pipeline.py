@@ -1,33 +1,16 @@
 """grain input pipelines: prepared token files -> packed, shifted micro-batches.
 
-The order (data/windows.py): each split's documents, shuffled per epoch, are packed back to back
-into windows of `seq_len + 1` tokens, and the windows permuted by a seeded bijection; global
-window g is the g-th sequence a run trains on. The stream here yields micro-batches: row r of
-the micro-batch that starts at window g holds window g + r, and the next micro-batch starts at
-g + rows. A step of batch B reads B / rows micro-batches, i.e. the windows [g_t, g_t + B), so
-
-  * micro-batches, devices, processes and the mesh only place a step's sequences: the global
-    batch of every step is the same windows whatever they are, and the logged losses with it;
-  * each process reads only the rows its devices hold (`row_ids`, from the batch sharding:
-    `sharding.process_rows`);
-  * a batch ramp, the autopilot or DiLoCo change how many windows a step takes, never the order
-    (step t + 1 starts where step t ended);
-  * the iterator state is one number, the windows read (`{"windows": g}`), the same on every
-    process: a restore onto another mesh, process count or micro-batch size continues exactly.
-
-A window's pieces are the 1-3 documents (typically) it overlaps; segment ids 1, 2, ... number
-them within the sequence and positions restart at 0 in each, so attention and the loss never
-cross a document boundary (loss_mask). Tokens are read by offset from memory-mapped token files
-(data/tokens.py): a window costs the bytes of its tokens, however long its documents are.
-
-With `mixture` (data/mixture.py) the source of global window g is a pure function of g with
-the sources' token shares as its frequencies, and g is window `rank` of that source's own order
-(each source shuffled with a seed of its own and repeated on its own), so everything above holds
-for mixtures too.
+The order is data/windows.py's: global window g is the g-th sequence a run trains on. Row r of
+the micro-batch that starts at window g holds window g + r, and a step of batch B reads windows
+[g_t, g_t + B) as B / rows micro-batches. So micro-batches, devices, processes and the mesh only
+place a step's sequences; each process reads only its devices' rows (`row_ids`, from
+`sharding.process_rows`); the iterator state is one number (`{"windows": g}`), and a restore
+onto another mesh continues exactly. With `mixture` (data/mixture.py) all of it holds too.
 
 Batches are dicts of [rows_on_this_process, seq_len] numpy arrays:
   inputs, targets (next token), positions (within the document piece), segment_ids (1, 2, ...
   per piece, 0 = padding), loss_mask (target belongs to the same piece as the input).
+Why and details: docs/data.md#the-order-a-run-reads
 """
 from __future__ import annotations
 

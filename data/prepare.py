@@ -6,28 +6,12 @@
                                                   # model dir, or a SentencePiece .model
     python -m data.prepare --out DIR --train_tokenizer bpe:4096 [FILES...]  # train a BPE first
 
-Inputs are described in `data/sources.py`. A prepared directory holds per split its shards
-(`train-*.bin` / `train-*.idx`, `validation-*.bin` / `.idx`: each shard's documents' token ids
-back to back, little-endian uint16, uint32 when the vocabulary has more than 65,536 ids, and
-each document's end offset; no pickle; data/shards.py), the tokenizer's files under
-`tokenizer/` and `meta.json`: the tokenizer (kind, files, hash, vocab size, bos/eos/pad ids),
-the token dtype, and per split its shards (name, documents, tokens) and the documents, tokens,
-predicted tokens ("targets") and UTF-8 bytes (which turn a loss into bits per byte). The
-pipeline reads any token range of any document by offset (data/tokens.py).
-
-Documents go to validation by a hash of their key (`--validation_fraction`, default 1%; the
-default corpus keeps its own 1-in-20 file split). If that leaves a split empty (a small
-corpus), the last training document moves to validation; one document is split by tokens.
-Text is made valid Unicode where it is read (data/sources.py: invalid bytes and lone surrogates
-become U+FFFD); meta.json counts such documents (`cleaned_documents`).
-
-Preparation is parallel over units of input (`--workers`) with a progress bar. Work happens in
-`DIR.partial/`, one set of shards per unit plus a marker when the unit is complete; the finished
-directory is renamed to DIR at the end, so an interrupted run (at any point) leaves no half
-corpus behind and a rerun of the same command redoes only what had not finished. DIR itself
-must not exist yet (or be empty): one that holds anything is refused before any work, so a
-finished preparation is never redone or overwritten (the default corpus is reused instead).
-User errors are one line on stderr and exit status 2.
+DIR holds per split its shards (`train-*.bin` / `.idx`: token ids back to back, uint16 or
+uint32, and each document's end offset; data/shards.py), `tokenizer/` and `meta.json`. Inputs:
+data/sources.py. Work happens in `DIR.partial/`, one set of shards per unit of input
+(`--workers` in parallel), renamed to DIR at the end: a rerun redoes only what had not
+finished, and a DIR that holds anything is refused. User errors: one line, exit status 2.
+Details: docs/data.md#inputs-and-tokenizers
 """
 from __future__ import annotations
 
@@ -39,6 +23,7 @@ import os
 import shutil
 import sys
 
+from tqdm import tqdm
 
 from data import corpus, shards, sources
 from data import tokenizer as tokenizers
@@ -166,7 +151,6 @@ def dataclasses_asdict(unit: Unit) -> dict:
 
 
 def _run_units(work: str, units: list[Unit], pending: list[int], job: dict, workers: int):
-  from tqdm import tqdm  # noqa: PLC0415
   bar = tqdm(total=len(units), initial=len(units) - len(pending), desc="prepare", unit="shard",
              disable=None, leave=False)
   try:

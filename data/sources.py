@@ -1,23 +1,17 @@
 """Where documents come from: text files, JSONL, Parquet, Hugging Face datasets.
 
-Inputs are turned into *units* of work (`Unit`): a group of small files, one large file, or one
-shard of a Hugging Face dataset. `data.prepare` tokenizes units in parallel and writes one set of
-output shards per unit, so an interrupted preparation redoes only the units it had not finished.
+Inputs become *units* of work (`Unit`: a group of small files, one large file, or one shard of
+a Hugging Face dataset); data.prepare tokenizes units in parallel, one set of shards each.
 `documents(unit, text_field)` yields `Document`s (key, text, cleaned); the key (file path +
-position) decides the document's split.
-
-Text is made valid Unicode once, here, so that every tokenizer can encode it: bytes that are not
-UTF-8 (in text and JSONL files) and lone UTF-16 surrogates (a JSON escape such as "\\ud83d" left
-from a truncated emoji, common in scraped dumps) each become U+FFFD, the replacement character;
-`cleaned` marks such a document (data.prepare counts them). A JSONL or dataset text that is null
-is skipped, as Parquet's nulls are.
+position) decides the split. Text is made valid Unicode here: non-UTF-8 bytes and lone UTF-16
+surrogates become U+FFFD (`cleaned`); a null text is skipped.
 
   * `.txt` / `.md` / `.py` (and any other file): the whole file is one document.
   * `.jsonl`: one document per line, its text in `text_field`.
   * `.parquet`: one document per row of column `text_field` (needs `pyarrow`: the `data` extra).
-  * a directory written by `datasets.Dataset.save_to_disk` (it holds `dataset_info.json` or
-    `dataset_dict.json`), or `hf:NAME[:CONFIG][@SPLIT]` for `datasets.load_dataset` (needs the
-    `datasets` package; loading by name may download unless the dataset is in the HF cache).
+  * a `datasets.Dataset.save_to_disk` directory, or `hf:NAME[:CONFIG][@SPLIT]` for
+    `datasets.load_dataset` (needs `datasets`; a name may download).
+Details: docs/data.md#inputs-and-tokenizers
 """
 from __future__ import annotations
 
@@ -128,7 +122,7 @@ def group_files(paths: list[str], root: str = "") -> list[Unit]:
 
 def _load_hf(name: str):
   try:
-    import datasets  # noqa: PLC0415
+    import datasets  # noqa: PLC0415  optional
   except ImportError:
     raise SourceError(f"{name!r} is a Hugging Face dataset; install the `datasets` package "
                       "(pip install 'scaletrain[datasets]')") from None
@@ -191,7 +185,7 @@ def documents(unit: Unit, text_field: str) -> Iterator[Document]:
 
 def _parquet_documents(path: str, key: str, text_field: str) -> Iterator[Document]:
   try:
-    import pyarrow.parquet as pq  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415  optional
   except ImportError:
     raise SourceError(f"{path} is Parquet; install pyarrow (pip install 'scaletrain[data]')") \
         from None

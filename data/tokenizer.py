@@ -2,29 +2,16 @@
 
 Every tokenizer has `.kind` ("byte" | "hf" | "sentencepiece"), `.vocab_size`, `.bos_id`,
 `.eos_id`, `.pad_id` (int or None), `.encode(text, *, bos=True, eos=True) -> np.ndarray` (int64
-ids), `.decode(ids) -> str` (special tokens dropped) and `.files()` (the files that define it,
-empty for bytes).
+ids), `.decode(ids) -> str` (special tokens dropped) and `.files()` (empty for bytes).
 
-  * byte: ids 0..255 are UTF-8 bytes, then BOS=256, EOS=257, PAD=258 (259 ids). No vocabulary
-    file, no unknown tokens, exact round trip. The module-level `encode`/`decode`/`VOCAB_SIZE`/
-    `BOS_ID`/`EOS_ID`/`PAD_ID` are this tokenizer.
-  * hf: a `tokenizer.json` read by the `tokenizers` library (or a Hugging Face model directory
-    holding one; its `tokenizer_config.json`, when present, names the bos/eos/pad tokens).
-  * sentencepiece: a SentencePiece `.model` file.
+  byte           ids 0..255 are UTF-8 bytes, BOS 256, EOS 257, PAD 258 (the module-level names)
+  hf             a `tokenizer.json` (or a Hugging Face model directory holding one)
+  sentencepiece  a SentencePiece `.model` file
 
-Only the ids `encode` inserts are special: text that spells a special token (a document that
-quotes `<|bos|>` or `<|end_of_text|>`) is encoded as ordinary text and decodes back to it. The
-`tokenizers` library would match added tokens in raw text; `encode_special_tokens` turns that
-off, and a bos/eos/pad id that a tokenizer still gives (a non-special added token, a plain
-vocabulary entry such as a word-level `<s>`) is encoded again one character at a time.
-SentencePiece never matches its control symbols (bos/eos/pad) in text; byte ids 256+ are never
-text.
-
-`from_path(path)` loads an hf/sentencepiece tokenizer from a file or directory;
-`load_tokenizer(data_dir)` the one a prepared data directory was tokenized with (its meta.json
-names it; the files live in `<data_dir>/tokenizer/`). `train_bpe(texts, vocab_size, out_dir)`
-trains a byte-level BPE (GPT-2 style: any text encodes, no unknown tokens) with the special
-tokens `<|bos|>`, `<|eos|>`, `<|pad|>` at ids 0, 1, 2.
+Only the ids `encode` inserts are special: text that spells a special token encodes as text.
+`from_path(path)` loads an hf or sentencepiece tokenizer, `load_tokenizer(data_dir)` the one a
+prepared directory names; `train_bpe(texts, vocab_size, out_dir)` trains a byte-level BPE with
+`<|bos|>`, `<|eos|>`, `<|pad|>` at ids 0, 1, 2. Details: docs/data.md#inputs-and-tokenizers
 """
 from __future__ import annotations
 
@@ -35,6 +22,8 @@ from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
+import sentencepiece
+import tokenizers
 
 from data.meta import read_meta
 
@@ -108,9 +97,8 @@ class HFTokenizer:
   kind = "hf"
 
   def __init__(self, path: str, special: dict | None = None):
-    from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
     self.path = path
-    self._tok = _Tok.from_file(path)
+    self._tok = tokenizers.Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     names = _config_special_names(os.path.dirname(path))
     vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -181,11 +169,6 @@ class SentencePieceTokenizer:
   kind = "sentencepiece"
 
   def __init__(self, path: str):
-    try:
-      import sentencepiece  # noqa: PLC0415
-    except ImportError:
-      raise TokenizerError(f"{path} is a SentencePiece model; install it with "
-                           "`pip install sentencepiece`") from None
     self.path = path
     self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
     self.vocab_size = self._sp.get_piece_size()
@@ -269,17 +252,15 @@ def storage_dtype(vocab_size: int) -> str:
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HFTokenizer:
   """Train a byte-level BPE of `vocab_size` ids (3 specials + 256 bytes + merges) on `texts`;
   saves `out_dir/tokenizer.json`."""
-  from tokenizers import Tokenizer as _Tok  # noqa: PLC0415
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
   if vocab_size < 256 + len(BPE_SPECIALS):
     raise TokenizerError(f"bpe:{vocab_size}: a byte-level BPE needs at least "
                          f"{256 + len(BPE_SPECIALS)} ids")
-  tok = _Tok(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  trainer = tokenizers.trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(BPE_SPECIALS),
+      initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
   os.makedirs(out_dir, exist_ok=True)
   path = os.path.join(out_dir, "tokenizer.json")

@@ -9,16 +9,10 @@
                network: O(1) memory, random access): global index g = e K + j reads window
                pi_e(j)
 
-Step t of a run reads the global indices [g_t, g_t + B_t), g_t the windows of the steps before
-it. Every sequence is thus a uniform draw from the epoch's windows, whatever the batch: a step's
-windows are no more alike than two steps' windows, and the extra sequences of a bigger batch are
-new documents, not the next chunks of the same ones. How the B_t windows are split into
-micro-batches, devices and processes does not change which windows they are.
-
-A window holds the pieces of the 1-3 documents (usually) it overlaps: (document, start, stop)
-in the document's tokens. Everything here is a pure function of the documents' lengths, the
-seed and the index, so any process computes the same windows without talking to the others,
-and a position in the order is one integer (the count of windows read).
+Step t reads the global indices [g_t, g_t + B_t), g_t the windows of the steps before it, however
+they are split into micro-batches, devices and processes. A window holds (document, start, stop)
+pieces of the 1-3 documents it overlaps, a pure function of the lengths, the seed and the index.
+Why: docs/data.md#the-order-a-run-reads
 """
 from __future__ import annotations
 

@@ -3,31 +3,13 @@
     python -m experiments.autopilot_vs_fixed [--batch_sizes 8,16,32,64,128,256] \\
         [--margins 2,1] [--targets 2.7,2.6,2.45] [--out docs/autopilot_vs_fixed]
 
-The claim tested (issue 12; McCandlish et al. 2018, Sec. 5): a batch that follows the gradient
-noise scale needs about as few tokens as the smallest fixed batch and about as few steps as the
-large ones, because the critical batch grows as the loss falls.
-
-Setup: configs/sweep_tiny.py (0.16M-parameter Llama, sequences of 64 bytes of the embedded
-corpus; AdamW stated at batch 16, lr 3e-3 and b2 0.99, moved to every batch by the square-root
-lr rule and the b2 half-life rule; constant rate after a warmup of 16,384 tokens; schedule in
-tokens, as the autopilot needs). Every run reads the same micro-batches of 8 rows in the same
-order and is evaluated on the same 64 validation sequences. Each fixed batch B runs through
-`tools.batch_sweep.run_one` (evaluated every 256 / B steps; the target crossing is interpolated
-on the eval curve averaged over 1,024 examples; noise scale measured every other evaluation).
-The autopilot (`data.batch_ramp="auto"`) starts at the smallest batch, doubles up to the
-largest when the smoothed B_simple exceeds `margin` x the batch at 2 measurements in a row
-(`data.batch_auto.*` defaults but the margin: 2 is the default, 1 puts the batch at B_simple),
-and is evaluated every 128 examples of its first batch (every 16 steps, so 512 examples apart
-at batch 32), its noise measured every 8 steps. Its examples, tokens and steps at the target
-come from its record: the ramp rebuilt from its `batch_change` events (experiments/common.py).
-A run stops at the lowest of `--targets` or after `--max_examples` (80,000 sequences); the
-higher targets are read from the same runs' records.
-
-Measured runtime: 3.2 minutes on 2 CPU cores shared with other jobs (8 trainings, targets 2.7,
-2.6, 2.45).
-Outputs: OUT.csv (one row per run and target), OUT.png (steps vs tokens to each target; the
-autopilot's batch and B_simple over training). Deterministic on a given machine (fixed seeds
-and data order; a rerun gave the same steps and tokens).
+Trains configs/sweep_tiny.py at each fixed batch (`tools.batch_sweep.run_one`) and with the
+autopilot (`data.batch_ramp="auto"`, from the smallest batch up to the largest) at each margin,
+every run until the lowest of `--targets` or `--max_examples`; the higher targets are read from
+the same runs. Outputs: OUT.csv (one row per run and target), OUT.png (steps vs tokens to each
+target; the autopilot's batch and B_simple over training). 3.2 minutes on 2 busy CPU cores;
+deterministic on a given machine.
+Claim, setup and results: docs/experiments.md#autopilot-vs-fixed-batches
 """
 from __future__ import annotations
 
@@ -132,8 +114,8 @@ def at_targets(name: str, kind: str, margin: float | None, r: batch_sweep.Result
         "examples": None if hit is None else hit.examples,
         "tokens": None if hit is None else hit.tokens,
         "batch_at_target": None if hit is None else ramp.batch_at(int(hit.steps)),
-        "noise_scale": None if hit is None else batch_sweep.interpolate(
-            batch_sweep.noise_curve(rows), hit.steps),
+        "noise_scale": None if hit is None else common.interpolate(
+            common.noise_curve(rows), hit.steps),
         "final_batch": ramp.batches[-1], "steps_run": r.steps_run,
         "final_eval_loss": r.final_eval_loss, "seconds": r.seconds})
   return out

@@ -1,9 +1,9 @@
 """What every experiment shares: its command line, a config at a token budget, and the results
-table. Training a config in-process and reading a run's own record (examples seen from its batch
-changes, the eval curve, where it crossed a target) live in tools/runs.py, below the tools that
-use them too; they are re-exported here.
+table. Training a config in-process (trainer/run/inprocess.py) and reading a run's own record
+(trainer/tracking/record.py: examples seen through its batch changes, the eval curve, where it
+crossed a target) are re-exported here.
 
-Every experiment trains through `trainer.loop.Run` exactly as train.py does (the same data
+Every experiment trains through `trainer.run.loop.Run` exactly as train.py does (the same data
 order, checkpoints and metrics.jsonl), one run after the other in this process, each in a fresh
 workdir under `--workdir`. Its outputs are one CSV (`tools/figures.write_csv`) and one PNG
 (`tools/figures.save`), by default `docs/<experiment>.csv` and `.png`.
@@ -17,15 +17,19 @@ import time
 from collections.abc import Callable
 
 from tools import figures
-from tools.runs import (Reached, Trained, eval_curve, ramp_from_rows,  # noqa: F401
-                        read_rows, target_stop, to_target, train, train_curve)
-from trainer.cli import floats, ints  # noqa: F401  (the experiments' argparse types)
+from trainer.config import ConfigError
+from trainer.config.cli import floats, ints  # noqa: F401  (the experiments' argparse types)
+from trainer.config.cli import CliParser, load
+from trainer.multihost import platforms
+from trainer.run.inprocess import Trained, train  # noqa: F401  (the experiments' toolkit)
+from trainer.tracking.record import (Reached, eval_curve, interpolate, noise_curve,  # noqa: F401
+                                     ramp_from_rows, read_rows, target_stop, to_target, train_curve)
 
 DEFAULT_CONFIG = os.path.join("configs", "sweep_tiny.py")
 
 
 # ------------------------------------------------------------------------------------------------
-# Training in-process (the runs themselves: tools/runs.py)
+# Training in-process (the runs themselves: trainer/run/inprocess.py)
 
 
 def at_budget(base, batch: int, examples: int, *, micro: int, evals: int,
@@ -61,7 +65,6 @@ def parser(name: str, doc: str):
   """CliParser of `python -m experiments.<name>`: `--config` (default configs/sweep_tiny.py),
   `--out` (path stem of the CSV and PNG, default docs/<name>), `--workdir` (the runs), and
   `--config.KEY=VALUE` overrides of the base config."""
-  from trainer.cli import CliParser  # noqa: PLC0415
   p = CliParser(f"-m experiments.{name}", doc, config=False)
   p.add_argument("--config", default=DEFAULT_CONFIG, metavar="FILE.py",
                  help=f"base config (default {DEFAULT_CONFIG}); --config.KEY=VALUE overrides it")
@@ -89,10 +92,7 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str]) -> i
   """Parse (`parse(argv) -> (args, overrides)`), load the base config, run
   `experiment(args, cfg) -> rows` and report the wall time. A mistake in the command line or a
   config is one line on stderr and exit code 2, before anything compiles."""
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.cli import load  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args, overrides = parse(argv)
     cfg = load(args.config, overrides)

@@ -4,34 +4,14 @@ optimal batch? (Charles et al. 2025 report that DiLoCo's is larger.)
     python -m experiments.diloco [--batch_sizes 8,16,32,64,128] [--replicas 1,2,4] \\
         [--inner_steps 1,8,32] [--examples 8192] [--out docs/diloco]
 
-Claim (Charles et al. 2025, "Communication-Efficient Language Model Training Scales Reliably and
-Robustly: Scaling Laws for DiLoCo"; Douillard et al. 2023 for the method): at a fixed token
-budget, DiLoCo's final loss is less hurt by a large global batch than data parallelism's, so
-its optimal global batch is larger, and more so with more replicas M; with M = 1 (no
-communication saved, Lookahead-like outer steps) it can even beat data parallelism.
-
-Setup: the model and data of configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the
-embedded corpus, micro-batches of 8 rows: the same sequences in the same order in every run).
-Every run trains `--examples` sequences at a fixed global batch B: plain data parallelism, and
-DiLoCo with each M in `--replicas` and H in `--inner_steps` (replica r takes the r-th B/M rows
-of each step's batch; the outer step every H steps is Nesterov SGD with lr 0.7 and momentum 0.9,
-the paper's). The inner optimizer is data parallelism's own: AdamW with sweep_tiny's
-hyperparameters stated at batch 16 (lr 3e-3, b2 0.99) and moved to the global batch B by its
-rules (lr ~ sqrt(B), b2 ** (B/16); optim/scaling.py); a linear warmup over the first 1/16 of
-the examples and cosine decay to 0.1x at the budget, in examples (the same data at every batch);
-clipping at norm 1 (per replica). No learning rate is tuned per arm (the paper tunes each).
-Scored by the final validation loss on 128 sequences (after the last outer step: the number of
-steps is a multiple of H). The optimal batch of an arm is the minimum of its loss-vs-log2(B)
-curve: the parabola through the best grid point and its two neighbours when the best is
-inside the grid, else that edge (marked as such).
-
-DiLoCo needs M devices: on a CPU the run uses `--devices` (4) host devices of the one CPU (set
-before jax starts; they share its cores), and data parallelism runs on the same 4-device mesh.
-Measured runtime: 52 minutes on 2 CPU cores busy with other jobs (load average ~20; 50
-trainings of 8,192 sequences).
+Every run trains `--examples` sequences of configs/sweep_tiny.py at a fixed global batch B: data
+parallelism, and DiLoCo with each M in `--replicas` and H in `--inner_steps`, on `--devices` (4)
+CPU host devices; each arm's optimal batch is the minimum of its final loss against log2(B).
 Outputs: OUT.csv (one row per arm and batch, with the arm's optimal batch), OUT.png (final loss
-vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism).
-Deterministic on a given machine.
+vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism). 52
+minutes on 2 busy CPU cores (50 trainings); deterministic on a given machine.
+Claim and method: docs/experiments.md#diloco-vs-data-parallelism-across-batch-sizes; setup and
+results: docs/diloco.md
 """
 from __future__ import annotations
 
@@ -41,6 +21,7 @@ import sys
 
 from experiments import common
 from tools import figures
+from trainer.config import ConfigError
 
 
 def build_parser():
@@ -101,7 +82,7 @@ def best_batch(points: list[tuple[int, float]]) -> tuple[float, bool]:
 
 
 def experiment(args, cfg) -> list[dict]:
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   rows = []
   for name, m, h in arms(args):
     for batch in args.batch_sizes:
@@ -178,7 +159,6 @@ def host_devices(argv: list[str]) -> None:
   """`--devices` host devices for this process (the command's own, set before jax starts its
   backend; in-process callers such as the tests keep the devices they have). A mistake on the
   command line is left to `main`, which reports it in one line."""
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     devices = build_parser().parse_known_args(argv)[0].devices
   except ConfigError:

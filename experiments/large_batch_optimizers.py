@@ -6,33 +6,12 @@ learning rate its batch-size rule derives; and each at the small reference batch
         # the defaults: 21 min on this project's 2-core CPU machine (cores busy), for 8
         # trainings of 32,768 sequences (docs/muon.md)
 
-The claim (You et al. 2017, LARS; You et al. 2019, LAMB): layer-wise trust ratios keep large
-batches trainable with a scaled-up learning rate where the plain optimizer loses accuracy. And
-Muon's (Essential AI 2025, "Practical Efficiency of Muon for Pretraining"): it keeps its data
-efficiency over AdamW at larger batches.
-
-Setup: the model and data of configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the
-embedded corpus, micro-batches of 8 rows: the same data in the same order in every run). Each
-optimizer states its hyperparameters at `--reference_batch` sequences and moves them to
-`--batch` by optim/scaling.py's rules, as its paper does:
-
-  adamw  lr 3e-3 (sweep_tiny's), b2 0.99, decay 0.1; lr_rule sqrt (Malladi et al. 2022),
-         b2_rule half_life (b2 ** k)
-  lamb   lr 3e-2, b2 0.999, decay 0.01, trust ratio ||w|| / ||r|| (the optimizer's defaults,
-         optim/scaling.py); lr_rule sqrt (You et al. 2019 scale LAMB's rate by the square root
-         of the batch), b2_rule half_life
-  lars   lr 2.0, momentum 0.9, trust coefficient 1e-3, decay 5e-4 (defaults); lr_rule linear
-         (You et al. 2017 scale the base rate linearly, with warmup)
-  muon   AdamW's own values (lr 3e-3, b2 0.99 for its AdamW fallback, decay 0.1): the update RMS
-         is matched to AdamW's (optim.muon.rms 0.2, Liu et al. 2025), so they transfer; AdamW's
-         rules (optim/scaling.py says why)
-
-Every run trains `--examples` sequences: a linear warmup over the first 1/8 of them (in
-examples, so the same data at both batches), then cosine decay to 0.1x; gradient clipping at
-norm 1 (the config's) for all four. Scored by the final validation loss on 128 sequences.
-
-Outputs: OUT.csv (one row per optimizer and batch), OUT.png (eval loss vs sequences, one panel
-per batch). Deterministic on a given machine.
+configs/sweep_tiny.py; each optimizer states its hyperparameters at `--reference_batch` and
+moves them to `--batch` by its rules (optim/scaling.py); every run trains `--examples` sequences
+(warmup, then cosine) and is scored by its final validation loss. Outputs: OUT.csv (one row per
+optimizer and batch), OUT.png (eval loss vs sequences, one panel per batch). Deterministic on a
+given machine.
+Claims, setup and results: docs/experiments.md#lamb--lars--muon-vs-adamw-at-large-batch
 """
 from __future__ import annotations
 
@@ -92,7 +71,7 @@ def optimizer_config(base, args, name: str, batch: int):
 
 
 def experiment(args, cfg) -> list[dict]:
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   batches = [args.batch] + ([args.reference_batch] if args.reference_batch
                             and args.reference_batch != args.batch else [])
   rows, curves = [], {}

@@ -5,31 +5,12 @@ no rule.
     python -m experiments.linear_scaling [--batch_sizes 8,16,32,64,128,256] \\
         [--examples 16384] [--lr 0.15] [--out docs/linear_scaling]
 
-Goyal et al.'s claim: with lr = k x lr_ref at k x the reference batch and a gradual warmup, the
-loss after a fixed number of epochs is the same at every batch up to a limit (8k images for
-ResNet-50), beyond which it degrades; without warmup the rule fails early in training at large
-k; without the rule (the same lr everywhere) large batches train too slowly. McCandlish et al.
-2018 place the limit at the critical batch: above it, k times fewer steps cannot do the same
-work however the rate is set.
-
-Setup: the model and data of configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the
-embedded corpus, micro-batches of 8 rows, the same data order at every batch). SGD, momentum
-0.9, L2 weight decay 1e-4 (the optimizer's defaults), no gradient clipping (as Goyal et al.).
-The rate is stated at the smallest batch (`--lr`, the reference batch) and moved by
-`optim.lr_rule` (optim/scaling.py): `linear` in the first two arms, `none` in the third.
-Schedule in examples: warmup over the first `--warmup_fraction` of the budget (from 0 to the
-rule's rate, the same examples at every batch, as Goyal's 5 epochs), then cosine decay to 0.1x
-at the budget; the "no warmup" arm starts at the full rate. Each batch trains `--examples`
-sequences (the same data) and is scored by its final validation loss on 128 sequences; a run
-whose loss goes non-finite or far up, or that ends no better than a uniform prediction (ln V),
-is marked diverged; its last finite evaluation is kept (the trainer's default
-`nonfinite_policy=skip` skips non-finite updates). Arms that coincide (both
-warmup arms at the reference batch) run once.
-
-Measured runtime: 18 minutes on 2 CPU cores busy with other jobs (17 trainings of 16,384
-sequences).
-Outputs: OUT.csv (one row per arm and batch), OUT.png (final loss vs batch for the three arms;
-the learning rate each used). Deterministic on a given machine.
+configs/sweep_tiny.py with SGD, the rate `--lr` stated at the smallest batch and moved by
+`optim.lr_rule` (linear, or none in the third arm); every batch trains `--examples` sequences
+and is scored by its final validation loss (a run that blows up is marked diverged). Outputs:
+OUT.csv (one row per arm and batch), OUT.png (final loss vs batch for the three arms; the
+learning rate each used). 18 minutes on 2 busy CPU cores; deterministic on a given machine.
+Claim, setup and results: docs/experiments.md#linear-scaling--warmup
 """
 from __future__ import annotations
 
@@ -74,7 +55,7 @@ def arm_config(base, args, batch: int, rule: str, warmup: bool):
 
 
 def experiment(args, cfg) -> list[dict]:
-  from optim import derive  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
   rows, done = [], {}
   for batch in args.batch_sizes:
     for name, rule, warmup in ARMS:

@@ -5,34 +5,13 @@ McCandlish fit per optimizer, and a learning-rate check of the batch rule.
         [--target_loss 2.7] [--stated_lr adamw=0.0015,muon=0.012] \\
         [--lr_grid 0.5,1,2 --lr_grid_batches 16,64] [--out docs/muon_critical_batch]
 
-The claim (Essential AI 2025, "Practical Efficiency of Muon for Pretraining"): Muon keeps its
-data efficiency over AdamW to larger batches, i.e. its critical batch is larger.
-
-Every run is one run of the critical-batch sweep (`tools.batch_sweep.run_one`: one fixed
-micro-batch of 8 rows accumulated B/8 times, so every batch reads the same data in the same
-order; evaluated every 256 sequences on the same 64 validation sequences; the eval curve
-averaged over a centered window of 1,024 sequences; stopped once that curve is at the target),
-and each optimizer's runs get the sweep's fit S(B) = S_min + E_min / B with B_crit = E_min /
-S_min (`tools.batch_sweep.summarise`). The same sweep for one optimizer is
-`python -m tools.batch_sweep --config configs/sweep_tiny.py --config.optim.name=muon
---batch_sizes 8,16,32,64,128 --target_loss 2.7`.
-
-Setup: configs/sweep_tiny.py (0.16M parameters, 64-byte sequences): hyperparameters stated at
-batch 16, moved to each batch by the sqrt rule for the learning rate and the half-life rule for
-b2 (0.99 at 16), constant rate after a 256-sequence warmup, decay 0.1. Each optimizer at a rate
-from its best at batch 16 (`--stated_lr`): AdamW 1.5e-3, Muon 1.2e-2, from 2x grids run with this
-command's settings (AdamW 7.5e-4 ... 1.2e-2: 140, 97, 93, 99, 106 steps, a flat optimum; Muon
-1.5e-3 ... 4.8e-2: 83, 62, 50, then 48 at the first evaluation for 1.2e-2 and up; docs/muon.md).
-At the target of 2.7 Muon's batches 8-32 reach it at their first evaluation (upper bounds): a
-lower `--target_loss` resolves them. Measured runtime with the defaults: 17 minutes on 2 CPU
-cores shared with other jobs. The
-`--lr_grid` multiples at `--lr_grid_batches` show where each stands: at 16, that the stated
-rate is the best of its neighbours; at 64, whether the sqrt rule still gives the best rate
-there (x1 winning is the measured check of the rule).
-
+Each optimizer, at its `--stated_lr` (stated at batch 16 on configs/sweep_tiny.py and moved by
+the sqrt rule), runs the critical-batch sweep (`tools.batch_sweep.run_one`, fitted by
+`tools.batch_sweep.summarise`); `--lr_grid` multiples at `--lr_grid_batches` check the rate.
 Outputs: OUT.csv (one row per run: optimizer, batch, lr multiplier, steps / sequences to the
-target, B_simple measured on the way), OUT.png (steps and sequences to the target vs batch with
-each optimizer's fit; the learning-rate check). One seed; deterministic on a given machine.
+target, B_simple), OUT.png (steps and sequences to the target vs batch with each optimizer's
+fit; the learning-rate check). 17 minutes on 2 busy CPU cores; one seed, deterministic.
+Claim and setup: docs/experiments.md#muon-vs-adamw-the-critical-batch; results: docs/muon.md
 """
 from __future__ import annotations
 
@@ -67,7 +46,7 @@ def build_parser():
 def parse(argv):
   p = build_parser()
   args, overrides = p.parse(argv)
-  from optim import OPTIMIZERS  # noqa: PLC0415
+  from optim import OPTIMIZERS  # noqa: PLC0415  start-up
   args.optimizers = [o for o in args.optimizers.split(",") if o]
   bad = [o for o in args.optimizers if o not in OPTIMIZERS]
   if bad:

@@ -4,33 +4,13 @@ points of one stable phase (one run, several endings).
     python -m experiments.schedules [--examples 32768] [--branches 0.25,0.5,0.75,1] \\
         [--decay_fraction 0.2] [--out docs/schedules]
 
-The claims: warmup-stable-decay (Hu et al. 2024, MiniCPM; Hägele et al. 2024) matches cosine at
-the same tokens while its stable phase can be stopped anywhere by a short decay; the Power
-scheduler (Shen et al. 2024) needs no horizon for its main phase.
-
-Setup: configs/sweep_tiny.py at its batch of 16 (AdamW, lr 3e-3, b2 0.99, 64-byte sequences of
-the embedded corpus), schedules in tokens, warmup 256 sequences, all decays to 0.1x:
-  cosine   cosine decay over the whole budget
-  power    min(lr, batch x a x tokens^b) with b = -0.51 (the paper's) and `a` chosen so that the
-           law meets lr at the end of the warmup, then the last `--decay_fraction` decays
-           (1 - sqrt shape, as WSD's)
-  wsd      one stable run at lr (constant after the same warmup), checkpointed at every
-           branch point; a WSD run ending at E x T (E in `--branches`) restores a copy of the
-           checkpoint at S = E x T - D and decays over D = decay_fraction x T. Its config is the
-           schedule 'wsd' with horizon S + D and wsd_decay_fraction D / (S + D), so its decay
-           starts exactly at the checkpoint. The horizon keys (optim.decay_tokens,
-           wsd_decay_fraction) are config, not checkpointed state (the optimizer state holds
-           only the step count), so a branch continues the stable run's parameters, optimizer
-           state and data position under its own schedule. The run ending at T is WSD at equal
-           tokens. Checked on every run: the branch's schedule gives the stable run's logged
-           learning rate at every logged stable step (float32 equality); tests check that a
-           branch equals, loss for loss, a from-scratch run of its config.
-Scored by the final validation loss on 256 sequences (the last evaluation of each run).
-
-Measured runtime: 14 minutes on 2 CPU cores busy with other jobs (8 trainings, 7,374 steps at
-batch 16 in all: cosine, power, the stable phase in 4 legs, 4 decays).
-Outputs: OUT.csv (one row per run), OUT.png (eval loss vs tokens of every run; final loss vs
-tokens of the WSD branches beside cosine and power at T). Deterministic on a given machine.
+configs/sweep_tiny.py at batch 16 trains `--examples` sequences under cosine and Power, and one
+stable WSD run checkpointed at each branch point, from which each WSD ending restores a copy and
+decays over the last `--decay_fraction`; the branch's rate is checked against the stable run's
+logged rate at every logged step. Outputs: OUT.csv (one row per run), OUT.png (eval loss vs
+tokens of every run; final loss vs tokens of the WSD branches beside cosine and power at T).
+14 minutes on 2 busy CPU cores; deterministic on a given machine. Claims, setup and results:
+docs/experiments.md#wsd-vs-cosine-vs-power-and-wsd-branches-from-one-stable-phase
 """
 from __future__ import annotations
 
@@ -38,9 +18,11 @@ import math
 import os
 import sys
 
+import numpy as np
+
 from experiments import common
 from tools import figures
-from tools.runs import copy_checkpoint
+from trainer.run.inprocess import copy_checkpoint
 
 
 def build_parser():
@@ -109,9 +91,8 @@ def power_a(peak: float, batch: int, warmup_tokens: float, b: float) -> float:
 
 def schedule_values(cfg, steps: int) -> list[float]:
   """The learning rate the config's schedule gives at steps 0 .. steps-1 (float32)."""
-  import numpy as np  # noqa: PLC0415
-  from optim.ramp import BatchRamp  # noqa: PLC0415
-  from optim.schedules import build_schedule  # noqa: PLC0415
+  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
+  from optim.schedules import build_schedule  # noqa: PLC0415  start-up
   ramp = BatchRamp.from_config(cfg.data)
   sched = build_schedule(cfg.optim, cfg.steps, ramp, batch_size=cfg.data.global_batch_size)
   return [float(np.float32(sched(n))) for n in range(steps)]

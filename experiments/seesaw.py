@@ -5,38 +5,13 @@ branching, next to the gradient noise scale and the critical-batch sweep.
         [--at 50,100,200,400,800] [--factors 2,4,8] [--probe_tokens 65536] [--b_crit 0] \\
         [--out docs/seesaw]
 
-Part 1, Seesaw (Meterez et al. 2025, arXiv 2510.14717; `data.batch_ramp="seesaw"`,
-optim/ramp.py). configs/sweep_tiny.py (0.16M parameters, 64-byte sequences of the embedded
-corpus; AdamW stated at batch 16 with the sqrt lr rule and the b2 half-life rule) at batch
-`--batch` B0, a cosine schedule to 0.1x over `--examples` sequences after its warmup of 256,
-every run reading the same sequences in the same order and evaluated on the same
-`--eval_sequences` validation sequences about every `--eval_examples` sequences:
-  cosine         the plain schedule at B0
-  step decay     the cosine discretised where it halves (at 1/2, 1/4, 1/8 of its peak): Seesaw
-                 with data.max_batch = B0, nothing doubles
-  seesaw M       data.batch_ramp=seesaw, data.max_batch=M for each M of `--max_batches`: at each
-                 halving the batch doubles (up to M) and the rate is cut by 1/sqrt(2) instead
-  seesaw M, lin  the same ramp up to the largest M with the linear rule (optim.lr_rule=linear:
-                 the rate kept at each doubling), alpha sqrt(beta) = 2 sqrt(2) > 2, the side of
-                 the paper's family that it predicts to be too aggressive for Adam
-Scored by the final eval loss and the serial steps taken; the figure shows eval loss against
-tokens and against steps, and each run's batch and rate.
-
-Part 2, the critical batch over training (Merrill et al. 2025, arXiv 2505.23971;
-tools/batch_probe.py). One sweep_tiny run as configured (batch 16, constant rate, the noise
-meter every 10 steps) with checkpoints at `--at`; from each, branches at `--factors` x 16 for
-`--probe_tokens` tokens, compared with the run's own continuation at equal tokens (tolerance
-0.01, 4 smoothed evaluations on 256 sequences). Drawn with the run's B_simple over training and
-the critical-batch sweep's B_crit (`--b_crit`: the fit of `python -m tools.batch_sweep --config
-configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 --lr_grid 0.5,1 --target_loss 2.7`, stated in
-docs/batch_size.md; 0 leaves it out). The implied batch ramp is written beside the probe's CSV.
-
-Measured runtime: 13 minutes on 2 CPU cores shared with other jobs (part 1: five trainings of
-16,384 sequences, 8 minutes; part 2: the 800-step run and 20 branches, 5 minutes); 23 minutes
-(14 + 9) under heavier load.
-Outputs: OUT.csv (part 1, one row per run), OUT.png (part 1), OUT_probe.csv, OUT_probe.json,
-OUT_probe.png (part 2, the tool's outputs) and OUT_probe_ramp.txt (the implied ramp as config
-overrides, when the measurements imply one). Deterministic on a given machine.
+Part 1 trains configs/sweep_tiny.py at `--batch` under cosine, its step decay, and Seesaw
+(`data.batch_ramp="seesaw"`) up to each of `--max_batches`, the largest also with the linear
+rule. Part 2 branches one run at `--factors` x its batch from its checkpoints at `--at`
+(tools/batch_probe.py). Outputs: OUT.csv and OUT.png (part 1), OUT_probe.{csv,json,png} (part
+2) and OUT_probe_ramp.txt (the implied ramp as config overrides, when the measurements imply
+one). 13 minutes on 2 busy CPU cores; deterministic on a given machine.
+Setup and results: docs/experiments.md#seesaw-and-the-critical-batch-by-branching
 """
 from __future__ import annotations
 

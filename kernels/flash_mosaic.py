@@ -1,35 +1,17 @@
 """Flash attention on Pallas Mosaic GPU (Hopper): forward and backward, layout `[B, S, H, D]`,
 causal, grouped-query heads and packed documents' segment ids.
 
-The same algorithm as the Triton kernel (kernels/flash_attention.py, FlashAttention-2: online
-softmax forward saving the log-sum-exp; backward recomputing the scores tile by tile, dQ in one
-kernel, dK/dV in another), written for the backend that stays (jax deprecates Pallas' Triton
-backend): tiles move between global and shared memory by TMA (`copy_gmem_to_smem`, pipelined
-`max_concurrent_steps` deep by `plgpu.emit_pipeline`), and every product is a warpgroup MMA
-(`plgpu.wgmma`, Hopper's wgmma) from shared memory into an fp32 accumulator. Tiles are 64 x 64
-(one warpgroup's wgmma M), head dims multiples of 64 (64, 128, ...).
+FlashAttention-2 as in kernels/flash_attention.py (Triton), on the backend jax keeps: tiles move
+by TMA (`plgpu.emit_pipeline`), every product is a wgmma into an fp32 accumulator; tiles 64 x 64,
+head dims multiples of 64, q/k/v 16-bit (`supports`). Three kernels:
 
-Choices made so that the kernels also run in Pallas' Mosaic GPU interpreter on a CPU (jax
-0.10.2's interpreter has no transposed shared-memory operand, no register operand of wgmma and
-no `run_state`), which is how the tests check them numerically without a GPU:
-  * the transposed operands of the products (K^T for S = Q K^T, V^T for dP = dO V^T, Q^T and
-    dO^T in the dK/dV kernel) come pre-transposed from global memory ([B, heads, D, S], one XLA
-    transpose each per call, a few percent of the attention's bytes at S >= 1k);
-  * the probabilities P and dS go through shared memory on their way into the next wgmma
-    (FlashAttention-3 keeps P in registers; that costs a shared-memory round trip here);
-  * each product starts from a zeroed accumulator (`pl.run_scoped`) and is added to the
-    running sum in registers.
+  forward   a query tile against its key tiles  -> out, lse
+  dQ        a query tile against its key tiles  -> dq
+  dK, dV    a key tile against its query tiles  -> per query head, summed per kv head's group
 
-Masks: a query attends to a key when they have the same segment id and, causal, the key is not
-later. Lengths are padded to whole tiles; padded queries and keys get segment ids that match
-nothing real (-2, -1), so one comparison masks documents and padding alike (no segment ids:
-every real token is in segment 0). A masked score is a large finite negative and its
-probability is set to 0, so a row whose keys so far are all masked stays exact. With `causal`
-the forward and dQ kernels stop at the diagonal's key tile and the dK/dV kernel starts at it:
-the tiles above the diagonal are neither loaded nor computed.
-
-GQA: query head h reads kv head h // (H / K); dK and dV are computed per query head and summed
-over each kv head's group by XLA.
+A query sees a key of its own segment (padding's ids match nothing) and, causal, not a later
+one; tiles above the diagonal are skipped. Written to run in Pallas' Mosaic GPU interpreter
+too (the tests' CPU check). Why and details: docs/attention.md#the-mosaic-gpu-kernel
 """
 from __future__ import annotations
 
@@ -40,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -51,7 +34,6 @@ PAD_Q, PAD_KV = -2, -1  # segment ids of padding (they match nothing, not even e
 def _mgpu():
   """Pallas' Mosaic GPU module (imported lazily: importing it on a machine without CUDA
   libraries is fine, using it to lower needs jax's CUDA plugin)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
   return plgpu
 
 
@@ -63,7 +45,7 @@ def supports(head_dim: int, dtype) -> bool:
 def _interpret(interpret: bool):
   if not interpret:
     return None
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415
+  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: PLC0415  version
   return InterpretGPUParams()
 
 

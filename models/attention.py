@@ -1,64 +1,18 @@
-"""Attention dispatch: one entry point, several implementations.
+"""Attention dispatch: one entry point (`attention`), several implementations (`model.attention`).
 
-  xla     softmax attention in plain XLA ops (`xla_attention`), held to
-          `jax.nn.dot_product_attention`, the reference every implementation is tested against;
-          materialises the [S, S] scores (memory O(S^2)).
-  flash   our Pallas flash-attention kernel: on a Hopper GPU (and an ahead-of-time H100
-          target) the Mosaic GPU kernel (kernels/flash_mosaic.py: wgmma, TMA; 16-bit q/k/v,
-          head dims a multiple of 64), else the Triton one (kernels/flash_attention.py; any
-          dtype and head dim; elsewhere interpreted, exact but slow); on TPU jax's splash
-          attention instead.
-  flash_triton  the Triton kernel by name (jax deprecates Pallas' Triton backend: kept as long
-          as jax keeps it; what `auto` picks for packed documents on GPU until the Mosaic kernel
-          has been timed on one).
-  splash  jax's TPU splash attention (kernels/splash.py); interpreted off-TPU.
-  ring    ring attention over the mesh's `sequence` axis (sharding/ring_attention.py), O(S/N)
-          memory per device, its blocks in jnp (XLA) on every platform; with no sequence axis
-          (> 1) to ring over it falls back to `auto`.
-  cudnn   cuDNN's fused flash attention on GPU (`cudnn_attention`; packed documents as a
-          [B, 1, S, S] bias), by name (what `auto` picks without segment ids); xla elsewhere.
-  auto    ring when mesh.sequence > 1; else on TPU splash, on CPU xla, and on GPU: with packed
-          documents (segment ids, what training feeds) our Triton flash kernel (the one timed
-          in a train step), without them cuDNN's fused flash attention
-          (`jax.nn.dot_product_attention(implementation="cudnn")`) where it applies, else xla
-          (`choose_impl` decides, from the platform, dtype, shapes and whether there are
-          segment ids).
+  xla           plain XLA ops held to jax.nn.dot_product_attention: the reference; O(S^2) memory
+  flash         our Pallas kernel: Mosaic GPU on Hopper (kernels/flash_mosaic.py), else Triton
+                (kernels/flash_attention.py), interpreted off GPU; on TPU it means splash
+  flash_triton  the Triton kernel by name
+  splash        jax's TPU splash attention (kernels/splash.py); interpreted off-TPU
+  ring          ring attention over the mesh's `sequence` axis (sharding/ring_attention.py)
+  cudnn         cuDNN's fused attention on GPU (packed documents as a [B, 1, S, S] bias); else xla
+  auto          ring when mesh.sequence > 1; else splash on TPU, xla on CPU, and on GPU
+                flash_triton for packed documents, else cudnn where it applies, else xla
 
-Why packed documents go to our kernel on GPU: cuDNN (through jax 0.10.2) keeps documents apart
-only with a [B, 1, S, S] bias built from the segment ids in every layer (and rebuilt in the
-backward pass under remat), read by its forward and backward and differentiated (a [B, 1, S, S]
-bias gradient written per layer, then dropped); our kernel reads the [B, S] ids and skips the
-tiles no query of a block may see. Issue 34's GPU run (H200, d768 L12 1024 x 32): the train step
-with our kernel took 0.975x the time of the step with cuDNN and the bias; and the compiled H100
-program shows what the bias costs (`bench/compiled.py --topology h100:1`, docs/performance.md).
-jax's cuDNN path has a packed layout (segment offsets) too, but it checks the local GPU when
-traced (so it cannot be compiled ahead of time here) and, in jax 0.10.2, offsets keys of
-grouped-query attention by the query heads' stride (jax-ml/jax#39521). The Triton kernel has
-run on a GPU (issue 25's GPU tier: its numerical checks against an fp32 reference passed); the
-Mosaic GPU one has run in Pallas' interpreter and compiled for an H100, not yet run on a GPU.
-The cuDNN constraints (jax
-0.10.2, `jax/_src/cudnn/fused_attention_stablehlo.py`, and jax's own cuDNN attention tests):
-  * an Ampere or newer GPU (compute capability >= 8.0: not Colab's T4 or a V100), CUDA 12 (the
-    `gpu` extra; jax's tests skip cuDNN attention on CUDA 13);
-  * q/k/v fp16 or bf16, never fp32;
-  * head dim a multiple of 8 and <= 128 (256 on Hopper+, but jax checks that on the local GPU,
-    so 128 is what an ahead-of-time compile may rely on);
-  * grouped-query heads are supported; packed documents only as a mask, which cuDNN adds as a
-    [B, 1, S, S] bias, and in training with a bias both lengths must be even.
-`flash` and `flash_triton` are available by name everywhere (the Triton kernel also as ring
-attention's blocks, see sharding/ring_attention.py); `auto` picks `flash_triton` on GPU for
-packed documents at head dims up to FLASH_MAX_HEAD_DIM (the sizes the GPU tier checks).
-
-Packed documents are kept apart by segment ids: a query attends only to keys of its own segment
-(and, when causal, not to later tokens; causality is by token index, not by position).
-
-Under a mesh (`jax.set_mesh`), the kernels run inside `shard_map` over the batch and head axes:
-a Pallas call is opaque to XLA's partitioner, which would otherwise gather it onto every device.
-The sequence axis is not split for flash/splash (ring is the implementation that does that).
-
-Ring attention's causal load balance wants the sequence in zig-zag order; `sequence_layout`
-says when, and the model (models/llama.py) reorders tokens once at its input and its hidden
-states back once at the output, so no layer pays for a permutation.
+Packed documents: a query attends only to keys of its own segment (and, causal, to no later
+token by index). Under a mesh the kernels run in `shard_map` over batch and heads. `choose_impl`
+is the one place the choice is made. Why and details: docs/attention.md#implementations
 """
 from __future__ import annotations
 
@@ -77,7 +31,7 @@ from sharding.rules import BATCH_AXES
 
 IMPLS = ("xla", "flash", "flash_triton", "splash", "ring", "cudnn", "auto")
 CUDNN_DTYPES = ("float16", "bfloat16")
-CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper+, but jax checks that on the local GPU (see above)
+CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper+, but jax checks that on the local GPU (docs/attention.md)
 FLASH_MAX_HEAD_DIM = 128  # the largest head dim `auto` gives our kernel (checked on a GPU)
 
 
@@ -130,16 +84,7 @@ def xla_attention(q_BSHD, k_BSKD, v_BSKD, *, segment_ids=None, causal=True):
   """Softmax attention as plain XLA ops: fp32 scores, masked (causal by token index, and by
   segment), `jax.nn.softmax`, then the weighted sum of the values. `segment_ids`: [B, S], or
   the `XlaMasks` made from them once for all layers (`xla_masks`; the model passes those).
-
-  The same math as `jax.nn.dot_product_attention(implementation="xla")` (tests hold it to that
-  to fp32 rounding), written so XLA compiles a lean program: without segments the causal mask
-  is built from iotas inside the softmax's fusion rather than materialised per layer; with as
-  many kv heads as heads the einsums carry no group axis; and causal attention runs in query
-  blocks of CAUSAL_BLOCK rows, block i against keys [0, (i + 1) x CAUSAL_BLOCK) only, so the
-  scores above the diagonal's blocks are never computed ((n + 1) / 2n of the work for n
-  blocks). On CPU forward + backward measured 1.2-1.7x faster than
-  `jax.nn.dot_product_attention` without the blocks, and the blocks took another 23% off at
-  S = 512 (docs/performance.md)."""
+  Causal: query blocks of CAUSAL_BLOCK rows, none above the diagonal (docs/attention.md)."""
   S, T = q_BSHD.shape[1], k_BSKD.shape[1]
   q_BSHD = q_BSHD * jnp.asarray(q_BSHD.shape[3] ** -0.5, q_BSHD.dtype)
   blocks, c = _query_blocks(S, T, causal)
@@ -191,8 +136,8 @@ def choose_impl(impl: str, *, platform: str, sequence: int = 1, dtype=None,
                 gpu_capability: float | None = None, segments: bool = False) -> str:
   """The implementation `impl` stands for on `platform` ("cpu", "gpu", "tpu") with a mesh
   `sequence` axis of that size, for q/k/v of `dtype` and `head_dim`, with (`segments`) or
-  without packed documents' segment ids (the one place the choice is made; the module
-  docstring says why GPU's default is flash for packed documents, else cudnn or xla).
+  without packed documents' segment ids (the one place the choice is made; docs/attention.md
+  says why GPU's default is flash for packed documents, else cudnn or xla).
   gpu_capability: the GPU's compute capability when known (None: an ahead-of-time target,
   assumed recent); cuDNN's flash attention and our kernel's `auto` need >= 8.0. Without
   dtype and head_dim (not known yet), `auto` on GPU is "cudnn" when the caller cannot tell:

@@ -2,8 +2,8 @@
 change the function a set of weights computes.
 
 `FUNCTIONAL` and `NOT_FUNCTIONAL` classify every field (nested ones as `rope_scaling.factor`,
-`moe.top_k`): a checkpoint resumed (trainer/checkpoint.py), warm-started from or evaluated
-(trainer/inference.py) under another value of a functional field would load -- the shapes may
+`moe.top_k`): a checkpoint resumed (trainer/checkpoint/persistent.py), warm-started from or evaluated
+(trainer/checkpoint/model_dirs.py) under another value of a functional field would load -- the shapes may
 agree -- and silently compute something else, so both refuse it, reading this one table. A
 field that is in neither list fails tests/test_checkpoint.py: a new model key must be classified
 when it is added.
@@ -116,7 +116,7 @@ FUNCTIONAL = (
 
 NOT_FUNCTIONAL = {
     "param_dtype": "the precision the weights are stored in (a warm start casts them; a resume "
-                   "still requires it, for the optimizer state: trainer/checkpoint.py)",
+                   "still requires it, for the optimizer state: trainer/checkpoint/persistent.py)",
     "dtype": "the precision of the matmuls, not what they compute",
     "fp8": "the precision of the blocks' projections (fp8 with per-tensor scales), not what "
            "they compute",

@@ -1,38 +1,17 @@
 """Cross-entropy through the LM head without materialising the [B, S, V] logits.
 
-With a real vocabulary the logits dominate activation memory: Llama 3's V = 128,256 makes the
-fp32 logits of one 8k-token sequence 4 GiB, and the backward pass holds their gradient too.
 `chunked_cross_entropy` runs the head and the loss one chunk of sequence positions at a time
-inside a `lax.scan`: a chunk's logits [B, c, V] are formed, used and dropped, so forward and
-backward hold one chunk's logits at a time.
+inside a `lax.scan`, so forward and backward hold one chunk's logits [B, c, V] at a time. Its
+forward rule (a `jax.custom_vjp`) also computes each chunk's dX and adds into dW, so the head's
+three matmuls run once each and nothing is recomputed:
 
-The backward is computed in the same pass (a `jax.custom_vjp`). The loss is a sum, so its
-gradient with respect to a chunk's logits is g (softmax - onehot) x mask for the scalar
-cotangent g the caller's backward brings; the forward rule computes, per chunk and with g = 1,
-the logits, their log-sum-exp, the loss and that gradient, and contracts the gradient at once
-into the chunk's dX = dlogits head^T and into the head's gradient sum dW += X^T dlogits. The
-backward rule only scales the saved dX and dW by g. So a step runs the head's three matmuls
-once each, as the unchunked loss does (forward, dX, dW), and no chunk's logits are recomputed:
-chunking costs the one-time passes of a scan, not a fourth head matmul (issue 34: the earlier
-rematerialising version cost 12-13% of a d768 step on an H200). Without differentiation (an
-evaluation) only the loss is computed. Residuals: dX in x's dtype, dW in fp32 (the head's
-gradient, alive through the backward pass as the unchunked loss's is) and each token's loss
-(the mask's cotangent).
+  chunk k = positions k, k + n, k + 2n, ...   (strided: every device keeps its own tokens)
+    logits = X_k head -> lse, loss, dlogits = softmax - onehot (x mask)
+    dX_k = dlogits head^T;  dW += X_k^T dlogits  (fp32)
+  backward: scale the saved dX and dW by the cotangent
 
-Exactness. In fp32 the loss and both gradients equal the unchunked loss's to fp32 rounding
-(summation order: dW sums its tokens chunk by chunk). With bf16 compute (`dtype`) each chunk's
-dX is the unchunked dX's rows (the same mixed fp32 x bf16 matmul, rounded to x's dtype once),
-and dW is summed in fp32 across chunks where autodiff of the unchunked loss rounds the whole
-product to bf16: closer to the exact gradient (`tests/test_cross_entropy.py`).
-
-Chunks are strided: with n chunks, chunk k holds positions k, k + n, k + 2n, ... of every
-sequence. Splitting [B, S, E] as [B, S/n, n, E] keeps the leading (possibly `sequence`-sharded)
-part of the sequence axis where it was, so every device keeps its own tokens whatever shards
-the sequence; the scan runs over the unsharded n axis.
-
-The target logit is taken with a one-hot contraction rather than a gather, which stays local
-when the vocabulary is split over `tensor` (vocab-parallel head, Megatron-style); so is the
-gradient's one-hot subtraction.
+In fp32 the loss and gradients equal the unchunked loss's to fp32 rounding.
+Why and details: docs/sharding.md#large-vocabularies
 """
 from __future__ import annotations
 

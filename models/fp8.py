@@ -1,30 +1,15 @@
 """FP8 matmuls for the dense layers (`model.fp8`): e4m3 operands forward, e5m2 gradients backward,
 one scale per tensor computed from that tensor's own absolute maximum in the same step.
 
-`fp8_matmul(x [M, K], w [K, N])` is the product x w with both operands quantized to
-float8_e4m3fn (3 mantissa bits, range +-448) and the gradient of the output quantized to
-float8_e5m2 (2 mantissa bits, range +-57344: gradients need range more than precision); the
-three products (forward, dX = dY W^T, dW = X^T dY) multiply fp8 operands with fp32 accumulation
-and are then multiplied by the product of the two operands' scales. This is the recipe
-torchao calls "tensorwise" dynamic scaling and Transformer Engine "current scaling", the
-scale of a tensor being amax(|t|) / (the fp8 type's largest value), so t / scale fills the
-fp8 range. It is stateless: nothing is carried between steps, so the train state, checkpoints
-and the optimizer do not change, and a run can switch fp8 on or off when it resumes. Delayed
-scaling (flax's `Fp8DotGeneralOp`, Transformer Engine's default: scales from an amax history
-of earlier steps, kept as extra model state) saves the amax reduction before each cast, at the
-price of state in every checkpoint, a second optimizer path for that state and scales that
-lag a changing tensor; current scaling is torchao's default recipe (which torchtitan's fp8
-training uses).
+  fp8_matmul(x [M, K], w [K, N]):  y  = (q(x) q(w)) s_x s_w            q: e4m3, s = amax / 448
+                                   dX = (q(dY) q(w)^T) s_dY s_w        q(dY): e5m2, s = amax / 57344
+                                   dW = (q(x)^T q(dY)) s_x s_dY        fp32 accumulation
 
-The shape of the program is the one XLA's GPU `GemmRewriter` turns into cuBLASLt fp8 GEMMs
-(`__cublas$lt$matmul$f8`, Hopper and Ada): a `dot_general` of two fp8 operands with an fp32
-result, multiplied by a scalar (the product of the scales). cuBLASLt takes one e4m3 and one
-e5m2 operand, never two e5m2, which is why only the gradient is e5m2. XLA transposes and pads
-the operands as cuBLASLt wants (K-major, multiples of 16). On other platforms (CPU, TPU) XLA
-computes the same numbers by converting the fp8 operands up: exact in value, but no faster.
-
-The residuals kept for the backward pass are the fp8 operands and their scales: 1 byte per
-element instead of 2 (bf16), so fp8 layers also hold less activation memory.
+Stateless (torchao's "tensorwise" recipe, Transformer Engine's "current scaling"): nothing is
+carried between steps, so checkpoints are the same with it on or off. The program has the shape
+XLA's GPU rewriter turns into cuBLASLt fp8 GEMMs (Hopper, Ada); elsewhere XLA computes the same
+numbers by converting up. The backward keeps the fp8 operands and their scales (1 byte each).
+Why and details: docs/accelerators.md#fp8
 """
 from __future__ import annotations
 

@@ -1,38 +1,18 @@
 """A Llama-style decoder-only transformer in Flax NNX.
 
-RMSNorm -> grouped-query attention with RoPE -> RMSNorm -> SwiGLU MLP, pre-norm residuals; the
-layers are created stacked (`nnx.vmap`) and run with `nnx.scan`, so compile time does not grow
-with depth. Every parameter carries logical axis names (`sharding/rules.py` maps them to the
-mesh); activations are constrained at block boundaries.
+  tokens -> embed -> L x [x + attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x))] -> RMSNorm
+         -> head -> logits (or the chunked loss, models/cross_entropy.py)
 
-Mixture of experts (`ModelConfig.moe`, models/moe.py): with moe.num_experts > 0 every
-moe.every-th layer's MLP is a routed mixture of SwiGLU experts (`MoEBlock`), and the scan
-repeats groups of moe.every layers (`MoEGroup`: every - 1 dense blocks, then the MoE block),
-collecting each MoE layer's router statistics (`hidden(with_stats=True)`, `loss_and_stats`).
+Attention is grouped-query with RoPE. The layers are created stacked (`nnx.vmap`) and run with
+`nnx.scan`, so compile time does not grow with depth; with MoE the scan repeats groups of
+`moe.every` layers (`MoEGroup`: dense blocks, then an `MoEBlock`). Parameters carry logical axis
+names (sharding/rules.py); activations are constrained at block boundaries. Shape suffixes:
+B batch, S sequence, E embed (d_model), H query heads, K kv heads, D head dim, F mlp width,
+V vocab, L layers.
 
-Shape suffixes: B batch, S sequence, E embed (d_model), H query heads, K kv heads, D head dim,
-F mlp width, V vocab, L layers.
-
-Parametrization (`parametrization`): "sp" is the standard one (every weight N(0, init_std^2),
-the residual-output projections wo and w_down N(0, init_std^2 / 2L), attention 1/sqrt(D)).
-"mup" is the Maximal Update Parametrization for Adam-type optimizers (Yang et al. 2022,
-"Tensor Programs V", Table 3 in its multiplier form, as the `mup` package's MuReadout/MuAdam),
-relative to a base width: with m = d_model / base_width (every hidden width -- heads x head dim,
-mlp_dim -- is assumed to scale with d_model by the same m),
-
-  hidden matrices (wq wk wv wo w_gate w_up w_down): init std / sqrt(m) (variance ~ 1/fan_in),
-      Adam learning rate x 1/m (`width_multiplier`, applied by optim/factory.py);
-  input embedding: init and learning rate unchanged (constant in width);
-  output (LM head, or the tied embedding used as head): init and learning rate unchanged, the
-      head multiplied by 1/m inside `head()` (so both the full logits and the chunked loss see
-      it); with the 1/m the effective head has init variance ~ 1/fan_in^2 and Adam step ~ 1/m;
-  attention logits: q.k * sqrt(D_base) / D instead of q.k / sqrt(D) (1/D scaling, equal to SP's
-      at the base head dim D_base = base_width / num_heads, or D when head_dim is set), applied
-      by multiplying the queries by sqrt(D_base / D) before the attention dispatcher, so every
-      implementation (xla, cudnn, flash, splash, ring) and decoding honour it unchanged;
-  norm scales: init and learning rate unchanged.
-
-At m = 1 every multiplier is skipped, so muP at its base width is SP bit for bit.
+Parametrization: "sp" (every weight N(0, init_std^2), wo and w_down N(0, init_std^2 / 2L)) or
+"mup" relative to `base_width`, m = d_model / base_width (hidden init / sqrt(m), Adam lr / m, the
+head x 1/m, attention 1/D); at m = 1 muP is SP bit for bit. Why and details: docs/mup.md
 """
 from __future__ import annotations
 

@@ -1,38 +1,13 @@
 """Mixture-of-experts feed-forward layer: a fp32 top-k router and SwiGLU experts.
 
-One MoE layer replaces the dense SwiGLU MLP of a block (`models/llama.py` builds it when
-`model.moe.num_experts` > 0; every `model.moe.every`-th layer is MoE). Per token x:
+  router (fp32)  p = softmax(x W_r) [N]; the top-k experts e_j, weighted p_e / sum_j p_{e_j}
+  experts        y = sum_j w_j SwiGLU_{e_j}(x), width `model.moe.mlp_dim`; tokens sorted by
+                 expert, dropless or with a capacity (models/moe_dispatch.py)
 
-  router (fp32): logits = x W_r [N], p = softmax(logits); the top-k experts e_1..e_k with weights
-      p_e / sum_j p_{e_j} (renormalised over the chosen k, as Mixtral; with k = 1 the weight is 1);
-  experts: y = sum_j w_j SwiGLU_{e_j}(x), each expert the dense MLP's form
-      (silu(x W_gate) * x W_up) W_down with width `model.moe.mlp_dim`.
-
-Dispatch (`models/moe_dispatch.py`): tokens are sorted by expert and run through grouped
-matmuls (`jax.lax.ragged_dot`, or megablox's Pallas `gmm` on TPU), with no token dropped (the default, `capacity_factor` 0), or
-with a capacity of ceil(capacity_factor * S * k / N) assignments per expert and sequence
-(priority: every token's first choice before any second choice, GShard's order); assignments
-over capacity are dropped (their weight is 0, the residual carries the token) and counted.
-Under a mesh the expert computation runs in `shard_map`: each device sorts its own tokens; when
-the `expert` axis splits the experts, the rows go to the device holding their expert by
-`all_to_all` and come back the same way (`moe_dispatch.py`).
-
-Statistics (returned per layer, summed over the layer's tokens; the trainer turns them into the
-auxiliary losses with `aux_losses`, `trainer/step.py`):
-  counts [N]     assignments routed to each expert before dropping (no gradient),
-  prob_sum [N]   sum over tokens of the router probabilities (differentiable),
-  z_sum          sum over tokens of logsumexp(logits)^2 (differentiable; ST-MoE's z-loss),
-  entropy_sum    sum over tokens of the router distribution's entropy, nats (no gradient),
-  dropped        assignments dropped by the capacity (no gradient),
-  tokens         tokens seen.
-
-Auxiliary losses (`aux_losses`), both averaged over the MoE layers:
-  z-loss = mean over tokens of logsumexp(logits)^2 (Zoph et al. 2022);
-  balance = N * sum_i f_i P_i (Switch Transformer / GShard; 1 when balanced) with f_i the
-      fraction of assignments routed to expert i (no gradient) and P_i the mean router
-      probability of expert i. `balance_scope="global"` takes f and P over the global batch (all
-      micro-batches and all data-parallel devices; Qiu et al. 2025, "Demons in the Detail");
-      "micro_batch" over each micro-batch, averaged over micro-batches.
+Per layer it returns router statistics summed over its tokens (counts, prob_sum, z_sum,
+entropy_sum, dropped, tokens); `aux_losses` turns them into the z-loss (mean of
+logsumexp(logits)^2) and the balance loss N sum_i f_i P_i (1 when balanced), over the global
+batch or per micro-batch (`balance_scope`). Why and details: docs/moe.md#auxiliary-losses
 """
 from __future__ import annotations
 
@@ -53,7 +28,7 @@ STAT_KEYS = ("counts", "prob_sum", "z_sum", "entropy_sum", "dropped", "tokens")
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-  """`model.moe.*` (documented in trainer/config.py, validated in trainer/parallel_checks.py)."""
+  """`model.moe.*` (documented in trainer/config/defaults.py, validated in trainer/config/parallel_checks.py)."""
   num_experts: int = 0  # 0: a dense model
   top_k: int = 2
   mlp_dim: int = 0  # width of each expert; 0: model.mlp_dim

@@ -1,29 +1,16 @@
 """Token dispatch of the MoE layer: sort by expert, grouped SwiGLU, all-to-all across devices.
 
-`expert_ffn` runs the routed experts on a batch [B, S, E] given each token's k expert ids and
-combine weights. Per device (inside `shard_map` over the whole mesh when one is set; directly
-without one):
+`expert_ffn` runs the routed experts on [B, S, E] given each token's k expert ids and combine
+weights. Per device (inside `shard_map` over the whole mesh when one is set):
 
-  1. the device's T = B_local x S_local tokens are repeated k times and sorted by expert
-     (argsort of the T k expert ids; dropped assignments carry id N and sort last);
-  2. expert parallelism (the experts' `experts` axis sharded over mesh axes of total size
-     ep > 1): the sorted rows are packed into one block per destination device -- the device
-     holding their expert -- and exchanged with `all_to_all`; the receiver sorts what it got by
-     its local expert, computes, and sends the results back with a second `all_to_all`. A block
-     has room for every row that could go to one device: T k rows when dropless (the worst
-     case, so nothing is ever lost; the receive buffer is ep x T k rows), n_local x C x B_local
-     with a capacity C per expert and sequence;
-  3. grouped SwiGLU: dropless, grouped matmuls over the contiguous groups, either
-     `jax.lax.ragged_dot` (impl "ragged_dot": XLA's; native on TPU and GPU, on CPU a masked
-     dense decomposition doing every expert's work for every row) or megablox's `gmm` (impl
-     "megablox": jax's Pallas TPU kernel, `jax.experimental.pallas.ops.tpu.megablox`; in
-     interpret mode off TPU, for tests); with a capacity, each expert's rows are scattered into
-     a static [n, rows, E] buffer and multiplied with batched einsums;
-  4. the outputs are unsorted, weighted and summed over the k choices in fp32; a `tensor`
-     split of the expert width is summed with one `psum`.
+  1. the T = B_local x S_local tokens are repeated k times and sorted by expert (dropped last);
+  2. expert parallelism (experts split over ep > 1 devices): rows are packed per destination
+     device and exchanged with `all_to_all`, computed there, and sent back the same way;
+  3. grouped SwiGLU: `jax.lax.ragged_dot` or megablox's `gmm` (dropless), or a static
+     [n, rows, E] buffer per expert with batched einsums (with a capacity);
+  4. the outputs are unsorted, weighted and summed over the k choices in fp32.
 
-Expert weights enter `shard_map` sharded only over their expert axes (and `tensor` on the
-width): an FSDP-sharded embed dimension is all-gathered on the way in, as for every weight.
+Why and details: docs/moe.md#dispatch-and-expert-parallelism
 """
 from __future__ import annotations
 
@@ -32,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import ops
 
 from sharding.mesh import mesh_platform
 from sharding.rules import logical_to_spec, spec_axes
@@ -72,7 +60,6 @@ def _megablox(x_RE, w_nEF, sizes_n, valid_R):
   """megablox `gmm` on the rows of the groups. Rows past the groups come out of the kernel
   (and its backward pass) undefined, so they are zeroed on the way in and out: `where` passes
   no gradient to its unselected side."""
-  from jax.experimental.pallas.ops.tpu.megablox import ops  # noqa: PLC0415
   R, E = x_RE.shape
   tm, tk, tn = MEGABLOX_TILE
   tm = min(tm, -(-R // 8) * 8)

@@ -2,32 +2,12 @@
 the loss of a step's [M, B, S] batch as one differentiable function of the parameters, with the
 MoE router statistics and auxiliary losses of the whole step.
 
-Stages. The stored layer stack [G, ...] (G scan units: layers, or MoE groups of `moe.every`
-layers) is viewed as [S, R, G / (S R), ...]; each tick a stage merges its share into the stacked
-blocks module and runs them with `run_layers` (models/llama.py), reading the RoPE tables and
-document masks of the micro-batch it holds, each layer under `model.remat` as in the plain model;
-with `pipeline.remat_stage` (the default) the pipeline keeps one stage input per tick and the
-backward pass recomputes the stage from it (sharding/pipeline.py).
+  embed (every stage, its M / S micro-batches)
+    -> tick loop: the stored layer stack [G, ...] viewed as [S, R, G / (S R), ...], `run_layers`
+    -> final norm, head and loss (every stage, its M / S micro-batches, one at a time)
 
-Where the embedding and the head run: outside the tick loop, on every stage, each stage on its
-own M / S micro-batches (the micro-batch dimension split over `stage`). A stage's embeddings are
-its slots of the pipeline's input buffer, and the last stage's outputs come back to the same
-slots (sharding/pipeline.py), so neither moves more than the hand-over between stages already
-does. On the first and last stage instead, inside the loop, they would lengthen those stages'
-ticks and so every tick (the head is the largest matmul per token: 2 E V against a layer's
-~24 E^2 + attention); after the loop on the last stage alone, the other stages would idle
-through M heads. The price of spreading them: the embedding, head and final-norm weights are
-replicated over `stage` (sharded inside a stage as before) and their gradients are all-reduced
-over `stage` once per step, which the start-up line counts beside the activations. The loss of
-a stage's micro-batches runs one micro-batch at a time (a scan), so at most one micro-batch's
-logits exist; without `model.logits_chunk` each is recomputed in the backward pass rather than
-kept for all M / S.
-
-MoE. Each tick's router statistics are summed over the busy ticks into [S, R, G / (S R), ...]
-and put back in model layer order, so the step's statistics, the global-batch balance loss (f
-from the same pass: no pre-pass) and the z-loss are those of the accumulation path
-(trainer/step.py) to float rounding; the per-micro-batch balance (`balance_scope=
-"micro_batch"`) is summed per micro-batch inside the loop.
+The embedding, head and final norm are replicated over `stage` and their gradients all-reduced
+over it once per step. Why and details: docs/pipeline.md#inside-the-tick-loop
 """
 from __future__ import annotations
 
@@ -73,7 +53,7 @@ def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
 def objective(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: int = 1,
               fraction=None):
   """(what the step differentiates, (loss sum, target tokens, {"stats", "aux"} or None)), as
-  trainer/step.py's accumulation objective: the loss sum plus the step's target tokens times
+  trainer/step/train_step.py's accumulation objective: the loss sum plus the step's target tokens times
   the weighted auxiliary losses. `batch` is the step's batch or one of `parts` equal pieces of
   its rows (the noise-scale meter's halves), `fraction` then the whole step's f [G, N] for the
   global balance loss (else taken from this pass)."""

@@ -1,57 +1,18 @@
-"""Batch-size autopilot (`data.batch_ramp = "auto"`): the global batch follows the measured
-gradient noise scale, growing by a factor when the noise says a bigger batch would pay.
+"""Batch-size autopilot (`data.batch_ramp = "auto"`): the global batch grows with the measured
+gradient noise scale.
 
-Why. McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training") show that the
-critical batch, below which a bigger batch buys proportionally fewer steps and above which it
-buys hardly any, is predicted by the simple noise scale B_simple = tr(Sigma) / |G|^2, and that
-it grows as the loss falls; their Sec. 5 and GPT-3 grow the batch during training by hand.
-Critical and optimal batches grow with the tokens seen ("How Does Critical Batch Size Scale in
-Pre-training?", Zhang et al. 2024; "How to Set the Batch Size for Large-Scale Pre-training?";
-"Time Transfer" / Power Lines, Bergsma et al. 2025), so a batch fixed at the start is too small
-later or too large early. AdAdaGrad (Lau et al. 2024, "AdAdaGrad: Adaptive Batch Size Schemes
-for Adaptive Gradient Methods") grows the batch of Adam-type methods by the norm test of Byrd
-et al. 2012 ("Sample size selection in optimization methods for machine learning").
+`Autopilot.observe` reads every noise measurement (`optim.noise_scale_every`), from replicated
+metrics only, so every process decides the same. Its trigger, `data.batch_auto.trigger`:
 
-The rule (`Autopilot.observe`), evaluated at every step that measures the noise scale
-(`optim.noise_scale_every`), on replicated metrics only, so every process decides the same:
+  noise_scale   the smoothed B_simple (sequences, `noise_scale`) > `margin` x the batch
+  norm_test     tr(Sigma) / (T |g_B|^2) > `eta`^2, the step's own |g_B| (Byrd et al. 2012)
 
-  trigger "noise_scale": the smoothed B_simple in sequences (the meter's EMA, `noise_scale`)
-      exceeds `margin` x the current batch;
-  trigger "norm_test":   the norm test, Var[g_B] > eta^2 |g_B|^2 for the step's mean gradient
-      g_B over its T target tokens, with Var[g_B] = tr(Sigma) / T from the meter's smoothed
-      per-token tr(Sigma) (`noise_trace`) and |g_B| the step's own gradient norm
-      (`grad_norm`, before clipping). It needs nothing the meter does not already compute. As
-      E|g_B|^2 = |G|^2 + tr(Sigma)/T, it fires when B_simple > B eta^2 / (1 - eta^2): the same
-      statistic as the first trigger with the denominator taken from the current step instead
-      of the smoothed |G|^2 (always positive, noisier), margin = eta^2 / (1 - eta^2).
-
-  When the trigger holds at `patience` measurements in a row, the batch is multiplied by
-  `factor` (capped at `max`); it never shrinks. A measurement at step n (1-based) is read
-  back by the loop before step n + 2 is dispatched (a log step's row is read while the next
-  step runs), so the new batch applies from step n + 2 (`DELAY`): fixed by the step count,
-  the same on every run and every process.
-
-Every batch is `global_batch_size x factor^k` sequences, a whole number of the fixed
-micro-batch shape, so each size compiles once and the stream of micro-batches (the data order)
-is that of a fixed batch. The decisions (step -> batch) are the ramp's stages; they and the
-rule's streak are saved with every checkpoint (`state_dict`), so a resumed run rebuilds the same
-ramp and follows the same batch sequence.
-
-Defaults (`with_defaults`), so that `data.batch_ramp=auto` is the one override a config that
-runs needs; each filled-in value is printed when the run starts:
-
-  data.batch_auto.max 0        global_batch_size x factor^3 (8x the start at factor 2);
-  data.micro_batch_size 0      global_batch_size: the starting batch is one micro-batch (it fits,
-                               as the config ran with it) and larger batches accumulate it;
-  optim.noise_scale_every 0    10: the measurements the rule reads;
-  optim.schedule_unit "steps"  "tokens" when every length the schedule uses is given in examples
-                               or tokens: they then mean the same whatever batches are chosen
-                               (examples x seq_len), while a schedule in steps would have to
-                               convert them through batches not yet decided.
-
-What stays ambiguous is refused by the config checks (trainer/config_checks.py): lengths in
-steps for a schedule in tokens or examples (and the reverse, when some lengths are in steps),
-a decaying schedule in tokens without a horizon in tokens or examples.
+held at `patience` measurements in a row multiplies the batch by `factor` (up to `max`; it
+never shrinks), from step n + `DELAY` (2) after a measurement at step n. Every batch is
+`global_batch_size` x factor^k, whole micro-batches, so each size compiles once and the data
+order is a fixed batch's; the decisions and the streak are checkpointed (`state_dict`).
+`with_defaults` fills in what the config leaves unset. Why, the norm test's derivation, the
+defaults: docs/batch_size.md#batch-autopilot
 """
 from __future__ import annotations
 
@@ -69,8 +30,8 @@ NO_HORIZON = ("constant", "rsqrt")  # schedules that never read their horizon
 
 def with_defaults(cfg):
   """(run config with the autopilot's defaults filled in, one line per value filled in) for a
-  run config (ConfigDict) under `data.batch_ramp = "auto"` (the module docstring); the config
-  itself when there is nothing to fill in. The input is not changed."""
+  run config (ConfigDict) under `data.batch_ramp = "auto"` (docs/batch_size.md#batch-autopilot);
+  the config itself when there is nothing to fill in. The input is not changed."""
   d, o = cfg.data, cfg.optim
   if d.batch_ramp != "auto":
     return cfg, []
@@ -185,9 +146,10 @@ class Autopilot:
   and the loop: the loop reads every step's batch from it).
 
   `cost(batch)`: the cost model of a batch size, the fraction of each step a pipelined run
-  (mesh.stage > 1) idles in the pipeline's bubble at that batch, (S - 1) / (M R + S - 1) with M
-  = batch / micro-batch rows (trainer/stages.py); None without stages. It does not change the
-  rule (a larger batch only shrinks the bubble); every decision says what it does to it."""
+  (mesh.stage > 1) idles in the pipeline's bubble at that batch, (S - 1) / (M R + S - 1) with
+  M = batch / micro-batch rows (trainer/step/pipelined.py); None without stages. It does not
+  change the rule (a larger batch only shrinks the bubble); every decision says what it does to
+  it."""
 
   def __init__(self, cfg: AutoConfig, ramp: BatchRamp, cost=None):
     self.cfg, self.ramp = cfg, ramp

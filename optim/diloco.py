@@ -1,29 +1,15 @@
 """DiLoCo: its settings and its outer optimizer (the maths of the outer step).
 
-Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models":
-M replicas start from the same parameters theta (the *anchor*) and each takes H steps of an
-ordinary (inner) optimizer on its own data, exchanging nothing. Then the outer step averages
-their parameter changes into the outer gradient
+M replicas start from the same parameters theta (the anchor) and take H inner steps each on
+their own data, exchanging nothing; then the outer step
 
     Delta = theta - (1/M) sum_r theta_r            (the mean pseudo-gradient)
+    theta <- OuterOpt(theta, Delta)                (Nesterov SGD: lr 0.7, momentum 0.9)
 
-and applies an outer optimizer to the anchor, theta <- OuterOpt(theta, Delta): Nesterov SGD with
-learning rate 0.7 and momentum 0.9 in the paper (and here by default); every replica restarts from
-the new anchor, keeping its own inner optimizer state. Only the outer step communicates: one
-all-reduce of the parameters every H steps, instead of the gradient's at every step.
-Charles et al. 2025, "Communication-Efficient Language Model Training Scales Reliably and
-Robustly: Scaling Laws for DiLoCo", find that this scales predictably with model size, that
-M = 1 (Lookahead-like: theta <- theta - lr x Nesterov(theta - theta_H)) can beat plain data
-parallelism, and that DiLoCo's optimal global batch is larger than data parallelism's.
-
-Two checks of the maths (tests/test_diloco.py): with H = 1, an SGD inner optimizer and an outer
-SGD of rate 1 without momentum, the anchor after each step is the replicas' mean, which for a
-linear inner optimizer is data parallelism's update on the global batch; with M = 1 the outer
-step is the Lookahead-style update computed by hand.
-
-The trainer holds the replicas and runs the steps (trainer/diloco.py); this module has no
-model or mesh: the settings (`DiLoCoConfig`), the outer optimizer (`outer_optimizer`, optax), and
-`outer_update`, the outer step on parameter trees.
+and every replica restarts from the new anchor, keeping its inner optimizer state. This module
+has no model or mesh: the settings (`DiLoCoConfig`), the outer optimizer (`outer_optimizer`,
+optax) and `outer_update`, the outer step on parameter trees; the trainer holds the replicas
+(trainer/step/diloco.py). Why and details: docs/diloco.md#how-it-works
 """
 from __future__ import annotations
 

@@ -1,57 +1,18 @@
 """Optimizer factory: the `optim` config block -> an optax GradientTransformation.
 
-  adamw  Loshchilov & Hutter 2019 (decoupled weight decay, multiplied by the learning rate)
-  lamb   You et al. 2019: Adam direction + weight decay, scaled per layer by ||w|| / ||r||
-  lars   You, Gitman & Ginsburg 2017: momentum SGD with a per-layer trust ratio
-  sgd    SGD with (optionally Nesterov) momentum, optional L2 weight decay
-  adafactor  Shazeer & Stern 2018 (factored second moments), with the parameter-scale
-             multiplication off so that `learning_rate` is an absolute step as for Adam
-  lion   Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms" (sign of an
-         interpolated momentum)
-  muon   Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training": Newton-Schulz
-         orthogonalised momentum for the weight matrices, update RMS matched to AdamW's, and
-         `optim.muon.fallback` (AdamW) for embeddings, head, norms (optim/muon.py)
+`optim.name`: adamw, lamb, lars, sgd, adafactor, lion or muon (optim/muon.py). For all seven
+weight decay is w -= lr * (u + wd * w) (inside the trust ratio for LAMB/LARS), and a
+hyperparameter the config leaves unset takes the optimizer's default (`OPTIMIZER_DEFAULTS`,
+optim/scaling.py). The chain:
 
-Weight decay means the same for all seven: it is added to the update before the learning rate
-scales it, w -= lr * (u + wd * w) (optax.adamw's convention; for LAMB/LARS inside the trust
-ratio, as in their papers). Each has its own defaults for the learning rate, decay, b2 and
-trust coefficient, used when the config leaves them unset (`OPTIMIZER_DEFAULTS`,
-optim/scaling.py). The learning rate is read from the schedule at the step the trainer passes
-(`update(..., step=n)`, optim/transforms.py), so skipped steps do not shift the schedule.
+  noise-scale meter (raw gradient) -> clipping -> optimizer (+ muP 1/m) -> parameter EMA
 
-Masks come from the parameters' logical axis names (what the model annotates anyway):
-a parameter is a *matrix* when it has at least two axes besides the stacked `layers` axis;
-norm scales and biases are not. Weight decay and the LAMB/LARS trust ratio apply to matrices
-only; input embedding tables (first non-layer axis `vocab`, by the convention in
-`sharding/rules.py`) are also spared weight decay unless `optim.decay_embeddings`.
-
-muP (models/llama.py, `model.parametrization="mup"`). `width_multiplier` m > 1 multiplies the
-update of every *hidden* matrix (a matrix without a `vocab` axis: attention and MLP weights,
-not the embedding or the LM head) by 1/m after the learning rate (and the weight decay inside
-it), i.e. a per-parameter learning rate lr/m, the Adam rule of Tensor Programs V. It is derived
-for optimizers whose per-coordinate step does not depend on the gradient's scale: adamw,
-adafactor, lion (`SCALE_INVARIANT_OPTIMIZERS`; trainer/config_checks.py refuses the others).
-LAMB and LARS's trust ratio already fixes each matrix's step to lr * ||W||_F, a width-independent *relative* change,
-whereas muP wants a hidden matrix to change by O(1) in spectral norm, i.e. relative Frobenius
-change ~ 1/sqrt(m); the trust ratio does not provide that, and a 1/sqrt(m) multiplier after it
-is untested here, so they are refused rather than guessed. SGD's muP rule differs (lr ~ m for
-vector-like parameters) and is not implemented. Muon is refused too: its shape scaling already
-sets each matrix's spectral step (an orthogonal update has spectral norm 1; with `muon.rms=0`,
-Jordan's sqrt(max(1, fan_out/fan_in)) keeps it width-independent when the widths grow together,
-the spectral condition of Yang, Simon & Bernstein 2023; the RMS-matched 0.2 sqrt(max(fan_in,
-fan_out)) grows as sqrt(m) and would need 1/sqrt(m)), so muP's 1/m Adam multiplier is wrong for
-it, and the right one is not coordinate-checked here.
-
-Batch size. Hyperparameters are stated at a reference batch and derived for the batch a step
-actually has (`optim/scaling.py`). The transformation returned here is one optax
-transformation for every batch size: `update(..., batch_size=B)` applies the optimizer built
-for B (built once per B and cached; all share one state structure), so a batch-size ramp, whose
-stages the trainer compiles as separate steps, gets each stage's learning rate, weight decay,
-beta2 and EMA decay as constants of that stage's program. Without `batch_size` it is the run's
-`data.global_batch_size`. The schedule returned beside it works the same way (`.at(B)`).
-
-Around the optimizer: the gradient-noise-scale meter goes first (it must see the raw gradient;
-`optim/noise_scale.py`), clipping next, the parameter EMA last (`optim/ema.py`).
+Masks come from the logical axis names: decay and trust ratio for matrices (two or more axes
+besides `layers`), not for `vocab` embeddings unless `optim.decay_embeddings`. muP
+(`width_multiplier` m) scales hidden matrices' updates by 1/m (adamw, adafactor, lion only).
+`update(..., batch_size=B, step=n)` applies the optimizer built for B (cached) at schedule
+step n; the schedule beside it takes `.at(B)`. Why and details: docs/batch_size.md#optimizers,
+docs/batch_size.md#batch-size-ramp, docs/mup.md.
 """
 from __future__ import annotations
 
@@ -68,6 +29,7 @@ from optim.muon import muon
 from optim.ramp import BatchRamp
 from optim.scaling import SCALE_INVARIANT_OPTIMIZERS, Hyperparameters, derive
 from optim.schedules import build_schedule
+from optim.seesaw import planned_ramp
 from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adafactor", "lion", "muon")
@@ -148,7 +110,7 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
                        f"{SCALE_INVARIANT_OPTIMIZERS}, not optim.name={cfg.name!r}")
     m["lr_multipliers"] = lr_multipliers(param_names, width_multiplier)
   if ramp is None and data is not None:
-    ramp = BatchRamp.from_config(data, cfg, total_steps)
+    ramp = planned_ramp(data, cfg, total_steps)
   default_batch = data.global_batch_size if data is not None else None
 
   @functools.lru_cache(maxsize=None)

@@ -1,63 +1,18 @@
 """Muon: orthogonalised momentum for the matrices, a fallback optimizer for everything else.
 
-Muon (Jordan et al. 2024, "Muon: An optimizer for hidden layers in neural networks"; Liu et al.
-2025, "Muon is Scalable for LLM Training") keeps a Nesterov momentum M of each weight matrix's
-gradient and steps along its orthogonalisation, the polar factor U V^T of M = U S V^T,
-approximated by five quintic Newton-Schulz iterations on M / ||M||_F (optax's
-`orthogonalize_via_newton_schulz`, coefficients (3.4445, -4.7750, 2.0315); its singular values
-come out in ~[0.7, 1.2], not exactly 1, which the paper shows does not hurt). Parameters that are
-not matrices (norm scales, biases) and the embedding table and LM head go to a fallback
-optimizer (`optim.muon.fallback`, AdamW by default), as in both papers.
+Each matrix keeps a Nesterov momentum M of its gradient and steps along its orthogonalisation
+(five quintic Newton-Schulz iterations on M / ||M||_F, optax's), times `optim.muon.rms` x
+sqrt(max(fan_in, fan_out)) (rms 0: Jordan's sqrt(max(1, fan_out / fan_in))). Which weights
+are matrices, and their input and output axes, come from the logical axis names:
 
-Which weights are matrices, and which of their axes are the matrix's input and output, is read
-from the logical axis names the model annotates and `sharding/rules.py` maps (no reshaping of
-the parameters, no per-model table):
+  [layers|experts, ..., core axes]   stack axes: each slice its own matrix (vmapped)
+  [embed, *out] reads the residual stream, [*in, embed] writes it, no embed: [in, out]
+  a `vocab` axis or < 2 core axes    the fallback (`optim.muon.fallback`, AdamW)
 
-  * stack axes, `layers` (the scanned layer stack) and `experts` (an MoE layer's experts), are
-    batch axes: each slice is its own matrix (optax vmaps over them), so a scanned [layers, ...]
-    stack gets exactly the update its layers would get one by one in an unrolled model;
-  * of the remaining (core) axes, a weight lays out its input axes first and its output axes
-    last (`models/llama.py:dense`), and every matrix of the model reads from or writes to the
-    residual stream: [embed, *out] reads it (wq [embed, heads, head_dim]: one embed x
-    (heads*head_dim) matrix, heads folded into the output dimension; w_gate, w_up, the MoE
-    router), [*in, embed] writes it (wo [heads, head_dim, embed], w_down [mlp, embed]); a weight
-    without an embed axis and exactly two core axes is [in, out]. The router is named
-    [embed, None] (models/moe.py): its experts axis is unnamed on purpose, replicated (every
-    token scores every expert) and no stack axis, so Muon orthogonalises the whole
-    embed x num_experts router as one matrix;
-  * a weight with a `vocab` axis (the embedding table, the LM head) and anything with fewer than
-    two core axes goes to the fallback.
-
-The model keeps q, k, v and gate, up as separate weights, so each projection is orthogonalised on
-its own, never their concatenation (Muon on a fused [E, 3HD] qkv weight would couple the three).
-
-Update size (`optim.muon.rms`). The matrices and the fallback share one learning rate
-(`optim.learning_rate`); `rms` sets the matrices' step relative to the fallback's. With
-rms = r > 0 the orthogonalised update of a fan_in x fan_out matrix is multiplied by
-r sqrt(max(fan_in, fan_out)) (Liu et al. 2025, eq. 4: an orthogonal matrix's RMS is
-1/sqrt(max(...)), so the update's RMS becomes r, times the learning rate), while an AdamW
-update's RMS is about 0.2-0.4: r = 0.2 matches the two (so an AdamW config's learning rate and
-weight decay carry over), a larger r steps the matrices further and leaves the fallback's step
-as it was, and the learning rate moves both. rms = 0 is Jordan's original scaling,
-sqrt(max(1, fan_out / fan_in)), an update RMS of ~1/sqrt(max(fan_in, fan_out)) times that:
-modded-nanogpt gives it a learning rate of its own (0.02) and its Adam parameters theirs;
-here raising the one rate for the matrices raises the fallback's as much, so to step the
-matrices further than the fallback raise rms, not the rate. Weight decay is the factory's for
-every optimizer: w -= lr * (update + wd * w), Liu et al.'s decoupled decay.
-
-Sharding. Newton-Schulz multiplies whole matrices five times; left to XLA's SPMD partitioner
-on FSDP/tensor-sharded operands, it all-gathers the matrices again inside every iteration (a
-3.3M-parameter step on fsdp=4 x tensor=2: 98 MiB gathered per device against AdamW's 11,
-bench/collectives.py). So the orthogonalisation runs in a layout of its own (`ns_path`): each
-matrix whole on a device, the mesh axes that shard its matrix dimensions moved onto the stack
-axes (layers, experts) as far as they divide them, counting the axes a stack axis already has
-(a [layers=8, E, F] stack on fsdp=4: two layers per device, as torchtitan's DistMuon hands
-whole matrices to ranks; an [experts, ...] stack keeps its `expert` sharding and takes fsdp
-too where the experts per device divide by it); a mesh axis that divides no stack axis is
-gathered (those devices repeat the work). The momentum moves there one mesh axis
-at a time (an all-to-all each; moved two at once, the partitioner gathers the whole array) and
-the update comes back the same way. docs/muon.md counts what this communicates. Outside a mesh
-(one device, tests) nothing is constrained.
+Newton-Schulz runs in a layout of its own (`ns_path`): each matrix whole on a device, the
+mesh axes of its matrix dimensions moved onto the stack axes one all-to-all at a time.
+Why and details: docs/muon.md#how-it-works-optimmuonpy, docs/muon.md#hyperparameters,
+docs/muon.md#sharding-and-what-it-communicates.
 """
 from __future__ import annotations
 

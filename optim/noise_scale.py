@@ -1,39 +1,18 @@
-"""The gradient noise scale, measured online (McCandlish et al. 2018, "An Empirical Model of
-Large-Batch Training", Appendix A).
+"""The gradient noise scale, measured online (McCandlish et al. 2018, Appendix A).
 
-The simple noise scale B_simple = tr(Sigma) / |G|^2 (Sigma the per-example gradient covariance,
-G the true gradient) predicts the critical batch: below it a bigger batch buys proportionally
-fewer steps, above it hardly any. A gradient over a batch of b examples has
-E |G_b|^2 = |G|^2 + tr(Sigma) / b, so squared norms at two batch sizes b < B give unbiased
-estimates of both terms (`estimate`):
+B_simple = tr(Sigma) / |G|^2 predicts the critical batch. As E |G_b|^2 = |G|^2 + tr(Sigma) / b
+for a batch of b, squared gradient norms at two sizes b < B give unbiased estimates (`estimate`):
 
   |G|^2     ~ (B |G_B|^2 - b |G_b|^2) / (B - b)
   tr(Sigma) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
 
-Single-step estimates are noisy (the |G|^2 one is often negative), so each is smoothed by an
-exponential moving average and the ratio is taken afterwards, as the paper does. The ratio of
-averages is biased upward when the |G|^2 average is itself noisy, so the average must span
-enough examples: `optim.noise_scale_ema` is the coefficient per measurement at the reference
-batch, and at batch B it is rho ** (B / B_ref), the same number of examples at every batch.
-
-When it is measured: only on the steps that log it (every `optim.noise_scale_every`-th). The
-trainer compiles a measuring variant of the train step beside the plain one
-(`Program.compile(measure_noise=True)`); every other step is exactly the step of a run without
-the meter, and the meter's state passes through it unchanged. So the EMA below advances once
-per measurement, and `noise_scale_ema` is its coefficient per measurement.
-
-Where the two batch sizes come from (trainer/step.py): the big one is the whole global batch;
-the small one is each accumulation micro-batch, whose gradient the scan computes anyway, so
-the measurement costs one squared norm per micro-batch. The small-batch value is the mean of
-|G_b|^2 over the micro-batches, with b their harmonic-mean size (so unequal token counts stay
-unbiased). Without accumulation the measuring step splits its batch into two interleaved halves
-for the same purpose (half the matmul batch on that step only). Batch sizes are counted in target tokens (the loss is a token mean), so the
-estimate is B_noise in tokens; the trainer also reports it in sequences.
-
-The meter is an optax transformation that changes nothing: it sits first in the optimizer
-chain, receives the step's squared norms as an extra argument of `update` (`noise_sample`), and
-keeps the moving averages in the optimizer state, so they are checkpointed, restored and left
-alone by a skipped step like every other optimizer statistic.
+Each is smoothed by an EMA before the ratio is taken (`optim.noise_scale_ema` per measurement
+at the reference batch, rho ** (B / B_ref) at batch B). B is the global batch, b an
+accumulation micro-batch (their harmonic-mean size), both in target tokens; only the steps
+that log it measure (`optim.noise_scale_every`). The meter is an optax transformation that
+changes nothing, first in the chain: it takes the norms as `update(..., noise_sample=)` and
+keeps its averages in the optimizer state. Why and details:
+docs/batch_size.md#gradient-noise-scale
 """
 from __future__ import annotations
 

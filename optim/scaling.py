@@ -1,61 +1,18 @@
 """Batch-size-aware hyperparameters: stated at a reference batch, derived at the run's batch.
 
-A config gives the optimizer's hyperparameters as tuned at `optim.reference_batch_size`
-sequences (0: the run's own `data.global_batch_size`, so nothing changes) and a rule per
-hyperparameter for moving them to another batch. With k = B / B_ref:
+A config states the optimizer's hyperparameters at `optim.reference_batch_size` sequences (0:
+the run's own `data.global_batch_size`, so nothing changes) and one rule each for moving them
+to batch B, with k = B / B_ref:
 
-learning rate, `optim.lr_rule`
-  none    lr
-  linear  lr * k. Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1
-          Hour": the linear scaling rule for SGD (with gradual warmup; give the warmup in
-          examples or tokens, `optim.warmup_examples` / `warmup_tokens`, so that it scales too).
-  sqrt    lr * sqrt(k). The square-root rule for Adam-type optimizers: Malladi et al. 2022, "On
-          the SDEs and Scaling Rules for Adaptive Gradient Algorithms"; Granziol et al. 2022,
-          "Learning Rates as a Function of Batch Size" (max stable lr ~ sqrt(B) for Adam).
+  learning rate  `optim.lr_rule`            none | linear: lr k | sqrt: lr sqrt(k)
+  weight decay   `optim.weight_decay_rule`  constant | timescale: lambda' = lambda k lr / lr'
+  Adam beta2     `optim.b2_rule`            constant | half_life: b2 ** k
+  model EMA      `optim.ema_rule`           constant | half_life: rho ** k
 
-weight decay, `optim.weight_decay_rule`
-  constant   lambda
-  timescale  keep AdamW's timescale tau = B / (lr * lambda * D) fixed (Bergsma et al. 2025,
-             "Power Lines: Scaling Laws for Weight Decay and Batch Size in LLM Pre-training"):
-             lambda' = lambda * k * lr / lr'. D (tokens of the run) is the same at both batches.
-             It needs a decay multiplied by the learning rate and nothing else (adamw, lion,
-             sgd, adafactor; LAMB/LARS rescale the step per layer by their trust ratio).
-
-Adam beta2, `optim.b2_rule`
-  constant   b2
-  half_life  b2 ** k: the second moment's half-life measured in tokens stays fixed (Marek et
-             al. 2025, "Small Batch Size Training for Language Models: When Vanilla SGD Works,
-             and Why Gradient Accumulation Is Wasteful").
-
-model EMA decay, `optim.ema_rule`
-  constant   rho
-  half_life  rho ** k (Busbridge et al. 2023, "How to Scale Your EMA"), to be used with the
-             optimizer's own rule for the learning rate.
-
-Muon (optim/muon.py). No paper we know states how Muon's learning rate should follow the
-batch. Its step, like Adam's, does not scale with the gradient (an orthogonalised matrix has
-fixed singular values), the premise of the sqrt rule for Adam-type optimizers, and the
-critical-batch experiment measures it (experiments/muon_critical_batch.py, docs/muon.md;
-sweep_tiny, one seed): with Muon's rate tuned at batch 16, the sqrt rule's rate at batch 64 was
-the fastest of 0.5x, 1x and 2x (58 steps to the target; 2x 60, 0.5x 67). So Muon uses
-`lr_rule="sqrt"`, as AdamW does. Liu et al. 2025 match Muon's update RMS to AdamW's so that
-AdamW's rate carries over at a given batch (the default learning rate below); at this tiny
-scale it did not: Muon's best rate at batch 16 was 8x AdamW's (docs/muon.md; the one rate of
-the matrices and of the AdamW fallback was varied together). `timescale` weight decay applies
-as to AdamW (decay multiplied by the learning rate). Muon's b2 is its fallback's (`b2_owner`):
-left unset, the fallback optimizer's default (AdamW 0.95, Lion 0.99), and `b2_rule` applies
-as it does to the fallback optimizer itself (half_life for AdamW; Lion and Adafactor refuse it).
-
-Each optimizer's own defaults. `optim.learning_rate`, `weight_decay`, `b2` and
-`trust_coefficient` left at their "unset" values (0, -1, 0, 0) take the optimizer's default
-from `OPTIMIZER_DEFAULTS` (the papers' values, at the scale of the default tiny model); a value
-the config sets is used as stated. Weight decay means the same for every optimizer: it is added
-to the update before the learning rate scales it (w -= lr * (u + wd * w), optax.adamw's
-convention), so lr * wd is the per-step shrink factor; LAMB and LARS also scale it by their
-trust ratio, as in their papers.
-
-`derive` is the one place these formulas live: the optimizer factory builds each batch size's
-optimizer from it, and the trainer prints and logs what it returns.
+`learning_rate`, `weight_decay`, `b2`, `trust_coefficient` left unset (0, -1, 0, 0) take the
+optimizer's own default (`OPTIMIZER_DEFAULTS`). `derive` is the one place these formulas live:
+the factory builds each batch size's optimizer from it, the trainer prints and logs it.
+Why, the papers, Muon's rule: docs/batch_size.md#hyperparameters-stated-at-a-reference-batch
 """
 from __future__ import annotations
 
@@ -115,7 +72,7 @@ def stated(cfg) -> dict:
 # derived for them (optim/factory.py), and Muon's fallback is one of them (optim/muon.py).
 SCALE_INVARIANT_OPTIMIZERS = ("adamw", "adafactor", "lion")
 
-# Which optimizers each non-trivial rule makes sense for (checked by trainer/config_checks.py).
+# Which optimizers each non-trivial rule makes sense for (checked by trainer/config/checks.py).
 # decay multiplied by the learning rate
 TIMESCALE_OPTIMIZERS = ("adamw", "lion", "sgd", "adafactor", "muon")
 B2_OPTIMIZERS = ("adamw", "lamb")  # Adam's second moment (Muon's: `b2_owner`, its fallback's)

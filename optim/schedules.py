@@ -1,43 +1,18 @@
 """Learning-rate schedules, in steps, examples or tokens.
 
-`build_schedule(cfg, total_steps, ramp)` composes optax pieces: a linear warmup from 0, then one
-of
+`build_schedule(cfg, total_steps, ramp)`: a linear warmup from 0, then one of
 
-  constant   peak for ever
-  cosine     cosine decay to `min_lr_ratio * peak` at the horizon (Loshchilov & Hutter 2017)
-  linear     linear decay to `min_lr_ratio * peak` at the horizon
-  wsd        warmup-stable-decay (MiniCPM, Hu et al. 2024): constant until the last
-             `wsd_decay_fraction` of the horizon, then a decay of shape `wsd_decay_shape`
-             (linear, cosine or 1-sqrt) to `min_lr_ratio * peak`.
-  power      the Power scheduler (Shen et al. 2024, "Power Scheduler: A Batch Size and Token
-             Number Agnostic Learning Rate Scheduler"): lr(n) = min(peak, beta * a * n^b) of
-             the tokens seen n and the batch beta in sequences (`power_a`, `power_b`; the
-             paper's fit a ~ 4.6, b ~ -0.51 is for muP models, so tune `a` for yours); after
-             the warmup (which rises linearly to lr at its end) it follows the power law, and
-             the last `wsd_decay_fraction` of the horizon decays it with `wsd_decay_shape` to
-             `min_lr_ratio` of its value there. It scales with the batch itself, so it is used
-             with `lr_rule = none`.
-  rsqrt      inverse square root (Vaswani et al. 2017): peak * sqrt(W / t) after a warmup of
-             length W (required: it is the timescale). No horizon.
+  constant  cosine  linear  wsd    the last three decay to `min_lr_ratio * peak` at the horizon
+  power     min(peak, batch x a x tokens^b), then a final decay (with `lr_rule = none`)
+  rsqrt     peak * sqrt(W / t) after a warmup of length W; no horizon
 
-The unit (`optim.schedule_unit`) is what the schedule is a function of: optimizer steps, or
-examples (sequences) or tokens consumed by the applied updates. Without a batch ramp the three
-are proportional and give the same curve; with one (`optim/ramp.py`) a schedule in tokens keeps
-its shape in tokens while the batch grows. Lengths may be given in any unit and are converted
-through the ramp: the warmup as one of `warmup_steps`, `warmup_examples`, `warmup_tokens`; the
-horizon as one of `decay_steps`, `decay_examples`, `decay_tokens` (all 0: `steps`). Goyal et
-al. 2017's warmup of 5 epochs is a warmup in examples, which scales with the batch as theirs did.
-
-The horizon is a setting of its own (not `steps`) so that a run can be stopped and continued
-with a different `steps` and still follow the same curve, in every unit: a run that leaves it
-unset gets the `steps` of its first start, kept in its checkpoints (trainer/horizon.py).
-
-Step decay. `halvings` finds where a decaying schedule (cosine, linear, wsd), past its warmup,
-has fallen to 1/2, 1/4, ... of its peak, evaluated at every step of a fixed batch; `step_decay`
-replaces it after the warmup by peak / 2^k, k the halvings reached (a piecewise-constant
-schedule cut exactly where the smooth one halves). The Seesaw ramp (`optim/ramp.py`) turns
-those cuts into batch doublings; its ramp carries the cut steps (`BatchRamp.cuts`), and
-`build_schedule` applies the step decay whenever the ramp it is given has cuts.
+`optim.schedule_unit` is what the schedule is a function of: optimizer steps, or the examples or
+tokens of the applied updates (the same curve without a batch ramp; with one, optim/ramp.py,
+a schedule in tokens keeps its shape in tokens). Lengths (`warmup_*`, `decay_*`) may be in any
+unit and are converted through the ramp; the horizon is fixed at a run's first start.
+`halvings` finds where a decaying schedule has fallen to 1/2, 1/4, ... of its peak, and
+`step_decay` cuts the rate there (for Seesaw's ramp, whose `BatchRamp.cuts` switch it on).
+Why and details: docs/batch_size.md#schedules
 """
 from __future__ import annotations
 
@@ -49,6 +24,7 @@ import numpy as np
 import optax
 
 from optim.ramp import UNITS, BatchRamp
+from optim.scaling import stated
 
 SCHEDULES = ("constant", "cosine", "linear", "wsd", "power", "rsqrt")
 WSD_SHAPES = ("linear", "cosine", "sqrt")
@@ -93,10 +69,9 @@ def build_schedule(cfg, total_steps: int, ramp: BatchRamp | None = None, *,
   `total_steps` is the horizon when no `decay_*` key is set; `ramp` converts between units
   (needed for units other than steps and for the power schedule); `peak` replaces the stated
   learning rate (the batch-size rules' value); `batch_size` is the power law's beta. The count
-  the trainer passes is its step counter, skipped steps included (trainer/step.py).
+  the trainer passes is its step counter, skipped steps included (trainer/step/train_step.py).
   """
   if peak is None:  # the stated rate, or the optimizer's default when the config leaves it unset
-    from optim.scaling import stated  # noqa: PLC0415
     peak = stated(cfg)["learning_rate"][0]
   peak = float(peak)
   unit = cfg.get("schedule_unit", "steps")

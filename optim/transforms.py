@@ -44,14 +44,9 @@ def scale_by_layerwise_trust_ratio(mask, stacked, *, trust_coefficient: float = 
 
 def scale_by_learning_rate_at(schedule) -> optax.GradientTransformationExtraArgs:
   """`optax.scale_by_learning_rate(schedule)` whose clock can be given: `update(..., step=n)`
-  scales by -schedule(n).
-
-  The trainer passes its own step counter (`TrainState.step`, which also counts skipped steps),
-  so the learning rate an update uses is a pure function of the step, like the batch ramp and
-  the data position (trainer/step.py, "One clock"). Without `step` (a plain optax call) it is
-  optax's: the number of updates this state has seen. The state is optax's
-  `ScaleByScheduleState`, so optimizer states keep optax's structure.
-  """
+  scales by -schedule(n). The trainer passes `TrainState.step` (skipped steps included), so the
+  rate is a pure function of the step ("One clock", docs/configs.md); without `step` it is
+  optax's count of updates. The state is optax's `ScaleByScheduleState`."""
 
   def init(params):
     del params

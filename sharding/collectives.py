@@ -1,34 +1,17 @@
 """The collectives of a compiled XLA program, the devices each one joins, and its bytes.
 
-`collectives(hlo_text)` reads the optimized HLO of a compiled SPMD program
-(`jax.stages.Compiled.as_text()`) and lists every collective: all-reduce, all-gather,
-reduce-scatter, all-to-all, collective-permute (also their asynchronous `-start` forms and those
-wrapped in an `async-start`), each with
+`collectives(hlo_text)` reads the optimized HLO (`jax.stages.Compiled.as_text()`) and lists
+every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (async forms
+included), each with
 
-  bytes   the array it operates on, per device: an all-reduce's (= its result), an all-gather's
-          gathered result, a reduce-scatter's operand (its result x the group size), an
-          all-to-all's or a collective-permute's result. (What crosses the wire depends on the
-          algorithm: a ring all-reduce sends 2 (g-1)/g of it per device.)
-  count   how often it runs per execution of the program: 1, times the trip count of every
-          while loop around it (a layer scan, the micro-batch scan: XLA's known_trip_count, or
-          read from the loop's condition and initial counter); `None` when one cannot be read
-  groups  the device groups it joins, as positions in the program's device assignment (for a
-          program jitted over a mesh: indices into `mesh.devices.flat`)
+  bytes   the array it operates on, per device (not what crosses the wire)
+  count   runs per execution: 1 x the trip count of every while loop around it (None: unknown)
+  groups  the device groups it joins, as positions in the program's device assignment
 
-Multi-slice TPU programs move data between slices (over the data-center network) by host
-transfers of the Megascale runtime instead: each is listed as a `dcn-<transfer type>` collective
-(`dcn-all-reduce`, ...) with the bytes of the array it sends and no groups: it joins devices of
-different slices, but which slices the HLO does not say. `crossing` therefore counts one as
-joining two labels when no label spans two slices (DiLoCo's replicas each inside one slice:
-then any two slices hold different replicas), and `unattributed` lists those it cannot place
-(a label spanning several slices: the transfer may stay inside it or cross).
-
-Replica groups come in four spellings, all read here: explicit lists `{{0,1},{2,3}}`, XLA's iota
-form `[2,4]<=[4,2]T(1,0)`, its mesh form `mesh['x'=2,'y'=4] {'y'}` (with sub-axes `'y':(2)2` and
-an optional `device_ids=(...)`), and `{}` (every device in one group); collective-permutes name
-`source_target_pairs`. `crossing(ops, labels)` keeps the ops whose groups join devices with
-different labels (e.g. DiLoCo's replicas: `trainer/communication.py` counts the bytes that
-cross them).
+Transfers between slices (the Megascale runtime's) are `dcn-<type>` ops without groups.
+`crossing(ops, labels)` keeps the ops whose groups join devices of different labels (DiLoCo's
+replicas, pipeline stages); `unattributed` lists the transfers it cannot place.
+Why and details: docs/sharding.md#counting-collectives
 """
 from __future__ import annotations
 
@@ -317,9 +300,9 @@ def spans_slices(labels: Sequence, slices: Sequence | None) -> bool:
 def crossing(ops: Sequence[Collective], labels: Sequence,
              slices: Sequence | None = None) -> list[Collective]:
   """The collectives some group of which joins devices of different `labels` (one label per
-  device position of the program). A group-less op (`{}`: all devices) crosses any two labels; a
-  transfer between slices does when no label spans two `slices` (module docstring; those it
-  cannot place are `unattributed`)."""
+  device position of the program). A group-less op (`{}`: all devices) crosses any two labels;
+  a transfer between slices does when no label spans two `slices` (those it cannot place are
+  `unattributed`; docs/sharding.md#counting-collectives)."""
   distinct = len(set(labels)) > 1
   dcn_crosses = distinct and not spans_slices(labels, slices)
   out = []

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -128,7 +129,6 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices=None, *, replicas: int = 0) -
   axis_types = (AxisType.Auto,) * len(names)
   if slices == 1:
     return jax.make_mesh(tuple(ici.values()), names, axis_types=axis_types, devices=devices)
-  from jax.experimental import mesh_utils  # noqa: PLC0415
   grid = mesh_utils.create_hybrid_device_mesh(
       list(ici.values()), [dcn[name] for name in names], devices, allow_split_physical_axes=True)
   return Mesh(grid, names, axis_types=axis_types)
@@ -148,7 +148,7 @@ def over_replicas(sharding: NamedSharding) -> NamedSharding:
 def fold_replicas(mesh: Mesh) -> Mesh:
   """The same devices as a plain mesh: the `replica` axis merged into `data` (the replicas'
   devices become data-parallel; in the same order when no axis lies between them), what plain
-  data parallelism runs on in place of DiLoCo (trainer/communication.py compares the two
+  data parallelism runs on in place of DiLoCo (trainer/tracking/communication.py compares the two
   programs' communication)."""
   names = mesh.axis_names
   grid = np.moveaxis(mesh.devices, 0, names.index("data") - 1)  # replica next to data

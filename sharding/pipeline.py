@@ -1,54 +1,17 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules as one SPMD loop
 inside the jitted step, the layer order a circular pipeline stores, and the bubble and the bytes
-between stages counted from a compiled program.
+between stages counted from a compiled program (`count`).
 
-Schedule. S stages (mesh.stage x mesh.dcn_stage), M micro-batches (the step's accumulation
-micro-batches), R repeats (`pipeline.repeats`; GPipe is R = 1). The layer stack is cut into S R
-groups of L / (S R) consecutive layers; group g = r S + s runs on stage s in repeat r, so every
-micro-batch goes round the stages R times. At tick t (0 <= t < M R + S - 1) stage s works on
-micro-batch (t - s) mod M of repeat (t - s) div M if 0 <= t - s < M R (its M R busy ticks) and
-idles otherwise: S - 1 idle ticks per stage, a bubble of (S - 1) / (M R + S - 1) of the step
-(Huang et al. 2019, "GPipe", for R = 1; the interleaved schedule of Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters", MaxText's "circular", for R >
-1: each tick is 1 / R as long, so the idle ticks cost R times less). Every micro-batch's
-forward runs before any backward (GPipe's order, not 1F1B's), so the activations of all M
-micro-batches are held at once (the stage inputs only, with rematerialisation per stage).
-M must be a multiple of S (each stage holds M / S of the inputs, below); a circular pipeline
-needs M >= S anyway (a micro-batch leaving the last stage must find the first one free).
+S stages, M micro-batches (a multiple of S), R repeats (GPipe: R = 1). Stage s runs layer groups
+s, S + s, 2S + s, ... of L / (S R) layers; at tick t it works on micro-batch (t - s) mod M:
 
-SPMD. One program runs every stage at once: per-stage state is an array with a leading [S]
-dimension sharded over `stage` (`act_stage` in sharding/rules.py), the stage function is
-`jax.vmap`ped over it with `spmd_axis_name="stage"` (so every rule inside a stage applies as
-without stages: fsdp, tensor, data, expert, sequence), and the hand-over between stages is
-`jnp.roll` by one along that dimension under a sharding constraint, which XLA lowers to a
-collective-permute between neighbouring stages. The backward pass is autodiff of the tick loop
-(`jax.lax.scan`); the rolls transpose to rolls the other way. Rematerialisation per stage
-(`pipeline.remat_stage`, GPipe's re-materialization): each tick's stage computation is one
-`jax.checkpoint` unit, so the backward pass keeps one stage input per tick and recomputes the
-stage from it (inside, the model's own per-layer `remat` bounds what that recomputation holds).
+  tick      0    1    2    3    4        S = 2, M = 4, R = 1: M R + S - 1 = 5 ticks,
+  stage 0   m0   m1   m2   m3   .        a bubble of (S - 1) / (M R + S - 1) = 1/5
+  stage 1   .    m0   m1   m2   m3
 
-Buffers (all sharded over `stage` on their first dimension):
-  shift [S, *act]        what each stage receives next: stage s - 1's output (a ring: stage 0
-                         receives the last stage's).
-  io    [S, M/S, *act]   the inputs, micro-batch m on stage m div (M/S) (each stage embeds its
-                         own); every tick one of the M/S slots rotates one stage down, so stage
-                         0 reads micro-batch t at tick t, and the last stage's output enters at
-                         the top: after the last tick every micro-batch's output lies where its
-                         input was, rolled by S - 1 slots (MaxText's `state_io`).
-  loop  [S, M, *act]     circular only: stage 0's queue of micro-batches coming round again (the
-                         last stage's output reaches stage 0 through `shift`'s ring); the other
-                         stages' copies are never read.
-
-Layer order. A GPipe stage s holds layers [s L/S, (s+1) L/S): the plain stack split over
-`stage`. A circular stage s holds groups s, S + s, 2S + s, ..., not a contiguous block, so a
-circular run keeps its layer stack in the order its stages use it (`Pipeline.stored_order`) and
-checkpoints convert to and from the plain order (`reorder`; trainer/program.py), so a checkpoint
-always holds the plain stack and restores on any mesh.
-
-Counted (`count`): the ticks per step are the run count of the collective-permutes that hand
-activations between stages in the compiled program (the trip count of the tick loop around
-them), the idle ticks those minus M R, and the bytes between stages the collectives whose
-device groups join two stages (`sharding.collectives`).
+Per-stage state has a leading [S] dimension sharded over `stage`; the stage function is vmapped
+over it (`spmd_axis_name="stage"`), the hand-over is a `jnp.roll` (a collective-permute).
+Why and details: docs/pipeline.md#inside-the-tick-loop
 """
 from __future__ import annotations
 

@@ -1,88 +1,18 @@
 """Ring attention over a mesh axis: exact attention with O(S/N) memory per device.
 
-Ring Self-Attention (Li et al. 2021, "Sequence Parallelism: Long Sequence Training from System
-Perspective", arXiv:2105.13120; Liu et al. 2023, "Ring Attention with Blockwise Transformers",
-arXiv:2310.01889). The sequence is split over the N devices of `axis`. Each device keeps its
-query block and passes its key/value block around the ring with `ppermute`; after N steps every
-query block has seen every key block. Partial results are merged exactly with their
-log-sum-exps (the online softmax of flash attention, across devices instead of tiles). A step
-sends the block it is computing on, so the transfer can overlap the compute.
+Each of the N devices of `axis` keeps its query block while key/value blocks go round the ring
+(`ppermute`), merged exactly by their log-sum-exps; backward is a ring too, dK/dV travelling
+with their block. Causal work is balanced by the zig-zag layout (device i holds chunks i and
+2N-1-i of 2N); at ring step s device i holds the keys of device j = (i - s) mod N:
 
-Backward is a ring too (custom_vjp): q, dq, the output and its lse stay put, while k and v go
-round again with their gradient accumulators dK/dV travelling alongside, each device adding its
-contribution (from the *global* lse, so the block probabilities are exact); one last hop brings
-dK/dV home. Nothing O(S) is ever held by one device, forward or backward.
+  s = 0   its own block, causal on the local order    q x kv
+  j < i   an earlier device's: its first chunk only   q x kv[:half]
+  j > i   a later device's: our second chunk only     q[half:] x kv
 
-Causal load balance: zig-zag layout (as in Megatron's context parallelism and
-zhuzilin/ring-flash-attention). Cut the sequence into 2N chunks; device i holds chunks i and
-2N-1-i, in that order, so its local tokens are still in increasing global order. At ring step s
-device i holds the keys of device j = (i - s) mod N and:
-  s = 0   its own block: ordinary causal attention on the local order (local causal = global);
-  j < i   all its queries see the first key chunk (chunk j), none the second: q x kv[:half];
-  j > i   only its second query chunk (2N-1-i) sees keys, all of them: q[half:] x kv.
-Every step is the same amount of work on every device (half a block pair after step 0), so no
-device waits: max/min attention work per device is 1.000, where contiguous blocks on the same
-schedule give 2-15x at N = 2-8 (`ring_work` counts the pairs from the bounds each step passes
-to its blocks and the flash kernel's tile loop; tests/test_ring_attention.py checks both).
-
-Where the token reordering happens. A permutation of the sequence axis is communication, so it
-should not be paid per layer: `layout="zigzag"` says the caller's arrays are already in zig-zag
-order (the model permutes tokens, positions and segment ids once at its input with `zigzag` and
-un-permutes the final hidden states once, models/llama.py), and everything in between (RoPE by
-positions, segment masks, MLPs) is order-agnostic. `layout="contiguous"` (the default) accepts
-natural order and reorders inside, with ppermutes, O(S/N) memory, on every call.
-
-The per-block computation is plain jnp (XLA) by default on every platform, or the Pallas flash
-kernel (kernels/flash_attention.py) by name (`impl="flash"`: compiled on GPU, interpreted
-elsewhere). `auto` does not pick the kernel on GPU because it has only been compiled for GPUs,
-never run on one (models/attention.py says the same for the unsharded default). Non-causal
-attention needs no balancing: every step is a full block pair.
-
-With the flash kernel a step is one kernel call per pass that carries the ring's state: the
-forward folds the held keys into the running (o, lse) in place (`forward(state=...)`, the
-online softmax resumed from the state), the backward adds into dQ and into the dK/dV that
-travel with the block (`backward(grads=...)`); the step's half-block pair is given to the
-kernel as dynamic bounds (q_start, kv_stop) and the diagonal step as a dynamic causal flag, so
-nothing is sliced, zero-padded or merged outside the kernel. Per device that holds, beyond the
-local q, k, v (and o, lse, dO as backward residuals): forward, the fp32 state and the next k/v
-block in flight; backward, the fp32 dQ, the next k/v block in flight, and two dK/dV fp32 sets
-(the one just updated going out while the dQ kernel runs, the next one coming in).
-
-Why the next k/v block is a second buffer: its transfer overlaps the step's compute only if it
-has somewhere to land while the current block is read. Landing it half a block at a time (send
-each half on once it is consumed) would hold 1.5 blocks instead of 2, but a zig-zag step on an
-earlier device's keys computes on their first half only, so the other half's transfer has no
-compute to hide behind, and every step would take two kernel calls and two transfers. So we
-keep the double buffer, and it sets the memory floor: compiled for GPUs
-(`bench/attention_memory.py --target h100:8`), a device holds exactly the caller's q, k, v, o
-plus two k/v blocks, 2.0x the unsharded kernel's total / N with as many kv heads as query heads
-and 1.4x with 4 query heads per kv head (the blocks are K/H the size of q).
-
-Head chunks lower that floor (`head_chunks=c`): the ring runs c times, each time over one chunk
-of the device's kv heads and their query heads, so what travels (the k/v block, the one in
-flight, and backward the dK/dV pair) is 1/c of the heads. The flash kernel computes a chunk's
-heads in place within the full q, o, lse and dQ (`heads=` in kernels/flash_attention.py), so
-only the chunk's k/v are sliced; an optimization barrier keeps the next chunk's slice from
-being taken before the previous ring is done. Compiled for H100s with 8 kv heads, forward /
-forward+backward total x N: 2.00 / 1.99 at c = 1, 1.50 / 1.57 at 2, 1.25 / 1.43 at 4, 1.13 /
-1.36 at 8. The price is c rings of N steps with 1/c of the payload each: the same bytes in
-c x more messages, and kernel grids 1/c as wide. (The jnp blocks run on sliced q, k, v per
-chunk, which also cuts their per-chunk score buffers by c.)
-
-Every step, the diagonal one included, is the same call in one loop; the last step therefore
-also sends its k/v block on (back home, unused): one transfer per pass more than needed, hidden
-behind the last step's compute. Peeling the last step off would avoid it, and a compiled kernel
-makes no copies of its operands, so on a GPU that should cost no memory; but the CPU
-interpreter (what bench/attention_memory.py measures) holds private copies of every operand per
-call site: peeled, the benchmark's ratio measured 1.49 instead of 1.33 x N
-forward and 1.60-1.73 instead of 0.94 x N forward+backward (S = 4096, when this was built). In
-the backward, dK/dV are sent after their kernel, so their hops are exactly N, the last one
-bringing them home.
-
-The jnp block (the default) keeps static shapes: each causal step is one of two half
-block pairs chosen by `lax.cond`, merged into (o, lse) with their log-sum-exps. It scans over
-chunks of keys with the same online softmax, so its scores are [S/N, chunk], not [S/N, S/N],
-and memory stays O(S/N) there too.
+`layout="zigzag"`: the caller's arrays are in zig-zag order already (models/llama.py permutes
+once at its input); "contiguous" reorders on every call. Blocks: jnp by default, the flash kernel
+by name (`impl="flash"`, updating the ring's state in place); `head_chunks` rings over a slice
+of the kv heads at a time. Why and details: docs/attention.md#ring-attention
 """
 from __future__ import annotations
 
@@ -95,10 +25,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from kernels.flash_attention import BlockSizes, _update_tiles
+from kernels.flash_attention import BlockSizes
 from kernels.flash_attention import _setup as _flash_setup
 from kernels.flash_attention import backward as flash_backward
 from kernels.flash_attention import forward as flash_forward
+from kernels.flash_kernels import _update_tiles
 from sharding.mesh import mesh_platform
 from sharding.ring_blocks import (block_backward, block_forward, merge, seq_slice, then_zeros,
                                   zeros_then)
@@ -137,12 +68,10 @@ def _send(tree, cfg: _RingConfig):
 
 
 def _visible(cfg: _RingConfig, i, s, length: int, layout: str = "zigzag"):
-  """The block pair of ring step s on device i as (q_start, kv_stop, causal): our queries from
-  q_start on see the held keys before kv_stop, causally at step 0 (the zig-zag cases of the
-  module docstring; non-causal: everything). Both block implementations take their step from
-  here, and so does `ring_work`. layout="contiguous" is only for `ring_work`'s comparison (the
-  ring itself always runs zig-zag when causal): earlier devices' blocks whole, later ones not
-  at all."""
+  """Ring step s on device i as (q_start, kv_stop, causal), for both block implementations and
+  `ring_work`: our queries from q_start on see the held keys before kv_stop, causally at step 0
+  (the module docstring's cases; non-causal: everything). layout="contiguous" is only
+  `ring_work`'s comparison (the ring runs zig-zag): earlier devices' blocks whole, later none."""
   if not cfg.causal:
     return 0, length, False
   own = s == 0
@@ -169,9 +98,8 @@ def _after(done, *xs):
 
 
 def _flash_ring_fwd(cfg: _RingConfig, q, k, v, seg):
-  """Every step, the diagonal one included, is the same kernel call folding the held keys into
-  the running (o, lse) in place; see the module docstring for the buffers this holds. With
-  head chunks, one ring per chunk of kv heads updates its query heads of the same state."""
+  """Every step is one kernel call folding the held keys into the running (o, lse) in place; with
+  head chunks, one ring per chunk of kv heads (what it holds: docs/attention.md#ring-attention)."""
   i = lax.axis_index(cfg.axis)
   B, L, H, _ = q.shape
 
@@ -199,9 +127,8 @@ def _flash_ring_fwd(cfg: _RingConfig, q, k, v, seg):
 
 
 def _flash_ring_bwd(cfg: _RingConfig, q, k, v, seg, o, lse, do):
-  """dQ accumulates in place here; dK/dV accumulate in place in the buffer that travels with
-  their block: received, updated by the dK/dV kernel, sent on while the dQ kernel runs. With
-  head chunks, one ring per chunk of kv heads, all adding into the one dQ."""
+  """dQ accumulates in place here, dK/dV in the buffer that travels with their block (received,
+  updated, sent on while the dQ kernel runs); with head chunks, one ring per chunk into one dQ."""
   i = lax.axis_index(cfg.axis)
   L = q.shape[1]
   delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -393,19 +320,12 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
   """Exact attention of global arrays whose sequence axis is sharded over `axis` of `mesh`.
 
   q [B, S, H, D], k/v [B, S, K, D] (H a multiple of K), segment_ids [B, S] -> [B, S, H, D].
-  mesh: a Mesh or AbstractMesh; default the current one (`jax.set_mesh`). The batch is split
-  over `batch_axes` and the heads over `head_axis` where the mesh has them (and they divide),
-  like the model's activations. layout: "contiguous" = natural token order; "zigzag" = the
-  arrays are in `zigzag` order already (see the module docstring; only matters when causal).
-  impl: block computation, "flash" (Pallas kernel with `block_sizes` tiles), "jnp" (keys in
-  chunks of `kv_chunk`, or the largest common divisor with the block length), or "auto" (jnp
-  on every platform until the kernel has been checked on a GPU; see the module docstring).
-  head_chunks: run the ring once per chunk of a device's kv heads (with their query heads), so
-  the k/v block in flight, the one computed on and, backward, the travelling dK/dV hold 1/c of
-  the heads: per-device memory falls from q, k, v, o + 2 k/v blocks towards q, k, v, o (see
-  the module docstring) for c x more, smaller ring messages. The device's kv heads (after the
-  `head_axis` split) must divide by it.
-  """
+  mesh: a Mesh or AbstractMesh, default the current one; batch and heads are split over
+  `batch_axes` and `head_axis` where the mesh has them (and they divide). layout: "contiguous"
+  or "zigzag" (already in `zigzag` order; matters only when causal). impl: "flash" (Pallas,
+  `block_sizes` tiles), "jnp" (keys in chunks of `kv_chunk`, or the largest common divisor with
+  the block length) or "auto" (jnp). head_chunks: c rings, each over 1/c of the device's kv
+  heads (after the `head_axis` split, which c must divide) and their query heads."""
   mesh = current_mesh(mesh)
   if layout not in LAYOUTS:
     raise ValueError(f"ring attention: layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
@@ -449,17 +369,11 @@ def ring_attention(q_BSHD, k_BSKD, v_BSKD, *, mesh=None, axis: str = "sequence",
 
 def ring_work(seq_len: int, n: int, *, layout: str = "zigzag", impl: str = "jnp",
               block_sizes: BlockSizes | None = None) -> dict[str, np.ndarray]:
-  """Causal attention work per device over one forward pass of the ring, as (query, key) pairs.
-
-  `needed`: pairs the causal mask allows (key index <= query index), counted from the layout's
-  token order. `computed`: pairs the ring's block computations visit, counted from the same
-  per-step bounds the ring passes to them (`_visible`: q_start, kv_stop, causal flag) and, for
-  impl="flash", the kernel's own tile loop bounds (`_update_tiles`, with the tiles `forward`
-  would use for `block_sizes`): whole [block_q, block_k] tiles, masked pairs in a visited tile
-  included; impl="jnp": the rows from q_start times the keys before kv_stop (the jnp block
-  computes whole sub-blocks, its step-0 square included). layout="contiguous" counts the same
-  schedule on contiguous blocks (what the ring would do without zig-zag), for comparison.
-  FLOPs are about 4 x D x H x pairs forward (the backward visits the same pairs)."""
+  """Causal attention work per device over one forward pass of the ring, as (query, key) pairs:
+  `needed` (the pairs the causal mask allows) and `computed` (those the ring's blocks visit, from
+  the bounds the ring passes them, `_visible`, and for impl="flash" the kernel's tile loop,
+  `_update_tiles`). layout="contiguous": the same schedule on contiguous blocks, to compare.
+  How each is counted: docs/attention.md#balance-of-the-causal-work."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r}; choose one of {', '.join(LAYOUTS)}")
   if impl not in ("jnp", "flash"):

@@ -1,40 +1,16 @@
-"""The one table of logical axis names -> mesh axes.
+"""The one table of logical axis names -> mesh axes (`stage, data, fsdp, tensor, sequence, expert`).
 
-Every parameter and every constrained activation in `models/` names its dimensions with the
-logical names below; this table is the only place that says how they map onto the device mesh
-(`stage, data, fsdp, tensor, sequence, expert`). Change a strategy by editing one row.
+  vocab, heads, kv_heads, mlp, expert_mlp  -> tensor   (Megatron; vocab-parallel embedding)
+  embed                                    -> fsdp     (ZeRO-3: params + optimizer state)
+  layers                                   -> stage    (pipeline; replicated at mesh.stage=1)
+  experts                                  -> expert   (expert parallelism)
+  head_dim, norm                           -> replicated
+  act_*   activations: batch over every data-parallel axis (BATCH_AXES, `expert` included),
+          sequence over `sequence`, heads / mlp / vocab over `tensor`, act_stage over `stage`
 
-Parameters
-  vocab     token vocabulary                      -> tensor (vocab-parallel embedding / logits)
-  embed     model width d_model                   -> fsdp   (ZeRO-3: params + optimizer state)
-  heads     query heads                           -> tensor (Megatron attention split)
-  kv_heads  key/value heads (GQA)                 -> tensor
-  head_dim  per-head width                        -> replicated
-  mlp       feed-forward width                    -> tensor (Megatron MLP split)
-  norm      RMSNorm scales                        -> replicated
-  layers    the stacked (scanned) layer axis      -> stage  (pipeline stages; replicated at
-                                                            mesh.stage=1, the default)
-  experts   the experts of an MoE layer           -> expert (expert parallelism)
-  expert_mlp  an expert's feed-forward width      -> tensor
-The `expert` axis also splits the batch (BATCH_AXES), so expert parallelism is folded over
-data parallelism: attention and dense layers see it as data parallel, the MoE layers exchange
-tokens over it with all-to-all (models/moe_dispatch.py). Expert weights are also sharded over
-`fsdp` on their embed dimension (ZeRO-3 like every weight).
-Activations (prefixed `act_`): batch over every data-parallel axis, sequence over `sequence`,
-heads / mlp / vocab over `tensor` so that they line up with the weights above.
-
-Pipeline parallelism (`mesh.stage` S > 1, sharding/pipeline.py): the layer stack's `layers`
-dimension is split over `stage`, so each stage's devices hold a contiguous block of L / S layers
-of the stored stack (a circular schedule stores it in the order its stages use it, see
-sharding/pipeline.py), and every other rule applies inside a stage unchanged. `act_stage` is the
-leading [S] dimension of the pipeline's activation buffers, and the micro-batch dimension of its
-inputs and outputs (each stage embeds and scores M / S of the micro-batches). Everything else
-(embedding, head, norms' scales outside the stack) is replicated over `stage`.
-
-DiLoCo (`optim.diloco.replicas` M, trainer/diloco.py) adds one more mesh axis, `replica`
-(REPLICA_AXIS), outermost, that no logical name maps to: the replica-local train state carries a
-leading [M] dimension over it, and the inner step runs once per replica (`jax.vmap` with
-`spmd_axis_name`), so every rule above applies inside a replica unchanged.
+Every parameter and constrained activation in `models/` names its dimensions with these names;
+change a strategy by editing one row. DiLoCo's mesh axis `replica` (REPLICA_AXIS) is no rule's:
+every rule applies inside a replica. Why and details: docs/sharding.md#the-rule-table
 """
 from __future__ import annotations
 

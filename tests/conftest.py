@@ -69,7 +69,7 @@ def tiny_config_file(directory, name: str = "tiny.py", global_batch_size: int = 
   end to end (experiments, sweeps), with `optim` as optim.* values; returns its path."""
   path = os.path.join(str(directory), name)
   with open(path, "w") as f:
-    f.write("from trainer.config import default_config\n"
+    f.write("from trainer.config.defaults import default_config\n"
             "def get_config():\n"
             "  c = default_config()\n"
             "  c.model.update(vocab_size=512, d_model=32, num_layers=1, num_heads=4,\n"
@@ -113,9 +113,9 @@ def metric_rows(workdir) -> dict[int, dict]:
 
 
 def trained(workdir, cfg):
-  """(the `trainer.loop.Run` of `cfg` in `workdir`, trained to its end; `workdir`): a module
+  """(the `trainer.run.loop.Run` of `cfg` in `workdir`, trained to its end; `workdir`): a module
   fixture's one straight run, which its tests compare with stopped and resumed ones."""
-  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
   run = Run(cfg, str(workdir))
   assert run.train().status == "done"
   return run, workdir

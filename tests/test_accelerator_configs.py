@@ -9,8 +9,8 @@ import jax
 import pytest
 
 from conftest import ROOT
-from trainer.cli import load
-from trainer.config_checks import validate
+from trainer.config.checks import validate
+from trainer.config.cli import load
 
 # config -> (vocabulary, logits_chunk) of the tables in docs/aot.md
 REAL_VOCAB = {"lm_125m": (50_304, 512), "lm_1b": (128_256, 256), "lm_1b_32k": (128_256, 2048),

@@ -18,11 +18,11 @@ from conftest import override
 from models.llama import ModelConfig
 from models.sizes import flops_per_token
 from tools import aot, roofline
-from trainer import loop
-from trainer.cli import load
 from trainer.config import ConfigError
-from trainer.config_checks import validate
-from trainer.metrics import known_hbm_bandwidth
+from trainer.config.checks import validate
+from trainer.config.cli import load
+from trainer.step.program import run_mesh
+from trainer.tracking.peaks import known_hbm_bandwidth
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -180,11 +180,11 @@ def test_aot_and_training_build_the_same_multi_slice_mesh(two_slices, monkeypatc
   cfg = tiny(**{"mesh.dcn_data": 2})
   assert aot.config_slices(cfg.mesh) == 2 and two_slices.slices == 2
   sizes, aot_mesh = aot.target_mesh(cfg, two_slices, "lm_tiny")
-  # Training on these devices: train.py validates against jax.devices(), trainer.loop.Run
+  # Training on these devices: train.py validates against jax.devices(), trainer.run.loop.Run
   # builds `run_mesh(cfg)` (`make_mesh(cfg.mesh)`) over them.
   monkeypatch.setattr(jax, "devices", lambda *a, **k: list(two_slices.devices))
   assert validate(cfg, jax.devices()) == sizes
-  train_mesh = loop.run_mesh(cfg)
+  train_mesh = run_mesh(cfg)
   ids = lambda mesh: np.vectorize(lambda d: d.id)(mesh.devices)
   np.testing.assert_array_equal(ids(aot_mesh), ids(train_mesh))
   assert dict(train_mesh.shape) == {"stage": 1, "data": 4, "fsdp": 2, "tensor": 1,

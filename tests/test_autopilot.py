@@ -10,8 +10,8 @@ from conftest import metric_rows, tiny_config, trained
 from optim import BatchRamp
 from optim.autopilot import DELAY, AutoConfig, Autopilot
 from trainer.config import ConfigError
-from trainer.config_checks import validate
-from trainer.loop import Run
+from trainer.config.checks import validate
+from trainer.run.loop import Run
 
 
 def _pilot(**kw):
@@ -91,7 +91,7 @@ def test_defaults_make_auto_one_override():
   each said in one line, and the result validates."""
   import jax  # noqa: PLC0415
   from optim.autopilot import with_defaults  # noqa: PLC0415
-  from trainer.cli import load  # noqa: PLC0415
+  from trainer.config.cli import load  # noqa: PLC0415
   cfg = load("configs/sweep_tiny.py", [("data.batch_ramp", "auto")])
   out, notes = with_defaults(cfg)
   assert (out.data.batch_auto.max, out.optim.schedule_unit) == (128, "tokens")
@@ -145,8 +145,8 @@ def test_run_grows_its_batch_and_compiles_each_size_once(straight, capsys):
   assert [rows[s]["batch_size"] for s in range(1, 9)] == [16] * 3 + [32] * 2 + [64] * 3
   assert run.ramp.stages_by_step() == [(0, 16), (3, 32), (5, 64)]
   # each size once (plain and measuring variants): log2(64 / 16) + 1 = 3 sizes
-  assert sorted({m for m, *_ in run.compiled_steps}) == [2, 4, 8]
-  assert run.compile_count <= 2 * (math.log2(64 / 16) + 1)
+  assert sorted({m for m, *_ in run.steps.compiled}) == [2, 4, 8]
+  assert run.steps.count <= 2 * (math.log2(64 / 16) + 1)
   events = [r for r in _all_rows(workdir) if r.get("event") == "batch_change"]
   assert [(e["step"], e["old_batch"], e["batch"], e["from_step"]) for e in events] == [
       (2, 16, 32, 4), (4, 32, 64, 6)]
@@ -245,7 +245,7 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
     for name, state in mine.items():
       assert state == ref, (step, name)
   # The decisions saved with the last checkpoint are the single process's.
-  from trainer.checkpoint import Checkpointer  # noqa: PLC0415
+  from trainer.checkpoint.persistent import Checkpointer  # noqa: PLC0415
   decisions = []
   for workdir in (multi, single):
     ckpt = Checkpointer(str(workdir / "checkpoints"), keep=10, async_save=False, log=print)

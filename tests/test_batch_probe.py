@@ -47,7 +47,7 @@ def test_branch_config_keeps_the_schedule_in_tokens_and_moves_the_rate():
           cfg.optim.warmup_steps, cfg.optim.decay_steps) == ("tokens", 512, 12800, 0, 0)
   assert cfg.steps == 12 + 4 and cfg.eval_every == 2 and cfg.optim.noise_scale_every > cfg.steps
   from optim import BatchRamp, build_schedule, derive  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415
   validate(cfg, 1)
   ramp = BatchRamp.from_config(cfg.data)
   old = build_schedule(run.optim, run.steps, peak=derive(run.optim, 8).learning_rate)
@@ -78,7 +78,7 @@ def _digest(directory) -> str:
 def run_dir(tmp_path_factory, data_dir):
   """A tiny run at batch 8 (AdamW, cosine), checkpoints at steps 4 and 8, evaluated every 2
   steps on 16 validation sequences."""
-  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
   workdir = tmp_path_factory.mktemp("probe_run")
   cfg = tiny_config(steps=8, **{"checkpoint.every_steps": 4, "eval_every": 2,
                                 "eval_sequences": 16})
@@ -107,7 +107,7 @@ def test_probe_on_a_tiny_run(run_dir, tmp_path, capsys):
   rows = (out / "batch_probe.csv").read_text().splitlines()
   assert len(rows) == 1 + 4 and rows[0].startswith("at_step,at_tokens,factor,batch")
   # The k = 1 branch is the run continued: its evaluations at steps 6 and 8 are the run's.
-  from tools.runs import read_rows  # noqa: PLC0415
+  from trainer.run.inprocess import read_rows  # noqa: PLC0415
   evals = lambda d: {r["step"]: r["eval_loss"] for r in read_rows(d) if "eval_loss" in r}
   branch, run = evals(out / "branches" / "at4_x1"), evals(run_dir)
   assert branch[6] == pytest.approx(run[6], rel=1e-5)
@@ -115,8 +115,8 @@ def test_probe_on_a_tiny_run(run_dir, tmp_path, capsys):
   x2 = [r for r in read_rows(out / "branches" / "at4_x2") if "learning_rate" in r]
   assert [r["batch_size"] for r in x2] == [16, 16]  # 1,024 tokens at 16 x 32: two steps
   # The implied ramp is a config a plain run takes.
-  from trainer.cli import load, parse_overrides  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer.config.cli import load, parse_overrides  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415
   overrides = (out / "ramp_overrides.txt").read_text().split()
   assert "--config.data.batch_ramp=8:0,16:1024" in overrides and "--config.steps=6" in overrides
   config = tmp_path / "tiny.py"

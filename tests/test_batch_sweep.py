@@ -9,7 +9,8 @@ import pytest
 
 from conftest import write_sweep_config
 from tools import batch_sweep
-from tools.batch_sweep import Fit, crossing, fit_tradeoff, smooth
+from tools.batch_sweep import Fit, fit_tradeoff
+from trainer.tracking.record import crossing, smooth
 
 
 def test_fit_recovers_the_tradeoff():

@@ -45,7 +45,7 @@ def test_torch_peer_has_our_parameter_count_at_every_shape():
 
   from models.llama import ModelConfig
   from models.sizes import param_counts
-  from trainer.cli import load_from_cli
+  from trainer.config.cli import load_from_cli
   peers, torch_peer = bench_module("peers"), bench_module("torch_peer")
   for name in peers.baseline.SHAPES:
     cfg = load_from_cli(os.path.join(ROOT, "configs", "lm_tiny.py"),

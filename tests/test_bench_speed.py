@@ -49,9 +49,9 @@ def test_variants_refuses_a_bad_vary_in_one_line(capsys):
 
 
 def test_variants_xla_option_reaches_the_compiled_step(capsys):
-  """--xla compiles each variant's step with the option: trainer/program.py's CPU option that
+  """--xla compiles each variant's step with the option: trainer/step/program.py's CPU option that
   keeps the donated state in place, turned off, makes the step copy state buffers again."""
-  from trainer.cli import load  # noqa: PLC0415
+  from trainer.config.cli import load  # noqa: PLC0415
   bench = bench_module("variants")
   option = "xla_cpu_copy_insertion_use_region_analysis"
   cfg = bench.vary(bench.baseline.one_device(load(TINY, [])), "model.num_layers", "1")
@@ -59,7 +59,7 @@ def test_variants_xla_option_reaches_the_compiled_step(capsys):
     off = bench.baseline.Ours(cfg)
   text = off.step.as_text()
   assert re.search(r"copy\(%state_(params|opt_state)", text), "state not copied without it"
-  from trainer import program  # noqa: PLC0415
+  from trainer.step import program  # noqa: PLC0415
   assert program.COMPILER_OPTIONS["cpu"] == {option: True}  # restored after the block
   assert bench.main(["--size", "none", "--config", TINY, "--rounds", "1", "--steps", "1",
                      "--config.model.num_layers=1", "--xla", f"{option}=false,true"]) == 0
@@ -73,7 +73,7 @@ def test_the_matched_sizes_are_the_issue_models():
   """3.3M and 25.4M parameters, with SwiGLU's FLOPs equal to a GELU MLP of 4 d (nanodo's)."""
   from models.llama import ModelConfig  # noqa: PLC0415
   from models.sizes import param_counts  # noqa: PLC0415
-  from trainer.cli import load_from_cli  # noqa: PLC0415
+  from trainer.config.cli import load_from_cli  # noqa: PLC0415
   bench = bench_module("baseline")
   for size, millions in (("3m", 3.3), ("25m", 25.4)):
     cfg = load_from_cli(TINY, bench.size_overrides(size))

@@ -11,10 +11,10 @@ from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer
 from sharding import make_mesh
-from trainer import checkpoint
-from trainer.checkpoint import Checkpointer
-from trainer.loop import Run
-from trainer.state import ModelSpec, abstract_state, init_state
+from trainer.checkpoint import persistent as checkpoint
+from trainer.checkpoint.persistent import Checkpointer
+from trainer.run.loop import Run
+from trainer.step.state import ModelSpec, abstract_state, init_state
 
 
 def _spec_tx(cfg, mesh_cfg, devices=None):

@@ -2,7 +2,7 @@
 
 train.py runs as a real process where stray output (a traceback, library start-up noise) could
 show; the other mistakes go through `train.main` in this process. Every CLI that takes
-`--config.KEY=VALUE` parses it with the one parser (`trainer.cli.parse_overrides`), so a bad
+`--config.KEY=VALUE` parses it with the one parser (`trainer.config.cli.parse_overrides`), so a bad
 override reads the same everywhere.
 """
 import importlib
@@ -18,8 +18,8 @@ from tools import aot, batch_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
-SYNTAX_ERROR = "from trainer.config import default_config\ndef get_config(:\n  return 1\n"
-RAISES = ("from trainer.config import default_config\n\ndef get_config():\n"
+SYNTAX_ERROR = "from trainer.config.defaults import default_config\ndef get_config(:\n  return 1\n"
+RAISES = ("from trainer.config.defaults import default_config\n\ndef get_config():\n"
           "  c = default_config()\n  c.steps = 1 // 0\n  return c\n")
 
 

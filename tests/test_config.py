@@ -8,8 +8,8 @@ import pytest
 
 import train
 from conftest import tiny_config
-from trainer.cli import load
 from trainer.config import ConfigError, default_config
+from trainer.config.cli import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -63,7 +63,7 @@ def test_missing_config_file(tmp_path, capsys):
 
 def test_unknown_key_in_config_file(tmp_path):
   path = tmp_path / "bad.py"
-  path.write_text("from trainer.config import default_config\n"
+  path.write_text("from trainer.config.defaults import default_config\n"
                   "def get_config():\n  c = default_config()\n  c.optim.lr = 1.0\n  return c\n")
   with pytest.raises(ConfigError, match="unknown key 'optim.lr'"):
     load(str(path), [])
@@ -81,7 +81,7 @@ def test_overrides_parse_types():
 
 
 def test_eval_sequences_zero_is_fine_without_evaluation():
-  from trainer.config_checks import validate
+  from trainer.config.checks import validate
   validate(load(TINY, [("eval_sequences", "0"), ("eval_every", "0")]), 1)
 
 
@@ -97,7 +97,7 @@ def test_real_process_exit_code(tmp_path):
 
 
 def test_platform_choice_skips_absent_tpus():
-  from trainer import platforms  # noqa: PLC0415
+  from trainer.multihost import platforms  # noqa: PLC0415
   cases = [({}, {"0x8086"}, "cpu"), ({}, {"0x8086", "0x10de"}, "cuda,cpu"),
            ({}, {"0x1ae0"}, None), ({}, set(), None), ({}, {"0x1002"}, None),
            ({"JAX_PLATFORMS": "tpu"}, {"0x8086"}, "tpu")]
@@ -114,7 +114,7 @@ def test_gpu_matmul_widths_not_multiple_of_64_warn_in_one_line(capsys):
   """On GPUs (issue 25: an MLP of 5461 cost XLA 35% against 5632) each matmul width a device
   multiplies that is not a multiple of 64 gets one warning line naming the nearest good values;
   the run goes on; nothing is said on CPU or for widths that are fine."""
-  from trainer.config_checks import matmul_width_warnings, validate
+  from trainer.config.checks import matmul_width_warnings, validate
   cfg = tiny_config(**{"model.d_model": 2048, "model.num_heads": 16, "model.num_kv_heads": 16,
                        "model.mlp_dim": 5461, "model.vocab_size": 50257, "mesh.data": 1})
   validate(cfg, [_Gpu()])

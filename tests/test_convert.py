@@ -17,9 +17,10 @@ transformers = pytest.importorskip("transformers",
 from models.hf import ConvertError, SafetensorsDir, model_config_from_hf  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 from tools import convert  # noqa: E402
-from trainer.checkpoint import CheckpointError, load_params  # noqa: E402
-from trainer.inference import restore_params  # noqa: E402
-from trainer.state import ModelSpec  # noqa: E402
+from trainer.checkpoint.saved import CheckpointError  # noqa: E402
+from trainer.checkpoint.model_dirs import load_params  # noqa: E402
+from trainer.checkpoint.model_dirs import restore_params  # noqa: E402
+from trainer.step.state import ModelSpec  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -138,7 +139,7 @@ def test_rope_scaling_config_key():
   from models.rope import rope_inv_freq
   from tests.conftest import tiny_config
   from trainer.config import ConfigError
-  from trainer.config_checks import validate
+  from trainer.config.checks import validate
   cfg = tiny_config()
   cfg.model.rope_scaling.update(type="llama3", factor=4.0, original_max_position_embeddings=64)
   validate(cfg, 8)
@@ -157,7 +158,7 @@ def test_init_from_mismatch_names_the_override(tmp_path, mesh):
   import dataclasses
   from models.llama import ModelConfig
   from models.rope import RopeScaling
-  from trainer.inference import init_from_mismatch
+  from trainer.checkpoint.model_dirs import init_from_mismatch
   make_hf_model(tmp_path / "hf", "gqa_llama3_untied")
   cfg = ModelConfig.from_config(convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "o"),
                                                 mesh=mesh))

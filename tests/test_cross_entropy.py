@@ -124,7 +124,7 @@ def test_training_with_logits_chunk_equals_full_logits(tmp_path, tied):
   """Same losses, gradient norms and updates step by step on a mesh whose `tensor` axis splits
   the vocabulary and whose `sequence` axis splits the chunks' positions."""
   from conftest import metric_rows, tiny_config
-  from trainer.loop import Run
+  from trainer.run.loop import Run
 
   def run(chunk):
     cfg = tiny_config(**{"steps": 3, "model.logits_chunk": chunk, "model.tie_embeddings": tied,
@@ -141,7 +141,7 @@ def test_training_with_logits_chunk_equals_full_logits(tmp_path, tied):
 def test_logits_chunk_is_validated():
   from conftest import tiny_config
   from trainer.config import ConfigError
-  from trainer.config_checks import validate
+  from trainer.config.checks import validate
   with pytest.raises(ConfigError, match=r"model.logits_chunk=5 must divide data.seq_len=32"):
     validate(tiny_config(**{"model.logits_chunk": 5}), 8)
   with pytest.raises(ConfigError, match=r"multiple of mesh.sequence=4"):
@@ -153,7 +153,7 @@ def test_train_step_memory_with_a_large_vocabulary():
   import jax as jax_
   from conftest import tiny_config
   from sharding.mesh import make_mesh
-  from trainer.program import Program
+  from trainer.step.program import Program
 
   def temp(chunk):
     cfg = tiny_config(**{"model.vocab_size": 32768, "model.logits_chunk": chunk,

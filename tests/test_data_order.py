@@ -10,11 +10,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from test_multihost import ROOT, child_env
 
 from conftest import losses, tiny_config
-from test_multihost import ROOT, child_env
-from trainer.config_checks import validate
-from trainer.loop import Run
+from trainer.config.checks import validate
+from trainer.run.loop import Run
 
 BATCH = 32
 # The tiny test model (conftest.tiny_config) as train.py overrides, for runs in other processes.

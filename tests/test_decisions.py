@@ -1,4 +1,4 @@
-"""When the loop logs, saves, evaluates and stops (`trainer/decisions.py`): in process for one
+"""When the loop logs, saves, evaluates and stops (`trainer/run/decisions.py`): in process for one
 process, and with two real processes where only one of them is sent SIGTERM."""
 import json
 import os
@@ -9,12 +9,15 @@ import time
 
 import jax
 import numpy as np
+from test_multihost import (MODEL_ARGS, ROOT, TINY, assert_ok, child_env, free_port,
+                            run_processes)
 
 from conftest import losses, tiny_config
-from test_multihost import MODEL_ARGS, ROOT, TINY, assert_ok, child_env, free_port, launch
-from trainer.decisions import Decider, MetricsWindow, StopSignals
-from trainer.loop import Run
-from trainer.program import Program
+from trainer.run.decisions import Decider, StopSignals
+from trainer.run.feed import Feed
+from trainer.run.loop import Run
+from trainer.run.readback import MetricsWindow
+from trainer.step.program import Program
 
 
 def _decider(**overrides):
@@ -138,11 +141,11 @@ def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
   assert _logged_steps(run) == stopped < 400
 
   end = stopped + 3
-  resumed = launch(run, 2, args + [f"--config.steps={end}"])
+  resumed = run_processes(run, 2, args + [f"--config.steps={end}"])
   assert_ok(resumed)
   assert f"checkpoints/{stopped}" in resumed[0][1]
   straight = tmp_path / "straight"
-  assert_ok(launch(straight, 2, args + [f"--config.steps={end}"]))
+  assert_ok(run_processes(straight, 2, args + [f"--config.steps={end}"]))
   got, want = losses(run), losses(straight)
   assert sorted(got) == sorted(want) == list(range(1, end + 1))
   np.testing.assert_array_equal([got[s] for s in got], [want[s] for s in got])
@@ -163,14 +166,14 @@ def test_two_processes_agree_on_clock_saves(tmp_path):
   args = MODEL_ARGS + ["--config.checkpoint.every_steps=0", "--config.log_every=3",
                        "--config.checkpoint.every_seconds=1e-6", "--config.checkpoint.keep=10",
                        "--config.steps=7"]
-  assert_ok(launch(tmp_path, 2, args))
+  assert_ok(run_processes(tmp_path, 2, args))
   assert sorted(os.listdir(tmp_path / "checkpoints"), key=int) == ["3", "6", "7"]
 
 
 def test_data_wait_is_reported(tmp_path, monkeypatch):
   """A slow input pipeline shows as `data_wait_ms` (part of `step_time`)."""
-  slow = Run.global_batch
-  monkeypatch.setattr(Run, "global_batch",
+  slow = Feed.global_batch
+  monkeypatch.setattr(Feed, "global_batch",
                       lambda self, mbs: time.sleep(0.05) or slow(self, mbs))
   Run(tiny_config(**{"steps": 4, "log_every": 2}), str(tmp_path)).train()
   rows = [r for r in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in r]

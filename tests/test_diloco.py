@@ -1,4 +1,4 @@
-"""DiLoCo (optim/diloco.py, trainer/diloco.py): the maths pinned by three equivalences, no
+"""DiLoCo (optim/diloco.py, trainer/step/diloco.py): the maths pinned by three equivalences, no
 communication across replicas in the inner step (read from the compiled program), exact resume
 and restore onto another mesh, and the config errors."""
 import csv
@@ -15,14 +15,16 @@ from conftest import (assert_adam_params_close, losses, metric_rows, tiny_config
 from data import pipeline
 from sharding.collectives import collectives, crossing, unattributed
 from sharding.mesh import MeshError, fold_replicas, make_mesh, resolve_mesh
-from trainer import checkpoint, communication
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.model_dirs import load_params
+from trainer.checkpoint.persistent import Checkpointer
+from trainer.checkpoint.saved import CheckpointError
 from trainer.config import ConfigError
-from trainer.config_checks import validate
-from trainer.decisions import FLAG_KEYS, MetricsWindow
-from trainer.diloco import reduce_metrics
-from trainer.loop import Run
-from trainer.program import Program, run_mesh
+from trainer.config.checks import validate
+from trainer.run.loop import Run
+from trainer.run.readback import FLAG_KEYS, MetricsWindow
+from trainer.step.diloco import reduce_metrics
+from trainer.step.program import Program, run_mesh
+from trainer.tracking import communication
 
 TINY = "configs/lm_tiny.py"
 
@@ -373,7 +375,7 @@ def test_resume_is_bit_for_bit_between_and_at_outer_steps(tmp_path):
   assert [got[s] for s in range(1, 7)] == [want[s] for s in range(1, 7)]  # bit for bit
   # Other tools (init_from, tools.evaluate, export) read a DiLoCo checkpoint's anchor.
   program = Program(_run_cfg(), run_mesh(_run_cfg()))
-  params, _ = checkpoint.load_params(str(straight), program.spec.abstract_params)
+  params, _ = load_params(str(straight), program.spec.abstract_params)
   with ocp.StandardCheckpointer() as reader:
     state = reader.restore(straight / "checkpoints" / "6" / "state", program.abstract_state())
   _assert_trees_close(jax.device_get(params), jax.device_get(state.anchor), rtol=0, atol=0)
@@ -418,7 +420,7 @@ def test_another_m_is_refused_in_user_terms_and_init_from_takes_the_anchor(tmp_p
   workdir = tmp_path / "w"
   Run(_run_cfg(steps=2, **{"eval_every": 2, "checkpoint.every_steps": 2}), str(workdir)).train()
   four = {"optim.diloco.replicas": 4, "mesh.fsdp": 1, "eval_every": 2}
-  with pytest.raises(checkpoint.CheckpointError, match="optim.diloco.replicas=2, the config has 4"):
+  with pytest.raises(CheckpointError, match="optim.diloco.replicas=2, the config has 4"):
     Run(_run_cfg(steps=2, **four), str(workdir)).train()
   warm = Run(_run_cfg(steps=2, **four, **{"checkpoint.init_from": str(workdir)}),
              str(tmp_path / "warm"))

@@ -2,17 +2,17 @@
 
 - Links: every relative link and image points at a file that exists, and every `#anchor` at a
   heading of its page (GitHub's anchors); every page of docs/ is linked from the README.
-- Names: every repository file they name (`trainer/config.py`, `docs/x.{csv,png}`) exists, and
+- Names: every repository file they name (`trainer/config/defaults.py`, `docs/x.{csv,png}`) exists, and
   a name after it (`models/attention.py:choose_impl`, `tests/test_x.py::test_y`) is defined
   there; every config key named in a code span (`optim.lr_rule`, `mesh.{data,fsdp}`,
-  `--config.mesh.dcn_data=2`) is a key of `trainer.config.default_config()`, a value given with
+  `--config.mesh.dcn_data=2`) is a key of `trainer.config.defaults.default_config()`, a value given with
   it (`model.moe.shared_expert=384`) parses with that key's type, and a dotted name that is no
   key is a module attribute (`sharding.make_mesh`).
 - Commands: every `python train.py`, `python -m tools.*`, `python -m experiments.*`,
   `python -m data.prepare` and `python bench/*.py` command, in a fenced block or a code span,
   is parsed by its entry point's own parser (`build_parser()`), its `--config.KEY=VALUE`
   overrides are applied to its config (`--config FILE`, or the entry point's default) by
-  `trainer.cli`, and the result goes through `trainer.config_checks.validate`, the checks
+  `trainer.config.cli`, and the result goes through `trainer.config.checks.validate`, the checks
   train.py runs before compiling. A renamed key or flag, a bad value, a mesh that does not fit
   the command's devices: the test fails on the page and line.
 
@@ -53,9 +53,9 @@ import ml_collections
 import pytest
 
 from conftest import ROOT, bench_module
-from trainer.cli import CliParser, apply_override, load
 from trainer.config import ConfigError, default_config
-from trainer.config_checks import validate
+from trainer.config.checks import validate
+from trainer.config.cli import CliParser, apply_override, load
 
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
@@ -260,7 +260,7 @@ def key_problems(page: str, text: str) -> list[str]:
     where = f"{page}:{line_of(text, offset)}: `{span}`"
     for dotted in expand(m.group(1)):
       if not (is_key(dotted) or (not span.startswith("--") and is_attribute(dotted))):
-        problems.append(f"{where}: {dotted} is no config key (trainer/config.py) nor a module "
+        problems.append(f"{where}: {dotted} is no config key (trainer/config/defaults.py) nor a module "
                         "attribute")
       elif m.group(2) and is_leaf(dotted) and not placeholder(value := m.group(2).split()[0]):
         try:  # `KEY=VALUE`: the value parses with the key's type, as on the command line

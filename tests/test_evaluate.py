@@ -8,16 +8,16 @@ import os
 import jax
 import numpy as np
 import pytest
+from tests.conftest import tiny_config
 
 from data import prepare
-from tests.conftest import tiny_config
 from tools import evaluate as evaluate_cli
-from tools.convert import mesh_from_overrides
 from tools import generate as generate_cli
-from trainer import evaluation
-from trainer.evaluation import packed_rows, split_documents, windows
-from trainer.inference import restore_with_ema
-from trainer.loop import Run
+from tools.convert import mesh_from_overrides
+from trainer.checkpoint.model_dirs import restore_with_ema
+from trainer.evaluation import split as evaluation
+from trainer.evaluation.split import packed_rows, split_documents, windows
+from trainer.run.loop import Run
 
 SEQ = 32
 
@@ -154,9 +154,9 @@ def test_an_in_training_evaluation_of_nothing_is_nan_not_zero(data_dir):
   without them scores nothing, and says so with NaN, never a perfect 0."""
   from data import mixture
   from sharding import make_mesh
-  from trainer.periodic_eval import make_evaluator
-  from trainer.program import Program
-  from trainer.state import init_state
+  from trainer.evaluation.periodic import make_evaluator
+  from trainer.step.program import Program
+  from trainer.step.state import init_state
   cfg = tiny_config(eval_sequences=0)
   program = Program(cfg, make_mesh(cfg.mesh))
   evaluate = make_evaluator(program, [mixture.Source("data", data_dir)],
@@ -184,7 +184,7 @@ def test_evaluate_refuses_unknown_split(run, capsys):
 
 
 def test_run_data_dir_of_a_mixture_run_is_its_first_source():
-  from trainer.inference import run_data_dir
+  from trainer.checkpoint.model_dirs import run_data_dir
   assert run_data_dir({"dir": "", "mixture": "code=/d/a:0.7,prose=/d/b:0.3"}) == "/d/a"
   assert run_data_dir({"dir": "/d/c", "mixture": ""}) == "/d/c"
 

@@ -199,7 +199,7 @@ def test_seesaw_runs_and_refusals():
   """The runs of part 1: cosine, the step decay (Seesaw up to the start), Seesaw up to each
   largest batch, the linear rule at the largest; each config validates. A largest batch that is
   not the start x 2^k is one line, exit code 2."""
-  from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415
   args, _ = seesaw.parse(["--max_batches", "16,32", "--batch", "8", "--examples", "256"])
   names = [name for name, _ in seesaw.runs(args)]
   assert names == ["cosine", "step decay", "seesaw 16", "seesaw 32", "seesaw 32, linear rule"]

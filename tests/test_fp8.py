@@ -13,7 +13,7 @@ import train
 from conftest import losses, tiny_config
 from models.fp8 import E4M3, E5M2, fp8_matmul, quantize
 from models.llama import ModelConfig, Transformer
-from trainer.loop import Run
+from trainer.run.loop import Run
 
 
 def _rel(a, b):
@@ -171,12 +171,12 @@ def test_h100_train_step_runs_every_fp8_product_on_cublaslt():
   projections' weights per layer; XLA merges the dots that share an operand, q/k/v and
   gate/up, so it is not 21 launches per layer), are cuBLASLt fp8 GEMMs, and no other kernel
   multiplies fp8 operands. With XLA's Triton GEMMs enabled an ahead-of-time compile makes all
-  of them Triton kernels; fp8 steps on GPU compile without (trainer/program.py's
+  of them Triton kernels; fp8 steps on GPU compile without (trainer/step/program.py's
   FP8_GPU_OPTIONS)."""
   from sharding.mesh import make_mesh
   from tools import aot
   from tools.hlo import FP8_GEMM, Module
-  from trainer.program import Program
+  from trainer.step.program import Program
   try:
     target = aot.gpu_target("h100:1")
   except aot.AotError as e:
@@ -203,7 +203,7 @@ def test_fp8_steps_on_gpu_compile_without_triton_gemms():
   """What the H100 test above relies on, checked without jax's CUDA plugin: a GPU step with
   `model.fp8` compiles with XLA's Triton GEMMs off, a bf16 one and any CPU step without that
   option, and an option set for the platform (bench/variants.py's --xla A/B) wins."""
-  from trainer import program
+  from trainer.step import program
   fp8, bf16 = ModelConfig(fp8=True), ModelConfig(fp8=False)
   assert program.compiler_options("gpu", fp8) == {"xla_gpu_enable_triton_gemm": False}
   assert program.compiler_options("gpu", bf16) is None

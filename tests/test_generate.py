@@ -8,7 +8,7 @@ import jax
 
 from models.decode import Generator, sample
 from sharding.mesh import make_mesh
-from trainer.inference import restore_params
+from trainer.checkpoint.model_dirs import restore_params
 
 torch = pytest.importorskip("torch", reason="generation parity needs the `hf` extra (torch)")
 transformers = pytest.importorskip("transformers", reason="needs the `hf` extra (transformers)")

@@ -142,7 +142,7 @@ def test_fp8_matmul_compiles_to_cublaslt_fp8_and_equals_the_emulation():
     y, vjp = jax.vjp(fp8_matmul, x, w)
     return (y, *vjp(g))
 
-  from trainer.program import FP8_GPU_OPTIONS  # what an fp8 train step compiles with
+  from trainer.step.program import FP8_GPU_OPTIONS  # what an fp8 train step compiles with
   gpu = jax.jit(fwd_bwd).lower(x, w, g).compile(compiler_options=FP8_GPU_OPTIONS)
   text = gpu.as_text()
   # forward, dX and dW: three fp8 GEMMs, not fp8 operands converted up for a bf16 dot nor
@@ -162,7 +162,7 @@ def trained(tmp_path_factory):
   then resumed to 6; and cuDNN's attention (by name: `auto` picks our kernel for the packed
   documents training feeds) to step 1."""
   root = tmp_path_factory.mktemp("gpu_runs")
-  from trainer.loop import Run
+  from trainer.run.loop import Run
   base = {"model.d_model": 64, "model.mlp_dim": 128, "model.dtype": "bfloat16",
           "model.attention": "flash", "checkpoint.every_steps": 3, "steps": 6}
   Run(tiny_config(**base), str(root / "straight")).train()
@@ -211,7 +211,7 @@ def peaked(tmp_path_factory):
   peaked enough for greedy decoding to be decided at most steps. Issue 25's GPU run decided 2
   of 16 steps with the 6-step model of `trained`; on CPU (xla attention) this recipe decides 9
   and 16 of 16 for a text prompt and for the control-character one."""
-  from trainer.loop import Run
+  from trainer.run.loop import Run
   root = tmp_path_factory.mktemp("gpu_peaked")
   Run(tiny_config(**{"model.d_model": 64, "model.mlp_dim": 128, "model.dtype": "bfloat16",
                      "model.attention": "flash", "steps": 200, "log_every": 50,
@@ -231,7 +231,7 @@ def test_greedy_generation_on_gpu_equals_full_forward_argmax(peaked):
   from data.tokenizer import BOS_ID
   from models.decode import Generator
   from sharding import make_mesh
-  from trainer.inference import restore_params
+  from trainer.checkpoint.model_dirs import restore_params
   mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "expert": 1},
                    jax.devices()[:1])
   spec, params, _, _ = restore_params(str(peaked), mesh)

@@ -13,7 +13,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from data import tokenizer  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 from tools.lm_eval_adapter import ScaletrainLM  # noqa: E402
-from trainer.loop import Run  # noqa: E402
+from trainer.run.loop import Run  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,13 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_multihost import MODEL_ARGS, ROOT, assert_ok, run_processes, start_processes
+from test_reliability import _env, assert_same_tail, start, train
 
 from conftest import losses, tiny_config
-from test_multihost import MODEL_ARGS, ROOT, assert_ok, launch, start_processes
-from test_reliability import _env, assert_same_tail, start, train
 from tools import goodput
-from trainer import local_tier
-from trainer.loop import Run
+from trainer.checkpoint import local_layout, local_tier
+from trainer.run.loop import Run
 
 
 def local(directory, every=1):
@@ -161,7 +161,7 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   root = tmp_path / "local"
   node = (lambda i: root) if case.startswith("one node") else (lambda i: root / f"node{i}")
   per_process = [[f"--config.checkpoint.local_dir={node(i)}"] for i in range(2)]
-  assert_ok(launch(tmp_path / "straight", 2, args, per_process_args=[
+  assert_ok(run_processes(tmp_path / "straight", 2, args, per_process_args=[
       [f"--config.checkpoint.local_dir={tmp_path / 's' / str(i)}"] for i in range(2)]))
   procs = start_processes(tmp_path / "w", 2, args, per_process)
   deadline = time.time() + 300
@@ -176,7 +176,7 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   else:
     newest = max(set(local_steps(node(0), 0)) & set(local_steps(node(1), 1)))
     corrupt(node(1) / "process_1" / str(newest))
-  results = launch(tmp_path / "w", 2, args, per_process_args=per_process)
+  results = run_processes(tmp_path / "w", 2, args, per_process_args=per_process)
   assert_ok(results)
   out = results[0][1]
   where, tier = resumed_from(out)
@@ -266,7 +266,7 @@ def test_local_tier_keeps_the_last_steps_and_skips_a_save_that_would_fill_the_di
 
 
 def test_the_decider_saves_locally_between_persistent_saves():
-  from trainer.decisions import Decider, StopSignals  # noqa: PLC0415
+  from trainer.run.decisions import Decider, StopSignals  # noqa: PLC0415
   cfg = tiny_config(**{"steps": 12, "checkpoint.every_steps": 6,
                        "checkpoint.local_every_steps": 2, "checkpoint.local_dir": "/x"})
   decider = Decider(cfg, StopSignals(), start=0, evaluating=False)
@@ -278,12 +278,12 @@ def test_the_decider_saves_locally_between_persistent_saves():
 
 def test_what_a_local_step_must_cover():
   box = ((0, 4), (0, 8))
-  assert local_tier.covered([box], [((0, 2), (0, 8)), ((2, 4), (0, 8))])
-  assert not local_tier.covered([box], [((0, 2), (0, 8))])
-  assert local_tier.covered([((1, 3), (2, 5))], [((0, 4), (0, 8))])
-  assert local_tier.covered([()], [()])  # a scalar
+  assert local_layout.covered([box], [((0, 2), (0, 8)), ((2, 4), (0, 8))])
+  assert not local_layout.covered([box], [((0, 2), (0, 8))])
+  assert local_layout.covered([((1, 3), (2, 5))], [((0, 4), (0, 8))])
+  assert local_layout.covered([()], [()])  # a scalar
   mesh = jax.make_mesh((8,), ("data",))
-  assert local_tier.next_process_mesh(mesh) is None  # one process: no peer
+  assert local_layout.next_process_mesh(mesh) is None  # one process: no peer
 
 
 @pytest.mark.parametrize("override,needle", [

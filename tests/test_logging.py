@@ -6,11 +6,12 @@ import os
 import jax
 import jax.numpy as jnp
 import pytest
-
 from tests.conftest import tiny_config
+
 from trainer.config import ConfigError
-from trainer.config_checks import validate
-from trainer.profiling import ProfileWindow, parse_window
+from trainer.config.checks import validate
+from trainer.config.defaults import parse_window
+from trainer.tracking.profiling import ProfileWindow
 
 
 def _wandb_run_files(workdir):
@@ -29,7 +30,7 @@ def offline(monkeypatch, tmp_path):
 
 
 def test_training_run_logs_to_wandb_offline(offline, tmp_path):
-  from trainer.loop import Run
+  from trainer.run.loop import Run
   cfg = tiny_config(**{"steps": 2, "trainer.wandb.project": "scaletrain-test",
                        "trainer.wandb.mode": "offline", "trainer.wandb.name": "tiny"})
   workdir = str(tmp_path / "run")
@@ -93,7 +94,7 @@ def test_profile_window_stops_when_the_run_ends_inside_it(tmp_path):
 
 
 def test_training_run_writes_the_profile_window(tmp_path):
-  from trainer.loop import Run
+  from trainer.run.loop import Run
   workdir = str(tmp_path / "run")
   Run(tiny_config(**{"steps": 4, "trainer.profile_steps": "2:3"}), workdir).train()
   assert glob.glob(os.path.join(workdir, "profile", "plugins", "profile", "*", "*.xplane.pb"))

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import override, tiny_config
 from tools import aot, memory_check
-from trainer.cli import load
+from trainer.config.cli import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -77,7 +77,7 @@ def report_state(cfg):
   """The abstract train state of `cfg` on the 8 CPU devices, as a dict of its fields."""
   import dataclasses  # noqa: PLC0415
 
-  from trainer.program import Program, run_mesh  # noqa: PLC0415
+  from trainer.step.program import Program, run_mesh  # noqa: PLC0415
   state = Program(cfg, run_mesh(cfg)).abstract_state()
   return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
@@ -135,7 +135,7 @@ def test_measure_records_the_allocator_through_the_run(monkeypatch):
   allocator before and after each train-step compile, at every logged row and at the end
   (here a counter stands in for a GPU's memory_stats); Program.compile is left as it was."""
   from conftest import tiny_config
-  from trainer.program import Program
+  from trainer.step.program import Program
   calls = []
   monkeypatch.setattr(memory_check, "_stats",
                       lambda: calls.append(1) or {"peak_bytes_in_use": 100 * len(calls)})
@@ -154,8 +154,8 @@ def test_a_measuring_run_that_raises_shows_its_own_error(monkeypatch):
   """An exception inside the measuring run reaches the caller as itself (not as a failure to
   read the run's result), with Program.compile restored."""
   from conftest import tiny_config
-  from trainer.loop import Run
-  from trainer.program import Program
+  from trainer.run.loop import Run
+  from trainer.step.program import Program
   compile_before = Program.compile
 
   def train(self):

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from trainer import metrics
-from trainer.metrics import known_hbm_bytes, known_peak_flops, machine_peak_flops
+from trainer.tracking import peaks
+from trainer.tracking.peaks import known_hbm_bytes, known_peak_flops, machine_peak_flops
 
 # Device kinds as JAX reports them -> the bf16 peak expected.
 KINDS = {
@@ -72,7 +72,7 @@ def test_machine_peak_uses_the_model_dtype(monkeypatch):
   assert machine_peak_flops(1e12, "bfloat16") == (8e12, "config")
   Device.device_kind = "cpu"
   measured = []
-  monkeypatch.setattr(metrics, "measure_matmul_peak",
+  monkeypatch.setattr(peaks, "measure_matmul_peak",
                       lambda dtype: measured.append(dtype) or 1e11)
   assert machine_peak_flops(0.0, "bfloat16") == (1e11, "measured bfloat16 matmul")
   assert measured == ["bfloat16"]
@@ -96,10 +96,10 @@ def test_matmul_peak_probe_in_the_dtype_at_the_platforms_size(monkeypatch, platf
 
   monkeypatch.setattr(jax, "default_backend", lambda: platform)
   monkeypatch.setattr(jax, "jit", recording_jit)
-  assert metrics.matmul_probe_size("gpu") == metrics.matmul_probe_size("tpu") == 8192
+  assert peaks.matmul_probe_size("gpu") == peaks.matmul_probe_size("tpu") == 8192
   if platform != "cpu":  # 8192^3 would take minutes here
-    monkeypatch.setattr(metrics, "matmul_probe_size", lambda p: n)
-  flops = metrics.measure_matmul_peak(repeats=2, dtype="bfloat16")
+    monkeypatch.setattr(peaks, "matmul_probe_size", lambda p: n)
+  flops = peaks.measure_matmul_peak(repeats=2, dtype="bfloat16")
   assert flops > 0
   assert len(seen) == 1 + 2 * calls  # a warm-up call, then `calls` per timed repeat
   assert set(seen) == {((n, n), "bfloat16", "bfloat16")}

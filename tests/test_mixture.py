@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from data import mixture, pipeline, prepare
 from trainer.config import ConfigError
-from trainer.config_checks import validate
+from trainer.config.checks import validate
 
 A_LEN, B_LEN = 60, 400  # mean document lengths (bytes) of the two sources
 
@@ -231,7 +231,7 @@ def test_mixture_config_errors(sources, tmp_path):
 
 def test_run_on_a_mixture_reports_each_source(sources, tmp_path):
   """A real run with model.vocab_size=0 on a mixture logs eval_loss/NAME and bits per byte."""
-  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
   cfg = tiny_config(**{"data.mixture": f"a={sources['a']}:0.5,b={sources['b']}:0.5",
                        "model.vocab_size": 0, "steps": 2, "eval_every": 2, "eval_sequences": 4})
   validate(cfg, jax.devices())

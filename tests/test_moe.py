@@ -9,19 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_train_step
 from flax import nnx
 
-import test_train_step
 import train
 from conftest import losses, metric_rows, override, tiny_config
 from models.llama import MLP, ModelConfig
-from models.sizes import param_counts
 from models.moe import MoE, MoEConfig
 from models.moe_dispatch import capacity_keep
+from models.sizes import param_counts
 from sharding import make_mesh
-from trainer.loop import Run
-from trainer.state import ModelSpec, init_state
-from trainer.step import grad_sums
+from trainer.run.loop import Run
+from trainer.step.state import ModelSpec, init_state
+from trainer.step.train_step import grad_sums
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.mlp_dim": 32}
@@ -162,8 +162,8 @@ def test_expert_parallel_program_exchanges_tokens_not_weights(devices):
   gathered only over fsdp (each device keeps its 2 of 8 experts); no batch-wide gather."""
   from optim import build_optimizer  # noqa: PLC0415
   from sharding import batch_sharding, replicated  # noqa: PLC0415
-  from trainer.state import abstract_state, state_shardings  # noqa: PLC0415
-  from trainer.step import make_train_step  # noqa: PLC0415
+  from trainer.step.state import abstract_state, state_shardings  # noqa: PLC0415
+  from trainer.step.train_step import make_train_step  # noqa: PLC0415
   cfg = tiny_config(**{**MOE, "model.moe.mlp_dim": 64})
   mesh = make_mesh({"expert": 4, "fsdp": 2})
   spec = ModelSpec(ModelConfig.from_config(cfg.model), mesh, 0)

@@ -14,8 +14,8 @@ import pytest
 
 import train
 from conftest import CACHE_DIR, losses
-from trainer import distributed
 from trainer.config import default_config
+from trainer.multihost import agreement, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
@@ -69,7 +69,7 @@ def start_processes(workdir, processes: int, args=(), per_process_args=None):
   return procs
 
 
-def launch(workdir, processes: int, args=(), per_process_args=None, timeout=300):
+def run_processes(workdir, processes: int, args=(), per_process_args=None, timeout=300):
   """Run train.py as `processes` processes of one run; [(returncode, stdout, stderr)]."""
   procs = start_processes(workdir, processes, args, per_process_args)
   out = []
@@ -105,7 +105,7 @@ def launch_beside_reference(workdir, reference_workdir, args, reference_args):
       [sys.executable, "train.py", "--config", TINY, "--workdir", str(reference_workdir),
        *reference_args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
-    results = launch(workdir, 2, args)
+    results = run_processes(workdir, 2, args)
     ref_out, ref_err = reference.communicate(timeout=300)
   finally:
     if reference.poll() is None:
@@ -147,7 +147,7 @@ SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_PROCI
     ({"mode": "off"}, {**SLURM, "SLURM_NTASKS": "2"}, None),
 ])
 def test_resolve_detection_order(values, environ, expected):
-  launch_ = distributed.resolve(dist_cfg(**values), environ)
+  launch_ = launch.resolve(dist_cfg(**values), environ)
   if expected is None:
     assert launch_ is None
   else:
@@ -161,9 +161,9 @@ def test_resolve_detection_order(values, environ, expected):
     ({}, {"0x8086"}, None),  # no Google TPU on the PCI bus
 ])
 def test_resolve_on_a_tpu_vm_leaves_the_count_to_jax(environ, vendors, expected, monkeypatch):
-  monkeypatch.setattr(distributed.platforms, "pci_vendors", lambda: vendors)
-  monkeypatch.setattr(distributed, "libtpu_available", lambda: True)
-  launch_ = distributed.resolve(dist_cfg(), environ)
+  monkeypatch.setattr(launch.platforms, "pci_vendors", lambda: vendors)
+  monkeypatch.setattr(launch, "libtpu_available", lambda: True)
+  launch_ = launch.resolve(dist_cfg(), environ)
   if expected is None:
     assert launch_ is None
   else:
@@ -176,15 +176,15 @@ def test_only_public_jax_apis():
   jax.experimental.{multihost_utils,mesh_utils,topologies}), never jax._src."""
   from tools import aot  # noqa: PLC0415
   from tools import targets  # noqa: PLC0415
-  for module in (distributed, aot, targets):
+  for module in (launch, agreement, aot, targets):
     assert "jax._src" not in inspect.getsource(module), module.__name__
 
 
 def test_resolve_partial_values_without_a_cluster_is_an_error():
-  with pytest.raises(distributed.DistributedError, match="but not coordinator_address"):
-    distributed.resolve(dist_cfg(num_processes=2, process_id=0), {})
-  with pytest.raises(distributed.DistributedError, match="JAX_PROCESS_ID='x': expected an int"):
-    distributed.resolve(dist_cfg(), {"JAX_PROCESS_ID": "x"})
+  with pytest.raises(launch.DistributedError, match="but not coordinator_address"):
+    launch.resolve(dist_cfg(num_processes=2, process_id=0), {})
+  with pytest.raises(launch.DistributedError, match="JAX_PROCESS_ID='x': expected an int"):
+    launch.resolve(dist_cfg(), {"JAX_PROCESS_ID": "x"})
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -209,19 +209,19 @@ def test_disagreement_names_the_first_difference():
   same = json.loads(json.dumps(base))
   other = json.loads(json.dumps(base))
   other["devices"]["local_count"] = 2
-  assert distributed.describe_disagreement([base, same]) is None
-  message = distributed.describe_disagreement([base, same, other])
+  assert agreement.describe_disagreement([base, same]) is None
+  message = agreement.describe_disagreement([base, same, other])
   assert "process 0 has devices.local_count=4, process 2 has 2" in message
   assert "same number and kind of devices" in message
   other = json.loads(json.dumps(base))
   other["config"]["optim"]["learning_rate"] = 2e-3
   assert "process 0 has optim.learning_rate=0.001, process 1 has 0.002" in (
-      distributed.describe_disagreement([base, other]))
+      agreement.describe_disagreement([base, other]))
 
 
 def test_processes_that_disagree_fail_fast_instead_of_hanging(tmp_path):
   """Different overrides on two processes: both stop before compiling, same one line, exit 2."""
-  results = launch(tmp_path / "w", 2, MODEL_ARGS,
+  results = run_processes(tmp_path / "w", 2, MODEL_ARGS,
                    per_process_args=[["--config.optim.learning_rate=1e-2"],
                                      ["--config.optim.learning_rate=2e-2"]], timeout=120)
   needle = "process 0 has optim.learning_rate=0.01, process 1 has 0.02"
@@ -262,7 +262,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
     data = sorted(os.listdir(multi / "checkpoints" / str(step) / "data"))
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(data), data
 
-  resumed = launch(multi, 2, MODEL_ARGS + micro + ["--config.steps=6"])
+  resumed = run_processes(multi, 2, MODEL_ARGS + micro + ["--config.steps=6"])
   assert_ok(resumed)
   assert "resumed from" in resumed[0][1] and "checkpoints/4" in resumed[0][1]
 

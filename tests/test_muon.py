@@ -17,9 +17,9 @@ from optim.muon import (dimension_numbers, fan_in_out, labels, ns_path, ns_spec,
                         scale_by_muon)
 from sharding import make_mesh
 from trainer.config import ConfigError
-from trainer.config_checks import validate
-from trainer.loop import Run
-from trainer.state import ModelSpec, init_state, state_shardings
+from trainer.config.checks import validate
+from trainer.run.loop import Run
+from trainer.step.state import ModelSpec, init_state, state_shardings
 
 IS_NAMES = lambda x: isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x)
 

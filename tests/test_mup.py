@@ -13,9 +13,9 @@ from optim.factory import lr_multipliers
 from sharding import make_mesh
 from tools import coord_check
 from trainer.config import ConfigError, default_config
-from trainer.config_checks import validate
-from trainer.program import Program
-from trainer.state import _logical_names
+from trainer.config.checks import validate
+from trainer.step.program import Program
+from trainer.step.state import _logical_names
 
 
 def _model(parametrization, d_model, base_width, **kw):
@@ -147,7 +147,7 @@ def test_mup_model_off_its_base_width_is_not_exported_to_hf(tmp_path):
   """Hugging Face's Llama cannot carry muP's multipliers: to-hf refuses in one line."""
   from models.hf import ConvertError
   from tools import convert
-  from trainer.loop import Run
+  from trainer.run.loop import Run
   Run(tiny_config(**{"steps": 1, "checkpoint.every_steps": 1, "model.parametrization": "mup",
                      "model.base_width": 16}), str(tmp_path / "run")).train()
   with pytest.raises(ConvertError, match="muP model at width multiplier 2 .* cannot be exported"):

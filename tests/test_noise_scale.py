@@ -12,9 +12,9 @@ from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer, noise_scale
 from sharding import batch_sharding, make_mesh, replicated
-from trainer.program import Program
-from trainer.state import ModelSpec, init_state, state_shardings
-from trainer.step import grad_sums, loss_sums, make_train_step
+from trainer.step.program import Program
+from trainer.step.state import ModelSpec, init_state, state_shardings
+from trainer.step.train_step import grad_sums, loss_sums, make_train_step
 
 
 def test_estimator_is_exact_in_expectation():

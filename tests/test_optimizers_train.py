@@ -16,8 +16,8 @@ from conftest import tiny_config
 from data import pipeline
 from optim import OPTIMIZERS, masks
 from sharding import make_mesh
-from trainer.program import Program
-from trainer.state import init_state
+from trainer.step.program import Program
+from trainer.step.state import init_state
 
 STEPS = 40
 MESHES = {"1dev": ({"data": 1}, 1), "dp2-fsdp2-tp2": ({"data": 2, "fsdp": 2, "tensor": 2}, 8)}

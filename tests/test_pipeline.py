@@ -1,5 +1,5 @@
 """Pipeline parallelism over `mesh.stage` (sharding/pipeline.py, models/pipeline.py,
-trainer/stages.py): GPipe and circular schedules equal the plain step (losses, gradients,
+trainer/step/pipelined.py): GPipe and circular schedules equal the plain step (losses, gradients,
 parameters over several steps; with fsdp x tensor inside the stages; with MoE layers), the
 bubble and bytes between stages counted from the compiled program, checkpoints that hold the
 plain layer stack, evaluation and the noise-scale meter through the pipeline, the batch ramp's
@@ -15,10 +15,10 @@ from optim.autopilot import AutoConfig, Autopilot, Change
 from optim.ramp import BatchRamp
 from sharding.pipeline import Pipeline, count
 from trainer.config import ConfigError
-from trainer.config_checks import validate
-from trainer.program import Program, run_mesh
-from trainer.stages import grad_sums as pipelined_grad_sums
-from trainer.step import grad_sums
+from trainer.config.checks import validate
+from trainer.step.pipelined import grad_sums as pipelined_grad_sums
+from trainer.step.program import Program, run_mesh
+from trainer.step.train_step import grad_sums
 
 STEPS = 3
 # 8 layers (so S x R up to 8), 4 micro-batches of 4 rows; SGD, so that parameter changes are
@@ -283,7 +283,7 @@ def test_batch_ramp_changes_the_micro_batches_and_the_counted_bubble(data_dir, t
   """A ramp from 8 to 16 sequences (M = 2 -> 4 micro-batches of 4 on 2 stages): the plan line
   gives the cost model at both batches, and the run counts the bubble of each compiled step."""
   import json  # noqa: PLC0415
-  from trainer.loop import Run  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
   cfg = _cfg(**GPIPE2, **{"data.batch_ramp": "8:0,16:64", "steps": 4, "log_every": 1})
   result = Run(cfg, str(tmp_path)).train()
   assert result.status == "done"

@@ -146,7 +146,7 @@ def test_old_formats_and_damaged_files_are_one_line_errors(tmp_path, data_dir):
   and saying to prepare again; the config checks report them before anything is compiled."""
   from conftest import tiny_config  # noqa: PLC0415
   from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.config_checks import validate  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415
 
   meta = prepare.read_meta(data_dir)
   old = _copy(data_dir, tmp_path / "old")

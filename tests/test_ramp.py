@@ -7,7 +7,7 @@ import pytest
 
 from conftest import metric_rows, tiny_config, trained
 from optim import BatchRamp, derive, parse_ramp
-from trainer.loop import Run
+from trainer.run.loop import Run
 
 
 def test_stage_boundaries():
@@ -65,9 +65,9 @@ def test_one_compile_per_stage_size(straight):
   compilations, the third stage reuses the first's."""
   run, _ = straight
   assert run.ramp.start_steps == (0, 5, 8)
-  assert run.compile_count == 4
+  assert run.steps.count == 4
   # (micro-batches, measures noise, computes the norms): every step logs here (log_every=1)
-  assert sorted(run.compiled_steps) == [(2, False, True), (2, True, True), (3, False, True),
+  assert sorted(run.steps.compiled) == [(2, False, True), (2, True, True), (3, False, True),
                                         (3, True, True)]
 
 
@@ -97,7 +97,7 @@ def test_resume_across_a_stage_boundary_is_exact(straight, tmp_path):
   assert first.status == "done"
   resumed = Run(tiny_config(steps=10, **RAMP), str(tmp_path))
   assert resumed.train().status == "done"
-  assert resumed.compile_count == 4
+  assert resumed.steps.count == 4
   want, got = metric_rows(straight_dir), metric_rows(tmp_path)
   for step in range(6, 11):
     for key in ("loss", "grad_norm", "learning_rate", "noise_scale", "param_norm"):

@@ -6,8 +6,8 @@ import os
 import pytest
 
 from conftest import metric_rows, tiny_config
-from trainer.checkpoint import CheckpointError
-from trainer.loop import Run
+from trainer.checkpoint.saved import CheckpointError
+from trainer.run.loop import Run
 
 # A horizon left unset (decay_steps=0 means `steps`), warmup of one step, a checkpoint every 2.
 UNSET = {"optim.decay_steps": 0, "optim.warmup_steps": 1, "checkpoint.every_steps": 2}

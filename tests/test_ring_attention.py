@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from test_train_step import _batches, _run
 
 from conftest import tiny_config
 from kernels import BlockSizes
 from models.attention import resolve_impl, segment_mask
 from sharding import make_mesh, ring_attention, ring_work, zigzag, zigzag_order
-from test_train_step import _batches, _run
 from trainer.config import ConfigError
-from trainer.config_checks import validate
+from trainer.config.checks import validate
 
 
 def _sequence_mesh(n):

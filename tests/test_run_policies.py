@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from conftest import metric_rows, tiny_config
-from trainer.checkpoint import CheckpointError, Checkpointer
-from trainer.loop import Run
-from trainer.step import GuardConfig, _judge
-from trainer.state import init_guard
+from trainer.checkpoint.persistent import Checkpointer
+from trainer.checkpoint.saved import CheckpointError
+from trainer.run.loop import Run
+from trainer.step.state import init_guard
+from trainer.step.train_step import GuardConfig, _judge
 
 
 def _run(workdir, **overrides):
@@ -40,7 +41,7 @@ def test_norm_metrics_on_log_steps_every_step_or_off(tmp_path):
     assert runs[mode].train().status == "done"
     rows[mode] = metric_rows(tmp_path / mode)
   assert {m: sorted(r) for m, r in rows.items()} == {m: [3, 6] for m in rows}
-  assert {m: run.compile_count for m, run in runs.items()} == {
+  assert {m: run.steps.count for m, run in runs.items()} == {
       "every_step": 1, "log_steps": 2, "off": 1}
   for step in (3, 6):
     for key in ("loss", "grad_norm", "skipped"):
@@ -52,7 +53,7 @@ def test_norm_metrics_on_log_steps_every_step_or_off(tmp_path):
     assert not NORMS & set(rows["off"][step]), rows["off"][step]
   # the program of the steps that do not log computes no norms; the log steps' one does
   outputs = {norms: set(step.out_info[1]) for (_, _, norms), step
-             in runs["log_steps"].compiled_steps.items()}
+             in runs["log_steps"].steps.compiled.items()}
   assert NORMS <= outputs[True] and not NORMS & outputs[False], outputs
   assert tiny_config().trainer.norm_metrics == "log_steps"
 
@@ -106,7 +107,7 @@ def test_mismatched_config_is_refused(tmp_path):
   assert result.status == "done" and result.step == 4
   # The global batch and the micro-batch are not part of what a checkpoint fixes: the data
   # order continues at the windows consumed (data/pipeline.py), as a batch ramp does.
-  # The schedule's clock keeps the batch history (trainer/elastic.py; tests/test_local_tier.py).
+  # The schedule's clock keeps the batch history (trainer/checkpoint/elastic.py; tests/test_local_tier.py).
   run = Run(tiny_config(**{"steps": 6, "data.global_batch_size": 16,
                            "data.micro_batch_size": 8, "model.parametrization": "mup"}),
             str(tmp_path))
@@ -119,10 +120,11 @@ def test_init_from_loads_parameters_only(tmp_path):
   source = tmp_path / "source"
   _run(source, **{"steps": 4, "checkpoint.every_steps": 4})
   saved = Run(tiny_config(), str(source))
-  want, _, _ = saved._start_state(Checkpointer(str(source / "checkpoints"), keep=3))
+  saved.checkpointer = Checkpointer(str(source / "checkpoints"), keep=3)
+  want, _, _, _ = saved._start()
   warm = Run(tiny_config(**{"checkpoint.init_from": str(source)}), str(tmp_path / "warm"))
-  state, _, resumed = warm._start_state(
-      Checkpointer(str(tmp_path / "warm" / "checkpoints"), keep=3))
+  warm.checkpointer = Checkpointer(str(tmp_path / "warm" / "checkpoints"), keep=3)
+  state, _, resumed, _ = warm._start()
   assert resumed is None and int(state.step) == 0
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params),
                jax.device_get(want.params))

@@ -9,7 +9,7 @@ from conftest import tiny_config
 from optim import BatchRamp, build_schedule, derive
 from optim.scaling import OPTIMIZER_DEFAULTS, describe
 from trainer.config import ConfigError, default_config
-from trainer.config_checks import validate
+from trainer.config.checks import validate
 
 
 def _optim(**kw):

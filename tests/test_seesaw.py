@@ -9,11 +9,11 @@ import pytest
 
 from conftest import metric_rows, tiny_config, trained
 from optim import BatchRamp, build_schedule, derive
-from optim.ramp import Seesaw, seesaw_defaults
 from optim.schedules import halvings
+from optim.seesaw import Seesaw, seesaw_defaults
 from trainer.config import ConfigError, default_config
-from trainer.config_checks import validate
-from trainer.loop import Run
+from trainer.config.checks import validate
+from trainer.run.loop import Run
 
 
 def _optim(**values):
@@ -202,7 +202,7 @@ def test_run_logs_each_doubling_with_its_cut(straight):
   lr = np.array([rows[s]["learning_rate"] for s in range(1, 12)])
   want = [1.0] * 8 + [math.sqrt(2) / 2] * 2 + [0.5]
   np.testing.assert_allclose(lr, 1e-2 * np.array(want), rtol=1e-6)
-  assert sorted({m for m, *_ in run.compiled_steps}) == [1, 2, 4] and run.compile_count == 3
+  assert sorted({m for m, *_ in run.steps.compiled}) == [1, 2, 4] and run.steps.count == 3
 
 
 def test_start_up_lines_say_the_ramp(straight, tmp_path, capsys):

@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.llama import ModelConfig
 from sharding import MeshError, make_mesh, resolve_mesh, resolve_mesh_shape
-from trainer.state import ModelSpec
+from trainer.step.state import ModelSpec
 
 CFG = ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   mlp_dim=64)
@@ -51,7 +51,7 @@ def test_golden_partition_specs(devices):
 
 def test_fsdp_divides_parameter_bytes(devices):
   """Per-device parameter bytes shrink ~N-fold with fsdp=N (norm scales stay replicated)."""
-  from trainer.state import init_state  # noqa: PLC0415
+  from trainer.step.state import init_state  # noqa: PLC0415
   from optim import build_optimizer  # noqa: PLC0415
   from trainer.config import default_config  # noqa: PLC0415
 
@@ -73,7 +73,7 @@ def test_fsdp_divides_parameter_bytes(devices):
 
 
 def test_init_is_sharded_not_replicated(devices):
-  from trainer.state import init_state  # noqa: PLC0415
+  from trainer.step.state import init_state  # noqa: PLC0415
   from optim import build_optimizer  # noqa: PLC0415
   from trainer.config import default_config  # noqa: PLC0415
   spec = ModelSpec(CFG, make_mesh({"fsdp": 4, "tensor": 2}), seed=0)

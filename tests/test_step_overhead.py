@@ -26,7 +26,7 @@ def _programs(devices, logs: bool = True):
   """(ours, ours on the steps that log (`logs`, else None), plain step with documents,
   parameter shapes): the modules of the steps compiled for `devices`' first device."""
   from sharding.mesh import make_mesh  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
+  from trainer.step.program import Program  # noqa: PLC0415
   baseline, compiled = bench_module("baseline"), bench_module("compiled")
   _, [(_, cfg)] = baseline.load_sized(baseline.build_parser(), SMALL,
                                       sizes=baseline.SHAPES)

@@ -13,8 +13,8 @@ from data import pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer
 from sharding import batch_sharding, make_mesh, replicated
-from trainer.state import ModelSpec, init_state, state_shardings
-from trainer.step import make_train_step
+from trainer.step.state import ModelSpec, init_state, state_shardings
+from trainer.step.train_step import make_train_step
 
 STEPS = 3
 
@@ -102,7 +102,7 @@ def test_accumulation_sums_bf16_gradients_in_float32(data_dir):
   """param_dtype=bfloat16, 4 micro-batches: the accumulated gradient is the float32 sum of the
   four micro-batch gradients (each bf16, as the model gives them). A bf16 running sum rounds
   after every addition, which puts it ~1e-3 (relative) away: the tolerance sits 30x below that."""
-  from trainer.step import grad_sums, loss_sums  # noqa: PLC0415
+  from trainer.step.train_step import grad_sums, loss_sums  # noqa: PLC0415
   cfg = tiny_config(**{"model.param_dtype": "bfloat16"})
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
   spec = ModelSpec(ModelConfig.from_config(cfg.model), mesh, cfg.seed)
@@ -128,7 +128,7 @@ def test_accumulator_is_pinned_to_the_parameters_shardings(devices):
   sharding (lowered program), and the compiled loop carries per-device shards, not whole
   gradients (f32[2, 64/8, 256] for the [layers, embed, mlp] w_up, never f32[2, 64, 256])."""
   import re  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
+  from trainer.step.program import Program  # noqa: PLC0415
   cfg = tiny_config(**{"mesh.data": 1, "mesh.fsdp": 8, "model.d_model": 64, "model.mlp_dim": 256,
                        "data.global_batch_size": 32, "data.micro_batch_size": 8,
                        "model.param_dtype": "bfloat16"})
@@ -145,11 +145,11 @@ def test_accumulator_is_pinned_to_the_parameters_shardings(devices):
 
 def test_cpu_step_updates_the_donated_state_in_place(devices):
   """The guard keeps a skipped step's old state (`jnp.where(bad, old, new)`); compiled with
-  trainer.program's CPU options the step still writes the donated parameters and optimizer
+  trainer.step.program's CPU options the step still writes the donated parameters and optimizer
   moments in place: no copy of any of them (without the options XLA copies them all)."""
   import re  # noqa: PLC0415
 
-  from trainer.program import Program  # noqa: PLC0415
+  from trainer.step.program import Program  # noqa: PLC0415
   cfg = tiny_config()
   text = Program(cfg, make_mesh({"data": 1}, jax.devices()[:1])).compile().as_text()
   state_params = re.findall(r"%(state_(?:params|opt_state)\S*) = \S+ parameter\(", text)

@@ -3,34 +3,15 @@
     python -m tools.aot --config configs/lm_1b.py --topology v5e:4x4
     python -m tools.aot --config configs/lm_8b.py --topology v5:4x4x4 --config.mesh.fsdp=-1
     python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 --config.mesh.dcn_data=2
-    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 \
+    python -m tools.aot --config configs/lm_125m.py --topology v5e:2x2 \\
         --config.optim.diloco.replicas=2 --config.optim.diloco.inner_steps=32
 
-The program compiled is the one `train.py` runs: the same `trainer.program.Program` (model,
-logical->mesh rules, optimizer, micro-batching, donated state) on the mesh `sharding.make_mesh`
-builds from the config, as in training, but over the devices of a TPU topology description made
-by libtpu's compiler on this CPU machine (`jax.experimental.topologies`; install with
-`pip install -e ".[tpu]"`). Multi-slice: the target has as many slices as the config's
-`mesh.dcn_*` sizes multiply to (the third example: two v5e:2x2 slices, data across them), times
-`optim.diloco.replicas` for DiLoCo (a replica per copy of the topology; the last example), whose
-report adds the bytes that cross replicas per step, next to plain data parallelism's on the
-same chips (`trainer/communication.py`).
-On TPU the attention is jax's splash attention (a Mosaic kernel) when `model.attention` is
-`auto` or `flash`, so a kernel that does not lower for TPU fails here, before anyone pays for a
-slice.
-
-It prints, per device (= chip): argument memory (train state + batch), temporaries, outputs not
-aliased to the donated inputs, and their sum against the chip's HBM; the step's FLOPs (the
-model's own count, `models.sizes.flops_per_token`; XLA's `cost_analysis()` number is shown for
-information only); and the roofline (`tools.roofline`): the step time at 100% MFU, the lower
-bound on the step time from the executed FLOPs and the HBM traffic, and the MFU it allows. Compare
-configs with these before paying for hardware. A program that does not fit fails with one line
-naming the knob to turn (exit 2).
-
-Topologies: `v4:2x2x1`, `v5:2x2x1` (v5p), `v5e:2x2`, `v6e:4x4`, ... (libtpu's names: chip
-version, then chips along each axis; v4 and v5p run one megacore device per chip, as on real
-hardware). Quirks handled here: JAX_PLATFORMS=cpu (we compile, never run), and
-ALLOW_MULTIPLE_LIBTPU_LOAD=1 so that several compiles can run at once.
+Compiles the program `train.py` runs (`trainer.step.program.Program` on the config's mesh) for
+the devices of a TPU topology (libtpu's compiler: `pip install -e ".[tpu]"`), of several slices
+(`mesh.dcn_*`), of a replica each (DiLoCo) or of GPUs, on this CPU machine, and prints per chip
+the memory against the HBM, the step's FLOPs and the roofline (`tools.roofline`). A program that
+does not fit fails with one line naming the knob to turn (exit 2).
+What it compiles, what the numbers are, topologies: docs/aot.md
 """
 from __future__ import annotations
 
@@ -53,9 +34,9 @@ from jax.sharding import Mesh  # noqa: E402
 from models.attention import resolve_impl  # noqa: E402
 from models.sizes import flops_per_token, param_counts  # noqa: E402
 from sharding.mesh import data_parallel_size  # noqa: E402
-from trainer.cli import CliParser, load  # noqa: E402
+from trainer.config.cli import CliParser, load  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
-from trainer.config_checks import validate  # noqa: E402
+from trainer.config.checks import validate  # noqa: E402
 from sharding.collectives import collectives, format_bytes, total_bytes  # noqa: E402
 from sharding.pipeline import count as pipeline_count  # noqa: E402
 from tools.roofline import Roofline, idle_flops, kernel_flops, remat_mfu_bound  # noqa: E402
@@ -64,16 +45,16 @@ from tools.targets import (  # noqa: E402, F401  (tpu_target etc.: this tool's A
     Target,
     config_slices,
     config_target,
-    first_line,
     gpu_target,
     libtpu_available,
     make_target,
     tpu_target,
 )
-from trainer.compiled import CompiledCosts, compiled_costs  # noqa: E402, F401  (this tool's API)
-from trainer.metrics import GiB  # noqa: E402
-from trainer import communication  # noqa: E402
-from trainer.program import Program, run_mesh  # noqa: E402
+from trainer.step.costs import CompiledCosts, compiled_costs  # noqa: E402, F401  (this tool's API)
+from trainer.errors import first_line  # noqa: E402
+from trainer.tracking.peaks import GiB  # noqa: E402
+from trainer.tracking import communication  # noqa: E402
+from trainer.step.program import Program, run_mesh  # noqa: E402
 
 EXIT_USER_ERROR = 2
 # Custom calls that mark a compiled Pallas kernel: Mosaic on TPU, Triton and Mosaic GPU on GPU.
@@ -111,7 +92,7 @@ class Report:
   remat_mfu_bound: float  # MFU ceiling from recomputation alone
   kernel_flops: float = 0.0  # per step, all chips: model FLOPs inside compiled kernels (attention)
   loops: int = 0  # while loops in the lowered program (`while_loops`)
-  # DiLoCo: the bytes that cross replicas, next to data parallelism's (trainer/communication.py)
+  # DiLoCo: the bytes that cross replicas, next to data parallelism's (trainer/tracking/communication.py)
   communication: list = dataclasses.field(default_factory=list)
   # bytes per chip per step of each kind of collective (sharding.collectives; None: a loop of
   # unknown trip count around one)
@@ -250,7 +231,7 @@ def no_persistent_cache():
 def target_mesh(cfg, target: Target, config_name: str = "config") -> tuple[dict, Mesh]:
   """The config validated against the target's devices (as train.py validates against its
   own), and the mesh training builds on them: `sharding.make_mesh`, the one mesh builder (through
-  `trainer.program.run_mesh`, which adds a DiLoCo run's `replica` axis)."""
+  `trainer.step.program.run_mesh`, which adds a DiLoCo run's `replica` axis)."""
   try:
     return validate(cfg, target.devices), run_mesh(cfg, target.devices)
   except ConfigError as e:
@@ -280,7 +261,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
     hbm = (f", {target.hbm_bytes / GiB:.0f} GiB HBM per chip" if target.hbm_bytes else "")
     raise AotError(
         f"{config_name} does not fit {target.name} ({len(target.devices)} x {target.kind}{hbm}): "
-        f"the compiler says \"{first_line(e)}\"; "
+        f"the compiler says \"{first_line(e, with_type=False)}\"; "
         f"{oom_advice(cfg, sizes, target, state_bytes)}") from None
   seconds = time.perf_counter() - t0
   report = _report(cfg, target, config_name, program, mesh, attention, compiled, seconds,

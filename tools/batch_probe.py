@@ -1,47 +1,17 @@
 """The critical batch over training, measured by branching: short continuations of one run at k
-times its batch, compared at equal tokens (Merrill et al. 2025, "Critical Batch Size Revisited:
-A Simple Empirical Approach to Large-Batch Language Model Training", arXiv 2505.23971).
+times its batch, compared at equal tokens (Merrill et al. 2025, arXiv 2505.23971).
 
     python -m tools.batch_probe --workdir RUN --at 100,200,400 --factors 2,4,8 \\
         --tokens 65536 [--tolerance 0.01] [--evals 4] [--eval_sequences 256] [--ramp] \\
         [--out DIR] [--b_crit B] [--config.KEY=VALUE ...]
 
-The protocol (their Sec. 3.1). From the checkpoint of RUN at each step s of `--at` (a run at a
-fixed batch B, trained with checkpoints there), one branch per factor k of 1 and `--factors`
-trains `--tokens` more tokens at batch k B, its learning rate moved by the rule of the run's
-optimizer (`optim.lr_rule`, else the optimizer's, as Seesaw's: sqrt(k) for Adam-type, k for
-SGD-type; `optim/ramp.py`), every other hyperparameter by the run's own rules from its
-reference batch (`optim/scaling.py`). The schedule keeps its shape in tokens (every length of
-it is converted to tokens at the run's batch), so the branch at k = 1 is the run itself
-continued, and every branch reads the same sequences: step t reads windows [g_t, g_t + batch)
-of the run's data order, so after equal tokens all have read [g_s, g_s + tokens / seq_len).
-Each branch is evaluated `--evals` times at the same token counts on the same
-`--eval_sequences` validation sequences, and the evaluations are smoothed by an exponential
-moving average of weight 0.5 (the paper smooths its training loss so; a held-out loss on fixed
-sequences is the same measure for every batch). The critical batch at s is k* B for the largest
-k* whose smoothed loss L_k* is within `--tolerance` (the paper's epsilon, 0.01 nats) of every
-smaller factor's: L_k* <= L_k + eps for all k < k*. It is censored by the factors tried: at
-least max(k) B when the largest passes, at most B when k = 2 already fails (then reported as B).
-
-Next to it, the run's own gradient-noise scale B_simple at s (`optim/noise_scale.py`, when the
-run measured it; McCandlish et al. 2018), and optionally a critical-batch sweep's B_crit
-(`--b_crit`, `python -m tools.batch_sweep`).
-
-The run is not touched: each branch starts from a copy of the checkpoint in its own workdir under
-`--out`/branches (removed after it ran, with `--keep_branches` kept).
-
-`--ramp` writes the batch ramp the measurements imply (their Sec. 4.1, batch size warmup):
-starting at B, the batch doubles at the first branch point whose critical batch is at least
-twice the current batch (as many times as it allows), the rate following the rule, as config
-overrides a plain run takes (`ramp_overrides.txt`: the explicit `data.batch_ramp`, the schedule in
-tokens, the run's tokens in `steps`), and the autopilot with the same largest batch
-(`autopilot_overrides.txt`); e.g. `python train.py --config FILE --workdir DIR $(cat
-OUT/ramp_overrides.txt)`.
-
-Outputs in `--out` (default runs/batch_probe/<run>): `batch_probe.csv` (one row per branch,
-each with its point's critical batch and B_simple), `batch_probe.json` (the summary),
-`batch_probe.png` (the critical batch over training next to B_simple; each point's loss
-differences against k; needs matplotlib, the `tools` extra).
+From RUN's checkpoint at each step of `--at`, one branch per factor k (and k = 1, the run
+continued) trains `--tokens` tokens at k times the run's batch B, its hyperparameters moved by
+the run's rules; the critical batch there is k B for the largest k whose smoothed loss is within
+`--tolerance` of every smaller factor's. RUN is not touched. `--ramp` writes the batch ramp the
+measurements imply as config overrides. Outputs in `--out` (default runs/batch_probe/<run>):
+batch_probe.csv (one row per branch), batch_probe.json (the summary), batch_probe.png.
+Protocol, censoring, the ramp: docs/batch_size.md#critical-batch-by-branching
 """
 from __future__ import annotations
 
@@ -54,7 +24,12 @@ import sys
 import time
 
 from tools import figures
-from tools.runs import load_run, schedule_in_tokens
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, apply_override, ints
+from trainer.multihost import platforms
+from trainer.run.inprocess import load_run, schedule_in_tokens
+from trainer.run.inprocess import copy_checkpoint, read_rows, train
+from trainer.tracking.record import interpolate, noise_curve
 
 ALPHA = 0.5  # the smoothing of the evaluations (Merrill et al.'s EMA weight)
 
@@ -100,8 +75,7 @@ def implied_stages(points: list[tuple[int, float]], start: int) -> list[tuple[in
 
 def check_run(cfg) -> str:
   """The rate rule of the run's optimizer; a ConfigError for a run the probe cannot branch."""
-  from optim.ramp import SEESAW_RULES, seesaw_rule  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from optim.seesaw import SEESAW_RULES, seesaw_rule  # noqa: PLC0415  start-up
   if cfg.data.batch_ramp:
     raise ConfigError(f"the run trains with data.batch_ramp={cfg.data.batch_ramp!r}; the probe "
                       "branches from a run at a fixed batch")
@@ -123,7 +97,7 @@ def rate_settings(run, rule: str) -> dict:
   """{optim key: value} under which `rule` moves the run's own rate at its batch B to k B:
   the run's reference batch and rules; a run without a rate rule (`lr_rule="none"`) used its
   stated rate at B, which is restated at its reference batch so that B still gets it."""
-  from optim.scaling import lr_factor, stated  # noqa: PLC0415
+  from optim.scaling import lr_factor, stated  # noqa: PLC0415  start-up
   batch = run.data.global_batch_size
   ref = run.optim.reference_batch_size or batch
   out = {"lr_rule": rule, "reference_batch_size": ref}
@@ -174,7 +148,6 @@ class Branch:
 
 
 def run_branch(run_dir: str, run, step: int, factor: int, args, rule: str) -> Branch:
-  from tools.runs import copy_checkpoint, train  # noqa: PLC0415
   cfg = branch_config(run, step, factor, args.tokens, args.evals, args.eval_sequences, rule)
   workdir = os.path.join(args.out, "branches", f"at{step}_x{factor}")
   copy_checkpoint(run_dir, step, workdir)
@@ -196,8 +169,6 @@ def run_branch(run_dir: str, run, step: int, factor: int, args, rule: str) -> Br
 
 def noise_at(run_dir: str, step: int) -> float | None:
   """The run's own smoothed B_simple at `step` (interpolated between its measurements)."""
-  from tools.batch_sweep import interpolate, noise_curve  # noqa: PLC0415
-  from tools.runs import read_rows  # noqa: PLC0415
   try:
     return interpolate(noise_curve(read_rows(run_dir)), step)
   except OSError:
@@ -207,7 +178,6 @@ def noise_at(run_dir: str, step: int) -> float | None:
 def probe(args):
   """(every branch of every point, the summary: critical batch per point and the implied ramp,
   the run's config with the command line's overrides)."""
-  from trainer.cli import apply_override  # noqa: PLC0415
   run = load_run(args.workdir, args.at[0])
   for key, value in args.overrides:
     apply_override(run, key, value)
@@ -251,7 +221,7 @@ def ramp_overrides(run, stages: list[tuple[int, int]], rule: str) -> tuple[list[
   """(overrides of a plain run with the ramp, of an autopilot run up to its largest batch): the
   schedule in tokens, the rule from the run's batch, and for the plain run the steps that read
   the run's tokens under the ramp."""
-  from optim.ramp import BatchRamp  # noqa: PLC0415
+  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
   batch, seq = run.data.global_batch_size, run.data.seq_len
   micro = run.data.micro_batch_size or batch
   optim = {**schedule_in_tokens(run), **rate_settings(run, rule)}
@@ -284,8 +254,6 @@ def plot(path: str, branches: list[Branch], summary: dict, run_dir: str, b_crit:
   plt = figures.pyplot()
   if plt is None or not branches:
     return False
-  from tools.batch_sweep import noise_curve  # noqa: PLC0415
-  from tools.runs import read_rows  # noqa: PLC0415
   batch, seq = summary["batch"], summary["seq_len"]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.4))
   marker = {">=": "^", "<=": "v", "": "o"}
@@ -327,7 +295,6 @@ def plot(path: str, branches: list[Branch], summary: dict, run_dir: str, b_crit:
 
 
 def build_parser():
-  from trainer.cli import CliParser, ints  # noqa: PLC0415
   p = CliParser("-m tools.batch_probe", __doc__, config=False)
   p.add_argument("--workdir", required=True, help="the run to branch from (left untouched)")
   p.add_argument("--at", type=ints, required=True,
@@ -368,9 +335,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.config import ConfigError  # noqa: PLC0415
   t0 = time.perf_counter()
   try:
     args = parse_args(argv)

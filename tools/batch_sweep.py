@@ -4,35 +4,13 @@ McCandlish et al. 2018, and the measured gradient noise scale beside it.
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
         --target_loss 2.6 [--lr_grid 0.5,1,2] [--out runs/batch_sweep] [--config.KEY=VALUE ...]
 
-One short training per batch size B (and per learning-rate multiplier of `--lr_grid`, keeping
-the fastest), each stopped once the validation loss reaches the target. Everything but the
-batch is the config's: the learning rate, weight decay, beta2 and EMA come from its reference
-batch and rules (`optim/scaling.py`), and its warmup should be in examples or tokens so that it
-is the same amount of data at every batch. Every run reads the same micro-batches in the same
-order (one fixed micro-batch of `--micro_batch_size` rows, accumulated B / micro times), and is
-evaluated on the same validation set every `--eval_examples` examples. At a constant learning
-rate the evaluated loss jitters from evaluation to evaluation (the parameters themselves are
-noisy), so the curve is first averaged over a centered window of `--smooth_examples` examples
-(the same window at every batch; no lag on a linear trend), and the number of examples at which
-the smoothed curve crosses the target is interpolated linearly between evaluations; a run stops
-once its smoothed curve is below the target.
-
-From the steps S and examples E = B S of each batch, the tool fits the trade-off of "An
-Empirical Model of Large-Batch Training" (McCandlish et al. 2018),
-
-    (S / S_min - 1) (E / E_min - 1) = 1,  i.e.  S(B) = S_min + E_min / B,
-
-by least squares on relative errors, and reports the critical batch B_crit = E_min / S_min
-(sequences) beside the gradient noise scale B_simple that the runs measured on the way
-(`optim/noise_scale.py`; the value when each run crossed the target). The summary takes the
-median over runs with at least 4 micro-batches per step, whose estimates are the precise ones:
-the estimator's relative noise per step is about B_simple / b for small batches of b. The
-paper predicts B_crit ~ B_noise, with B_simple equal to B_noise when the Hessian is a multiple
-of the identity and otherwise usually within an order of magnitude of it.
-
-Outputs in `--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the
-noise scale), `batch_sweep.png` (steps vs batch with the fit; the noise scale over training;
-needs matplotlib, the `tools` extra), and each run's workdir under `runs/`.
+One short training per batch size B (and per multiplier of `--lr_grid`, keeping the fastest),
+everything but the batch from the config and its rules, each stopped once its smoothed
+validation loss reaches the target; the fit S(B) = S_min + E_min / B gives B_crit = E_min /
+S_min, reported beside the B_simple the runs measured (`optim/noise_scale.py`). Outputs in
+`--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the noise scale),
+`batch_sweep.png` (needs matplotlib, the `tools` extra) and each run's workdir under `runs/`.
+Method (data order, smoothing, the fit, which B_simple): docs/batch_size.md#critical-batch-sweep
 """
 from __future__ import annotations
 
@@ -46,47 +24,15 @@ import time
 import numpy as np
 
 from tools import figures
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, floats, ints, load
+from trainer.multihost import platforms
+from trainer.run.inprocess import train
+from trainer.tracking.record import (eval_curve, interpolate, noise_curve, read_rows, smooth,
+                                     target_stop, to_target)
 
 # ------------------------------------------------------------------------------------------------
 # Analysis (no jax: importable and testable on its own)
-
-
-def crossing(points: list[tuple[float, float]], target: float) -> float | None:
-  """First x at which y falls to `target`, interpolating linearly between points [(x, y)].
-  None if it never does; the first point's x if it already starts at or below the target."""
-  for i, (x, y) in enumerate(points):
-    if y <= target:
-      if i == 0:
-        return float(x)
-      x0, y0 = points[i - 1]
-      return float(x0 + (y0 - target) / (y0 - y) * (x - x0))
-  return None
-
-
-def smooth(points: list[tuple[float, float]], half_window: float) -> list[tuple[float, float]]:
-  """Centered moving average: each point whose window [x - h, x + h] lies inside the data gets
-  the mean of the y's in it (points without a full window are left out). Linear trends pass
-  unchanged; with x in examples the window is the same for every batch size."""
-  if half_window <= 0:
-    return list(points)
-  xs = np.array([x for x, _ in points], float)
-  ys = np.array([y for _, y in points], float)
-  out = []
-  for x in xs:
-    if x - half_window < xs[0] - 1e-9 or x + half_window > xs[-1] + 1e-9:
-      continue
-    inside = np.abs(xs - x) <= half_window + 1e-9
-    out.append((float(x), float(ys[inside].mean())))
-  return out
-
-
-def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
-  """y at x, linear between the given points (clamped to the ends); None without points."""
-  finite = [(a, b) for a, b in points if b is not None and math.isfinite(b)]
-  if not finite:
-    return None
-  xs, ys = zip(*sorted(finite))
-  return float(np.interp(x, xs, ys))
 
 
 @dataclasses.dataclass
@@ -147,22 +93,12 @@ class Result:
   final_batch: int = 0  # the batch of the last stage (the start batch unless it grew)
 
 
-def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
-  return [(r["step"], r["noise_scale"]) for r in rows if "noise_scale" in r]
-
-
-def read_rows(workdir: str) -> list[dict]:
-  from tools.runs import read_rows as read  # noqa: PLC0415
-  return read(workdir)
-
-
 def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
   """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
   grow it), stopped at the target or after `args.max_examples`; returns what it measured.
   Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
-  from tools.runs import eval_curve, target_stop, to_target, train  # noqa: PLC0415
-  from optim import derive  # noqa: PLC0415
-  from optim.scaling import stated  # noqa: PLC0415
+  from optim import derive  # noqa: PLC0415  start-up
+  from optim.scaling import stated  # noqa: PLC0415  start-up
 
   cfg = base_cfg.copy_and_resolve_references()
   micro = args.micro_batch_size
@@ -287,7 +223,6 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
 
 
 def build_parser():
-  from trainer.cli import CliParser, floats, ints  # noqa: PLC0415
   p = CliParser("-m tools.batch_sweep", __doc__)
   p.add_argument("--batch_sizes", type=ints, required=True,
                  help="comma-separated, e.g. 8,16,32,64")
@@ -322,10 +257,7 @@ def parse_args(argv):
 
 
 def main(argv: list[str]) -> int:
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  from trainer.cli import load  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args, overrides, name = parse_args(argv)
     cfg = load(args.config, overrides)

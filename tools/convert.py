@@ -4,16 +4,13 @@
     python -m tools.convert to-hf SRC --out HF_DIR [--dtype bfloat16] [--max_shard_gb 5]
 
 `from-hf` reads a Llama / Llama-3 style directory (config.json + model.safetensors or sharded
-model-*.safetensors with an index; GQA, tied or untied embeddings, rope_theta, Llama 3
-rope_scaling) into a converted dir (trainer/inference.py) that `checkpoint.init_from`,
-`tools.generate` and `tools.evaluate` accept; tokenizer files in HF_DIR are copied along.
-Each tensor goes straight from the memory-mapped file to its shards on the mesh
-(`--config.mesh.fsdp=-1` style overrides pick the mesh, as in train.py; default: all devices on
-`data`).
-
-`to-hf` writes config.json + safetensors (+ the tokenizer files the source has) from a
-training workdir (its newest checkpoint), a step dir or a converted dir, for
+model-*.safetensors with an index) into a converted dir (trainer/checkpoint/model_dirs.py) that
+`checkpoint.init_from`, `tools.generate` and `tools.evaluate` accept, each tensor straight from
+the memory-mapped file to its shards on the mesh (`--config.mesh.fsdp=-1` style overrides; by
+default all devices on `data`). `to-hf` writes config.json + safetensors (+ the tokenizer files
+the source has) from a training workdir, a step dir or a converted dir, for
 `transformers.LlamaForCausalLM.from_pretrained(HF_DIR)`. Mapping: models/hf.py.
+What is supported and tested: docs/models_io.md#hugging-face-llama-in-and-out
 """
 from __future__ import annotations
 
@@ -21,15 +18,15 @@ import json
 import os
 import sys
 
-from trainer import platforms
+from trainer.config import ConfigError, default_config
+from trainer.config.cli import CliParser, apply_override, quiet_library_logs
+from trainer.multihost import platforms
 
 
 def mesh_from_overrides(overrides: list[tuple[str, str]]):
   """The mesh given by `--config.mesh.KEY=VALUE` overrides: the run config's mesh keys, parsed
-  and checked by the same code as train.py's (`trainer.cli`); other keys are refused."""
-  from sharding.mesh import make_mesh  # noqa: PLC0415
-  from trainer.cli import apply_override  # noqa: PLC0415
-  from trainer.config import ConfigError, default_config  # noqa: PLC0415
+  and checked by the same code as train.py's (`trainer.config.cli`); other keys are refused."""
+  from sharding.mesh import make_mesh  # noqa: PLC0415  start-up
   cfg = default_config()
   for key, text in overrides:
     if not key.startswith("mesh."):
@@ -40,11 +37,11 @@ def mesh_from_overrides(overrides: list[tuple[str, str]]):
 
 def from_hf(hf_dir: str, out_dir: str, *, param_dtype: str | None = None, mesh=None) -> dict:
   """Convert; returns the converted dir's model config (as a dict)."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from models.hf import ConvertError, load_hf_params, model_config_from_hf  # noqa: PLC0415
-  from trainer.inference import write_converted  # noqa: PLC0415
-  from trainer.state import ModelSpec  # noqa: PLC0415
+  from models.hf import ConvertError, load_hf_params, model_config_from_hf  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import write_converted  # noqa: PLC0415  start-up
+  from trainer.step.state import ModelSpec  # noqa: PLC0415  start-up
 
   path = os.path.join(hf_dir, "config.json")
   if not os.path.isfile(path):
@@ -66,11 +63,11 @@ def from_hf(hf_dir: str, out_dir: str, *, param_dtype: str | None = None, mesh=N
 def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
           mesh=None) -> list[str]:
   """Export; returns the files written."""
-  from models.hf import save_hf  # noqa: PLC0415
-  from trainer.checkpoint import resolve_step_dir  # noqa: PLC0415
-  from trainer.inference import copy_tokenizer, restore_params, tokenizer_dir  # noqa: PLC0415
+  from models.hf import save_hf  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import resolve_step_dir  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import copy_tokenizer, restore_params, tokenizer_dir  # noqa: PLC0415  start-up
 
-  from models.hf import ConvertError  # noqa: PLC0415
+  from models.hf import ConvertError  # noqa: PLC0415  start-up
   step_dir = resolve_step_dir(src, "to-hf SRC")
   if _holds_a_run(out_dir, step_dir):
     raise ConvertError(f"--out {out_dir}: is the source's own directory or holds a run or "
@@ -110,7 +107,7 @@ def _holds_a_run(out_dir: str, step_dir: str) -> bool:
 
 def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
   """Special ids and tokenizer-file dir of a training run's data (byte tokenizer: no files)."""
-  from trainer.inference import data_tokenizer, run_data_dir  # noqa: PLC0415
+  from trainer.checkpoint.model_dirs import data_tokenizer, run_data_dir  # noqa: PLC0415  start-up
   tok = data_tokenizer(run_data_dir(config["data"]))
   files = tok.files()
   return ({"bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id},
@@ -118,7 +115,6 @@ def _training_tokenizer(config: dict, special: dict) -> tuple[dict, str | None]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.convert", __doc__, config=False)
   sub = parser.add_subparsers(dest="cmd", required=True)
   a = sub.add_parser("from-hf", help="Hugging Face Llama dir -> converted dir", config=False)
@@ -138,11 +134,9 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   platforms.choose()
-  from models.hf import ConvertError  # noqa: PLC0415
-  from sharding.mesh import MeshError  # noqa: PLC0415
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
-  from trainer.cli import quiet_library_logs  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from models.hf import ConvertError  # noqa: PLC0415  start-up
+  from sharding.mesh import MeshError  # noqa: PLC0415  start-up
+  from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
   try:
     args, overrides = build_parser().parse(argv)
     quiet_library_logs()

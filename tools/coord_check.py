@@ -4,20 +4,13 @@ few Adam steps, across widths, under SP and muP.
     python -m tools.coord_check [--widths 32,64,128,256] [--base_width 32] [--steps 8] \\
         [--lr 0.01] [--out runs/coord_check]
 
-For each parametrization and width d_model (num_heads fixed, so the head dim grows with width;
-mlp_dim = 3 d_model) the same Llama model (models/llama.py) is initialised with the same seed,
-trained for `--steps` steps of AdamW at a constant learning rate (optim/factory.py, with muP's
-per-parameter learning rates) on the same batches of the embedded corpus, and after every step
-the mean absolute coordinate of each layer's output on one fixed batch is recorded: the
-embedding, every block's residual stream, and the logits. Under muP these should stay flat in
-width (each coordinate moves by O(1) however wide the model); under SP, with Adam's
-width-independent per-coordinate step, the hidden and output activations grow with width.
-The summary is the slope of log(activation) against log(width) at the last step per layer.
-
-Outputs in `--out`: `coord_check.csv` (parametrization, width, step, layer, mean |x|) and
-`coord_check.png` (activation vs width, one panel per parametrization, one line per layer at
-the last step; needs matplotlib, the `tools` extra). Deterministic on a given machine: fixed
-seeds, and the batches a training run with the setup's seed reads (data/pipeline.py).
+Per parametrization and width d_model, the same Llama model (same seed, same batches) trains
+`--steps` AdamW steps, and after every step the mean absolute coordinate of each layer's output
+(embedding, every block's residual stream, logits) on one fixed batch is recorded. Under muP
+these stay flat in width; under SP the hidden and output activations grow. Prints the slope of
+log(activation) against log(width) at the last step per layer. Outputs in `--out`:
+`coord_check.csv`, `coord_check.png` (needs matplotlib, the `tools` extra). Deterministic.
+Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
 """
 from __future__ import annotations
 
@@ -28,7 +21,12 @@ import time
 
 import numpy as np
 
+from data.prepare import ensure_default_corpus
+from data.tokenizer import VOCAB_SIZE
 from tools import figures
+from trainer.config import ConfigError, default_config
+from trainer.config.cli import CliParser
+from trainer.multihost import platforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +46,7 @@ def batches(setup: Setup, steps: int) -> dict[str, np.ndarray]:
   """[steps + 1, B, S] batches of the embedded corpus as a training run reads it (the data order
   of data/pipeline.py with the setup's seed, byte tokens; nothing downloaded): one per training
   step, then the fixed probe batch."""
-  from data import pipeline  # noqa: PLC0415
-  from data.prepare import ensure_default_corpus  # noqa: PLC0415
+  from data import pipeline  # noqa: PLC0415  start-up
   it = iter(pipeline.dataset(pipeline.StreamSpec(
       ensure_default_corpus(), "train", setup.seq_len, setup.batch_size, seed=setup.seed)))
   drawn = [next(it) for _ in range(steps + 1)]
@@ -57,8 +54,7 @@ def batches(setup: Setup, steps: int) -> dict[str, np.ndarray]:
 
 
 def model_config(setup: Setup, width: int, parametrization: str):
-  from data.tokenizer import VOCAB_SIZE  # noqa: PLC0415
-  from models.llama import ModelConfig  # noqa: PLC0415
+  from models.llama import ModelConfig  # noqa: PLC0415  start-up
   return ModelConfig(vocab_size=VOCAB_SIZE, d_model=width, num_layers=setup.num_layers,
                      num_heads=setup.num_heads, num_kv_heads=setup.num_heads,
                      mlp_dim=3 * width, init_std=setup.init_std,
@@ -66,7 +62,6 @@ def model_config(setup: Setup, width: int, parametrization: str):
 
 
 def optim_config(setup: Setup, lr: float):
-  from trainer.config import default_config  # noqa: PLC0415
   o = default_config().optim
   o.update(name="adamw", learning_rate=lr, b2=setup.b2, schedule="constant", warmup_steps=0,
            weight_decay=0.0, clip_norm=0.0)
@@ -75,10 +70,10 @@ def optim_config(setup: Setup, lr: float):
 
 def activations(model, batch) -> dict[str, "jax.Array"]:  # noqa: F821
   """Mean |x| of the embedding, of each block's output (residual stream) and of the logits."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from models.llama import Block  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
+  from flax import nnx  # noqa: PLC0415  start-up
+  from models.llama import Block  # noqa: PLC0415  start-up
   cfg = model.cfg
   positions_BS, segments_BS = batch["positions"], batch["segment_ids"]
   x_BSE = model.embed(batch["inputs"])
@@ -104,12 +99,12 @@ def train(setup: Setup, width: int, parametrization: str, lrs, data: dict[str, n
   learning rate 1 with a constant schedule and no weight decay; each run multiplies its update
   by its rate, which is exactly AdamW at that rate in this setting and lets all rates share one
   compiled step."""
-  import jax  # noqa: PLC0415
-  import jax.numpy as jnp  # noqa: PLC0415
-  from flax import nnx  # noqa: PLC0415
-  from models.llama import Transformer  # noqa: PLC0415
-  from optim import build_optimizer  # noqa: PLC0415
-  from trainer.state import _logical_names  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
+  from flax import nnx  # noqa: PLC0415  start-up
+  from models.llama import Transformer  # noqa: PLC0415  start-up
+  from optim import build_optimizer  # noqa: PLC0415  start-up
+  from trainer.step.state import _logical_names  # noqa: PLC0415  start-up
 
   mcfg = model_config(setup, width, parametrization)
   graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(setup.seed)))
@@ -211,7 +206,6 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
 
 def sweep_parser(prog: str, doc: str, *, steps: int, out: str):
   """The options of every width sweep (this tool and tools.lr_transfer)."""
-  from trainer.cli import CliParser  # noqa: PLC0415
   p = CliParser(prog, doc, config=False)
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--base_width", type=int, default=32)
@@ -241,9 +235,7 @@ def parse_sweep_args(p, argv):
 def start(parse_args, argv):
   """(args, Setup, start time) of a width sweep, its --out created; None after printing a
   command-line mistake in one line (the caller exits with 2)."""
-  from trainer import platforms  # noqa: PLC0415
   platforms.choose()
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args = parse_args(argv)
   except ConfigError as e:

@@ -17,6 +17,13 @@ import sys
 
 import numpy as np
 
+from data import mixture
+from data.meta import DataError
+from data.mixture import MixtureError
+from data.prepare import ensure_default_corpus
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, load
+
 
 def document_sets(windows, batch: int, steps: int) -> list[list[set]]:
   """Per step, per window: the (source, document) pairs it touches."""
@@ -45,8 +52,7 @@ def shared(sets: list[list[set]]) -> tuple[float, float]:
 
 
 def report(cfg, batch_sizes, steps: int) -> list[dict]:
-  from data import mixture, pipeline  # noqa: PLC0415
-  from data.prepare import ensure_default_corpus  # noqa: PLC0415
+  from data import pipeline  # noqa: PLC0415  start-up
   d = cfg.data
   spec = pipeline.StreamSpec(d.dir or ensure_default_corpus(), "train", d.seq_len, 1,
                              seed=cfg.seed, mixture=mixture.parse(d.mixture) if d.mixture else ())
@@ -64,7 +70,6 @@ def report(cfg, batch_sizes, steps: int) -> list[dict]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("python -m tools.data_order", __doc__)
   parser.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32")
   parser.add_argument("--steps", type=int, default=100, help="steps read per batch size")
@@ -72,10 +77,6 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-  from data.meta import DataError  # noqa: PLC0415
-  from data.mixture import MixtureError  # noqa: PLC0415
-  from trainer.cli import load  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
   parser = build_parser()
   try:
     args, overrides = parser.parse(sys.argv[1:] if argv is None else argv)

@@ -1,4 +1,4 @@
-"""Loss, perplexity and bits per byte of a model over a whole data split (trainer/evaluation.py).
+"""Loss, perplexity and bits per byte of a model over a whole data split (trainer/evaluation/split.py).
 
     python -m tools.evaluate --checkpoint SRC --data DIR [--split validation] \
         [--seq_len 128] [--stride 64] [--batch_size 16] [--config.mesh.AXIS=N ...]
@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 import sys
 
-from trainer import platforms
+from data.prepare import DataError, read_meta
+from tools.convert import mesh_from_overrides
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, quiet_library_logs
+from trainer.multihost import platforms
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.evaluate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--data", default="", help="prepared data dir (default: the run's)")
@@ -38,9 +41,7 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   platforms.choose()
-  from sharding.mesh import MeshError  # noqa: PLC0415
-  from trainer.cli import quiet_library_logs  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from sharding.mesh import MeshError  # noqa: PLC0415  start-up
   parser = build_parser()
   try:
     args, overrides = parser.parse(argv)
@@ -49,12 +50,10 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from data.prepare import DataError, read_meta  # noqa: PLC0415
-  from sharding.mesh import data_parallel_size  # noqa: PLC0415
-  from tools.convert import mesh_from_overrides  # noqa: PLC0415
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
-  from trainer.evaluation import evaluate_split  # noqa: PLC0415
-  from trainer.inference import (  # noqa: PLC0415
+  from sharding.mesh import data_parallel_size  # noqa: PLC0415  start-up
+  from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
+  from trainer.evaluation.split import evaluate_split  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import (  # noqa: PLC0415  start-up
       data_tokenizer, restore_with_ema, run_data_dir, source_config)
 
   try:

@@ -21,9 +21,9 @@ def write_csv(path: str, rows: list[dict], fields: list[str] | None = None) -> N
 def pyplot():
   """matplotlib.pyplot on the file-only Agg backend, or None when matplotlib is missing."""
   try:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415  optional
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415  optional
   except ImportError:
     return None
   return plt
@@ -31,7 +31,7 @@ def pyplot():
 
 def save(fig, path: str, title: str) -> None:
   """Title the figure, lay it out, write it to `path` and free it."""
-  import matplotlib.pyplot as plt  # noqa: PLC0415
+  import matplotlib.pyplot as plt  # noqa: PLC0415  optional
   fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import sys
 
-from trainer import platforms
+from tools.convert import mesh_from_overrides
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, quiet_library_logs
+from trainer.multihost import platforms
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.generate", __doc__, config=False)
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--prompt", action="append", default=[])
@@ -37,9 +39,7 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   platforms.choose()
-  from sharding.mesh import MeshError  # noqa: PLC0415
-  from trainer.cli import quiet_library_logs  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
+  from sharding.mesh import MeshError  # noqa: PLC0415  start-up
   parser = build_parser()
   try:
     args, overrides = parser.parse(argv)
@@ -54,10 +54,9 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
 
-  from models.decode import Generator  # noqa: PLC0415
-  from tools.convert import mesh_from_overrides  # noqa: PLC0415
-  from trainer.checkpoint import CheckpointError  # noqa: PLC0415
-  from trainer.inference import restore_params, source_config, source_tokenizer  # noqa: PLC0415
+  from models.decode import Generator  # noqa: PLC0415  start-up
+  from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import restore_params, source_config, source_tokenizer  # noqa: PLC0415  start-up
 
   try:
     mesh = mesh_from_overrides(overrides)

@@ -3,24 +3,14 @@
     python -m tools.goodput WORKDIR [--json]
 
 Reads `WORKDIR/goodput.jsonl`, the events every start of the run appended
-(`trainer/run_report.py` `Events`), and splits the wall time from the first process's start to
-the end (the last event of a run that finished; now, while it runs or waits for a restart) into:
-
-  productive   step time of steps that stayed done (not redone later), less its data waits
-  compile      compiling train steps (and initialising a fresh state)
-  restore      reading the checkpoint a start resumed from
-  checkpoint   how long saves blocked the loop (both tiers, and the final wait)
-  evaluation   periodic evaluations
-  data         step time spent waiting for input
-  redone       step time of steps a later start did again (it resumed from an earlier step)
-  startup      from a process's start to its run's first event (imports, jax.distributed,
-               config checks, building the program)
-  down         from the last event of a start that did not finish to the next process's start:
-               the work after its last record, the crash or stop, the wait for the restart
-  other        the rest: the loop's own time outside steps, logging, opening the data
-
-goodput = productive / wall. Step time is measured per window of steps between two log rows
-(`log_every`), so a crash loses at most one window of records, which then counts as down time.
+(`trainer/tracking/report.py` `Events`), and splits the wall time from the first process's start
+to the end (the last event of a run that finished; now, while it runs or waits for a restart)
+into productive (step time of steps that stayed done, less data waits), compile, restore,
+checkpoint, evaluation, data, redone (steps a later start did again), startup (a process's start
+to its run's first event), down (from the last event of a start that did not finish to the next
+process's start) and other. goodput = productive / wall. Step time is measured per window of
+steps between two log rows, so a crash loses at most one window of records (down time then).
+What each part holds: docs/reliability.md#goodput
 """
 from __future__ import annotations
 
@@ -29,6 +19,9 @@ import os
 import sys
 import time
 
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser
+
 CATEGORIES = ("productive", "compile", "restore", "checkpoint", "evaluation", "data",
               "redone", "startup", "down", "other")
 SUMMED = {"compile": "compile", "restore": "restore", "checkpoint": "checkpoint",
@@ -36,7 +29,6 @@ SUMMED = {"compile": "compile", "restore": "restore", "checkpoint": "checkpoint"
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.goodput", __doc__, config=False)
   parser.add_argument("workdir", help="the run's --workdir")
   parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -132,7 +124,6 @@ def describe(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-  from trainer.config import ConfigError  # noqa: PLC0415
   try:
     args, overrides = build_parser().parse(argv)
     if overrides:

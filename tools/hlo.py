@@ -6,23 +6,13 @@ its matmuls, read from the module's text.
     for k in module.kernels():
       print(k.name, k.trips, k.bytes, k.total_flops, k.op_name)
 
-Why: XLA's own cost analysis is not available everywhere (jax 0.10.2 returns None for a GPU
-program compiled ahead of time without a GPU) and counts a while loop's body once. Here every
-instruction that launches device work (a fusion, a custom call such as a cuBLAS GEMM or cuDNN's
-attention, a copy, a collective) is a `Kernel`, found in the entry computation and in the loops
-and calls it runs, weighted by the loop's trip count (`known_trip_count`). A kernel's bytes are
-the device memory it must touch: its operands read and its results written, except that a fusion
-reading only a slice of an operand (a layer's weights out of the stacked [L, ...] array) counts
-the slice, and one updating a slice in place (a layer's residuals into their stack) counts the
-update, as XLA's GPU cost model does. Its FLOPs are those of its dots (2 x output elements x
-contracted size), of cuBLAS GEMMs, and of cuDNN's fused attention (4 B H S T D forward, 2.5 x
-that backward; half when causal); elementwise work is not counted. A kernel's time at the
-device's rates (`Kernel.seconds`) is the larger of its FLOPs at the matmul peak and its bytes at
-the memory bandwidth: a roofline per kernel, no launch cost, no overlap.
-
-Used by `bench/compiled.py` (our step against the plain jit + optax step, kernel by kernel:
-`diff`), `tests/test_step_overhead.py` (no extra passes over the parameters: `passes_over`) and
-`bench/step_profile.py` (a GPU trace's kernels named by the instructions here: `lookup`).
+Every instruction that launches device work is a `Kernel`, weighted by the trips of the loops
+around it; its bytes are its operands read and results written (a slice where it reads or
+updates one), its FLOPs those of dots, cuBLAS GEMMs and cuDNN attention (elementwise work is not
+counted), and `Kernel.seconds` its roofline at a device's rates: a count where XLA's cost
+analysis is missing or counts a loop body once. Used by bench/compiled.py (`diff`),
+tests/test_step_overhead.py (`passes_over`) and bench/step_profile.py (`Module.lookup`).
+Why and the counting rules: docs/performance.md#kernels-counted-from-the-hlo
 """
 from __future__ import annotations
 

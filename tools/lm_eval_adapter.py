@@ -9,19 +9,10 @@ or from the harness's CLI, which finds the class by its registered name:
 
     python -m tools.lm_eval_adapter --model_args checkpoint=runs/tiny --tasks lambada_openai
 
-It implements the harness's `LM` interface (lm-eval 0.4):
-
-- `loglikelihood`: (context, continuation) -> (sum of log p(continuation tokens), whether they
-  are all the greedy choice). The continuation's tokens are those of encode(context +
-  continuation) past encode(context) (right for merges across the boundary); long inputs are
-  cut from the left to `max_length` tokens.
-- `loglikelihood_rolling`: a text's total log-likelihood, every token after BOS scored once in
-  windows of `max_length` (the windows of trainer/evaluation.py).
-- `generate_until`: KV-cache generation (models/decode.py), greedy unless the request asks for
-  sampling, cut at the first stop string.
-
-Scoring runs one compiled forward of [batch_size, max_length] (requests padded to it).
-Needs the `lm-eval` extra.
+It implements the harness's `LM` interface (lm-eval 0.4): `loglikelihood`,
+`loglikelihood_rolling` and `generate_until` (KV-cache generation), scoring with one compiled
+forward of [batch_size, max_length]. Needs the `lm-eval` extra.
+Each method's contract: docs/models_io.md#lm-evaluation-harness
 """
 from __future__ import annotations
 
@@ -33,7 +24,10 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from trainer.evaluation import windows
+from models.decode import Generator
+from tools.convert import mesh_from_overrides
+from trainer.checkpoint.model_dirs import restore_params, source_config, source_tokenizer
+from trainer.evaluation.split import windows
 
 
 @register_model("scaletrain")
@@ -43,8 +37,6 @@ class ScaletrainLM(LM):
                ema: bool | str = False, mesh=None, **_):
     super().__init__()
     self.checkpoint = checkpoint
-    from tools.convert import mesh_from_overrides  # noqa: PLC0415
-    from trainer.inference import restore_params, source_config, source_tokenizer  # noqa: PLC0415
     step_dir, config = source_config(checkpoint)
     self.tok = source_tokenizer(step_dir, config)
     if self.tok is None:
@@ -111,7 +103,6 @@ class ScaletrainLM(LM):
     return out
 
   def generate_until(self, requests) -> list[str]:
-    from models.decode import Generator  # noqa: PLC0415
     out = []
     for req in requests:
       context, kwargs = req.args
@@ -137,7 +128,7 @@ class ScaletrainLM(LM):
 
 def main(argv: list[str]) -> int:
   """The harness's own CLI, with this module's model registered."""
-  from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+  from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415  optional
   sys.argv = ["lm_eval", "--model", "scaletrain", *argv]
   cli_evaluate()
   return 0

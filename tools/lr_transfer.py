@@ -4,21 +4,14 @@ width grid under SP and muP; where is the best learning rate at each width?
     python -m tools.lr_transfer [--widths 32,64,128,256] [--lrs 2^-12,...,2^-5] \\
         [--base_width 32] [--steps 100] [--out runs/lr_transfer]
 
-Every run is the setting of tools/coord_check.py (the same Llama model, num_heads fixed,
-mlp_dim = 3 d_model, AdamW at a constant learning rate through the project's optimizer factory
-with muP's per-parameter rates, the same batches of the embedded corpus in the same order (a
-training run's order, data/pipeline.py), the
-same seed; all rates of a width share one compiled step) trained for `--steps` steps; its score is the mean training loss over the last
-`--tail` steps (every run sees the same batches there, so the scores are comparable and the
-average removes batch-to-batch jitter). The best learning rate of a width is the grid point
-with the lowest score, refined by a parabola through it and its two neighbours in log(lr)
-(reported only when the minimum is inside the grid). Under SP the best rate should fall as
-the width grows (roughly like 1/width for hidden weights under Adam); under muP it should stay
-put, and wider should be better at every rate.
-
-Outputs in `--out`: `lr_transfer.csv` (parametrization, width, lr, score, final loss, seconds per run),
-`lr_transfer.png` (score vs lr, one panel per parametrization, one line per width, the best
-rates marked; needs matplotlib, the `tools` extra). Deterministic on a given machine.
+Every run is the setting of tools/coord_check.py trained `--steps` steps at a constant rate and
+scored by its mean training loss over the last `--tail` steps; a width's best rate is the grid
+minimum refined by a parabola in log(lr) (reported only inside the grid). Under SP the best rate
+should fall as the width grows; under muP it should stay put. Outputs in `--out`:
+`lr_transfer.csv` (parametrization, width, lr, score, final loss, seconds per run),
+`lr_transfer.png` (score vs lr per parametrization, one line per width; needs matplotlib, the
+`tools` extra). Deterministic on a given machine.
+Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
 """
 from __future__ import annotations
 

@@ -4,35 +4,14 @@ run holds memory for, and checked against the device's own count.
     python -m tools.memory_check --config configs/lm_125m.py --topology h100:1 \\
         [--measure] [--steps 4] [--config.a.b=v ...]
 
-Prediction (compile-only, on `tools.aot`'s target devices, no accelerator needed; or with
-`--topology local` on this process's devices): per device,
-with the train state alive throughout,
-  train step     `tools.aot`'s number: arguments (state + batch) + temporaries + outputs not
-                 aliased to the donated state + code;
-  logging step   the step the logged steps run when it differs (`trainer.norm_metrics`
-                 "log_steps": param_norm and update_norm), the same sum;
-  evaluation     the eval step on one micro-batch: the state + its batch + temporaries +
-                 outputs + code;
-  outer step     DiLoCo only (`optim.diloco.replicas` >= 1): the outer step's program, run
-                 every `inner_steps` steps, the same sum as the train step's;
-  checkpoint save  a circular pipeline only (`pipeline.repeats` > 1): the program that turns
-                 the train state into the plain layer stack a checkpoint holds, its output
-                 beside the state (trainer/stages.py), the same sum;
-and the run's peak is the largest of them (tools.aot reports the train step alone). The train
-state is the run's own: for DiLoCo a `trainer.diloco.DiLoCoState`, each device holding its
-replica's parameters and inner optimizer state, the anchor and the outer momentum, and the
-target is tools.aot's for the config (a copy of a TPU topology per replica).
-
-`--measure` (on devices of the target's kind, e.g. `JAX_PLATFORMS=cuda` on a GPU machine; a
-machine with an NVIDIA GPU picks that by itself): trains the config for `--steps` steps (for
-DiLoCo a multiple of `optim.diloco.inner_steps`, so that an outer step runs) in a temporary
-workdir, logging every second step, evaluating and saving a checkpoint at the last
-step, as train.py does, then reads each device's `memory_stats()["peak_bytes_in_use"]` (the
-most bytes JAX's allocator had handed out at once) and prints measured / predicted; the goal
-is within 10% (issue 25). The allocator's statistics before and after each compile of a train
-step, after every logged row and at the end are printed too, to see which part of the run
-reached the peak. The data are the config's (the
-embedded corpus by default).
+Prediction (compile-only on `tools.aot`'s target devices, or `--topology local`): per device,
+with the train state alive throughout, the train step, the logging step, evaluation, and where
+the run has them DiLoCo's outer step and a circular pipeline's checkpoint save; the run's peak
+is the largest. `--measure` (on devices of the target's kind) trains `--steps` steps as
+train.py does (logged, evaluated, checkpointed), reads each device's peak_bytes_in_use and
+prints measured / predicted (goal: within 10%) and the allocator's statistics around each
+compile, at every logged row and at the end.
+What each phase counts: docs/aot.md#predicted-against-measured-memory
 """
 from __future__ import annotations
 
@@ -40,7 +19,9 @@ import os
 import sys
 import tempfile
 
-from trainer import platforms
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, load
+from trainer.multihost import platforms
 
 GOAL = 0.10  # |measured / predicted - 1| the prediction is held to (issue 25)
 
@@ -49,11 +30,11 @@ def predict(cfg, target, name: str):
   """(tools.aot's report of the train step, {phase: predicted bytes per device}) of a run of
   `cfg` on `target` (module docstring); raises tools.aot.AotError when the train step does not
   fit."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
 
-  from tools import aot  # noqa: PLC0415
-  from trainer.periodic_eval import jitted_eval_step  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415  start-up
+  from trainer.evaluation.periodic import jitted_eval_step  # noqa: PLC0415  start-up
+  from trainer.step.program import Program  # noqa: PLC0415  start-up
 
   report = aot.compile_report(cfg, target, name)
   phases = {"train step": report.total_bytes}
@@ -83,7 +64,7 @@ def predict(cfg, target, name: str):
 
 def _stats() -> dict[str, int]:
   """`memory_stats()` of this process's device with the most bytes in use at their peak."""
-  import jax  # noqa: PLC0415
+  import jax  # noqa: PLC0415  start-up
   return max((d.memory_stats() or {} for d in jax.local_devices()),
              key=lambda st: st.get("peak_bytes_in_use", 0))
 
@@ -94,8 +75,8 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
   allocator's statistics before and after each compile of a train step, at every logged row and
   at the end, to see when the peak came: a compile runs while the state is resident, and XLA's
   GPU autotuner allocates the buffers it tries candidate kernels on from the same allocator)."""
-  from trainer.loop import Run  # noqa: PLC0415
-  from trainer.program import Program  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415  start-up
+  from trainer.step.program import Program  # noqa: PLC0415  start-up
   run_cfg = cfg.copy_and_resolve_references()
   run_cfg.steps = steps
   run_cfg.log_every = 2
@@ -129,7 +110,6 @@ def measure(cfg, steps: int) -> tuple[int, list[tuple[str, dict]]]:
 
 
 def build_parser():
-  from trainer.cli import CliParser  # noqa: PLC0415
   parser = CliParser("-m tools.memory_check", __doc__)
   parser.add_argument("--topology", required=True,
                       help="as tools.aot's (h100:1, v5e:2x2, ...), or local: this process's "
@@ -144,16 +124,14 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   platforms.choose()  # before jax starts: a machine with an NVIDIA GPU measures on it
-  from tools import aot  # noqa: PLC0415
-  from trainer.cli import load  # noqa: PLC0415
-  from trainer.config import ConfigError  # noqa: PLC0415
-  from trainer.metrics import GiB  # noqa: PLC0415
+  from tools import aot  # noqa: PLC0415  start-up
+  from trainer.tracking.peaks import GiB  # noqa: PLC0415  start-up
   try:
     args, overrides = build_parser().parse(argv)
     name = os.path.splitext(os.path.basename(args.config))[0]
     cfg = load(args.config, overrides)
     if args.topology == "local":
-      import jax  # noqa: PLC0415
+      import jax  # noqa: PLC0415  start-up
       target = aot.Target("local", jax.devices())
     else:
       target = aot.config_target(cfg, args.topology)  # as tools.aot compiles for
@@ -165,7 +143,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--steps {args.steps}: a DiLoCo run's outer step (a phase predicted "
                           f"here) runs every optim.diloco.inner_steps={inner} steps; measure "
                           f"over a multiple of it (--steps {inner})")
-      import jax  # noqa: PLC0415
+      import jax  # noqa: PLC0415  start-up
       local = jax.local_devices()
       if local[0].device_kind != target.kind or len(jax.devices()) != len(target.devices):
         raise ConfigError(f"--measure needs the target's devices here ({len(target.devices)} x "

@@ -1,23 +1,15 @@
 """Roofline of a compiled train step: the lower bound on its time and the MFU that bound allows.
 
 `tools.aot` compiles the step for a target (TPU topology or GPU) and fills a `Roofline` from the
-compiled program and the target chip; this module is the arithmetic and the report lines.
+compiled program and the target chip; this module is the arithmetic and the report lines:
 
-  * step time at 100% MFU: the model's FLOPs (`models.sizes.flops_per_token`, all chips) at the
-    chips' bf16 peak (`trainer.metrics.known_peak_flops`): no step can be faster.
-  * compute: the FLOPs the step executes, the model's plus what rematerialisation recomputes
-    (`remat_mfu_bound`) plus, in a pipelined step, what the stages execute in their idle ticks
-    (`idle_flops`, from the ticks counted in the compiled program), at the same peak.
-  * memory: XLA's `bytes accessed` per chip (`compiled.cost_analysis()`) at the chip's HBM
-    bandwidth (`trainer.metrics.known_hbm_bandwidth`). XLA counts the body of a loop (the scanned
-    layers, the micro-batch loop) once, so this is a floor on the real traffic.
-  * the bound is max(compute, memory); the MFU ceiling is model FLOPs / (bound x chips x peak).
-  * an estimate beside it (not a bound): the bytes scaled by how much XLA undercounted the FLOPs
-    it sees (executed FLOPs outside compiled kernels / XLA's FLOPs), which assumes loop bodies
-    move as many bytes per FLOP as the rest of the program.
+  * step time at 100% MFU: the model's FLOPs at the chips' bf16 peak;
+  * compute: the FLOPs the step executes (remat and idle pipeline ticks included) at that peak;
+  * memory: XLA's bytes accessed per chip at the HBM bandwidth, a floor (loop bodies once);
+  * the bound max(compute, memory), the MFU it allows, and beside it an estimate (not a bound)
+    with the bytes scaled by XLA's FLOP undercount.
 
-XLA's own FLOP count is not used for the bound: it counts a scanned layer once and the FLOPs of
-Pallas kernels (splash / flash attention) not at all, and its `optimal_seconds` is no prediction.
+Why each term is what it is: docs/aot.md#roofline
 """
 from __future__ import annotations
 

@@ -15,10 +15,12 @@ import os
 import re
 
 import jax
+from jax.experimental import topologies
 
 from sharding.mesh import DCN_AXES, num_slices
-from trainer.distributed import libtpu_available
-from trainer.metrics import known_hbm_bandwidth, known_hbm_bytes, known_peak_flops
+from trainer.errors import first_line
+from trainer.multihost.launch import libtpu_available
+from trainer.tracking.peaks import known_hbm_bandwidth, known_hbm_bytes, known_peak_flops
 
 TOPOLOGY_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
 MEGACORE = ("v4", "v5", "v5p")  # chips whose two TensorCores JAX drives as one device
@@ -30,12 +32,6 @@ class AotError(Exception):
 
 class LibtpuMissing(AotError):
   """libtpu is not installed: nothing can be compiled for TPU here."""
-
-
-def first_line(e: BaseException) -> str:
-  """The first non-empty line of an exception's message (at most 300 characters)."""
-  lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
-  return lines[0][:300] if lines else type(e).__name__
 
 
 @dataclasses.dataclass
@@ -102,7 +98,6 @@ def tpu_target(topology: str, slices: int = 1) -> Target:
     raise LibtpuMissing("libtpu is not installed, so nothing can be compiled for TPU here: "
                         "pip install -e \".[tpu]\" (jax pins the libtpu it accepts)")
   # Compile-only devices through jax's public jax.experimental.topologies (no private API).
-  from jax.experimental import topologies  # noqa: PLC0415
   chip = match.group(1)
   kwargs = {"chip_config_name": "megacore"} if chip in MEGACORE else {}
   dims = [int(n) for n in match.group(2).split("x")]
@@ -114,7 +109,7 @@ def tpu_target(topology: str, slices: int = 1) -> Target:
     with _quiet_libtpu():
       desc = topologies.get_topology_desc(topology, "tpu", **kwargs)
   except Exception as e:  # noqa: BLE001  libtpu's own words are the best explanation
-    raise AotError(f"--topology {topology!r}: libtpu cannot describe it ({first_line(e)})") \
+    raise AotError(f"--topology {topology!r}: libtpu cannot describe it ({first_line(e, with_type=False)})") \
         from None
   name = topology if slices == 1 else f"{slices}x {topology}"
   return Target(name, list(desc.devices))
@@ -149,14 +144,13 @@ def gpu_target(topology: str) -> Target:
   needed to compile) and `ptxas` on the PATH."""
   match = GPU_TOPOLOGY_RE.match(topology)
   hosts, per_host = int(match.group(2) or 1), int(match.group(3))
-  from jax.experimental import topologies  # noqa: PLC0415
   try:
     desc = topologies.get_topology_desc(
         match.group(1), "cuda", target_config=GPU_TARGETS[match.group(1)],
         topology=f"1x{hosts}x{per_host}")
   except (NotImplementedError, RuntimeError) as e:
     raise AotError(f"--topology {topology!r}: jax's CUDA plugin cannot describe it "
-                   f"({first_line(e)}); pip install jax-cuda12-plugin=={jax.__version__}") \
+                   f"({first_line(e, with_type=False)}); pip install jax-cuda12-plugin=={jax.__version__}") \
         from None
   return Target(topology, list(desc.devices))
 

@@ -1,0 +1,231 @@
+"""Models outside training: read a checkpoint for generation/evaluation/export, and write the
+"converted" directory that an imported model lives in.
+
+A *source* is a training workdir (its newest checkpoint), its `checkpoints/` dir, one step
+dir, or a converted dir. A converted dir has the layout of one checkpoint step, so
+`--config.checkpoint.init_from=DIR` reads it as it reads another run:
+
+  DIR/state/            Orbax PyTree {"params": ...} (our layout, scanned layers)
+  DIR/config/metadata   JSON {"model": {...every ModelConfig field...}, "source": ...}
+  DIR/tokenizer/        the tokenizer files, when the model came with some (tokenizer.json, ...)
+
+Every source carries its model config, so no command that reads one asks for dimensions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+
+from data import mixture, tokenizer
+from data.prepare import ensure_default_corpus
+from models.config import ModelConfig, functional_differences, overrides_to_match
+from optim.ema import find_ema
+from trainer.checkpoint.saved import (CheckpointError, UnreadableConfig, describe_mismatch,
+                                      read_saved_config)
+from trainer.config import default_config
+from trainer.errors import first_line
+from trainer.step.program import Program
+from trainer.step.state import ModelSpec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model")  # without one of these there is none
+
+
+def source_config(src: str, flag: str = "--checkpoint") -> tuple[str, dict]:
+  """(step dir, the config saved with it) of a source; `flag`: what the user gave it as."""
+  step_dir = resolve_step_dir(src, flag)
+  try:
+    config = read_saved_config(step_dir)
+  except UnreadableConfig as e:
+    raise CheckpointError(f"{flag}={src!r}: {e}") from None
+  if "model" not in config:
+    raise CheckpointError(f"{flag}={src!r}: its config ({step_dir}/config/metadata) has no "
+                          "model block")
+  return step_dir, config
+
+
+def model_config(config: dict) -> ModelConfig:
+  return ModelConfig.from_config(config["model"])
+
+
+def restore_params(src: str, mesh, *, ema: bool = False, flag: str = "--checkpoint"):
+  """(ModelSpec on `mesh`, params sharded by the rule table, config dict, which weights).
+
+  With `ema=True` and a checkpoint whose optimizer kept a parameter EMA (`optim.ema_decay`),
+  the EMA weights are returned instead of the raw ones.
+  """
+  step_dir, config = source_config(src, flag)
+  cfg = model_config(config)
+  spec = ModelSpec(cfg, mesh, seed=0)
+  if ema and config.get("optim", {}).get("ema_decay", 0) > 0:
+    return spec, _restore_ema(step_dir, config, mesh), config, "ema"
+  params, _ = load_params(step_dir, spec.abstract_params)
+  return spec, params, config, "params"
+
+
+def restore_with_ema(src: str, mesh):
+  """(ModelSpec, {"params": ..., "ema": ...} ("ema" only when the checkpoint kept one),
+  config dict): both weight sets of a checkpoint from one read."""
+  step_dir, config = source_config(src)
+  spec = ModelSpec(model_config(config), mesh, seed=0)
+  if config.get("optim", {}).get("ema_decay", 0) > 0:
+    params, ema = _restore_ema(step_dir, config, mesh, with_params=True)
+    return spec, {"params": params, "ema": ema}, config
+  params, _ = load_params(step_dir, spec.abstract_params)
+  return spec, {"params": params}, config
+
+
+def _restore_ema(step_dir: str, config: dict, mesh, *, with_params: bool = False):
+  """The EMA weights of a training checkpoint: the full state is restored (its structure comes
+  from the optimizer the config builds) and the EMA picked out of the optimizer state."""
+
+  cfg = default_config()
+  cfg.update_from_flattened_dict(_flatten(config, cfg))
+  abstract = Program(cfg, mesh).abstract_state()
+  with ocp.StandardCheckpointer() as checkpointer:
+    state = checkpointer.restore(os.path.join(step_dir, "state"), abstract)
+  ema = find_ema(state.opt_state, state.params)
+  return (state.params, ema) if with_params else ema
+
+
+def _flatten(config: dict, ref: ml_collections.ConfigDict, prefix: str = "") -> dict:
+  """The saved config's values for keys the current defaults know (a saved config may come
+  from an older version)."""
+  out = {}
+  for key, value in config.items():
+    if key not in ref:
+      continue
+    if isinstance(value, dict) and isinstance(ref[key], ml_collections.ConfigDict):
+      out.update(_flatten(value, ref[key], prefix + key + "."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def write_converted(out_dir: str, params, cfg: ModelConfig, *, source: str,
+                    tokenizer_dir: str | None = None, extra: dict | None = None) -> None:
+  """Write a converted dir (layout in the module docstring)."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(os.path.join(out_dir, "state")):
+    raise CheckpointError(f"--out {out_dir} already holds a converted model; choose a new dir")
+  os.makedirs(os.path.join(out_dir, "config"), exist_ok=True)
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    checkpointer.save(os.path.join(out_dir, "state"), {"params": params})
+  config = {"model": cfg.to_dict(), "source": source, **(extra or {})}
+  copied = copy_tokenizer(tokenizer_dir, os.path.join(out_dir, "tokenizer"))
+  if copied:
+    config["tokenizer"] = "tokenizer"
+  if jax.process_index() == 0:
+    with open(os.path.join(out_dir, "config", "metadata"), "w") as f:
+      json.dump(config, f, indent=1)
+
+
+def copy_tokenizer(src_dir: str | None, dst_dir: str) -> list[str]:
+  """Copy the tokenizer files present in `src_dir` (names in TOKENIZER_FILES), if it holds a
+  tokenizer (a tokenizer.json or a SentencePiece tokenizer.model); returns the names copied."""
+  if not src_dir or not os.path.isdir(src_dir):
+    return []
+  names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src_dir, n))]
+  if not set(names) & set(_VOCAB_FILES):
+    return []
+  os.makedirs(dst_dir, exist_ok=True)
+  for n in names:
+    shutil.copy2(os.path.join(src_dir, n), os.path.join(dst_dir, n))
+  return names
+
+
+def tokenizer_dir(step_dir: str, config: dict) -> str | None:
+  """Where a source's tokenizer files are: the converted dir's tokenizer/, else None."""
+  if config.get("tokenizer"):
+    path = os.path.join(step_dir, config["tokenizer"])
+    return path if os.path.isdir(path) else None
+  return None
+
+
+def source_tokenizer(step_dir: str, config: dict):
+  """The tokenizer of a source, or None if it has none: a converted dir's tokenizer files
+  (`data.tokenizer.from_path`), or a training run's data (`data.tokenizer.load_tokenizer` of
+  its data dir, the first mixture source, or the default corpus)."""
+  files = tokenizer_dir(step_dir, config)
+  if files:
+    try:
+      return tokenizer.from_path(files)
+    except ValueError as e:  # the tokenizer module's errors (TokenizerError)
+      raise CheckpointError(f"{step_dir}: its tokenizer cannot be read ({e})") from None
+  if "data" not in config:
+    return None
+  return data_tokenizer(run_data_dir(config["data"]))
+
+
+def run_data_dir(data: dict) -> str:
+  """A training run's prepared data dir: data.dir, the first data.mixture source (they share a
+  tokenizer), or the embedded default corpus."""
+  if data.get("dir"):
+    return data["dir"]
+  if data.get("mixture"):
+    return mixture.parse(data["mixture"])[0].dir
+  return ensure_default_corpus()
+
+
+def data_tokenizer(data_dir: str):
+  """The tokenizer a prepared data dir was made with."""
+  return tokenizer.load_tokenizer(data_dir)
+
+
+def init_from_mismatch(src: str, model_cfg: ModelConfig) -> str | None:
+  """None if `src` (for checkpoint.init_from) was made with a model that computes what
+  `model_cfg` does (models/config.py FUNCTIONAL), else one line naming the first differing key
+  and the overrides that would fix it."""
+  _, config = source_config(src, "checkpoint.init_from")
+  differences = functional_differences(model_config(config), model_cfg)
+  if not differences:
+    return None
+  key, a, b = differences[0]
+  return (f"checkpoint.init_from={src!r} holds a model with model.{key}={a!r}, the config has "
+          f"{b!r}; run with {overrides_to_match(differences)}")
+
+
+def resolve_step_dir(path: str, flag: str = "checkpoint.init_from") -> str:
+  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read. `flag`: what the
+  user gave the path as (named in the error)."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    path = os.path.join(path, "checkpoints")
+  if os.path.isdir(os.path.join(path, "state")):
+    return path
+  steps = sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
+  if not steps:
+    raise CheckpointError(f"{flag}={path!r}: no checkpoint found there "
+                          "(give a workdir, its checkpoints/ dir, or a step dir)")
+  return os.path.join(path, str(steps[-1]))
+
+
+def load_params(path: str, abstract_params) -> tuple[Any, str]:
+  """Parameters of another run's checkpoint, resharded to `abstract_params`' shardings (a DiLoCo
+  run's: its anchor, the outer model the replicas agreed on)."""
+  step_dir = resolve_step_dir(path)
+  state_dir = os.path.join(step_dir, "state")
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    try:
+      saved = checkpointer.metadata(state_dir).item_metadata.tree
+    except Exception as e:  # noqa: BLE001
+      raise CheckpointError(f"checkpoint.init_from: cannot read {state_dir} "
+                            f"({first_line(e)})") from None
+    key = "anchor" if "anchor" in saved else "params"
+    if key not in saved:
+      raise CheckpointError(f"checkpoint.init_from: {state_dir} holds no params")
+    reason = describe_mismatch({}, {}, saved[key], abstract_params)
+    if reason:
+      raise CheckpointError(f"checkpoint.init_from={path!r} does not fit this model: {reason}")
+    target = {key: abstract_params}
+    restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  return restored[key], step_dir

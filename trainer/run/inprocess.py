@@ -1,0 +1,106 @@
+"""Training a config in this process, as train.py would (`train`), and branching a run from one
+of its checkpoints (`copy_checkpoint`, `load_run`: the config it was written with;
+`schedule_in_tokens`: its schedule's lengths in tokens). For the research tools (batch sweep,
+branching probe) and the experiments; each run trains through `trainer.run.loop.Run` in a workdir
+of its own, with the same data order, checkpoints and metrics.jsonl as train.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+
+from trainer.config.cli import from_dict
+from trainer.config.defaults import ConfigError
+from trainer.tracking.record import ramp_from_rows, read_rows
+
+
+@dataclasses.dataclass
+class Trained:
+  status: str
+  steps_run: int
+  seconds: float
+  rows: list[dict]
+  ramp: object  # optim.ramp.BatchRamp rebuilt from the record
+  workdir: str
+
+  @property
+  def final_eval(self) -> float | None:
+    evals = [r["eval_loss"] for r in self.rows if "eval_loss" in r]
+    return evals[-1] if evals else None
+
+
+def train(cfg, workdir: str, *, stop=None, fresh: bool = True,
+          keep_checkpoints: bool = False) -> Trained:
+  """Train `cfg` in `workdir` through `trainer.run.loop.Run` (validated first: a config mistake is a
+  ConfigError before anything compiles). `fresh` clears the workdir first (the experiments own
+  their run directories); otherwise the run resumes from its checkpoints as train.py would.
+  `stop(run)` returns the run's `stop_when(step, row)` callback (it may read the live ramp,
+  `run.ramp`). A run that diverges under `trainer.nonfinite_policy="stop"` is a result (status
+  "nonfinite"); any other early end raises."""
+  import jax  # noqa: PLC0415  start-up
+  from trainer.config.checks import validate  # noqa: PLC0415  start-up
+  from trainer.run.loop import Run  # noqa: PLC0415  start-up
+  validate(cfg, jax.devices())
+  if fresh and os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  run = Run(cfg, workdir)
+  if stop is not None:
+    run.stop_when = stop(run)
+  t0 = time.perf_counter()
+  result = run.train()
+  seconds = time.perf_counter() - t0
+  if result.status not in ("done", "nonfinite"):
+    raise RuntimeError(f"run in {workdir} ended {result.status}: {result.message}")
+  if not keep_checkpoints:
+    shutil.rmtree(os.path.join(workdir, "checkpoints"), ignore_errors=True)
+  rows = read_rows(workdir)
+  # The autopilot's ramp from its recorded decisions; a configured ramp is the run's own.
+  d = run.cfg.data
+  ramp = ramp_from_rows(rows, d.global_batch_size, d.seq_len) if d.batch_ramp in ("", "auto") \
+      else run.ramp
+  return Trained(result.status, result.step, seconds, rows, ramp, workdir)
+
+
+def copy_checkpoint(source_workdir: str, step: int, workdir: str) -> None:
+  """A fresh `workdir` holding only checkpoint `step` of `source_workdir` (the branch resumes
+  from it as a restarted run would)."""
+  if os.path.exists(workdir):
+    shutil.rmtree(workdir)
+  os.makedirs(os.path.join(workdir, "checkpoints"))
+  shutil.copytree(os.path.join(source_workdir, "checkpoints", str(step)),
+                  os.path.join(workdir, "checkpoints", str(step)))
+
+
+def load_run(workdir: str, step: int):
+  """The config checkpoint `step` of the run in `workdir` was written with (ConfigDict)."""
+  from trainer.checkpoint.model_dirs import source_config  # noqa: PLC0415  start-up
+  from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
+  directory = os.path.join(workdir, "checkpoints")
+  have = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) \
+      if os.path.isdir(directory) else []
+  if step not in have:
+    raise ConfigError(f"{workdir} has no checkpoint at step {step} (it has "
+                      f"{', '.join(map(str, have)) or 'none'}); train the run with "
+                      "--config.checkpoint.every_steps dividing the steps to branch from and "
+                      "--config.checkpoint.keep covering them")
+  try:
+    _, saved = source_config(os.path.join(directory, str(step)))
+  except CheckpointError as e:
+    raise ConfigError(str(e)) from None
+  return from_dict(saved, f"{directory}/{step}")
+
+
+def schedule_in_tokens(cfg) -> dict:
+  """{optim key: value} giving every length of the run's schedule in tokens at its batch (the
+  shape the run had, kept in tokens at any batch), the horizon included."""
+  from optim.ramp import UNITS, BatchRamp  # noqa: PLC0415  start-up
+  from optim.schedules import length  # noqa: PLC0415  start-up
+  ramp = BatchRamp.constant(cfg.data.global_batch_size, cfg.data.seq_len)
+  out = {f"{what}_{u}": 0 for what in ("warmup", "decay") for u in UNITS}
+  out["warmup_tokens"] = int(round(length(cfg.optim, "warmup", "tokens", ramp)))
+  out["decay_tokens"] = int(round(length(cfg.optim, "decay", "tokens", ramp,
+                                         default_steps=cfg.steps)))
+  out["schedule_unit"] = "tokens"
+  return out

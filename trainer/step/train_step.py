@@ -1,0 +1,235 @@
+"""The jitted train and eval steps (`make_train_step`, `make_eval_step`).
+
+  batch [M, B, S]  M micro-batches of B sequences (M = 1: the ordinary step)
+    -> sums over the micro-batches (a scan; the pipeline with stages, trainer/step/pipelined.py)
+       of token losses and float32 gradients, sharded like the parameters
+    -> / the target tokens of the whole batch: the update does not depend on M
+    -> guards: a step whose loss or gradient norm is not finite (or a spike) is not applied
+    -> the optimizer, told the batch B and the step (the step counter is the only clock)
+
+The variant with `measure_noise` also feeds the gradient noise-scale meter; MoE auxiliary losses
+are weighted so that they do not depend on M either. Why and details:
+docs/configs.md#the-train-step; the meter docs/batch_size.md#gradient-noise-scale; MoE
+docs/moe.md#auxiliary-losses.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from models import moe as moe_lib
+from models.llama import moe_layer_ids
+from optim import noise_scale
+from trainer.step import pipelined
+from trainer.step.state import ModelSpec, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+  spike_zscore: float = 0.0  # 0 = no spike detection
+  spike_window: int = 200
+  debug_nan_at_step: int = 0  # testing aid: poison the loss of this step (1-based); 0 = never
+
+  @classmethod
+  def from_config(cls, trainer_cfg) -> "GuardConfig":
+    on = trainer_cfg.spike_policy != "off"
+    return cls(spike_zscore=float(trainer_cfg.spike_zscore) if on else 0.0,
+               spike_window=int(trainer_cfg.spike_window),
+               debug_nan_at_step=int(trainer_cfg.debug_nan_at_step))
+
+
+def loss_sums(spec: ModelSpec, params, batch) -> tuple[jax.Array, jax.Array]:
+  """(sum of token cross-entropies over the batch, number of target tokens), in fp32."""
+  if spec.pipeline is not None:
+    return pipelined.loss_sums(spec, params, batch)
+  return spec.model(params).loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"],
+                                      batch["targets"], batch["loss_mask"])
+
+
+def _global_fraction(spec: ModelSpec, params, batch):
+  """f [MoE layers, N]: each expert's share of the assignments of all micro-batches of `batch`
+  [M, B, S], from a forward-only pass (no gradient flows through it)."""
+  k = spec.cfg.moe.top_k
+
+  def counts_of(total, micro_batch):
+    _, stats = spec.model(params).hidden(micro_batch["inputs"], micro_batch["positions"],
+                                         micro_batch["segment_ids"], with_stats=True)
+    return total + stats["counts"], stats["tokens"]
+
+  num_layers = len(moe_layer_ids(spec.cfg))
+  zero = jnp.zeros((num_layers, spec.cfg.moe.num_experts), jnp.float32)
+  counts, tokens = jax.lax.scan(counts_of, zero, batch)
+  return jax.lax.stop_gradient(counts / (k * jnp.sum(tokens, axis=0)[:, None]))
+
+
+def _judge(guard, loss, grad_norm, cfg: GuardConfig):
+  """(bad, finite, spike, new guard stats) for this step's loss."""
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  spike = jnp.zeros((), bool)
+  if cfg.spike_zscore > 0:
+    std = jnp.sqrt(guard["loss_var"] + 1e-12)
+    armed = guard["good_steps"] >= cfg.spike_window
+    spike = armed & finite & (loss - guard["loss_mean"] > cfg.spike_zscore * std)
+  bad = ~finite | spike
+  # EMA of mean and variance of good losses (West 1979's incremental form).
+  alpha = 1.0 / cfg.spike_window
+  first = guard["good_steps"] == 0
+  delta = loss - guard["loss_mean"]
+  mean = jnp.where(first, loss, guard["loss_mean"] + alpha * delta)
+  var = jnp.where(first, 0.0, (1 - alpha) * (guard["loss_var"] + alpha * delta * delta))
+  keep = lambda new, old: jnp.where(bad, old, new)
+  new_guard = {"skipped": guard["skipped"] + bad.astype(jnp.int32),
+               "good_steps": guard["good_steps"] + (~bad).astype(jnp.int32),
+               "loss_mean": keep(mean, guard["loss_mean"]),
+               "loss_var": keep(var, guard["loss_var"])}
+  return bad, finite, spike, new_guard
+
+
+def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
+  """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
+  in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2 and 1 / t_i summed
+  over the pieces i, and their number) or None, MoE sums ({"stats": router statistics, "aux":
+  auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1 a scan
+  (why float32 and sharded: docs/configs.md#the-train-step; MoE: docs/moe.md#auxiliary-losses).
+  """
+
+  if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/step/pipelined.py)
+    return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise)
+  num_micro = jax.tree.leaves(batch)[0].shape[0]
+  moe = spec.cfg.moe
+  # The step's target tokens: the MoE auxiliary terms are scaled by it (docs/moe.md).
+  step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+  fraction = None
+  if moe.enabled and moe.balance_scope == "global" and num_micro > 1:
+    fraction = _global_fraction(spec, params, batch)
+
+  def objective(p, micro_batch):
+    loss_sum, tokens, stats = spec.model(p).loss_and_stats(
+        micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"],
+        micro_batch["targets"], micro_batch["loss_mask"])
+    if not moe.enabled:
+      return loss_sum, (loss_sum, tokens, None)
+    aux = moe_lib.aux_losses(stats, moe, num_micro=num_micro, fraction=fraction)
+    total = loss_sum + step_tokens * moe_lib.aux_objective(aux, moe)
+    return total, (loss_sum, tokens, {"stats": stats, "aux": aux})
+
+  def grads_of(micro_batch):
+    (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(
+        params, micro_batch)
+    return loss_sum, tokens, grads, moe_sums
+
+  f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
+  shard = lambda tree: jax.lax.with_sharding_constraint(tree, spec.param_shardings)
+  if num_micro == 1 and not measure_noise:
+    loss_sum, tokens, grads, moe_sums = grads_of(jax.tree.map(lambda x: x[0], batch))
+    return loss_sum, tokens, f32(grads), None, moe_sums
+
+  def accumulate(carry, micro_batch):
+    loss_sum, tokens, grads, moe_sums = grads_of(micro_batch)
+    out = (loss_sum, tokens, f32(grads), moe_sums)
+    if measure_noise:  # |mean gradient of this micro-batch|^2 and 1 / its tokens
+      t = jnp.maximum(tokens, 1.0)
+      out += (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
+    carry = jax.tree.map(jnp.add, carry, out)
+    return (*carry[:2], shard(carry[2]), *carry[3:]), None
+
+  zero = jnp.zeros((), jnp.float32)
+  zeros = (zero, zero, shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
+           moe_lib.zero_sums(moe, len(moe_layer_ids(spec.cfg))) if moe.enabled else None)
+  if measure_noise:
+    zeros += (zero, zero)
+  carry, _ = jax.lax.scan(accumulate, zeros, batch)
+  return (carry[0], carry[1], carry[2], (*carry[4:], num_micro) if measure_noise else None,
+          carry[3])
+
+
+def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
+                    schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
+                    measure_noise: bool = False, norm_metrics: bool = True, replicas: int = 1):
+  """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
+  the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
+  and the meter's state passes through unchanged. `norm_metrics=False` leaves param_norm and
+  update_norm out of the metrics (and their passes over the state out of the program; the loop
+  runs that variant on the steps that do not log, `trainer.norm_metrics`). `replicas`: the step
+  is one of that many DiLoCo replicas' inner steps (trainer/step/diloco.py), each on B of the
+  replicas x B rows of the global batch; the optimizer and schedule are told the global batch."""
+  if measure_noise and noise_scale.find_state(jax.eval_shape(
+      tx.init, spec.abstract_params)) is None:
+    raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
+                     "(optim.noise_scale_every > 0)")
+
+  def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
+    batch_size = num_micro * rows * replicas
+    if measure_noise and num_micro == 1:
+      batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
+    loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
+        spec, state.params, batch, measure_noise=measure_noise)
+    if guard_cfg.debug_nan_at_step:
+      poison = state.step + 1 == guard_cfg.debug_nan_at_step
+      loss_sum = jnp.where(poison, jnp.nan, loss_sum)
+      grad_sum = jax.tree.map(lambda g: jnp.where(poison, jnp.nan, g), grad_sum)
+    denom = jnp.maximum(tokens, 1.0)
+    loss = loss_sum / denom
+    # the optimizer sees gradients in the parameters' dtype (its state keeps that dtype)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grad_sum, state.params)
+    grad_norm = optax.tree.norm(grads)
+    bad, finite, spike, guard = _judge(state.guard, loss, grad_norm, guard_cfg)
+
+    extra = {}
+    if isinstance(tx, optax.GradientTransformationExtraArgs):
+      # One clock: the schedule is read at the step counter, skipped steps included.
+      extra.update(batch_size=batch_size, step=state.step)
+      if measure_noise:
+        sq_small_sum, inv_tokens_sum, pieces = noise_sums
+        extra["noise_sample"] = noise_scale.Sample(
+            sq_norm_small=sq_small_sum / pieces, sq_norm_big=grad_norm * grad_norm,
+            b_small=pieces / inv_tokens_sum, b_big=denom)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
+    params = optax.apply_updates(state.params, updates)
+    # A bad step changes nothing but the step counter (its batch and its schedule slot are
+    # consumed) and the guard.
+    keep_old = lambda new, old: jax.tree.map(lambda n, o: jnp.where(bad, o, n), new, old)
+    params = keep_old(params, state.params)
+    opt_state = keep_old(opt_state, state.opt_state)
+    lr_at = schedule.at(batch_size) if hasattr(schedule, "at") else schedule
+    metrics = {
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "learning_rate": jnp.asarray(lr_at(state.step), jnp.float32),  # what this update used
+        "target_tokens": tokens,
+        "skipped": bad.astype(jnp.int32),
+        "nonfinite": (~finite).astype(jnp.int32),
+        "spike": spike.astype(jnp.int32),
+    }
+    if norm_metrics:
+      metrics.update(update_norm=jnp.where(bad, 0.0, optax.tree.norm(updates)),
+                     param_norm=optax.tree.norm(params))
+    if moe_sums is not None:  # router statistics and auxiliary losses (models/moe.py)
+      metrics.update(moe_lib.metrics(moe_sums["stats"], moe_sums["aux"], spec.cfg.moe,
+                                     layer_ids=moe_layer_ids(spec.cfg)))
+    if measure_noise:
+      noise = noise_scale.readout(noise_scale.find_state(opt_state))
+      metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,
+                     noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
+                     noise_trace=noise["trace_sigma"])
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, guard=guard)
+    return new_state, metrics
+
+  return step
+
+
+def _split_rows_in_two(x):
+  """[1, B, ...] -> [2, B/2, ...]: rows 0, 2, 4, ... and 1, 3, 5, ... (a device's block of rows
+  stays on it when B / devices is even)."""
+  rows = x.shape[1]
+  return x[0].reshape(rows // 2, 2, *x.shape[2:]).swapaxes(0, 1)
+
+
+def make_eval_step(spec: ModelSpec):
+  """eval(params, batch[B, S]) -> (loss sum, target tokens)."""
+  return lambda params, batch: loss_sums(spec, params, batch)

@@ -1,0 +1,117 @@
+"""Where a run's time goes: the timing columns of its log rows (`StepTimer`: step_time,
+data_wait_ms, tokens_per_sec, mfu) and the goodput events of every start, appended to
+goodput.jsonl (`Events`, read by `python -m tools.goodput WORKDIR`); `repair_jsonl` drops the
+partial last line a killed process left in metrics.jsonl.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+
+
+class StepTimer:
+  """Wall time per step over the window since the last log, excluding saves and evals, and the
+  part of it the loop spent waiting for input (`data_wait_ms`: taking this step's micro-batches
+  from the pipeline and assembling the global arrays). While the device is busy with the
+  previous step, that wait is hidden; a `data_wait_ms` close to `step_time` means the input
+  pipeline is the bottleneck."""
+
+  def __init__(self):
+    self.start = time.perf_counter()
+    self.steps = 0
+    self.excluded = 0.0
+    self.data_wait = 0.0
+
+  def step_dispatched(self):
+    self.steps += 1
+
+  def paused(self):
+    """Time that is not step time (compiling, saving, evaluating)."""
+    return self._adding_to("excluded")
+
+  def waiting_for_data(self):
+    return self._adding_to("data_wait")
+
+  @contextlib.contextmanager
+  def _adding_to(self, total: str):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      setattr(self, total, getattr(self, total) + time.perf_counter() - t)
+
+  def annotate(self, host: dict, tokens_per_step: int, flops_token: float, peak: float) -> dict:
+    """Fill in the timing columns of the window since the last call, and start a new one. The
+    window's totals stay in `window`: (steps, step seconds, of which waiting for data)."""
+    now = time.perf_counter()
+    steps = max(self.steps, 1)
+    self.window = (self.steps, max(now - self.start - self.excluded, 0.0), self.data_wait)
+    seconds = max(now - self.start - self.excluded, 1e-9) / steps
+    host["step_time"] = seconds
+    host["data_wait_ms"] = 1e3 * self.data_wait / steps
+    host["tokens_per_sec"] = tokens_per_step / seconds
+    host["mfu"] = host["tokens_per_sec"] * flops_token / peak
+    self.start, self.steps, self.excluded, self.data_wait = now, 0, 0.0, 0.0
+    return host
+
+
+def process_start_time() -> float:
+  """When this process started (wall clock, from /proc), or now where /proc cannot say."""
+  try:
+    with open("/proc/self/stat") as f:
+      ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime after boot
+    with open("/proc/uptime") as f:
+      uptime = float(f.read().split()[0])
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+  except (OSError, ValueError, IndexError):
+    return time.time()
+
+
+class Events:
+  """The run's goodput events, appended to `<workdir>/goodput.jsonl` by the lead process: one
+  JSON line per event, each with its wall-clock `time`, written and flushed as it happens (a
+  killed process loses nothing it wrote). What the loop records (trainer/run/loop.py):
+
+    start       {process_start, processes, devices}: a process of the run began (each restart)
+    restore     {seconds, step, tier, source}: the checkpoint it resumed from (step null: fresh)
+    compile     {seconds, what}: a train step (or DiLoCo outer step) compiled
+    first_step  {step}: the first step of this start was dispatched
+    steps       {first, last, seconds, data_wait}: the step time of a window of steps between
+                two log rows (saves, evaluations and compiles excluded; read with the metrics the
+                loop reads anyway, so recording costs no device sync), and the part of it spent
+                waiting for input
+    checkpoint  {step, tier, seconds}: how long a save blocked the loop
+    eval        {step, seconds}
+    stop        {status, step, message}: how this start ended (a killed process writes none)
+
+  `python -m tools.goodput WORKDIR` turns them into goodput and where the rest of the time went.
+  """
+
+  def __init__(self, workdir: str, enabled: bool):
+    self.path = os.path.join(workdir, "goodput.jsonl")
+    self._file = None
+    if enabled:
+      repair_jsonl(self.path)
+      self._file = open(self.path, "a")
+
+  def __call__(self, event: str, **fields) -> None:
+    if self._file is not None:
+      self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+      self._file.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+
+
+def repair_jsonl(path: str) -> None:
+  """Drop a partial last line left by a process killed mid-write."""
+  if not os.path.exists(path):
+    return
+  with open(path, "rb+") as f:
+    data = f.read()
+    if data and not data.endswith(b"\n"):
+      f.truncate(data.rfind(b"\n") + 1)

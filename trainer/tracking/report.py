@@ -1,0 +1,150 @@
+"""What a training run reports about itself besides the metric rows of its steps: lines on the
+console and event rows in metrics.jsonl, through the run's `MetricsWriter` (lead process only).
+
+  log_setup            devices and mesh, model size, the data and its mixture
+  log_batch_plan       the batch autopilot's settings and decisions, the ramp's stages, the
+                       schedule in its unit, the hyperparameters each batch gets (optim/scaling.py)
+  log_hyperparameters  one batch's derived hyperparameters, also as a `hyperparameters` event
+  log_diloco           a DiLoCo run's replicas and steps, and the bytes that cross replicas next
+                       to plain data parallelism's (trainer/tracking/communication.py)
+  log_pipeline         a pipelined run's schedule, bubble and bytes between stages, counted from
+                       the compiled step (`sharding.pipeline.count`), with its memory per device
+  log_pipeline_plan    the pipeline's bubble by batch (`bubble_cost`, also the autopilot's cost)
+
+The event rows: docs/tracking.md#what-a-run-writes.
+"""
+from __future__ import annotations
+
+import jax
+import ml_collections
+from jax.sharding import Mesh
+
+from data import mixture
+from models.llama import ModelConfig
+from models.sizes import param_counts
+from optim import BatchRamp, derive
+from optim import schedules as schedules_lib
+from optim.autopilot import Autopilot
+from optim.scaling import describe as describe_hyperparameters
+from sharding.pipeline import Count, count
+from trainer.step.costs import compiled_costs
+from trainer.tracking import communication
+from trainer.tracking.metrics import MetricsWriter
+from trainer.tracking.peaks import GiB
+
+
+def log_setup(writer: MetricsWriter, mesh: Mesh, model_cfg: ModelConfig, data_meta: dict,
+              data_dir: str, sources: tuple[mixture.Source, ...]) -> None:
+  """Devices and mesh; parameters (total, non-embedding, active per token when not all are);
+  the data (its name, fingerprint and train tokens from `data_meta`) and mixture weights."""
+  counts = param_counts(model_cfg)
+  src = data_meta["source"]
+  writer.log(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
+             f"({jax.process_count()} process(es)); mesh "
+             + " ".join(f"{k}={v}" for k, v in mesh.shape.items()))
+  writer.log(f"model: {counts['total'] / 1e6:.2f}M params "
+             f"({counts['non_embedding'] / 1e6:.2f}M non-embedding"
+             + (f", {counts['active'] / 1e6:.2f}M active per token" if counts["active"] !=
+                counts["total"] else "") + "); "
+             f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
+             f"({data_meta['splits']['train']['tokens']:,} train tokens) from "
+             f"{data_dir}")
+  if len(sources) > 1:
+    writer.log("mixture (token weights): " + ", ".join(
+        f"{s.name}={s.dir}:{s.weight:g}" for s in sources))
+
+
+def log_batch_plan(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp: BatchRamp,
+                   autopilot: Autopilot | None, step: int) -> None:
+  """The batch autopilot's settings and decisions so far, the ramp's stages, the hyperparameters
+  derived at each batch size (also as event rows at `step`), and the schedule when it is not
+  simply in steps at one batch."""
+  if autopilot is not None:
+    a = autopilot.cfg
+    writer.log(f"batch autopilot: {' -> '.join(map(str, a.sizes()))} sequences, x{a.factor} "
+               + (f"when B_simple > {a.margin:g} x batch" if a.trigger == "noise_scale" else
+                  f"when the norm test fails (eta={a.eta:g})")
+               + f" at {a.patience} measurement(s) in a row (every "
+               f"{cfg.optim.noise_scale_every} steps); decided so far: "
+               + ("; ".join(c.describe() for c in autopilot.changes) or "none"))
+  if not ramp.is_constant or ramp.cuts:
+    writer.log(ramp.describe())
+  for batch in dict.fromkeys(ramp.batches):
+    log_hyperparameters(writer, cfg, step, batch)
+  if cfg.optim.schedule_unit != "steps" or not ramp.is_constant:
+    writer.log(schedules_lib.describe(cfg.optim, cfg.steps, ramp))
+
+
+def log_hyperparameters(writer: MetricsWriter, cfg: ml_collections.ConfigDict, step: int,
+                        batch: int) -> None:
+  """The hyperparameters the batch-size rules derive at `batch`: a line and an event row."""
+  hp = derive(cfg.optim, batch, cfg.data.global_batch_size)
+  writer.log(describe_hyperparameters(cfg.optim, hp))
+  row = {f"hparams/{k}": v for k, v in hp.as_dict().items()}  # apart from the metrics
+  writer.write(step, {"event": "hyperparameters", **row}, console=False)
+
+
+def log_diloco(writer: MetricsWriter, program, batch: int, step: int, inner, outer, *,
+               measure: bool) -> None:
+  """A DiLoCo run's opening lines (`program`: its `trainer.step.program.Program`; `inner`, `outer`:
+  its compiled steps for `batch`). With `measure` (the lead process) the communication across
+  replicas is read from them, and plain data parallelism's step compiled to compare."""
+  dl = program.diloco
+  where = "; ".join(f"replica {r} on process(es) "
+                    + ",".join(map(str, sorted({d.process_index for d in block.flat})))
+                    for r, block in enumerate(program.mesh.devices))
+  writer.log(f"{dl.describe()} ({where}); each replica steps on {batch // dl.replicas} of the "
+             f"{batch} "
+             "sequences of a step (the rows data parallelism reads); the batch-size rules derive "
+             f"the inner optimizer's hyperparameters at the global batch {batch} (line above), "
+             f"so H=1 with an outer SGD of rate 1 and a linear inner optimizer is data "
+             f"parallelism at {batch}")
+  if dl.replicas == 1:
+    writer.log("one replica: nothing crosses replicas (the outer step is Lookahead-like)")
+  elif measure:
+    report = communication.measure(program, inner, outer, batch // program.micro_rows)
+    for line in report.lines():
+      writer.log(line)
+    writer.write(step, {"event": "communication", **report.row()}, console=False)
+
+
+
+
+def measure(program, compiled, micro: int) -> tuple[Count, object]:
+  """(the pipeline's `Count`, the step's `CompiledCosts`) of a compiled train step."""
+  return (count(program.pipeline, micro, compiled.as_text() or "", program.mesh),
+          compiled_costs(compiled))
+
+
+def log_pipeline(writer, program, compiled, micro: int, step: int) -> None:
+  """The pipeline's start-up line (module docstring) for the step compiled for `micro`
+  micro-batches, and its event row."""
+  found, costs = measure(program, compiled, micro)
+  gib = lambda b: f"{b / GiB:.3g} GiB"
+  writer.log(f"{program.pipeline.describe()}; " + found.line()
+             + f"; memory per device {gib(costs.total_bytes)} (arguments "
+             f"{gib(costs.argument_bytes)} + temporaries {gib(costs.temp_bytes)})")
+  writer.write(step, {"event": "pipeline", **found.row(),
+                      "pipeline/memory_bytes": costs.total_bytes}, console=False)
+
+
+def bubble_cost(program):
+  """batch -> the pipeline's idle fraction at that batch (the cost model the batch autopilot and
+  the batch plan quote: (S - 1) / (M R + S - 1), M = batch / micro-batch rows), or None without
+  a pipeline."""
+  pipe = program.pipeline
+  if pipe is None:
+    return None
+  return lambda batch: pipe.bubble(batch // program.micro_rows)
+
+
+def log_pipeline_plan(writer, program, batches) -> None:
+  """The cost model's bubble at every batch the run may use (the batch ramp's stages, the
+  autopilot's sizes); nothing without a pipeline."""
+  cost = bubble_cost(program)
+  if cost is None:
+    return
+  pipe, rows = program.pipeline, program.micro_rows
+  writer.log(f"pipeline ({pipe.describe()}): bubble (S-1)/(MR+S-1) by batch, M = batch / {rows} "
+             "rows: " + ", ".join(f"{b} -> M={b // rows}, {cost(b):.1%}"
+                                  for b in dict.fromkeys(batches)))
