@@ -20,11 +20,10 @@ import sys
 import tempfile
 import time
 
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser, load_from_cli
-from trainer.multihost import platforms
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser, load_from_cli  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def build_parser():
