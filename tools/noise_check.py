@@ -5,8 +5,9 @@
 At each step (a checkpoint of the run) the truth is B_simple = tr(Sigma) / |G|^2 in sequences,
 from the per-sequence gradients (of each sequence's mean token loss) of `--sequences`
 independent windows of the run's training data, drawn by an order with a seed of its own, with
-its jackknife standard error over `--groups` groups. Beside it: the `noise_scale` the run logged
-at that step (the meter's row at the step, or the nearest one before it), and their ratio.
+its jackknife standard error over `--groups` groups; with `--window F`, also over the meter's
+window (the checkpoints after (1 - F) of the examples read). Beside them: the `noise_scale` the
+run logged at that step (or the nearest row before it), and the ratios.
 Why and how it is used: docs/batch_size.md#gradient-noise-scale.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from trainer.config import ConfigError
 from trainer.config.cli import CliParser, ints
 from trainer.multihost import platforms
 from trainer.run.inprocess import load_run
-from trainer.tracking.record import read_rows
+from trainer.tracking.record import ramp_from_rows, read_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,35 +90,65 @@ def logged_at(rows: list[dict], step: int, key: str = "noise_scale") -> tuple[in
   return found[-1] if found else None
 
 
+def checkpoints(workdir: str) -> list[int]:
+  """The steps of a run's checkpoints, oldest first."""
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) \
+      if os.path.isdir(directory) else []
+
+
 def check_run(workdir: str, steps: list[int], *, sequences: int, groups: int, seed: int,
-              key: str = "noise_scale") -> list[dict]:
-  """One row per step: the truth at its checkpoint's parameters, the logged value, the ratio."""
+              window: float = 0.0, key: str = "noise_scale") -> list[dict]:
+  """One row per step: the truth at its checkpoint's parameters, the logged value, the ratio;
+  with `window` also the truth over that window ending at the step (`windowed`)."""
   import jax  # noqa: PLC0415  start-up
 
   from data import pipeline  # noqa: PLC0415  start-up
+  from optim.seesaw import planned_ramp  # noqa: PLC0415  start-up
   from sharding.mesh import make_mesh  # noqa: PLC0415  start-up
   from trainer.checkpoint.model_dirs import restore_params  # noqa: PLC0415  start-up
   from trainer.run.feed import sources  # noqa: PLC0415  start-up
 
   rows = read_rows(workdir)
   mesh = make_mesh({"data": 1}, jax.devices()[:1])
-  out, measure = [], None
+  cfg = load_run(workdir, steps[0])
+  ramp = planned_ramp(cfg.data, cfg.optim, cfg.steps) if cfg.data.batch_ramp != "auto" else \
+      ramp_from_rows(rows, cfg.data.global_batch_size, cfg.data.seq_len)
+  data = sources(cfg)
+  stream = pipeline.StreamSpec(data[0].dir, "train", cfg.data.seq_len, 1, seed=seed,
+                               mixture=data if cfg.data.mixture else ())
+  measure, cache = None, {}
+
+  def at(step: int) -> Truth:
+    nonlocal measure
+    if step not in cache:
+      spec, params, _, _ = restore_params(os.path.join(workdir, "checkpoints", str(step)), mesh)
+      measure = measure or truth_meter(spec, stream, sequences=sequences, groups=groups)
+      with jax.set_mesh(mesh):
+        cache[step] = measure(params)
+    return cache[step]
+
+  have, out = checkpoints(workdir), []
   for step in steps:
-    spec, params, _, _ = restore_params(os.path.join(workdir, "checkpoints", str(step)), mesh)
-    if measure is None:  # one model and data for the whole run
-      cfg = load_run(workdir, step)
-      data = sources(cfg)
-      stream = pipeline.StreamSpec(data[0].dir, "train", cfg.data.seq_len, 1, seed=seed,
-                                   mixture=data if cfg.data.mixture else ())
-      measure = truth_meter(spec, stream, sequences=sequences, groups=groups)
-    with jax.set_mesh(mesh):
-      t = measure(params)
+    t = at(step)
     logged = logged_at(rows, step, key)
-    out.append({"step": step, "truth": t.b_simple, "truth_se": t.se, "sequences": t.sequences,
-                "truth_trace": t.trace, "truth_g_sq": t.g_sq,
-                "logged_step": logged and logged[0], "logged": logged and logged[1],
-                "ratio": logged and t.b_simple / logged[1]})
+    row = {"step": step, "truth": t.b_simple, "truth_se": t.se, "sequences": t.sequences,
+           "truth_trace": t.trace, "truth_g_sq": t.g_sq,
+           "logged_step": logged and logged[0], "logged": logged and logged[1],
+           "ratio": logged and t.b_simple / logged[1]}
+    if window:
+      inside = [s for s in have if s <= step and
+                ramp.examples_before(s) > (1 - window) * ramp.examples_before(step)]
+      row.update(window_truth=windowed([at(s) for s in inside]), window_checkpoints=len(inside),
+                 window_ratio=logged and windowed([at(s) for s in inside]) / logged[1])
+    out.append(row)
   return out
+
+
+def windowed(truths: list[Truth]) -> float:
+  """The truth over a window: the ratio of the sums of its checkpoints' tr(Sigma) and |G|^2, as
+  the meter takes the ratio of its measurements' sums."""
+  return sum(t.trace for t in truths) / sum(t.g_sq for t in truths)
 
 
 def build_parser():
@@ -129,6 +160,9 @@ def build_parser():
   parser.add_argument("--groups", type=int, default=16, help="jackknife groups")
   parser.add_argument("--seed", type=int, default=12345,
                       help="the seed of the truth's data order (not the run's)")
+  parser.add_argument("--window", type=float, default=0.0,
+                      help="also the truth over the meter's window ending at each step (e.g. "
+                           "0.25: the checkpoints after 75%% of the examples read then)")
   parser.add_argument("--key", default="noise_scale", help="the logged metric to compare")
   parser.add_argument("--json", action="store_true", help="print the rows as JSON")
   return parser
@@ -141,19 +175,32 @@ def main(argv: list[str]) -> int:
     args, _ = build_parser().parse(argv)
     if not os.path.isdir(args.workdir):
       raise ConfigError(f"--workdir {args.workdir}: no such directory")
+    have = checkpoints(args.workdir)
+    missing = [s for s in args.steps if s not in have]
+    if missing:
+      raise ConfigError(f"--steps: {args.workdir} has no checkpoint at step {missing[0]} (it has "
+                        f"{', '.join(map(str, have)) or 'none'}); train with "
+                        "--config.checkpoint.every_steps dividing the steps to check")
+    if not 0 <= args.window <= 1:
+      raise ConfigError(f"--window {args.window}: a fraction in (0, 1], or 0 for none")
     rows = check_run(args.workdir, args.steps, sequences=args.sequences, groups=args.groups,
-                     seed=args.seed, key=args.key)
+                     seed=args.seed, window=args.window, key=args.key)
   except (ConfigError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.json:
     print(json.dumps(rows, indent=1))
     return 0
-  print("step  truth (s.e.)     logged (at step)   truth / logged")
+  print("step  truth (s.e.)     logged (at step)   truth / logged"
+        + ("   truth over the window (checkpoints)   / logged" if args.window else ""))
   for r in rows:
     logged = "none" if r["logged"] is None else f"{r['logged']:.2f} ({r['logged_step']})"
     ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-    print(f"{r['step']:5d} {r['truth']:7.2f} ({r['truth_se']:.2f})  {logged:>17s}   {ratio}")
+    line = f"{r['step']:5d} {r['truth']:7.2f} ({r['truth_se']:.2f})  {logged:>17s}   {ratio:>5s}"
+    if args.window:
+      w = "" if r["window_ratio"] is None else f"{r['window_ratio']:.2f}"
+      line += f"   {r['window_truth']:7.2f} ({r['window_checkpoints']})   {w:>20s}"
+    print(line)
   return 0
 
 
