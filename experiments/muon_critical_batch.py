@@ -2,15 +2,16 @@
 McCandlish fit per optimizer, and a learning-rate check of the batch rule.
 
     python -m experiments.muon_critical_batch [--batch_sizes 8,16,32,64,128] \\
-        [--target_loss 2.7] [--stated_lr adamw=0.0015,muon=0.012] \\
-        [--lr_grid 0.5,1,2 --lr_grid_batches 16,64] [--out docs/muon_critical_batch]
+        [--targets 2.7] [--stated_lr adamw=0.0015,muon=0.012] \\
+        [--lr_grid 0.5,1,2 --lr_grid_batches 16,64] [--seeds 1] [--out docs/muon_critical_batch]
 
 Each optimizer, at its `--stated_lr` (stated at batch 16 on configs/sweep_tiny.py and moved by
-the sqrt rule), runs the critical-batch sweep (`tools.batch_sweep.run_one`, fitted by
-`tools.batch_sweep.summarise`); `--lr_grid` multiples at `--lr_grid_batches` check the rate.
-Outputs: OUT.csv (one row per run: optimizer, batch, lr multiplier, steps / sequences to the
-target, B_simple), OUT.png (steps and sequences to the target vs batch with each optimizer's
-fit; the learning-rate check). 17 minutes on 2 busy CPU cores; one seed, deterministic.
+the sqrt rule), runs the critical-batch sweep (`tools.batch_sweep.run_one`, to the lowest of
+`--targets`; the others are read from the same records), fitted per target by
+`tools.batch_sweep.summarise`; `--lr_grid` multiples at `--lr_grid_batches` check the rate.
+Outputs: OUT.csv (one row per run and target: optimizer, batch, lr multiplier, steps / sequences
+to the target, B_simple, the fitted B_crit), OUT.png (the lowest target: steps and sequences vs
+batch with each optimizer's fit; the learning-rate check). 17 minutes on 2 busy CPU cores.
 Claim and setup: docs/experiments.md#muon-vs-adamw-the-critical-batch; results: docs/muon.md
 """
 from __future__ import annotations
@@ -31,7 +32,8 @@ def build_parser():
   p = common.parser("muon_critical_batch", __doc__)
   p.add_argument("--optimizers", default="adamw,muon")
   p.add_argument("--batch_sizes", type=common.ints, default="8,16,32,64,128")
-  p.add_argument("--target_loss", type=float, default=2.7)
+  p.add_argument("--targets", type=common.floats, default="2.7",
+                 help="eval losses; runs train to the lowest, the others are read on the way")
   p.add_argument("--lr_grid", type=common.floats, default="0.5,1,2",
                  help="multipliers of the rule-derived rate")
   p.add_argument("--lr_grid_batches", type=common.ints, default="16,64",
@@ -60,6 +62,10 @@ def parse(argv):
   if unknown:
     p.error(f"--stated_lr: unknown optimizer {sorted(unknown)[0]!r}")
   args.lr_grid = sorted(set(args.lr_grid) | {1.0})
+  args.targets = sorted(set(args.targets), reverse=True)
+  if not args.targets:
+    p.error("--targets needs at least one loss, e.g. 2.7")
+  args.target_loss = args.targets[-1]  # what tools.batch_sweep.run_one stops at
   odd = [b for b in args.batch_sizes if b % args.micro_batch_size]
   if odd:
     p.error(f"--batch_sizes: {odd[0]} is not a multiple of --micro_batch_size="
@@ -76,7 +82,7 @@ def sweep_args(args) -> argparse.Namespace:
 
 
 def experiment(args, cfg) -> list[dict]:
-  results, fits, summaries = {}, {}, {}
+  trained = {}
   for name in args.optimizers:
     base = cfg.copy_and_resolve_references()
     base.optim.name = name
@@ -91,29 +97,50 @@ def experiment(args, cfg) -> list[dict]:
                    else f"target not reached in {r.steps_run} steps")
         print(f"[muon_bcrit] {name} batch {batch} lr x{mult:g} ({r.learning_rate:.3g}): "
               f"{reached}; {r.seconds:.0f}s", flush=True)
-    chosen, fit, summary = batch_sweep.summarise(runs)
-    results[name], fits[name], summaries[name] = runs, fit, summary
-    if fit is not None:
-      print(f"[muon_bcrit] {name}: S_min {fit.s_min:.1f} steps, E_min {fit.e_min:,.0f} "
-            f"sequences, B_crit {fit.b_crit:.1f}" + (f" ({fit.note})" if fit.note else ""),
-            flush=True)
-  rows = [dict(optimizer=name, **dataclasses.asdict(r), b_crit=_b_crit(fits[name]))
-          for name in args.optimizers for r in results[name]]
+    trained[name] = runs
+  rows, lowest = [], None
+  for target in args.targets:
+    results, fits, summaries = at_target(trained, target, cfg.data.seq_len, args)
+    rows += [dict(optimizer=name, target=target, **dataclasses.asdict(r),
+                  b_crit=_b_crit(fits[name])) for name in args.optimizers for r in results[name]]
+    lowest = (results, fits, summaries)
   for row in rows:
     row.pop("workdir")
   common.write(args, rows)
-  print(common.table(rows, COLUMNS, "muon_bcrit"))
-  plotted = plot(args.out + ".png", results, fits, summaries, args)
+  for target in args.targets:
+    print(f"[muon_bcrit] to eval loss {target}:")
+    print(common.table([r for r in rows if r["target"] == target], COLUMNS, "muon_bcrit"))
+  plotted = plot(args.out + ".png", *lowest, args)
   print(f"[muon_bcrit] wrote {args.out}.csv" + (f", {args.out}.png" if plotted
                                                 else figures.NO_PLOT))
   return rows
+
+
+def at_target(trained: dict, target: float, seq_len: int, args):
+  """Each optimizer's runs with their crossing of `target` (from their records), the fit over
+  the best run per batch, and the sweep's summary."""
+  results, fits, summaries = {}, {}, {}
+  for name, runs in trained.items():
+    here = []
+    for r in runs:
+      (hit,) = common.crossings(r.workdir, r.batch_size, seq_len, [target], args.smooth_examples)
+      here.append(dataclasses.replace(r, steps=hit["steps"], examples=hit["examples"],
+                                      tokens=hit["tokens"], noise_scale=hit["noise_scale"],
+                                      best=False))
+    _, fit, summary = batch_sweep.summarise(here)
+    results[name], fits[name], summaries[name] = here, fit, summary
+    if fit is not None:
+      print(f"[muon_bcrit] {name} to {target}: S_min {fit.s_min:.1f} steps, E_min "
+            f"{fit.e_min:,.0f} sequences, B_crit {fit.b_crit:.1f}"
+            + (f" ({fit.note})" if fit.note else ""), flush=True)
+  return results, fits, summaries
 
 
 def _b_crit(fit) -> float | None:
   return None if fit is None else fit.b_crit
 
 
-COLUMNS = [("optimizer", "optimizer", "s"), ("batch_size", "batch", "d"),
+COLUMNS = [("optimizer", "optimizer", "s"), ("target", "target", "g"), ("batch_size", "batch", "d"),
            ("lr_multiplier", "lr x", "g"), ("learning_rate", "lr", ".3g"),
            ("steps", "steps to target", ".1f"), ("examples", "sequences", ",.0f"),
            ("noise_scale", "B_simple", ".1f"), ("best", "best", ""),
@@ -161,7 +188,7 @@ def plot(path: str, results: dict, fits: dict, summaries: dict, args) -> bool:
 
 def main(argv: list[str]) -> int:
   return common.main("muon_critical_batch", parse, experiment, argv,
-                     keys=("optimizer", "batch_size", "lr_multiplier"),
+                     keys=("optimizer", "target", "batch_size", "lr_multiplier"),
                      metrics=("steps", "examples", "noise_scale", "b_crit"))
 
 

@@ -204,30 +204,41 @@ def test_an_experiment_over_seeds(tmp_path, data_dir):
 
 @pytest.mark.slow  # six trainings, ~30-70 s on 2 shared cores
 def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
-  """The command with a tiny config and an easy target: AdamW and Muon at batches 16 and 32, the
-  learning-rate grid at 32; a CSV row per run with each optimizer's fitted B_crit, and the PNG."""
+  """The command with a tiny config and easy targets: AdamW and Muon at batches 16 and 32, the
+  learning-rate grid at 32, trained to the lower target; a CSV row per run and target (the higher
+  one read from the same records, reached earlier) with each optimizer's fitted B_crit per target,
+  and the PNG."""
   config = write_sweep_config(tmp_path)
   out = tmp_path / "out" / "bcrit"
   code = muon_critical_batch.main([
       "--config", str(config), "--batch_sizes", "16,32", "--micro_batch_size", "16",
-      "--target_loss", "5.0", "--lr_grid", "2", "--lr_grid_batches", "32",
+      "--targets", "5.0,5.3", "--lr_grid", "2", "--lr_grid_batches", "32",
       "--stated_lr", "adamw=0.01,muon=0.02",
       "--max_examples", "1280",
       "--eval_examples", "32", "--smooth_examples", "64", "--eval_sequences", "8",
       "--out", str(out), "--workdir", str(tmp_path / "runs")])
   assert code == 0
   rows = list(csv.DictReader(open(f"{out}.csv")))
-  got = [(r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"])) for r in rows]
-  assert got == [(o, b, m) for o in ("adamw", "muon") for b, m in ((16, 1), (32, 1), (32, 2))]
+  got = [(float(r["target"]), r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"]))
+         for r in rows]
+  assert got == [(t, o, b, m) for t in (5.3, 5.0) for o in ("adamw", "muon")
+                 for b, m in ((16, 1), (32, 1), (32, 2))]
   assert all(r["steps"] not in ("", "None") for r in rows), rows
+  steps = {g: float(r["steps"]) for g, r in zip(got, rows)}
+  for (t, o, b, m), s in steps.items():
+    if t == 5.3:
+      assert s < steps[(5.0, o, b, m)], (o, b, m)  # the higher loss is crossed first
   lr = {(r["optimizer"], int(r["batch_size"]), float(r["lr_multiplier"])): float(r["learning_rate"])
         for r in rows}
   assert lr[("adamw", 16, 1.0)] == pytest.approx(1e-2) and lr[("muon", 16, 1.0)] == 0.02
   assert lr[("muon", 32, 2.0)] == pytest.approx(2 * 2 ** 0.5 * 0.02)  # sqrt rule, then x2
   for name in ("adamw", "muon"):
-    assert len({r["b_crit"] for r in rows if r["optimizer"] == name}) == 1
+    fitted = {t: {r["b_crit"] for r in rows if r["optimizer"] == name and float(r["target"]) == t}
+              for t in (5.3, 5.0)}
+    assert all(len(v) == 1 for v in fitted.values()), fitted
   assert os.path.getsize(f"{out}.png") > 10_000
-  for bad in (["--optimizers", "adam"], ["--stated_lr", "adam=0.1"], ["--stated_lr", "muon"]):
+  for bad in (["--optimizers", "adam"], ["--stated_lr", "adam=0.1"], ["--stated_lr", "muon"],
+              ["--targets", ""]):
     assert muon_critical_batch.main(["--config", str(config), *bad]) == 2, bad
 
 
