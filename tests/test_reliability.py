@@ -174,8 +174,10 @@ def test_corrupt_newest_checkpoint_falls_back(straight, tmp_path, damage):
   else:
     os.remove(victim)
   proc = train(tmp_path, 12)
-  unreadable = [l for l in proc.stdout.splitlines() if "is unreadable" in l]
-  assert len(unreadable) == 1 and "checkpoints/8 is unreadable" in unreadable[0]
+  unreadable = [l for l in proc.stdout.splitlines() if "checkpoints/8 is " in l]
+  # Its checksums name the file: truncated (its size) or deleted (missing).
+  assert len(unreadable) == 1 and "checkpoints/8 is damaged (state/" in unreadable[0] and \
+      ("bytes" if damage == "truncate" else "is missing") in unreadable[0], proc.stdout
   assert "resumed from" in proc.stdout and proc.stdout.split("resumed from")[1].split()[0] \
       .endswith("/6")
   kept = glob.glob(os.path.join(tmp_path, "checkpoints.unreadable", "8-*"))

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainer.checkpoint.integrity import CheckedJson, CheckedPyTree, finite_guard, verify_item
 from trainer.checkpoint.local_layout import (covered, layout_fingerprint, next_process_mesh,
                                              on_mesh, restore_target, shard_boxes, successors,
                                              volume)
@@ -41,6 +42,15 @@ PROCESS_DIR = re.compile(r"process_(\d+)$")
 
 class LocalSaveSkipped(RuntimeError):
   """A local save that was not started (too little free space); the run goes on."""
+
+
+class Damaged(ValueError):
+  """An item whose files do not match their checksums."""
+
+
+def unreadable(e: Exception) -> str:
+  """Why an item could not be read, in a few words."""
+  return f"is damaged ({e})" if isinstance(e, Damaged) else f"is unreadable ({first_line(e)})"
 
 
 class LocalTier:
@@ -62,16 +72,19 @@ class LocalTier:
                             f"({e.strerror or e}); give a directory this user can write (a "
                             "node-local disk or /dev/shm)") from None
     self.manager = self._manager(self.dir)
+    self._handlers = self.manager.scaletrain_handlers
     self._layout_key = None
 
   def _manager(self, directory: str, read_only: bool = False) -> ocp.CheckpointManager:
+    """An Orbax manager over one process directory, for this process alone (its item handlers
+    in `scaletrain_handlers`)."""
     mp = ocp.options.MultiprocessingOptions(
         primary_host=self.index, active_processes={self.index},
         barrier_sync_key_prefix=f"scaletrain_local_{self.index}")
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
                                                    use_replica_parallel=False)))
-    arrays = lambda: ocp.PyTreeCheckpointHandler(
+    arrays = lambda: CheckedPyTree(
         use_ocdbt=True, use_zarr3=True, multiprocessing_options=mp,
         type_handler_registry=registry)
     options = ocp.CheckpointManagerOptions(
@@ -79,9 +92,11 @@ class LocalTier:
         cleanup_tmp_directories=not read_only, multiprocessing_options=mp,
         enable_async_checkpointing=self.async_save,
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-    return ocp.CheckpointManager(directory, options=options, item_handlers={
-        "state": arrays(), "peer": arrays(),
-        "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
+    handlers = {"state": arrays(), "peer": arrays(),
+                "meta": CheckedJson(multiprocessing_options=mp)}
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    manager.scaletrain_handlers = handlers
+    return manager
 
   # ------------------------------------------------------------------------------------------
   # Saving
@@ -102,11 +117,12 @@ class LocalTier:
           f"its {size / 2**20:.1f} MiB would leave less than {RESERVE:.0%} of the disk of "
           f"{self.root} free ({usage.free / 2**20:.0f} MiB free)")
     info = {"step": step, **info, **meta}
-    items = {"state": ocp.args.PyTreeSave({f"a{i}": x for i, x in enumerate(leaves)}),
-             "meta": ocp.args.JsonSave(info)}
+    items = {"state": CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(leaves)}),
+             "meta": CheckedJson.Save(info)}
     if peer:
-      items["peer"] = ocp.args.PyTreeSave({f"a{i}": x for i, x in enumerate(peer)})
-    with short_switch_interval():
+      items["peer"] = CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(peer)})
+    with short_switch_interval(), finite_guard(self._handlers["state"],
+                                               getattr(state, "params", state), not self.async_save):
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     return size
 
@@ -201,16 +217,16 @@ class LocalTier:
     bad: set = set()
     restored: dict[int, jax.Array] = {}
     read: set = set()
+    met: list[str] = []  # the copies that failed, said once the outcome is known
     while True:
       plan, missing = self._plan(metas, leaves, bad, restored)
       errors = [] if missing else self._read(step, plan, leaves, restored, bad)
       read |= {f"{os.path.basename(d)}/{item}" for (d, item) in plan}
       rows = self._agree({"missing": missing, "errors": errors, "read": sorted(read)})
-      for i, row in enumerate(rows):  # the lead process says what every process met
-        for e in row["errors"]:
-          self.log(f"local checkpoint {step}: {e}" + (f" (process {i})" if self.count > 1 else "")
-                   + "; trying another copy")
+      met += [e + (f" (process {i})" if self.count > 1 else "")
+              for i, row in enumerate(rows) for e in row["errors"]]
       if not any(r["missing"] or r["errors"] for r in rows):
+        self._say_met(step, met)
         everyone = [f"process {i}: {', '.join(r['read'])}" for i, r in enumerate(rows)]
         return treedef.unflatten([restored[i] for i in range(len(leaves))]), \
             "read " + ("; ".join(everyone) if self.count > 1 else ", ".join(sorted(read)))
@@ -220,8 +236,13 @@ class LocalTier:
     if self._in_place(metas, abstract_state):
       state = self._over_interconnect(step, metas, leaves, treedef)
       if state is not None:
+        self._say_met(step, met)
         return state, f"peer copies over the interconnect ({why})"
-    return None, why
+    return None, "; ".join(met) if met else why  # a damaged copy says more than what is missing
+
+  def _say_met(self, step: int, met: list[str]) -> None:
+    for e in met:
+      self.log(f"local checkpoint {step}: {e}; read another copy")
 
   def _plan(self, metas, leaves, bad, restored) -> tuple[dict, str]:
     """{(dir, item): [leaf indices]} covering what this process needs of each leaf not yet
@@ -255,7 +276,7 @@ class LocalTier:
         restored.update((i, out[f"a{i}"]) for i in indices)
       except Exception as e:  # noqa: BLE001  any read failure: try another copy
         bad.add((d, item))
-        errors.append(f"{os.path.basename(d)}/{item} is unreadable ({first_line(e)})")
+        errors.append(f"{os.path.basename(d)}/{item} {unreadable(e)}")
       finally:
         if manager is not self.manager:
           manager.close()
@@ -263,7 +284,10 @@ class LocalTier:
 
   @staticmethod
   def _restore_item(manager, step: int, item: str, target: dict) -> dict:
-    return manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+    problem = verify_item(os.path.join(manager.directory, str(step), item))
+    if problem:
+      raise Damaged(problem)
+    return manager.restore(step, args=ocp.args.Composite(**{item: CheckedPyTree.Restore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)}))[item]
 
@@ -329,6 +353,5 @@ class LocalTier:
     try:
       return self._restore_item(self.manager, step, item, target)
     except Exception as e:  # noqa: BLE001  unreadable: the agreement decides what to do
-      self.log(f"local checkpoint {step}: {os.path.basename(self.dir)}/{item} is unreadable "
-               f"({type(e).__name__})")
+      self.log(f"local checkpoint {step}: {os.path.basename(self.dir)}/{item} {unreadable(e)}")
       return None

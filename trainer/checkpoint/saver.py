@@ -22,6 +22,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from data import pipeline
+from trainer.checkpoint.integrity import NonFiniteState
 from trainer.checkpoint.local_tier import LocalSaveSkipped, LocalTier
 from trainer.checkpoint.persistent import Checkpointer
 from trainer.errors import first_line
@@ -65,7 +66,7 @@ def check_space(directory: str, step: int, previous: int | None) -> None:
 
 def describe(error: BaseException, directory: str) -> str:
   """The cause of a failed save, in a few words."""
-  if isinstance(error, NoSpace):
+  if isinstance(error, (NoSpace, NonFiniteState)):
     return str(error)
   if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
     return f"no space left on device in {directory}"
