@@ -5,13 +5,11 @@ Each test damages files the way the issue's reproduction did (4 KiB inverted ins
 file) and checks the one line, the fallback and the losses against an undamaged run.
 """
 import glob
+import json
 import os
 import shutil
 
-import jax
 import jax.numpy as jnp
-import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 from conftest import losses, tiny_config
@@ -122,3 +120,57 @@ def test_checksums_name_the_file_and_skip_items_written_without_them(tmp_path):
   assert integrity.verify_item(str(item)) == "b has 1 bytes, 10 were written"
   os.remove(item / integrity.SUMS)
   assert integrity.verify_item(str(item)) is None  # written before checksums existed
+
+
+# --- a local step belongs to its run -----------------------------------------------------------
+
+
+def test_a_local_dir_shared_by_two_runs_restores_each_only_its_own(tmp_path, capsys):
+  """The issue's reproduction: run A leaves local steps; a fresh run B (another seed and rate)
+  pointed at the same local_dir must not resume from them (one line names A's steps, B starts
+  clean), and A resumed afterwards must not take B's newer local step. Both end on the losses
+  of their own uninterrupted runs."""
+  root = str(tmp_path / "local")
+  local = {"checkpoint.local_dir": root, "checkpoint.local_every_steps": 1,
+           "checkpoint.every_steps": 3}
+  a = lambda **k: tiny_config(**{"seed": 7, **local, **k})
+  b = lambda **k: tiny_config(**{"seed": 0, "optim.learning_rate": 3e-3, **local, **k})
+  straight = {}
+  for name, cfg in (("a", a(steps=8)), ("b", b(steps=8))):
+    cfg.checkpoint.local_dir, cfg.checkpoint.local_every_steps = "", 0
+    assert Run(cfg, str(tmp_path / f"straight_{name}")).train().status == "done"
+    straight[name] = losses(tmp_path / f"straight_{name}")
+  assert Run(a(steps=6), str(tmp_path / "a")).train().status == "done"
+  shutil.rmtree(tmp_path / "a" / "checkpoints" / "6")  # killed before its final save
+  capsys.readouterr()
+  assert Run(b(steps=8), str(tmp_path / "b")).train().status == "done"
+  out = capsys.readouterr().out
+  other = [l for l in out.splitlines() if "also holds local checkpoints of run" in l]
+  assert len(other) == 1 and f"of {tmp_path / 'a'} (steps 4, 5)" in other[0] \
+      and "never restored here and left untouched" in other[0], out
+  assert "resumed from" not in out, out
+  assert losses(tmp_path / "b") == straight["b"]
+  capsys.readouterr()
+  assert Run(a(steps=8), str(tmp_path / "a")).train().status == "done"  # b's local 7 is newer
+  out = capsys.readouterr().out
+  assert "resumed from" in out and "/5 " in out.split("resumed from")[1].splitlines()[0], out
+  got = losses(tmp_path / "a")
+  assert [got[s] for s in range(1, 9)] == [straight["a"][s] for s in range(1, 9)]
+
+
+def test_the_run_identity_is_kept_in_the_workdir_and_every_checkpoint(tmp_path):
+  from trainer.checkpoint import identity  # noqa: PLC0415
+  cfg = tiny_config(**{"steps": 2, "checkpoint.every_steps": 1})
+  assert Run(cfg, str(tmp_path / "w")).train().status == "done"
+  kept = identity.read_identity(str(tmp_path / "w"))
+  assert kept["workdir"] == str(tmp_path / "w") and len(kept["id"]) == 12
+  for step in (1, 2):
+    saved = json.load(open(tmp_path / "w" / "checkpoints" / str(step) / "run" / "metadata"))
+    assert saved == kept
+  assert identity.run_identity(str(tmp_path / "w")) == (kept, None)
+  # A copied workdir is another run: a new identity, said in one line.
+  shutil.copytree(tmp_path / "w", tmp_path / "copy")
+  new, note = identity.run_identity(str(tmp_path / "copy"))
+  assert new["id"] != kept["id"] and new["workdir"] == str(tmp_path / "copy")
+  assert note == (f"{tmp_path / 'copy'}/run.json names run {kept['id']} of {tmp_path / 'w'} "
+                  "(a copied or moved workdir): this is a new run")

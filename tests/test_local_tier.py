@@ -7,6 +7,7 @@ another one. `tools.goodput` reads what the runs recorded.
 import glob
 import json
 import os
+import pathlib
 import random
 import shutil
 import subprocess
@@ -30,8 +31,15 @@ def local(directory, every=1):
           f"--config.checkpoint.local_every_steps={every}", "--config.checkpoint.every_steps=6"]
 
 
+def pdir(root, process=0):
+  """A process's directory of the one run whose local steps are under `root` (its id is drawn
+  at the run's first start: `<root>/<run id>/process_<i>`)."""
+  found = glob.glob(os.path.join(root, "*", f"process_{process}"))
+  return pathlib.Path(found[0] if found else os.path.join(root, "none", f"process_{process}"))
+
+
 def local_steps(root, process=0):
-  d = os.path.join(root, f"process_{process}")
+  d = pdir(root, process)
   return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
@@ -67,7 +75,7 @@ def test_sigkill_during_a_local_save_resumes_from_the_previous_local_step(straig
   temporary directory is gone after the restart, and the run resumes from the local tier."""
   root = tmp_path / "local"
   proc = start(tmp_path / "w", 12, *local(root))
-  tmp = lambda: [p for p in glob.glob(str(root / "process_0" / "*.orbax-checkpoint-tmp*"))
+  tmp = lambda: [p for p in glob.glob(str(pdir(root) / "*.orbax-checkpoint-tmp*"))
                  if int(os.path.basename(p).split(".")[0]) > 7]  # after the persistent step 6
   kill_when(proc, lambda: bool(tmp()))
   interrupted = int(os.path.basename(tmp()[0]).split(".")[0])
@@ -75,7 +83,7 @@ def test_sigkill_during_a_local_save_resumes_from_the_previous_local_step(straig
   done = train(tmp_path / "w", 12, *local(root))
   where, tier = resumed_from(done.stdout)
   assert (tier, where.rsplit("/", 1)[1]) == ("local", str(interrupted - 1)), done.stdout
-  assert not glob.glob(str(root / "process_0" / "*tmp*")), "interrupted saves are cleaned up"
+  assert not glob.glob(str(pdir(root) / "*tmp*")), "interrupted saves are cleaned up"
   assert_same_tail(losses(tmp_path / "w"), straight, 1)
   report = goodput.account(goodput.read_events(str(tmp_path / "w" / "goodput.jsonl")))
   assert report["restarts"] == 1 and report["finished"]
@@ -127,14 +135,16 @@ def test_corrupted_local_copies_fall_back_to_the_previous_step_then_the_persiste
   proc = start(workdir, 12, *local(root))
   kill_when(proc, lambda: len([s for s in local_steps(root) if s > 6]) >= 2)
   newest = local_steps(root)[-1]
-  corrupt(root / "process_0" / str(newest))
+  corrupt(pdir(root) / str(newest))
   done = train(workdir, 12, *local(root))
-  assert f"local checkpoint {newest}: process_0/state is unreadable" in done.stdout, done.stdout
-  assert resumed_from(done.stdout) == (f"{root}/process_*/{newest - 1}", "local"), done.stdout
+  assert f"local checkpoint {newest} cannot be restored (process_0/state is damaged" in \
+      done.stdout, done.stdout
+  assert resumed_from(done.stdout) == (f"{pdir(root).parent}/process_*/{newest - 1}", "local"), \
+      done.stdout
   proc = start(workdir, 18, *local(root))
   kill_when(proc, lambda: len([s for s in local_steps(root) if s > 12]) >= 2)
   for step in local_steps(root):
-    corrupt(root / "process_0" / str(step))
+    corrupt(pdir(root) / str(step))
   done = train(workdir, 18, *local(root))
   assert resumed_from(done.stdout) == (f"{workdir}/checkpoints/12", "persistent"), done.stdout
   assert_same_tail(losses(workdir), straight, 1, last=18)
@@ -172,10 +182,10 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
     p.kill()
     p.wait()
   if case.endswith("dir lost"):
-    shutil.rmtree(node(1) / "process_1")
+    shutil.rmtree(pdir(node(1), 1))
   else:
     newest = max(set(local_steps(node(0), 0)) & set(local_steps(node(1), 1)))
-    corrupt(node(1) / "process_1" / str(newest))
+    corrupt(pdir(node(1), 1) / str(newest))
   results = run_processes(tmp_path / "w", 2, args, per_process_args=per_process)
   assert_ok(results)
   out = results[0][1]
@@ -186,7 +196,7 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   else:
     assert "process 1: process_0/peer" in out, out
   if case.endswith("corrupted"):
-    assert f"local checkpoint {newest}: process_1/state is unreadable" in out, out
+    assert f"local checkpoint {newest}: process_1/state is damaged" in out, out
   got, want = losses(tmp_path / "w"), losses(tmp_path / "straight")
   assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]
 

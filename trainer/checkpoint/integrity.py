@@ -158,9 +158,9 @@ def finite_guard(handler, params, blocking: bool):
 def checksummed(handler_class, save_args, restore_args):
   """`handler_class` whose finalize writes the item's checksums (timed in `hashed`: bytes and
   seconds so far) and whose save fails in its commit when `guard` (a `Finite`, set by
-  `finite_guard` around the save) says the state is not finite. Orbax finds a handler by its args' class: save and
-  restore with the returned class's `Save` and `Restore` (subclasses of `save_args`,
-  `restore_args`)."""
+  `finite_guard` around the save) says the state is not finite. Orbax finds a handler by its
+  args' class: save and restore with the returned class's `Save` and `Restore` (subclasses of
+  `save_args`, `restore_args`)."""
 
   class Checksummed(handler_class):
     guard = None

@@ -27,6 +27,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainer.checkpoint.identity import other_runs
 from trainer.checkpoint.integrity import CheckedJson, CheckedPyTree, finite_guard, verify_item
 from trainer.checkpoint.local_layout import (covered, layout_fingerprint, next_process_mesh,
                                              on_mesh, restore_target, shard_boxes, successors,
@@ -54,14 +55,17 @@ def unreadable(e: Exception) -> str:
 
 
 class LocalTier:
-  """This process's local checkpoints (module docstring). `timeout_s`: how long a restore waits
-  for the other processes to agree."""
+  """This process's local checkpoints of run `run` (its identity, trainer/checkpoint/identity.py:
+  they live under `<root>/<run id>/`). `timeout_s`: how long a restore waits for the other
+  processes to agree."""
 
-  def __init__(self, root: str, mesh: Mesh, *, keep: int, async_save: bool = True,
+  def __init__(self, root: str, mesh: Mesh, *, run: dict, keep: int, async_save: bool = True,
                log: Callable[[str], None] = print, timeout_s: float = 300):
-    self.root = os.path.abspath(root)
+    self.root, self.run = os.path.abspath(root), run
     self.index, self.count = jax.process_index(), jax.process_count()
-    self.dir = os.path.join(self.root, f"process_{self.index}")
+    self.base = os.path.join(self.root, run["id"])  # this run's local steps, every process's
+    self.dir = os.path.join(self.base, f"process_{self.index}")
+    self._said: set = set()  # the unreadable metas already named
     self.mesh, self.log, self.keep, self.async_save = mesh, log, keep, async_save
     self.timeout_s = timeout_s
     self.peer_mesh = next_process_mesh(mesh)
@@ -73,6 +77,9 @@ class LocalTier:
                             "node-local disk or /dev/shm)") from None
     self.manager = self._manager(self.dir)
     self._handlers = self.manager.scaletrain_handlers
+    others = other_runs(self.root, run["id"])
+    if others:
+      log(others)
     self._layout_key = None
 
   def _manager(self, directory: str, read_only: bool = False) -> ocp.CheckpointManager:
@@ -116,13 +123,14 @@ class LocalTier:
       raise LocalSaveSkipped(
           f"its {size / 2**20:.1f} MiB would leave less than {RESERVE:.0%} of the disk of "
           f"{self.root} free ({usage.free / 2**20:.0f} MiB free)")
-    info = {"step": step, **info, **meta}
+    info = {"step": step, "run": self.run, **info, **meta}
     items = {"state": CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(leaves)}),
              "meta": CheckedJson.Save(info)}
     if peer:
       items["peer"] = CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(peer)})
-    with short_switch_interval(), finite_guard(self._handlers["state"],
-                                               getattr(state, "params", state), not self.async_save):
+    guard = finite_guard(self._handlers["state"], getattr(state, "params", state),
+                         blocking=not self.async_save)
+    with short_switch_interval(), guard:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     return size
 
@@ -158,7 +166,7 @@ class LocalTier:
 
   def visible_dirs(self) -> list[str]:
     """The process directories under the root this process can see, its own first."""
-    found = [d for d in glob.glob(os.path.join(self.root, "process_*"))
+    found = [d for d in glob.glob(os.path.join(self.base, "process_*"))
              if PROCESS_DIR.search(d) and os.path.isdir(d)]
     return sorted(found, key=lambda d: (d != self.dir, d))
 
@@ -170,15 +178,36 @@ class LocalTier:
       steps = {}
       for name in os.listdir(d):
         if name.isdigit() and os.path.exists(os.path.join(d, name, "commit_success.txt")):
-          try:
-            with open(os.path.join(d, name, "meta", "metadata")) as f:
-              steps[int(name)] = json.load(f)
-          except (OSError, ValueError):
-            continue
+          meta = self._read_meta(os.path.join(d, name, "meta"), int(name))
+          if meta is not None:
+            steps[int(name)] = meta
       out[d] = steps
     if step is None:
       return out
     return {d: steps[step] for d, steps in out.items() if step in steps}
+
+  def _read_meta(self, meta_dir: str, step: int) -> dict | None:
+    """A copy's meta, or None (said once per copy) if it is damaged, unreadable or another
+    run's."""
+    damaged, meta = verify_item(meta_dir), None
+    if damaged:
+      problem = f"is damaged ({damaged})"
+    else:
+      try:
+        with open(os.path.join(meta_dir, "metadata")) as f:
+          meta = json.load(f)
+        problem = "" if isinstance(meta, dict) and "keys" in meta else "holds no meta"
+      except (OSError, ValueError) as e:
+        problem = f"is unreadable ({first_line(e)})"
+    if not problem and meta.get("run", {}).get("id") != self.run["id"]:
+      problem = f"belongs to run {meta.get('run', {}).get('id')}, not this run {self.run['id']}"
+    if not problem:
+      return meta
+    where = os.path.relpath(meta_dir, self.root)
+    if where not in self._said:
+      self._said.add(where)
+      self.log(f"local checkpoint {step}: {where} {problem}; that copy is not used")
+    return None
 
   def steps(self) -> list[int]:
     """Local steps any process can see (the union over processes), oldest first."""
@@ -198,7 +227,7 @@ class LocalTier:
       if step is None or s > step:
         self.manager.delete(s)
     self.manager.reload()
-    current = {os.path.join(self.root, f"process_{i}") for i in range(self.count)}
+    current = {os.path.join(self.base, f"process_{i}") for i in range(self.count)}
     visible = self.visible_dirs()
     if min((d for d in visible if d in current), default=self.dir) == self.dir:
       for d in visible:

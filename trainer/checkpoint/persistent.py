@@ -93,7 +93,7 @@ class Checkpointer:
         # the save at once, instead of timing out a background signal minutes later.
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
     self.handlers = {"state": CheckedStandard(), "data": CheckedData(),
-                     **{k: CheckedJson() for k in ("config", "autopilot", "topology")}}
+                     **{k: CheckedJson() for k in ("config", "autopilot", "topology", "run")}}
     for handler in self.handlers.values():
       handler.sums = integrity
     self.manager = ocp.CheckpointManager(self.directory, options=self._options,
@@ -113,13 +113,15 @@ class Checkpointer:
     self.manager.check_for_errors()
 
   def save(self, step: int, state, data_iterator, data_spec: pipeline.StreamSpec,
-           config: dict, autopilot: dict | None = None, topology: dict | None = None) -> None:
+           config: dict, autopilot: dict | None = None, topology: dict | None = None,
+           run: dict | None = None) -> None:
     """Start saving (async unless configured otherwise). Raises on storage errors.
     `autopilot`: the batch autopilot's decisions (JSON, `optim/autopilot.py`), if it runs;
-    `topology`: the devices, mesh and batch history (`trainer/checkpoint/elastic.py`). A state
+    `topology`: the devices, mesh and batch history (`trainer/checkpoint/elastic.py`); `run`: the
+    run's identity (`trainer/checkpoint/identity.py`). A state
     whose parameters are not finite fails in its commit (`integrity.NonFiniteState`)."""
     extra = {k: CheckedJson.Save(v) for k, v in
-             (("autopilot", autopilot), ("topology", topology)) if v is not None}
+             (("autopilot", autopilot), ("topology", topology), ("run", run)) if v is not None}
     guard = finite_guard(self.handlers["state"], getattr(state, "params", state),
                          blocking=not self._options.enable_async_checkpointing) \
         if self.integrity else contextlib.nullcontext()
@@ -319,7 +321,7 @@ def restore_local(local, step: int, abstract_state, config: dict,
     meta = next((r for r in rows if r), None)
   if meta is None:
     return "no process has a copy"
-  where = f"{local.root}/process_*/{step}"
+  where = f"{local.base}/process_*/{step}"
   note = check_saved(where, meta["config"], SavedShapes(zip(meta["keys"], meta["shapes"])),
                      [meta["data"]], abstract_state, config, data_spec, windows_before)
   state, how = local.restore(step, abstract_state)

@@ -117,13 +117,14 @@ class Saver:
 
   def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
                autopilot=None, *, local: LocalTier | None = None, topology=dict,
-               events=lambda *a, **k: None, to_saved=lambda state: state):
+               events=lambda *a, **k: None, to_saved=lambda state: state, run=None):
     """`to_saved(state)`: the state as a checkpoint of either tier holds it (a circular
-    pipeline's layer stack in the plain order, trainer/step/pipelined.py)."""
+    pipeline's layer stack in the plain order, trainer/step/pipelined.py); `run`: the run's
+    identity, in every persistent checkpoint (the local tier has its own)."""
     self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
     self.timer, self.decider, self.log = timer, decider, log
     self.autopilot, self.local, self.topology, self.events = autopilot, local, topology, events
-    self.to_saved = to_saved
+    self.to_saved, self.run = to_saved, run
     self.failing = False
     self.local_failing = False
     self.last_step = None
@@ -140,7 +141,7 @@ class Saver:
         failed_step = step
         check_space(ckpt.directory, step, (ckpt.all_steps() or [None])[-1])
         ckpt.save(step, self.to_saved(state), train_iter, self.data_spec, self.config,
-                  autopilot=self._autopilot(), topology=self.topology())
+                  autopilot=self._autopilot(), topology=self.topology(), run=self.run)
         self.last_step = step
         if blocking:
           ckpt.wait()

@@ -29,6 +29,7 @@ from models.sizes import flops_per_token
 from optim.autopilot import AutoConfig, Autopilot
 from trainer.checkpoint import elastic
 from trainer.checkpoint.horizon import fix_horizon
+from trainer.checkpoint.identity import keep_identity, run_identity
 from trainer.checkpoint.local_tier import LocalTier
 from trainer.checkpoint.model_dirs import init_from_mismatch, load_params
 from trainer.checkpoint.persistent import Checkpointer
@@ -106,12 +107,14 @@ class Run:
   def train(self) -> RunResult:
     started, process_start = time.time(), process_start_time()
     os.makedirs(self.workdir, exist_ok=True)
-    ck = self.cfg.checkpoint
+    ck, timeout = self.cfg.checkpoint, self.cfg.distributed.initialization_timeout
+    self.identity, note = run_identity(self.workdir, timeout)  # run.json once it has started
+    if note:
+      self.log(note)
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=ck.keep,
-                                     async_save=ck.async_save, log=self.log)
-    self.local = LocalTier(ck.local_dir, self.mesh, keep=ck.local_keep,
-                           async_save=ck.async_save, log=self.log,
-                           timeout_s=self.cfg.distributed.initialization_timeout) \
+                                     async_save=ck.async_save, log=self.log, timeout_s=timeout)
+    self.local = LocalTier(ck.local_dir, self.mesh, run=self.identity, keep=ck.local_keep,
+                           async_save=ck.async_save, log=self.log, timeout_s=timeout) \
         if ck.local_dir else None
     status = None
     try:
@@ -136,6 +139,7 @@ class Run:
         if self.is_lead:
           with open(os.path.join(self.workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=1)
+          keep_identity(self.workdir, self.identity)
         result = self._train(signals, state, iterator, restored)
         status = (result.status, result.step, result.message)
         return result
@@ -254,7 +258,7 @@ class Run:
                         stop_when=self.stop_when,
                         reduce=reduce_metrics(self.mesh) if self.program.diloco else None)
     save = Saver(self.checkpointer, self.feed.spec, cfg.to_dict(), timer, decider, self.log,
-                 autopilot=self.autopilot, local=self.local, events=self.events,
+                 autopilot=self.autopilot, local=self.local, events=self.events, run=self.identity,
                  topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
                  to_saved=self.program.layout.to_saved)
     outcome = None  # (status, message) once the run must end early
