@@ -10,6 +10,7 @@ import os
 import pathlib
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from conftest import losses, tiny_config
 from tools import goodput
 from trainer.checkpoint import local_layout, local_tier
 from trainer.run.loop import Run
+from trainer.tracking.goodput import process_start_time
 
 
 def local(directory, every=1):
@@ -370,3 +372,40 @@ def test_goodput_command_prints_text_and_json_and_refuses_a_workdir_without_even
   assert capsys.readouterr().out.startswith("goodput 33.3% of 6.0 s wall time, 0 restart(s)")
   assert goodput.main([str(tmp_path / "nothing")]) == 2
   assert "goodput.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_goodput_tells_a_running_start_from_a_killed_one(tmp_path, capsys):
+  """The last start has no stop event: while its process runs it is "still running"; once the
+  process is gone the time since its last record is down time, not other."""
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  ev = lambda t, kind, **f: {"event": kind, "time": t, **f}
+  events = lambda pid, began: [
+      ev(100, "start", process_start=began, pid=pid, host=socket.gethostname()),
+      ev(101, "restore", seconds=0.5, step=None, tier=None), ev(102, "compile", seconds=1.0),
+      ev(110, "steps", first=1, last=5, seconds=8.0, data_wait=0.0)]
+  killed = goodput.account(events(dead.pid, 95), now=140)
+  assert killed["starts"][0]["ended"] == "killed (no stop event)" and not killed["running"]
+  assert killed["seconds"]["down"] == 30 and killed["seconds"]["other"] == pytest.approx(0.5)
+  me = os.getpid()
+  running = goodput.account(events(me, process_start_time()), now=140)
+  assert running["starts"][0]["ended"] == "still running" and running["running"]
+  assert running["seconds"]["down"] == 0
+  assert "still running" in goodput.describe(running)
+  elsewhere = goodput.account([dict(e, host="another-host") for e in events(me, 95)], now=140)
+  assert elsewhere["starts"][0]["ended"].startswith("no stop event (running or killed: on host "
+                                                    "another-host")
+  assert elsewhere["seconds"]["down"] == 30
+
+
+@pytest.mark.parametrize("text,needle", [
+    ('[1, 2]\n', "line 1 is not a goodput event ('[1, 2]')"),
+    ('{"event": "start", "time": "noon"}\n', "line 1 is not a goodput event"),
+    ('{"event": "start", "time": 1}\n{"event": "steps", "time": 2}\n', "lacks 'seconds'"),
+    ('{"event": "start", "time": 1, "process_start": "x"}\n', "a field of the wrong type"),
+])
+def test_goodput_on_a_malformed_file_is_one_line(tmp_path, capsys, text, needle):
+  (tmp_path / "goodput.jsonl").write_text(text)
+  assert goodput.main([str(tmp_path)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: ") and needle in err and "\n" not in err, err

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import time
 
 import jax
@@ -126,8 +127,9 @@ class Run:
         init_seconds = time.perf_counter() - t - restore_seconds
         repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
         self.events = Events(self.workdir, enabled=self.is_lead)
-        self.events("start", time=started, process_start=process_start,
-                    processes=jax.process_count(), devices=jax.device_count())
+        self.events("start", time=started, process_start=process_start, pid=os.getpid(),
+                    host=socket.gethostname(), processes=jax.process_count(),
+                    devices=jax.device_count())
         self.events("restore", seconds=restore_seconds, step=restored and restored.step,
                     tier=restored and restored.tier, source=restored and restored.source)
         if restored is None:  # a fresh state: its initialiser is compiled, then run
