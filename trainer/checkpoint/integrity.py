@@ -48,6 +48,12 @@ def item_files(item_dir: str) -> list[str]:
   return sorted(p for p in out if p != SUMS)
 
 
+def checkpoint_bytes(step_dir: str) -> int:
+  """Bytes of the files of one checkpoint (their sizes, not the blocks they occupy)."""
+  return sum(os.path.getsize(os.path.join(root, name))
+             for root, _, names in os.walk(step_dir) for name in names)
+
+
 def write_checksums(item_dir: str) -> int:
   """Write `checksums.json` for every file of `item_dir`; returns the bytes hashed."""
   files = {p: list(file_crc32(os.path.join(item_dir, p))) for p in item_files(item_dir)}

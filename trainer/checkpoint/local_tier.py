@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trainer.checkpoint.identity import other_runs
-from trainer.checkpoint.integrity import CheckedJson, CheckedPyTree, finite_guard, verify_item
+from trainer.checkpoint.integrity import (CheckedJson, CheckedPyTree, checkpoint_bytes,
+                                          finite_guard, verify_item)
 from trainer.checkpoint.local_layout import (covered, layout_fingerprint, next_process_mesh,
                                              on_mesh, restore_target, shard_boxes, successors,
                                              volume)
@@ -66,6 +67,7 @@ class LocalTier:
     self.base = os.path.join(self.root, run["id"])  # this run's local steps, every process's
     self.dir = os.path.join(self.base, f"process_{self.index}")
     self._said: set = set()  # the unreadable metas already named
+    self._made_room = False  # whether a save had to delete an old step first (said once)
     self.mesh, self.log, self.keep, self.async_save = mesh, log, keep, async_save
     self.timeout_s = timeout_s
     self.peer_mesh = next_process_mesh(mesh)
@@ -118,11 +120,13 @@ class LocalTier:
       peer = [] if self.peer_mesh is None else \
           [jax.device_put(leaf, on_mesh(self.peer_mesh, leaf)) for leaf in leaves]
     info, size = self._layout(state, leaves, peer)
-    usage = shutil.disk_usage(self.dir)
-    if usage.free - size < RESERVE * usage.total:
+    if not self._fits(size):
+      self._make_room(step, size)
+    if not self._fits(size):
+      free = shutil.disk_usage(self.dir).free
       raise LocalSaveSkipped(
           f"its {size / 2**20:.1f} MiB would leave less than {RESERVE:.0%} of the disk of "
-          f"{self.root} free ({usage.free / 2**20:.0f} MiB free)")
+          f"{self.root} free ({free / 2**20:.0f} MiB free)")
     info = {"step": step, "run": self.run, **info, **meta}
     items = {"state": CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(leaves)}),
              "meta": CheckedJson.Save(info)}
@@ -133,6 +137,27 @@ class LocalTier:
     with short_switch_interval(), guard:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     return size
+
+  def _fits(self, size: int) -> bool:
+    usage = shutil.disk_usage(self.dir)
+    return usage.free - size >= RESERVE * usage.total
+
+  def _make_room(self, step: int, size: int) -> None:
+    """Delete the oldest steps this save would retire anyway (the tier holds `keep`) if that
+    makes it fit (never in vain); the first time, say so."""
+    steps = sorted(self.manager.all_steps())
+    retire = steps[:max(len(steps) - self.keep + 1, 0)]
+    freed = sum(checkpoint_bytes(os.path.join(self.dir, str(s))) for s in retire)
+    usage = shutil.disk_usage(self.dir)
+    if not retire or usage.free + freed - size < RESERVE * usage.total:
+      return
+    for s in retire:
+      self.manager.delete(s)
+    if not self._made_room:
+      self._made_room = True
+      self.log(f"local checkpoint at step {step}: deleted local step(s) "
+               f"{', '.join(map(str, retire))} first to make room (the disk of {self.root} "
+               f"does not hold checkpoint.local_keep={self.keep} steps and one more)")
 
   def _layout(self, state, leaves, peer) -> tuple[dict, int]:
     """(the meta of a save's arrays, the bytes this process writes), computed once per run (the
@@ -152,8 +177,15 @@ class LocalTier:
     self.manager.wait_until_finished()
     self.manager.check_for_errors()
 
-  def check_for_errors(self) -> None:
-    self.manager.check_for_errors()
+  def finish_previous(self) -> Exception | None:
+    """Wait for the previous save's background write (the next save waits for it anyway; a
+    local wait, no collective), so that its bytes are on the disk and its old steps deleted;
+    returns its error if it failed."""
+    try:
+      self.wait()
+    except Exception as e:  # noqa: BLE001  storage errors of any kind
+      return e
+    return None
 
   def close(self) -> None:
     try:

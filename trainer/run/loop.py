@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import time
 
 import jax
@@ -31,6 +32,7 @@ from optim.autopilot import AutoConfig, Autopilot
 from trainer.checkpoint import elastic
 from trainer.checkpoint.horizon import fix_horizon
 from trainer.checkpoint.identity import keep_identity, run_identity
+from trainer.checkpoint.integrity import NonFiniteState
 from trainer.checkpoint.local_tier import LocalTier
 from trainer.checkpoint.model_dirs import init_from_mismatch, load_params
 from trainer.checkpoint.persistent import Checkpointer
@@ -97,11 +99,19 @@ class Run:
     self.feed = Feed(p.cfg, p, self.sources)
     self.steps = CompiledSteps(p, lambda *a, **k: self.events(*a, **k))
 
-  def log(self, message: str) -> None:
+  def log(self, message: str, *, stderr: bool = False) -> None:
     if self.writer is not None:
-      self.writer.log(message)
+      self.writer.log(message, stderr=stderr)
     elif self.is_lead:
-      print(message, flush=True)
+      print(message, flush=True, file=sys.stderr if stderr else sys.stdout)
+
+  def warn(self, message: str, *, here: bool = False) -> None:
+    """A line about something that failed (a save): to stderr; `here`: it happened on this
+    process alone (a local save), so this process says it even if it does not lead."""
+    if here and not self.is_lead:
+      print(f"process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
+    else:
+      self.log(message, stderr=True)
 
   # --------------------------------------------------------------------------------------------
 
@@ -259,10 +269,12 @@ class Run:
                         newest_checkpoint=lambda: (self.checkpointer.all_steps() or [None])[-1],
                         stop_when=self.stop_when,
                         reduce=reduce_metrics(self.mesh) if self.program.diloco else None)
-    save = Saver(self.checkpointer, self.feed.spec, cfg.to_dict(), timer, decider, self.log,
-                 autopilot=self.autopilot, local=self.local, events=self.events, run=self.identity,
-                 topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
-                 to_saved=self.program.layout.to_saved)
+    self.saver = save = Saver(
+        self.checkpointer, self.feed.spec, cfg.to_dict(), timer, decider, self.log,
+        autopilot=self.autopilot, local=self.local, events=self.events, run=self.identity,
+        topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
+        to_saved=self.program.layout.to_saved, warn=self.warn)
+    stops = lambda: save.nonfinite or cfg.checkpoint.on_error == "stop"  # after a failed save
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
@@ -286,6 +298,10 @@ class Run:
           outcome, deferred = readback(upto=deferred), None
           if outcome or readback.stop_reason is not None:
             break
+        if decision.log and not decision.save and save.poll() and stops():
+          outcome = readback() or save.nonfinite or ("storage", f"stopped at step {step}: "
+                                                     "checkpoint storage failed")
+          break
         if not decision.read:
           deferred = step if decision.log else None
           continue
@@ -301,10 +317,11 @@ class Run:
               "the checkpoint could not be written"))
           break
         if decision.save and not save(step, state, train_iter, blocking=decision.final):
-          if decision.final or cfg.checkpoint.on_error == "stop":
-            outcome = ("storage", f"stopped at step {step}: checkpoint storage failed"
-                       if not decision.final else
-                       f"finished step {step} but its checkpoint could not be written")
+          if decision.final or stops():
+            outcome = save.nonfinite or ("storage", f"stopped at step {step}: checkpoint "
+                                         "storage failed" if not decision.final else
+                                         f"finished step {step} but its checkpoint could not be "
+                                         "written")
             break
         if decision.local_save:
           save.to_local(step, state, train_iter)
@@ -330,12 +347,15 @@ class Run:
       self.checkpointer.wait()
     except Exception as e:  # noqa: BLE001
       if status == "done":
-        status, message = "storage", f"the last checkpoint could not be written ({first_line(e)})"
+        status, message = ("nonfinite", str(e)) if isinstance(e, NonFiniteState) else \
+            ("storage", f"the last checkpoint could not be written ({first_line(e)})")
     if self.local is not None:
       try:
         self.local.wait()
       except Exception as e:  # noqa: BLE001  a local write is best effort
-        self.log(f"the last local checkpoint could not be written ({first_line(e)})")
+        self.warn(f"the last local checkpoint could not be written ({first_line(e)})", here=True)
+      if self.saver.summary():
+        self.warn(self.saver.summary(), here=True)
     self.events("checkpoint", step=step, tier="wait", seconds=time.perf_counter() - t)
     if message:
       self.log(message)
