@@ -105,6 +105,29 @@ def test_a_state_with_nan_is_never_saved(tmp_path):
   ckpt.close()
 
 
+def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, monkeypatch,
+                                                                     capsys):
+  """The check at step 4's save says NaN (as a parameter overflowed to inf or a flipped bit in
+  memory would): nothing of step 4 is written, the failure is found once its write ended, and
+  the run stops with status nonfinite (exit 3), naming the last good checkpoint."""
+  real, calls = integrity.all_finite, []
+
+  def finite_until_step_4(tree):
+    calls.append(1)
+    return real(tree) & (len(calls) != 2)  # the second save: step 4
+
+  monkeypatch.setattr(integrity, "all_finite", finite_until_step_4)
+  result = Run(tiny_config(**{"checkpoint.every_steps": 2, "steps": 8}), str(tmp_path)).train()
+  err = capsys.readouterr().err
+  # Found at the first log step after the write ended (5), or by the save at 6 waiting for it.
+  assert (result.status, result.exit_code) == ("nonfinite", 3) and result.step in (5, 6), result
+  assert result.message == ("stopped: the parameters at step 4 are not finite, so they were not "
+                            "saved; the newest checkpoint (2) is the last good state")
+  assert "checkpoint save at step 4 failed (the state holds NaN or inf in its parameters; it is " \
+         "not saved)" in err, err
+  assert Checkpointer(str(tmp_path / "checkpoints"), keep=3).all_steps() == [2]
+
+
 def test_checksums_name_the_file_and_skip_items_written_without_them(tmp_path):
   item = tmp_path / "item"
   (item / "d").mkdir(parents=True)
