@@ -284,6 +284,29 @@ def test_rescale_scales_the_batch_with_the_devices(tmp_path):
                    )["windows"] == 2 * 8 + 3 * 4
 
 
+@pytest.mark.slow
+def test_rescale_onto_a_device_count_the_config_batch_does_not_divide(tmp_path):
+  """8 -> 3 devices with data.on_resize=rescale: the run will use batch 8 x 3 / 8 = 3, which
+  divides; it was refused because the config's batch 8 does not ("not divisible by the
+  data-parallel size 3"). No batch rule is set, and the line says the hyperparameters stay
+  (it said "re-derived"). Following the old advice, data.global_batch_size=9, keeps the batch of
+  the checkpoint and the reference batch of the first start (it moved the reference to 9)."""
+  args = ["--config.data.on_resize=rescale", "--config.checkpoint.every_steps=1"]
+  train(tmp_path, 2, *args)
+  out = train(tmp_path, 3, *args, devices=3).stdout
+  assert "batch 8 -> 3 sequences from step 3 (data.on_resize=rescale, data-parallel 8 -> 3), " \
+         "1 micro-batch(es) of 3 per step; hyperparameters unchanged at batch 3: no batch rule " \
+         "is set (optim.lr_rule=none" in out, out
+  assert "hyperparameters at batch 3 (reference 8, x0.375): lr 0.003" in out, out
+  out = train(tmp_path, 4, *args, "--config.data.global_batch_size=9", devices=3).stdout
+  assert "global batch 3 from the checkpoint (data.on_resize=rescale; " \
+         "data.global_batch_size=9 sets a fresh run's)" in out, out
+  assert "hyperparameters stay stated at batch 8, the run's first start's" in out, out
+  assert "hyperparameters at batch 3 (reference 8, x0.375)" in out, out
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["batch_size"] for r in rows if "loss" in r and r["step"] > 2] == [3, 3]
+
+
 # --- in process: what is kept, the disk, the decisions ----------------------------------------
 
 

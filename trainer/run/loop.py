@@ -82,6 +82,8 @@ class Run:
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
     # An unset schedule horizon is `steps` at the first start, kept in the checkpoints after.
     cfg, self.horizon_note = fix_horizon(cfg, os.path.join(self.workdir, "checkpoints"))
+    self.config_batch = cfg.data.global_batch_size
+    cfg = elastic.as_resumed(cfg, self.workdir, jax.devices())  # a rescaling restart's batch
     self.mesh = run_mesh(cfg)
     self.events = Events(self.workdir, enabled=False)
     self.sources = sources(cfg)
@@ -182,7 +184,7 @@ class Run:
       return self._fresh_state(), self.feed.iterator(), None, seconds
     # Other devices: the batch kept or rescaled (data.on_resize), the program rebuilt for it.
     cfg, self.resize_line = elastic.plan(self.cfg, restored.items.get("topology"), restored.step,
-                                         self.mesh, self.ramp)
+                                         self.mesh, self.ramp, self.config_batch)
     iterator = restored.iterator
     if cfg is not None:
       self._build(cfg)
