@@ -53,6 +53,7 @@ def main(argv=None):
 
   from data import pipeline  # noqa: PLC0415  start-up
   from sharding import make_mesh  # noqa: PLC0415  start-up
+  from trainer.checkpoint.integrity import checkpoint_bytes  # noqa: PLC0415  start-up
   from trainer.checkpoint.persistent import Checkpointer  # noqa: PLC0415  start-up
   from trainer.step.program import Program  # noqa: PLC0415  start-up
   from trainer.step.state import init_state  # noqa: PLC0415  start-up
@@ -106,7 +107,7 @@ def main(argv=None):
       print(f"\nintegrity checks, async saves alternated over {args.rounds} rounds of "
             f"{args.saves} saves:")
       blocked = {True: [], False: []}
-      hashed = [0, 0.0]
+      hashed, verified = [0, 0.0], [0, 0.0]
       for r in range(args.rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
           ckpt = Checkpointer(os.path.join(root, f"integrity{r}{on}"), keep=2, integrity=on)
@@ -119,6 +120,12 @@ def main(argv=None):
               blocked[on].append(time.perf_counter() - t)
             ckpt.wait()
           hashed = [a + b for a, b in zip(hashed, ckpt.handlers["state"].hashed)]
+          if on:  # what a restore reads to verify a step before accepting it
+            step_dir = os.path.join(ckpt.directory, str(args.saves + 1))
+            t = time.perf_counter()
+            assert ckpt.verify(args.saves + 1) is None
+            verified = [verified[0] + checkpoint_bytes(step_dir),
+                        verified[1] + time.perf_counter() - t]
           ckpt.close()
           shutil.rmtree(os.path.join(root, f"integrity{r}{on}"))
       for on in (False, True):
@@ -130,6 +137,9 @@ def main(argv=None):
             f"{'PASS' if ratio <= 1.10 else 'FAIL'})")
       print(f"  checksums (background, finalize step): {hashed[0] / 1e9:.2f} GB of state files "
             f"in {hashed[1]:.2f} s = {hashed[1] / max(hashed[0] / 1e9, 1e-9):.2f} s per GB")
+      print(f"  verified before a restore: {verified[0] / 1e9:.2f} GB of checkpoint files in "
+            f"{verified[1]:.2f} s = {verified[1] / max(verified[0] / 1e9, 1e-9):.2f} s per GB "
+            "(from the page cache)")
 
       print(f"\nstep time with a checkpoint every N steps ({args.steps} steps each, async):")
       base = None

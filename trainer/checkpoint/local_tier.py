@@ -1,15 +1,16 @@
 """The local checkpoint tier: frequent saves to node-local storage, each process's shards plus a
 copy of its peer's, and restores from whatever copies survive (`LocalTier`).
 
-  <checkpoint.local_dir>/process_<i>/<step>/    one Orbax manager per process, no barrier
+  <checkpoint.local_dir>/<run id>/process_<i>/<step>/    one Orbax manager per process, no barrier
     state   the shards of the train state this process's devices hold, each distinct one once
     peer    the shards process i - 1 (mod the count) holds, copied one process on
-    meta    JSON: each item's array boxes, the layout's fingerprint, the small items
+    meta    JSON: the run, each item's array boxes, the layout's fingerprint, the small items
 
-Saves are asynchronous, keep `checkpoint.local_keep` steps and are skipped rather than leave
-less than `RESERVE` of the disk free. A step restores only if every shard every process needs
-under the current mesh is readable somewhere: its own copy, another process's under the same
-directory, or over the interconnect (same mesh and process count as the save). Why and details:
+Saves are asynchronous, keep `checkpoint.local_keep` steps, make room by retiring the oldest
+first, and are skipped rather than leave less than `RESERVE` of the disk free. A step restores
+only if every shard every process needs under the current mesh is readable and matches its
+checksums somewhere: its own copy, another process's under the same directory, or over the
+interconnect (same mesh and process count as the save). Why and details:
 docs/reliability.md#two-tiers-a-local-one-beside-the-persistent-one.
 """
 from __future__ import annotations

@@ -5,12 +5,14 @@
     data      the grain iterator's position (JSON, one file per process)
     config    the resolved config (JSON)
     topology  the devices, mesh and batch history (trainer/checkpoint/elastic.py)
+    run       the run's identity (trainer/checkpoint/identity.py); each item its checksums
   <workdir>/checkpoints.unreadable/    unreadable checkpoints, moved aside, never deleted
 
 Saves are asynchronous and atomic (written under a temporary name, renamed when complete);
 nothing is pickled. `restore_latest` takes the newest complete step of this tier or the local one
-(trainer/checkpoint/local_tier.py), checked against the config before it is read, and falls back
-past unreadable ones. Why and details: docs/reliability.md#the-persistent-tier.
+(trainer/checkpoint/local_tier.py), verified (trainer/checkpoint/integrity.py) and checked against
+the config before it is read, and falls back past unreadable or damaged ones. Why and details:
+docs/reliability.md#the-persistent-tier.
 """
 from __future__ import annotations
 

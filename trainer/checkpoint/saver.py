@@ -4,9 +4,10 @@ A save hands the state, the data position, the config, the batch autopilot's dec
 topology to the persistent tier (trainer/checkpoint/persistent.py) or the local one
 (trainer/checkpoint/local_tier.py), asynchronously unless it blocks (the final save, a
 preemption's). A persistent save that cannot fit is refused before it starts; one that fails is
-one line naming its step and cause, its partial directory removed; with several processes it
-counts as written only if every process wrote it. Local saves are best effort: a failure is
-logged and the run goes on. Why and details: docs/reliability.md#the-persistent-tier.
+one line on stderr naming its step and cause, its partial directory removed, found at the next
+save or, for a background write, at the first log step after it ended (`poll`); with several
+processes it counts as written only if every process wrote it. Local saves are best effort: a
+failure is said by its process and the run goes on. Why: docs/reliability.md#the-persistent-tier.
 """
 from __future__ import annotations
 
