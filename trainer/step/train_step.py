@@ -24,6 +24,7 @@ import optax
 from models import moe as moe_lib
 from models.llama import moe_layer_ids
 from optim import noise_scale
+from sharding.mesh import data_parallel_size
 from trainer.step import pipelined
 from trainer.step.state import ModelSpec, TrainState
 
@@ -149,24 +150,27 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
-                    measure_noise: bool = False, norm_metrics: bool = True, replicas: int = 1):
+                    measure_noise: bool = False, noise_pieces: int = 2, norm_metrics: bool = True,
+                    replicas: int = 1):
   """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
-  the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
-  and the meter's state passes through unchanged. `norm_metrics=False` leaves param_norm and
+  the gradient noise scale on `noise_pieces` small batches (`noise_scale.splits`; the optimizer
+  must carry the meter); without, it is the plain step and the meter's state passes through. `norm_metrics=False` leaves param_norm and
   update_norm out of the metrics (and their passes over the state out of the program; the loop
   runs that variant on the steps that do not log, `trainer.norm_metrics`). `replicas`: the step
   is one of that many DiLoCo replicas' inner steps (trainer/step/diloco.py), each on B of the
   replicas x B rows of the global batch; the optimizer and schedule are told the global batch."""
-  if measure_noise and noise_scale.find_state(jax.eval_shape(
-      tx.init, spec.abstract_params)) is None:
+  dp = data_parallel_size(spec.mesh.shape)
+  has_meter = noise_scale.find_state(jax.eval_shape(tx.init, spec.abstract_params)) is not None
+  if measure_noise and not has_meter:
     raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
                      "(optim.noise_scale_every > 0)")
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
     batch_size = num_micro * rows * replicas
-    if measure_noise and num_micro == 1:
-      batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
+    if measure_noise and spec.pipeline is None:  # enough small batches for the meter
+      parts = noise_scale.splits(num_micro, noise_pieces, rows // dp)
+      batch = jax.tree.map(lambda x: _split_rows(x, parts), batch)
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
         spec, state.params, batch, measure_noise=measure_noise)
     if guard_cfg.debug_nan_at_step:
@@ -212,22 +216,29 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     if moe_sums is not None:  # router statistics and auxiliary losses (models/moe.py)
       metrics.update(moe_lib.metrics(moe_sums["stats"], moe_sums["aux"], spec.cfg.moe,
                                      layer_ids=moe_layer_ids(spec.cfg)))
-    if measure_noise:
+    if has_meter:  # the meter's value (its averages pass through the steps that do not measure)
       noise = noise_scale.readout(noise_scale.find_state(opt_state))
       metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,
                      noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
-                     noise_trace=noise["trace_sigma"])
+                     noise_trace=noise["trace_sigma"], noise_measurements=noise["count"])
+    if measure_noise:  # this step's own estimates
+      g_sq, trace = noise_scale.estimate(*extra["noise_sample"])
+      metrics.update(noise_g_sq_step=g_sq, noise_trace_step=trace,
+                     noise_pieces=jnp.asarray(pieces, jnp.int32))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, guard=guard)
     return new_state, metrics
 
   return step
 
 
-def _split_rows_in_two(x):
-  """[1, B, ...] -> [2, B/2, ...]: rows 0, 2, 4, ... and 1, 3, 5, ... (a device's block of rows
-  stays on it when B / devices is even)."""
-  rows = x.shape[1]
-  return x[0].reshape(rows // 2, 2, *x.shape[2:]).swapaxes(0, 1)
+def _split_rows(x, parts: int):
+  """[M, B, ...] -> [M parts, B / parts, ...]: part j of a micro-batch holds its rows j, j +
+  parts, ... (a device's block of rows stays on it when B / devices divides by `parts`)."""
+  m, rows = x.shape[:2]
+  if parts == 1:
+    return x
+  return x.reshape(m, rows // parts, parts, *x.shape[2:]).swapaxes(1, 2).reshape(
+      m * parts, rows // parts, *x.shape[2:])
 
 
 def make_eval_step(spec: ModelSpec):
