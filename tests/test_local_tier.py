@@ -262,13 +262,16 @@ def test_restart_on_fewer_devices_from_the_local_tier(straight, tmp_path):
 def test_rescale_scales_the_batch_with_the_devices(tmp_path):
   """data.on_resize=rescale, 8 -> 4 devices after step 2: batch 8 -> 4 from step 3, the learning
   rate re-derived by the sqrt rule, the data position continued (windows 16 + 4 per step) and
-  the batch history saved, so a later restart on the same devices keeps batch 4."""
+  the batch history saved, so a later restart on the same devices keeps batch 4, whatever
+  data.global_batch_size says, with the hyperparameters still stated at the first start's batch
+  (reference_batch_size=0 used to move the reference to the restart's config batch)."""
   args = ["--config.data.on_resize=rescale", "--config.optim.lr_rule=sqrt",
           "--config.optim.warmup_steps=4", "--config.checkpoint.every_steps=2"]
   train(tmp_path, 2, *args)
   out = train(tmp_path, 4, *args, "--config.mesh.data=4", devices=4).stdout
   assert "batch 8 -> 4 sequences from step 3 (data.on_resize=rescale, data-parallel 8 -> 4), " \
-         "1 micro-batch(es) of 4 per step" in out, out
+         "1 micro-batch(es) of 4 per step; hyperparameters re-derived at batch 4 by " \
+         "optim.lr_rule=sqrt" in out, out
   assert "hyperparameters at batch 4 (reference 8, x0.5): lr 0.003 -> 0.002121 (sqrt)" in out
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   steps = {r["step"]: r for r in rows if "loss" in r}
@@ -278,8 +281,12 @@ def test_rescale_scales_the_batch_with_the_devices(tmp_path):
   topology = json.load(open(tmp_path / "checkpoints" / "4" / "topology" / "metadata"))
   assert data["windows"] == 2 * 8 + 2 * 4
   assert topology["stages"] == [[0, 8], [2, 4]] and topology["data_parallel"] == 4
-  out = train(tmp_path, 5, *args, "--config.mesh.data=4", devices=4).stdout
+  out = train(tmp_path, 5, *args, "--config.mesh.data=4", "--config.data.global_batch_size=12",
+              devices=4).stdout
   assert "batch 4 -> " not in out and "batch 8 -> " not in out
+  assert "global batch 4 from the checkpoint (data.on_resize=rescale; data.global_batch_size=12 " \
+         "sets a fresh run's); hyperparameters stay stated at batch 8" in out, out
+  assert "hyperparameters at batch 4 (reference 8, x0.5): lr 0.003 -> 0.002121 (sqrt)" in out
   assert json.load(open(tmp_path / "checkpoints" / "5" / "data" / "process_0-of-1.json")
                    )["windows"] == 2 * 8 + 3 * 4
 

@@ -8,8 +8,9 @@ to the end (the last event of a run that finished; now, while it runs or waits f
 into productive (step time of steps that stayed done, less data waits), compile, restore,
 checkpoint, evaluation, data, redone (steps a later start did again), startup (a process's start
 to its run's first event), down (from the last event of a start that did not finish to the next
-process's start, or to now while none runs) and other. goodput = productive / wall. Step time is measured per window of
-steps between two log rows, so a crash loses at most one window of records (down time then).
+process's start, or to now while none runs) and other. goodput = productive / wall. Step time
+is measured per window of steps between two log rows, so a crash loses at most one window of
+records (down time then).
 What each part holds: docs/reliability.md#goodput
 """
 from __future__ import annotations
