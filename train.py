@@ -76,8 +76,11 @@ def main(argv: list[str]) -> int:
     quiet_library_logs()
     from trainer.multihost.agreement import check_agreement  # noqa: PLC0415  start-up
     check_agreement(cfg, workdir)
-    sizes = validate(cfg, jax.devices())
-    too_big = memory_bound.check(cfg, sizes, jax.local_devices())  # before compiling terabytes
+    # A rescaling restart runs the checkpoint's batch scaled to these devices: check that one.
+    from trainer.checkpoint.elastic import as_resumed  # noqa: PLC0415  start-up
+    checked = as_resumed(cfg, workdir, jax.devices())
+    sizes = validate(checked, jax.devices())
+    too_big = memory_bound.check(checked, sizes, jax.local_devices())  # before compiling terabytes
     if too_big:
       raise ConfigError(too_big)
     check_workdir(workdir)

@@ -1,13 +1,16 @@
-"""How long a checkpoint blocks the training loop, async vs synchronous, and what saving every
-N steps costs in step time.
+"""How long a checkpoint blocks the training loop, async vs synchronous, with and without its
+integrity checks (checksums, finiteness), and what saving every N steps costs in step time.
 
-    python bench/checkpoint_overhead.py [--steps 60] [--saves 5]
+    python bench/checkpoint_overhead.py [--steps 60] [--saves 5] [--rounds 4]
 
 The model is sized for ~100 MB of train state (8.9M fp32 parameters + two Adam moments) but
 fed tiny batches, so a step is short and the checkpoint cost is easy to see. Everything goes
 through the real code path: `trainer.step.program.Program` for the step, `trainer.checkpoint.persistent.
 Checkpointer` (Orbax) for saves, the grain pipeline for data. Prints medians; the machine's
-noise is visible in the min/max columns.
+noise is visible in the min/max columns. The integrity comparison alternates saves with them
+(`Checkpointer(integrity=True)`, what a run does) and without (`integrity=False`, a save as before
+they existed), save by save in one process, so both see the same machine; the checksums' own cost
+is timed where they are taken (Orbax's finalize step, in the background), and a restore's check.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ def build_parser():
   parser.add_argument("--steps", type=int, default=60, help="steps per overhead measurement")
   parser.add_argument("--saves", type=int, default=5, help="saves per blocking measurement")
   parser.add_argument("--every", default="0,20,10,5", help="checkpoint intervals to compare")
+  parser.add_argument("--rounds", type=int, default=4,
+                      help="x --saves: saves with and without the integrity checks, alternated")
   parser.add_argument("--d-model", type=int, default=512,
                       help="model width: 512 gives ~107 MB of train state, 1024 ~4x that")
   return parser
@@ -47,6 +52,7 @@ def main(argv=None):
 
   from data import pipeline  # noqa: PLC0415  start-up
   from sharding import make_mesh  # noqa: PLC0415  start-up
+  from trainer.checkpoint.integrity import checkpoint_bytes  # noqa: PLC0415  start-up
   from trainer.checkpoint.persistent import Checkpointer  # noqa: PLC0415  start-up
   from trainer.step.program import Program  # noqa: PLC0415  start-up
   from trainer.step.state import init_state  # noqa: PLC0415  start-up
@@ -96,6 +102,43 @@ def main(argv=None):
       ratio = medians["async"] / medians["sync"]
       print(f"  async / sync = {ratio:.1%} (target <= 10%: "
             f"{'PASS' if ratio <= 0.10 else 'FAIL'})")
+
+      print(f"\nintegrity checks: {args.rounds} x {args.saves} async saves with them and as "
+            "many without, alternated save by save:")
+      blocked = {True: [], False: []}
+      hashed, verified = [0, 0.0], [0, 0.0]
+      ckpts = {on: Checkpointer(os.path.join(root, f"integrity{on}"), keep=2, integrity=on)
+               for on in (True, False)}
+      for i in range(args.rounds * args.saves + 1):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+          state, m = step_fn(state, batch())
+          jax.block_until_ready(m)
+          t = time.perf_counter()
+          ckpts[on].save(i + 1, state, it, spec, cfg.to_dict())
+          if i:  # the first save pays one-time setup
+            blocked[on].append(time.perf_counter() - t)
+          ckpts[on].wait()
+        # what a restore reads to verify a step before accepting it (from the page cache)
+        t = time.perf_counter()
+        assert ckpts[True].verify(i + 1) is None
+        verified = [verified[0] + checkpoint_bytes(os.path.join(ckpts[True].directory, str(i + 1))),
+                    verified[1] + time.perf_counter() - t]
+      hashed = ckpts[True].handlers["state"].hashed
+      for ckpt in ckpts.values():
+        ckpt.close()
+      for on in (False, True):
+        b = blocked[on]
+        print(f"  {'with' if on else 'without':<8} median {statistics.median(b) * 1e3:7.1f} ms  "
+              f"(min {min(b) * 1e3:.1f}, max {max(b) * 1e3:.1f}; {len(b)} saves)")
+      ratio = statistics.median(blocked[True]) / statistics.median(blocked[False])
+      paired = statistics.median(a / b for a, b in zip(blocked[True], blocked[False]))
+      print(f"  with / without = {ratio:.3f} (medians; {paired:.3f} the median of the "
+            f"{len(blocked[True])} pairs; target <= 1.10: {'PASS' if ratio <= 1.10 else 'FAIL'})")
+      print(f"  checksums (background, finalize step): {hashed[0] / 1e9:.2f} GB of state files "
+            f"in {hashed[1]:.2f} s = {hashed[1] / max(hashed[0] / 1e9, 1e-9):.2f} s per GB")
+      print(f"  verified before a restore: {verified[0] / 1e9:.2f} GB of checkpoint files in "
+            f"{verified[1]:.2f} s = {verified[1] / max(verified[0] / 1e9, 1e-9):.2f} s per GB "
+            "(from the page cache)")
 
       print(f"\nstep time with a checkpoint every N steps ({args.steps} steps each, async):")
       base = None

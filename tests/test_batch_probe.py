@@ -138,3 +138,16 @@ def test_mistakes_are_one_line(run_dir, tmp_path, capsys, argv, needle):
                            "--out", str(tmp_path)] + argv)
   err = capsys.readouterr().err.strip()
   assert code == 2 and needle in err and "\n" not in err
+
+
+def test_a_missing_workdir_or_an_unwritable_out_is_one_line(tmp_path, capsys):
+  """Neither needs a trained run: both are said before anything is read or trained."""
+  (tmp_path / "file").write_text("")
+  for argv, needle in ((["--workdir", str(tmp_path / "nothing")], "nothing does not exist; give "
+                        "the --workdir of a trained run"),
+                       (["--workdir", str(tmp_path), "--out", str(tmp_path / "file" / "out")],
+                        "out: cannot create it (Not a directory)")):
+    code = batch_probe.main(argv + ["--at", "10", "--tokens", "1024"]
+                            + ([] if "--out" in argv else ["--out", str(tmp_path / "o")]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and needle in err and "\n" not in err, err

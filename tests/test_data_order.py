@@ -103,6 +103,8 @@ def test_the_data_order_tool_prints_documents_per_step_against_independent_draws
     assert float(within) < float(across) + 0.01
   assert data_order.main(["--config", "configs/sweep_tiny.py", "--batch_sizes", "8,x"]) == 2
   assert "give positive whole batch sizes" in capsys.readouterr().err
+  assert data_order.main(["--batch_sizes", "8"]) == 2  # no --config: the help names the command
+  assert capsys.readouterr().err.strip().endswith("(python -m tools.data_order --help)")
 
 
 def test_resume_on_other_data_is_refused_or_said(tmp_path, data_dir):

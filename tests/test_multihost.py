@@ -54,24 +54,27 @@ def child_env(devices: int, **extra) -> dict:
   return env
 
 
-def start_processes(workdir, processes: int, args=(), per_process_args=None):
-  """Start train.py as `processes` processes of one run (8 CPU devices split between them);
-  their Popen objects (output piped)."""
+def start_processes(workdir, processes: int, args=(), per_process_args=None,
+                    script="train.py", **env_extra):
+  """Start train.py (or `script`, a train.py wrapper) as `processes` processes of one run (8 CPU
+  devices split between them, `env_extra` in their environment); their Popen objects (output
+  piped)."""
   port = free_port()
   procs = []
   for pid in range(processes):
     env = child_env(8 // processes, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                    JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(pid))
+                    JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(pid), **env_extra)
     extra = list(per_process_args[pid]) if per_process_args else []
     procs.append(subprocess.Popen(
-        [sys.executable, "train.py", "--config", TINY, "--workdir", str(workdir), *args, *extra],
+        [sys.executable, script, "--config", TINY, "--workdir", str(workdir), *args, *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   return procs
 
 
-def run_processes(workdir, processes: int, args=(), per_process_args=None, timeout=300):
+def run_processes(workdir, processes: int, args=(), per_process_args=None, timeout=300,
+                  **start):
   """Run train.py as `processes` processes of one run; [(returncode, stdout, stderr)]."""
-  procs = start_processes(workdir, processes, args, per_process_args)
+  procs = start_processes(workdir, processes, args, per_process_args, **start)
   out = []
   try:
     for p in procs:

@@ -43,6 +43,18 @@ def test_parse_errors(text, needle):
     parse_ramp(text)
 
 
+@pytest.mark.parametrize("value,needle", [
+    ("seasaw", "data.batch_ramp='seasaw': did you mean 'seesaw'?"),
+    ("Auto", "data.batch_ramp='Auto': did you mean 'auto'?"),
+    ("64", "data.batch_ramp='64': stage '64' is not BATCH:START_TOKENS")])
+def test_a_misspelled_ramp_is_named_with_what_was_meant(value, needle):
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415
+  with pytest.raises(ConfigError) as e:
+    validate(tiny_config(**{"data.batch_ramp": value, "data.micro_batch_size": 8}), 8)
+  assert str(e.value).startswith(needle), str(e.value)
+
+
 # ------------------------------------------------------------------------------------------------
 # A run: micro-batches of 8 rows of 32 tokens; batch 16 (2 micro-batches) for steps 1-5, 24 (3)
 # for steps 6-8, 16 again from step 9. The ramp's boundaries are at 2560 tokens (5 steps x 512)

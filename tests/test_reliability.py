@@ -174,8 +174,10 @@ def test_corrupt_newest_checkpoint_falls_back(straight, tmp_path, damage):
   else:
     os.remove(victim)
   proc = train(tmp_path, 12)
-  unreadable = [l for l in proc.stdout.splitlines() if "is unreadable" in l]
-  assert len(unreadable) == 1 and "checkpoints/8 is unreadable" in unreadable[0]
+  unreadable = [l for l in proc.stdout.splitlines() if "checkpoints/8 is " in l]
+  # Its checksums name the file: truncated (its size) or deleted (missing).
+  assert len(unreadable) == 1 and "checkpoints/8 is damaged (state/" in unreadable[0] and \
+      ("bytes" if damage == "truncate" else "is missing") in unreadable[0], proc.stdout
   assert "resumed from" in proc.stdout and proc.stdout.split("resumed from")[1].split()[0] \
       .endswith("/6")
   kept = glob.glob(os.path.join(tmp_path, "checkpoints.unreadable", "8-*"))
@@ -217,8 +219,9 @@ def test_read_only_checkpoint_dir(straight, tmp_path, policy):
     proc = train(tmp_path, 8, f"--config.checkpoint.on_error={policy}", expect=4)
   finally:
     undo()
-  failures = [l for l in proc.stdout.splitlines() if "failed" in l and "checkpoint save" in l]
-  assert len(failures) == 1, proc.stdout  # reported once
+  failures = [l for l in proc.stderr.splitlines() if "failed" in l and "checkpoint save" in l]
+  assert len(failures) == 1, proc.stderr  # reported once, on stderr
+  assert "checkpoint save" not in proc.stdout
   assert "earlier checkpoints are untouched (newest: 4)" in failures[0]
   steps_run = max(losses(tmp_path))
   assert steps_run == (6 if policy == "stop" else 8)
@@ -252,28 +255,32 @@ def small_disk(tmp_path):
 def test_full_disk_during_a_save(straight, tmp_path, small_disk):
   train(tmp_path, 4)
   ckpts = os.path.join(tmp_path, "checkpoints")
-  # The disk fills while step 6's checkpoint is written: there is room for its bytes, not for
-  # the 4 KiB pages its ~20 files take. The failure, found when the next save waits for it,
-  # names step 6 and the cause, in one line.
+  # The disk fills while step 26's checkpoint is written: there is room for its bytes, not for
+  # the 4 KiB pages its ~30 files take. The failure is found at a log step after the write
+  # ended, long before the next save (step 52: where it was found before), and named on stderr
+  # in one line (step and cause).
   small_disk(sum(os.path.getsize(p) for p in glob.glob(os.path.join(ckpts, "4", "**"),
                                                        recursive=True) if os.path.isfile(p))
              + 16384)
-  proc = train(tmp_path, 12, expect=4)
-  failures = [l for l in proc.stdout.splitlines() if "checkpoint save" in l]
+  proc = train(tmp_path, 60, "--config.checkpoint.every_steps=26", expect=4)
+  failures = [l for l in proc.stderr.splitlines() if "checkpoint save" in l]
   assert len(failures) == 1 and failures[0].startswith(
-      "checkpoint save at step 6 failed (no space left on device in"), proc.stdout
-  assert "removed its partial 6.orbax-checkpoint-tmp" in failures[0]
+      "checkpoint save at step 26 failed (no space left on device in"), proc.stderr
+  assert "removed its partial 26.orbax-checkpoint-tmp" in failures[0]
   assert "earlier checkpoints are untouched (newest: 4)" in failures[0]
+  assert "checkpoint save" not in proc.stdout
   assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]
-  assert max(losses(tmp_path)) == 8  # stopped at the next save, which waited for step 6's
+  stopped = max(losses(tmp_path))
+  assert 26 < stopped < 52 and f"stopped at step {stopped}: checkpoint storage failed" in \
+      proc.stdout, proc.stdout[-2000:]
   assert sorted(os.listdir(ckpts)) == ["2", "4", "filler"]
   # Too little space for a checkpoint: refused before anything is written; the run stops there.
   small_disk(64 * 1024)
   proc = train(tmp_path, 12, expect=4)
-  failures = [l for l in proc.stdout.splitlines() if "checkpoint save" in l]
+  failures = [l for l in proc.stderr.splitlines() if "checkpoint save" in l]
   assert len(failures) == 1 and failures[0].startswith(
       "checkpoint save at step 6 failed (no space left on device: the checkpoint of step 6 "
-      "needs"), proc.stdout
+      "needs"), proc.stderr
   steps_run = [l.split(":")[0] for l in proc.stdout.splitlines() if l.startswith("step ")]
   assert "stopped at step 6" in proc.stdout and steps_run == ["step 5", "step 6"]
   assert "Traceback" not in proc.stderr and "ERROR" not in proc.stderr, proc.stderr[-3000:]

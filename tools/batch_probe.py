@@ -339,7 +339,11 @@ def main(argv: list[str]) -> int:
   t0 = time.perf_counter()
   try:
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
+    try:
+      os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+      raise ConfigError(f"--out {args.out}: cannot create it ({e.strerror or e}); give a "
+                        "directory path") from None
     branches, summary, run = probe(args)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -70,7 +70,7 @@ def report(cfg, batch_sizes, steps: int) -> list[dict]:
 
 
 def build_parser():
-  parser = CliParser("python -m tools.data_order", __doc__)
+  parser = CliParser("-m tools.data_order", __doc__)
   parser.add_argument("--batch_sizes", required=True, help="comma-separated, e.g. 8,16,32")
   parser.add_argument("--steps", type=int, default=100, help="steps read per batch size")
   return parser

@@ -3,24 +3,27 @@
     python -m tools.goodput WORKDIR [--json]
 
 Reads `WORKDIR/goodput.jsonl`, the events every start of the run appended
-(`trainer/tracking/report.py` `Events`), and splits the wall time from the first process's start
+(`trainer/tracking/goodput.py` `Events`), and splits the wall time from the first process's start
 to the end (the last event of a run that finished; now, while it runs or waits for a restart)
 into productive (step time of steps that stayed done, less data waits), compile, restore,
 checkpoint, evaluation, data, redone (steps a later start did again), startup (a process's start
 to its run's first event), down (from the last event of a start that did not finish to the next
-process's start) and other. goodput = productive / wall. Step time is measured per window of
-steps between two log rows, so a crash loses at most one window of records (down time then).
+process's start, or to now while none runs) and other. goodput = productive / wall. Step time
+is measured per window of steps between two log rows, so a crash loses at most one window of
+records (down time then).
 What each part holds: docs/reliability.md#goodput
 """
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser
+from trainer.tracking.goodput import process_start_time
 
 CATEGORIES = ("productive", "compile", "restore", "checkpoint", "evaluation", "data",
               "redone", "startup", "down", "other")
@@ -36,15 +39,35 @@ def build_parser():
 
 
 def read_events(path: str) -> list[dict]:
-  """The events of goodput.jsonl (a partial last line, left by a killed process, is skipped)."""
-  out = []
+  """The events of goodput.jsonl (a partial last line, left by a killed process, is skipped);
+  raises ValueError naming the first line that is not an event."""
   with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except ValueError:
+    lines = f.read().split("\n")
+  out = []
+  for n, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      event = json.loads(line)
+    except ValueError:
+      if n == len(lines):  # the partial last line of a killed process (no newline after it)
         continue
+      event = None
+    if not (isinstance(event, dict) and isinstance(event.get("event"), str)
+            and isinstance(event.get("time"), (int, float))):
+      raise ValueError(f"line {n} is not a goodput event ({line[:80]!r})")
+    out.append(event)
   return out
+
+
+def process_alive(start: dict) -> bool | None:
+  """Whether the process of a `start` event still runs: True or False where it ran on this
+  host (its pid, with the same start time: not a reused pid), None where that cannot be told
+  (another host, or a start recorded without its pid)."""
+  if "pid" not in start or start.get("host") != socket.gethostname():
+    return None
+  began = process_start_time(start["pid"])
+  return began is not None and abs(began - start.get("process_start", began)) < 2.0
 
 
 def attempts(events: list[dict]) -> list[list[dict]]:
@@ -57,8 +80,9 @@ def attempts(events: list[dict]) -> list[list[dict]]:
   return out
 
 
-def account(events: list[dict], now: float | None = None) -> dict:
-  """Goodput and the breakdown of the module docstring, as a dict."""
+def account(events: list[dict], now: float | None = None, alive=process_alive) -> dict:
+  """Goodput and the breakdown of the module docstring, as a dict. `alive(start event)`: whether
+  the last start, if it has not stopped, still runs (True, False, None: cannot tell)."""
   runs = attempts(events)
   if not runs:
     raise ValueError("no events")
@@ -68,6 +92,9 @@ def account(events: list[dict], now: float | None = None) -> dict:
   last = runs[-1][-1]
   finished = last["event"] == "stop" and last.get("status") == "done"
   end = last["time"] if finished else (time.time() if now is None else now)
+  running = None if last["event"] == "stop" else alive(runs[-1][0])
+  if not finished and running is not True:  # stopped, killed, or cannot tell: waiting since
+    seconds["down"] += max(end - last["time"], 0.0)
   redone_steps = 0
   for k, run in enumerate(runs):
     seconds["startup"] += max(run[0]["time"] - begin(run), 0.0)
@@ -100,7 +127,11 @@ def account(events: list[dict], now: float | None = None) -> dict:
                   "to_first_step": next((e["time"] - begin(run) for e in run
                                          if e["event"] == "first_step"), None),
                   "ended": stops[k].get("status") if stops[k]["event"] == "stop" else
-                  "killed (no stop event)"} for k, run in enumerate(runs)],
+                  "killed (no stop event)" if k + 1 < len(runs) or running is False else
+                  "still running" if running else
+                  f"no stop event (running or killed: on host {run[0].get('host', '?')}, "
+                  "which this one cannot ask)"} for k, run in enumerate(runs)],
+      "running": bool(running),
   }
 
 
@@ -120,6 +151,8 @@ def describe(report: dict) -> str:
     lines.append(f"  start {k + 1}: {source}; "
                  + (f"first step {first:.1f} s after its process started; " if first else "")
                  + f"ended: {start['ended']}")
+  if report["running"]:
+    lines.append("  (still running: the time since its last record is under other)")
   return "\n".join(lines)
 
 
@@ -138,8 +171,11 @@ def main(argv: list[str]) -> int:
     return 2
   try:
     report = account(read_events(path))
-  except (ValueError, KeyError) as e:
-    print(f"error: {path} holds no usable events ({e})", file=sys.stderr)
+  except (ValueError, KeyError, TypeError) as e:
+    what = f"lacks {e}" if isinstance(e, KeyError) else \
+        f"a field of the wrong type: {e}" if isinstance(e, TypeError) else str(e)
+    print(f"error: {path} holds no usable events ({what}; a run of this version writes them)",
+          file=sys.stderr)
     return 2
   print(json.dumps(report, indent=1) if args.json else describe(report))
   return 0

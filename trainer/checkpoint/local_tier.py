@@ -1,15 +1,16 @@
 """The local checkpoint tier: frequent saves to node-local storage, each process's shards plus a
 copy of its peer's, and restores from whatever copies survive (`LocalTier`).
 
-  <checkpoint.local_dir>/process_<i>/<step>/    one Orbax manager per process, no barrier
+  <checkpoint.local_dir>/<run id>/process_<i>/<step>/    one Orbax manager per process, no barrier
     state   the shards of the train state this process's devices hold, each distinct one once
     peer    the shards process i - 1 (mod the count) holds, copied one process on
-    meta    JSON: each item's array boxes, the layout's fingerprint, the small items
+    meta    JSON: the run, each item's array boxes, the layout's fingerprint, the small items
 
-Saves are asynchronous, keep `checkpoint.local_keep` steps and are skipped rather than leave
-less than `RESERVE` of the disk free. A step restores only if every shard every process needs
-under the current mesh is readable somewhere: its own copy, another process's under the same
-directory, or over the interconnect (same mesh and process count as the save). Why and details:
+Saves are asynchronous, keep `checkpoint.local_keep` steps, make room by retiring the oldest
+first, and are skipped rather than leave less than `RESERVE` of the disk free. A step restores
+only if every shard every process needs under the current mesh is readable and matches its
+checksums somewhere: its own copy, another process's under the same directory, or over the
+interconnect (same mesh and process count as the save). Why and details:
 docs/reliability.md#two-tiers-a-local-one-beside-the-persistent-one.
 """
 from __future__ import annotations
@@ -27,6 +28,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trainer.checkpoint.identity import other_runs
+from trainer.checkpoint.integrity import (CheckedJson, CheckedPyTree, checkpoint_bytes,
+                                          finite_guard, verify_item)
 from trainer.checkpoint.local_layout import (covered, layout_fingerprint, next_process_mesh,
                                              on_mesh, restore_target, shard_boxes, successors,
                                              volume)
@@ -43,15 +47,28 @@ class LocalSaveSkipped(RuntimeError):
   """A local save that was not started (too little free space); the run goes on."""
 
 
-class LocalTier:
-  """This process's local checkpoints (module docstring). `timeout_s`: how long a restore waits
-  for the other processes to agree."""
+class Damaged(ValueError):
+  """An item whose files do not match their checksums."""
 
-  def __init__(self, root: str, mesh: Mesh, *, keep: int, async_save: bool = True,
+
+def unreadable(e: Exception) -> str:
+  """Why an item could not be read, in a few words."""
+  return f"is damaged ({e})" if isinstance(e, Damaged) else f"is unreadable ({first_line(e)})"
+
+
+class LocalTier:
+  """This process's local checkpoints of run `run` (its identity, trainer/checkpoint/identity.py:
+  they live under `<root>/<run id>/`). `timeout_s`: how long a restore waits for the other
+  processes to agree."""
+
+  def __init__(self, root: str, mesh: Mesh, *, run: dict, keep: int, async_save: bool = True,
                log: Callable[[str], None] = print, timeout_s: float = 300):
-    self.root = os.path.abspath(root)
+    self.root, self.run = os.path.abspath(root), run
     self.index, self.count = jax.process_index(), jax.process_count()
-    self.dir = os.path.join(self.root, f"process_{self.index}")
+    self.base = os.path.join(self.root, run["id"])  # this run's local steps, every process's
+    self.dir = os.path.join(self.base, f"process_{self.index}")
+    self._said: set = set()  # the unreadable metas already named
+    self._made_room = False  # whether a save had to delete an old step first (said once)
     self.mesh, self.log, self.keep, self.async_save = mesh, log, keep, async_save
     self.timeout_s = timeout_s
     self.peer_mesh = next_process_mesh(mesh)
@@ -62,16 +79,22 @@ class LocalTier:
                             f"({e.strerror or e}); give a directory this user can write (a "
                             "node-local disk or /dev/shm)") from None
     self.manager = self._manager(self.dir)
+    self._handlers = self.manager.scaletrain_handlers
+    others = other_runs(self.root, run["id"])
+    if others:
+      log(others)
     self._layout_key = None
 
   def _manager(self, directory: str, read_only: bool = False) -> ocp.CheckpointManager:
+    """An Orbax manager over one process directory, for this process alone (its item handlers
+    in `scaletrain_handlers`)."""
     mp = ocp.options.MultiprocessingOptions(
         primary_host=self.index, active_processes={self.index},
         barrier_sync_key_prefix=f"scaletrain_local_{self.index}")
     registry = ocp.type_handlers.create_type_handler_registry(
         (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None,
                                                    use_replica_parallel=False)))
-    arrays = lambda: ocp.PyTreeCheckpointHandler(
+    arrays = lambda: CheckedPyTree(
         use_ocdbt=True, use_zarr3=True, multiprocessing_options=mp,
         type_handler_registry=registry)
     options = ocp.CheckpointManagerOptions(
@@ -79,9 +102,11 @@ class LocalTier:
         cleanup_tmp_directories=not read_only, multiprocessing_options=mp,
         enable_async_checkpointing=self.async_save,
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-    return ocp.CheckpointManager(directory, options=options, item_handlers={
-        "state": arrays(), "peer": arrays(),
-        "meta": ocp.JsonCheckpointHandler(multiprocessing_options=mp)})
+    handlers = {"state": arrays(), "peer": arrays(),
+                "meta": CheckedJson(multiprocessing_options=mp)}
+    manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+    manager.scaletrain_handlers = handlers
+    return manager
 
   # ------------------------------------------------------------------------------------------
   # Saving
@@ -96,19 +121,44 @@ class LocalTier:
       peer = [] if self.peer_mesh is None else \
           [jax.device_put(leaf, on_mesh(self.peer_mesh, leaf)) for leaf in leaves]
     info, size = self._layout(state, leaves, peer)
-    usage = shutil.disk_usage(self.dir)
-    if usage.free - size < RESERVE * usage.total:
+    if not self._fits(size):
+      self._make_room(step, size)
+    if not self._fits(size):
+      free = shutil.disk_usage(self.dir).free
       raise LocalSaveSkipped(
           f"its {size / 2**20:.1f} MiB would leave less than {RESERVE:.0%} of the disk of "
-          f"{self.root} free ({usage.free / 2**20:.0f} MiB free)")
-    info = {"step": step, **info, **meta}
-    items = {"state": ocp.args.PyTreeSave({f"a{i}": x for i, x in enumerate(leaves)}),
-             "meta": ocp.args.JsonSave(info)}
+          f"{self.root} free ({free / 2**20:.0f} MiB free)")
+    info = {"step": step, "run": self.run, **info, **meta}
+    items = {"state": CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(leaves)}),
+             "meta": CheckedJson.Save(info)}
     if peer:
-      items["peer"] = ocp.args.PyTreeSave({f"a{i}": x for i, x in enumerate(peer)})
-    with short_switch_interval():
+      items["peer"] = CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(peer)})
+    guard = finite_guard(self._handlers["state"], getattr(state, "params", state),
+                         blocking=not self.async_save)
+    with short_switch_interval(), guard:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     return size
+
+  def _fits(self, size: int) -> bool:
+    usage = shutil.disk_usage(self.dir)
+    return usage.free - size >= RESERVE * usage.total
+
+  def _make_room(self, step: int, size: int) -> None:
+    """Delete the oldest steps this save would retire anyway (the tier holds `keep`) if that
+    makes it fit (never in vain); the first time, say so."""
+    steps = sorted(self.manager.all_steps())
+    retire = steps[:max(len(steps) - self.keep + 1, 0)]
+    freed = sum(checkpoint_bytes(os.path.join(self.dir, str(s))) for s in retire)
+    usage = shutil.disk_usage(self.dir)
+    if not retire or usage.free + freed - size < RESERVE * usage.total:
+      return
+    for s in retire:
+      self.manager.delete(s)
+    if not self._made_room:
+      self._made_room = True
+      self.log(f"local checkpoint at step {step}: deleted local step(s) "
+               f"{', '.join(map(str, retire))} first to make room (the disk of {self.root} "
+               f"does not hold checkpoint.local_keep={self.keep} steps and one more)")
 
   def _layout(self, state, leaves, peer) -> tuple[dict, int]:
     """(the meta of a save's arrays, the bytes this process writes), computed once per run (the
@@ -128,8 +178,15 @@ class LocalTier:
     self.manager.wait_until_finished()
     self.manager.check_for_errors()
 
-  def check_for_errors(self) -> None:
-    self.manager.check_for_errors()
+  def finish_previous(self) -> Exception | None:
+    """Wait for the previous save's background write (the next save waits for it anyway; a
+    local wait, no collective), so that its bytes are on the disk and its old steps deleted;
+    returns its error if it failed."""
+    try:
+      self.wait()
+    except Exception as e:  # noqa: BLE001  storage errors of any kind
+      return e
+    return None
 
   def close(self) -> None:
     try:
@@ -142,7 +199,7 @@ class LocalTier:
 
   def visible_dirs(self) -> list[str]:
     """The process directories under the root this process can see, its own first."""
-    found = [d for d in glob.glob(os.path.join(self.root, "process_*"))
+    found = [d for d in glob.glob(os.path.join(self.base, "process_*"))
              if PROCESS_DIR.search(d) and os.path.isdir(d)]
     return sorted(found, key=lambda d: (d != self.dir, d))
 
@@ -154,15 +211,36 @@ class LocalTier:
       steps = {}
       for name in os.listdir(d):
         if name.isdigit() and os.path.exists(os.path.join(d, name, "commit_success.txt")):
-          try:
-            with open(os.path.join(d, name, "meta", "metadata")) as f:
-              steps[int(name)] = json.load(f)
-          except (OSError, ValueError):
-            continue
+          meta = self._read_meta(os.path.join(d, name, "meta"), int(name))
+          if meta is not None:
+            steps[int(name)] = meta
       out[d] = steps
     if step is None:
       return out
     return {d: steps[step] for d, steps in out.items() if step in steps}
+
+  def _read_meta(self, meta_dir: str, step: int) -> dict | None:
+    """A copy's meta, or None (said once per copy) if it is damaged, unreadable or another
+    run's."""
+    damaged, meta = verify_item(meta_dir), None
+    if damaged:
+      problem = f"is damaged ({damaged})"
+    else:
+      try:
+        with open(os.path.join(meta_dir, "metadata")) as f:
+          meta = json.load(f)
+        problem = "" if isinstance(meta, dict) and "keys" in meta else "holds no meta"
+      except (OSError, ValueError) as e:
+        problem = f"is unreadable ({first_line(e)})"
+    if not problem and meta.get("run", {}).get("id") != self.run["id"]:
+      problem = f"belongs to run {meta.get('run', {}).get('id')}, not this run {self.run['id']}"
+    if not problem:
+      return meta
+    where = os.path.relpath(meta_dir, self.root)
+    if where not in self._said:
+      self._said.add(where)
+      self.log(f"local checkpoint {step}: {where} {problem}; that copy is not used")
+    return None
 
   def steps(self) -> list[int]:
     """Local steps any process can see (the union over processes), oldest first."""
@@ -182,7 +260,7 @@ class LocalTier:
       if step is None or s > step:
         self.manager.delete(s)
     self.manager.reload()
-    current = {os.path.join(self.root, f"process_{i}") for i in range(self.count)}
+    current = {os.path.join(self.base, f"process_{i}") for i in range(self.count)}
     visible = self.visible_dirs()
     if min((d for d in visible if d in current), default=self.dir) == self.dir:
       for d in visible:
@@ -201,16 +279,16 @@ class LocalTier:
     bad: set = set()
     restored: dict[int, jax.Array] = {}
     read: set = set()
+    met: list[str] = []  # the copies that failed, said once the outcome is known
     while True:
       plan, missing = self._plan(metas, leaves, bad, restored)
       errors = [] if missing else self._read(step, plan, leaves, restored, bad)
       read |= {f"{os.path.basename(d)}/{item}" for (d, item) in plan}
       rows = self._agree({"missing": missing, "errors": errors, "read": sorted(read)})
-      for i, row in enumerate(rows):  # the lead process says what every process met
-        for e in row["errors"]:
-          self.log(f"local checkpoint {step}: {e}" + (f" (process {i})" if self.count > 1 else "")
-                   + "; trying another copy")
+      met += [e + (f" (process {i})" if self.count > 1 else "")
+              for i, row in enumerate(rows) for e in row["errors"]]
       if not any(r["missing"] or r["errors"] for r in rows):
+        self._say_met(step, met)
         everyone = [f"process {i}: {', '.join(r['read'])}" for i, r in enumerate(rows)]
         return treedef.unflatten([restored[i] for i in range(len(leaves))]), \
             "read " + ("; ".join(everyone) if self.count > 1 else ", ".join(sorted(read)))
@@ -220,8 +298,13 @@ class LocalTier:
     if self._in_place(metas, abstract_state):
       state = self._over_interconnect(step, metas, leaves, treedef)
       if state is not None:
+        self._say_met(step, met)
         return state, f"peer copies over the interconnect ({why})"
-    return None, why
+    return None, "; ".join(met) if met else why  # a damaged copy says more than what is missing
+
+  def _say_met(self, step: int, met: list[str]) -> None:
+    for e in met:
+      self.log(f"local checkpoint {step}: {e}; read another copy")
 
   def _plan(self, metas, leaves, bad, restored) -> tuple[dict, str]:
     """{(dir, item): [leaf indices]} covering what this process needs of each leaf not yet
@@ -255,7 +338,7 @@ class LocalTier:
         restored.update((i, out[f"a{i}"]) for i in indices)
       except Exception as e:  # noqa: BLE001  any read failure: try another copy
         bad.add((d, item))
-        errors.append(f"{os.path.basename(d)}/{item} is unreadable ({first_line(e)})")
+        errors.append(f"{os.path.basename(d)}/{item} {unreadable(e)}")
       finally:
         if manager is not self.manager:
           manager.close()
@@ -263,7 +346,10 @@ class LocalTier:
 
   @staticmethod
   def _restore_item(manager, step: int, item: str, target: dict) -> dict:
-    return manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+    problem = verify_item(os.path.join(manager.directory, str(step), item))
+    if problem:
+      raise Damaged(problem)
+    return manager.restore(step, args=ocp.args.Composite(**{item: CheckedPyTree.Restore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True)}))[item]
 
@@ -329,6 +415,5 @@ class LocalTier:
     try:
       return self._restore_item(self.manager, step, item, target)
     except Exception as e:  # noqa: BLE001  unreadable: the agreement decides what to do
-      self.log(f"local checkpoint {step}: {os.path.basename(self.dir)}/{item} is unreadable "
-               f"({type(e).__name__})")
+      self.log(f"local checkpoint {step}: {os.path.basename(self.dir)}/{item} {unreadable(e)}")
       return None

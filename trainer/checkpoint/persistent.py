@@ -5,12 +5,14 @@
     data      the grain iterator's position (JSON, one file per process)
     config    the resolved config (JSON)
     topology  the devices, mesh and batch history (trainer/checkpoint/elastic.py)
+    run       the run's identity (trainer/checkpoint/identity.py); each item its checksums
   <workdir>/checkpoints.unreadable/    unreadable checkpoints, moved aside, never deleted
 
 Saves are asynchronous and atomic (written under a temporary name, renamed when complete);
 nothing is pickled. `restore_latest` takes the newest complete step of this tier or the local one
-(trainer/checkpoint/local_tier.py), checked against the config before it is read, and falls back
-past unreadable ones. Why and details: docs/reliability.md#the-persistent-tier.
+(trainer/checkpoint/local_tier.py), verified (trainer/checkpoint/integrity.py) and checked against
+the config before it is read, and falls back past unreadable or damaged ones. Why and details:
+docs/reliability.md#the-persistent-tier.
 """
 from __future__ import annotations
 
@@ -30,13 +32,22 @@ from jax.experimental import multihost_utils
 
 from data import pipeline
 from trainer.checkpoint.data_state import DataStateHandler, DataStateRestore, DataStateSave, read_data_states
+from trainer.checkpoint.integrity import (CheckedJson, CheckedStandard, all_finite, checksummed,
+                                          finite_guard, verify_step)
 from trainer.checkpoint.saved import CheckpointError, SavedShapes, UnreadableConfig, check_saved, read_saved_config
 from trainer.errors import first_line
 from trainer.multihost.agreement import agree_all, exchange
 
 
 SAVE_SWITCH_INTERVAL = 2e-4  # seconds; see short_switch_interval
+CheckedData = checksummed(DataStateHandler, DataStateSave, DataStateRestore)
+NOT_FINITE = "it holds NaN or inf in its parameters or optimizer state"
 
+
+def finite_state(state) -> bool:
+  """Whether a restored state's parameters and optimizer state are finite (every process gets
+  the same answer: the flag is one global value)."""
+  return bool(all_finite((getattr(state, "params", state), getattr(state, "opt_state", None))))
 
 
 def _use_replica_parallel_only_across_hosts() -> None:
@@ -69,22 +80,26 @@ def short_switch_interval(seconds: float = SAVE_SWITCH_INTERVAL):
 class Checkpointer:
 
   def __init__(self, directory: str, *, keep: int, async_save: bool = True,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, integrity: bool = True,
+               timeout_s: float = 300):
+    """`integrity=False`: no checksums and no finiteness check (a save as it was before them;
+    bench/checkpoint_overhead.py compares); `timeout_s`: how long a restore waits for the other
+    processes to agree."""
+    self.integrity = integrity
     _use_replica_parallel_only_across_hosts()
     self.directory = os.path.abspath(directory)
-    self.log = log
+    self.log, self.timeout_s = log, timeout_s
     self._options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
         # Create the step directory in the calling thread: an unwritable directory then fails
         # the save at once, instead of timing out a background signal minutes later.
         async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
-    self.manager = ocp.CheckpointManager(
-        self.directory, options=self._options,
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": DataStateHandler(),
-                       "config": ocp.JsonCheckpointHandler(),
-                       "autopilot": ocp.JsonCheckpointHandler(),
-                       "topology": ocp.JsonCheckpointHandler()})
+    self.handlers = {"state": CheckedStandard(), "data": CheckedData(),
+                     **{k: CheckedJson() for k in ("config", "autopilot", "topology", "run")}}
+    for handler in self.handlers.values():
+      handler.sums = integrity
+    self.manager = ocp.CheckpointManager(self.directory, options=self._options,
+                                         item_handlers=self.handlers)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -100,17 +115,23 @@ class Checkpointer:
     self.manager.check_for_errors()
 
   def save(self, step: int, state, data_iterator, data_spec: pipeline.StreamSpec,
-           config: dict, autopilot: dict | None = None, topology: dict | None = None) -> None:
+           config: dict, autopilot: dict | None = None, topology: dict | None = None,
+           run: dict | None = None) -> None:
     """Start saving (async unless configured otherwise). Raises on storage errors.
     `autopilot`: the batch autopilot's decisions (JSON, `optim/autopilot.py`), if it runs;
-    `topology`: the devices, mesh and batch history (`trainer/checkpoint/elastic.py`)."""
-    extra = {k: ocp.args.JsonSave(v) for k, v in
-             (("autopilot", autopilot), ("topology", topology)) if v is not None}
-    with short_switch_interval():
+    `topology`: the devices, mesh and batch history (`trainer/checkpoint/elastic.py`); `run`: the
+    run's identity (`trainer/checkpoint/identity.py`). A state
+    whose parameters are not finite fails in its commit (`integrity.NonFiniteState`)."""
+    extra = {k: CheckedJson.Save(v) for k, v in
+             (("autopilot", autopilot), ("topology", topology), ("run", run)) if v is not None}
+    guard = finite_guard(self.handlers["state"], getattr(state, "params", state),
+                         blocking=not self._options.enable_async_checkpointing) \
+        if self.integrity else contextlib.nullcontext()
+    with short_switch_interval(), guard:
       self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state),
-          data=DataStateSave(data_iterator, data_spec),
-          config=ocp.args.JsonSave(config), **extra,
+          state=CheckedStandard.Save(state),
+          data=CheckedData.Save(data_iterator, data_spec),
+          config=CheckedJson.Save(config), **extra,
       ), force=True)
 
   def wait(self) -> None:
@@ -145,6 +166,19 @@ class Checkpointer:
     except (OSError, ValueError):
       return None
 
+  def verify(self, step: int) -> str | None:
+    """None if the files of checkpoint `step` match their checksums, else the first that does
+    not (each process reads its share of the files; every process gets the same answer)."""
+    try:
+      problem = verify_step(os.path.join(self.directory, str(step)),
+                            (jax.process_index(), jax.process_count()))
+    except OSError as e:
+      problem = first_line(e)
+    if jax.process_count() > 1:
+      rows = exchange({"problem": problem}, self.timeout_s)
+      problem = next((r["problem"] for r in rows if r["problem"]), None)
+    return problem
+
   def check_compatible(self, step: int, abstract_state, config: dict,
                        data_spec: pipeline.StreamSpec | None = None,
                        windows_before: int | None = None) -> str | None:
@@ -171,9 +205,11 @@ class Checkpointer:
     error = None
     try:
       restored = self.manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
-          data=DataStateRestore(iterator, data_spec, windows_before),
+          state=CheckedStandard.Restore(abstract_state),
+          data=CheckedData.Restore(iterator, data_spec, windows_before),
       ))
+      if not finite_state(restored.state):
+        error = NOT_FINITE
     except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
       error = first_line(e)
     if not agree_all(error is None):
@@ -202,23 +238,27 @@ class Checkpointer:
           self._set_aside(unreadable)
           local.drop_newer(step)
           return restored
-        self.log(f"local checkpoint {step} is not complete ({restored}); trying "
+        self.log(f"local checkpoint {step} cannot be restored ({restored}); trying "
                  + ("the persistent one" if step in steps else "the previous one"))
       if step not in steps:
         continue
       error = note = None
-      try:
-        note = self.check_compatible(step, abstract_state, config, data_spec, before)
-      except UnreadableConfig as e:  # as unreadable as a damaged state: fall back
-        error = str(e)
+      damaged = self.verify(step)  # the same on every process
+      if damaged:
+        error = damaged
+      else:
+        try:
+          note = self.check_compatible(step, abstract_state, config, data_spec, before)
+        except UnreadableConfig as e:  # as unreadable as a damaged state: fall back
+          error = str(e)
       # Every process must settle on the same step before the (collective) restore.
       if not agree_all(error is None):
         restored = error or "on another process"
       else:
         restored = self.restore_step(step, abstract_state, data_spec, before)
       if isinstance(restored, str):
-        self.log(f"checkpoint {self.directory}/{step} is unreadable ({restored}); trying the "
-                 "previous one")
+        self.log(f"checkpoint {self.directory}/{step} is {'damaged' if damaged else 'unreadable'} "
+                 f"({restored}); trying the previous one")
         unreadable.append(step)
         continue
       self._set_aside(unreadable)
@@ -283,12 +323,14 @@ def restore_local(local, step: int, abstract_state, config: dict,
     meta = next((r for r in rows if r), None)
   if meta is None:
     return "no process has a copy"
-  where = f"{local.root}/process_*/{step}"
+  where = f"{local.base}/process_*/{step}"
   note = check_saved(where, meta["config"], SavedShapes(zip(meta["keys"], meta["shapes"])),
                      [meta["data"]], abstract_state, config, data_spec, windows_before)
   state, how = local.restore(step, abstract_state)
   if state is None:
     return how
+  if not finite_state(state):
+    return NOT_FINITE
   iterator = iter(pipeline.dataset(data_spec))
   iterator.set_state(pipeline.restored_state([meta["data"]], data_spec, windows_before)[0])
   if note:

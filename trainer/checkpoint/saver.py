@@ -4,9 +4,10 @@ A save hands the state, the data position, the config, the batch autopilot's dec
 topology to the persistent tier (trainer/checkpoint/persistent.py) or the local one
 (trainer/checkpoint/local_tier.py), asynchronously unless it blocks (the final save, a
 preemption's). A persistent save that cannot fit is refused before it starts; one that fails is
-one line naming its step and cause, its partial directory removed; with several processes it
-counts as written only if every process wrote it. Local saves are best effort: a failure is
-logged and the run goes on. Why and details: docs/reliability.md#the-persistent-tier.
+one line on stderr naming its step and cause, its partial directory removed, found at the next
+save or, for a background write, at the first log step after it ended (`poll`); with several
+processes it counts as written only if every process wrote it. Local saves are best effort: a
+failure is said by its process and the run goes on. Why: docs/reliability.md#the-persistent-tier.
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ import jax
 from jax.experimental import multihost_utils
 
 from data import pipeline
+from trainer.checkpoint.integrity import NonFiniteState, checkpoint_bytes
 from trainer.checkpoint.local_tier import LocalSaveSkipped, LocalTier
 from trainer.checkpoint.persistent import Checkpointer
 from trainer.errors import first_line
-from trainer.multihost.agreement import agree_any
+from trainer.multihost.agreement import agree_all, agree_any
 
 ORBAX_TMP = "*.orbax-checkpoint-tmp*"  # where Orbax writes a checkpoint until it is complete
 
@@ -38,12 +40,6 @@ class NoSpace(OSError):
 
   def __str__(self) -> str:
     return self.strerror
-
-
-def checkpoint_bytes(step_dir: str) -> int:
-  """Bytes of the files of one checkpoint (their sizes, not the blocks they occupy)."""
-  return sum(os.path.getsize(os.path.join(root, name))
-             for root, _, names in os.walk(step_dir) for name in names)
 
 
 def check_space(directory: str, step: int, previous: int | None) -> None:
@@ -65,7 +61,7 @@ def check_space(directory: str, step: int, previous: int | None) -> None:
 
 def describe(error: BaseException, directory: str) -> str:
   """The cause of a failed save, in a few words."""
-  if isinstance(error, NoSpace):
+  if isinstance(error, (NoSpace, NonFiniteState)):
     return str(error)
   if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
     return f"no space left on device in {directory}"
@@ -116,16 +112,23 @@ class Saver:
 
   def __init__(self, checkpointer: Checkpointer, data_spec, config: dict, timer, decider, log,
                autopilot=None, *, local: LocalTier | None = None, topology=dict,
-               events=lambda *a, **k: None, to_saved=lambda state: state):
+               events=lambda *a, **k: None, to_saved=lambda state: state, run=None, warn=None):
     """`to_saved(state)`: the state as a checkpoint of either tier holds it (a circular
-    pipeline's layer stack in the plain order, trainer/step/pipelined.py)."""
+    pipeline's layer stack in the plain order, trainer/step/pipelined.py); `run`: the run's
+    identity, in every persistent checkpoint (the local tier has its own); `warn(line, here=)`:
+    where the lines of failed saves go (stderr; with `here`, a local save's, said by the process
+    it failed on; `log` if None)."""
     self.checkpointer, self.data_spec, self.config = checkpointer, data_spec, config
     self.timer, self.decider, self.log = timer, decider, log
+    self.warn = warn or (lambda line, here=False: log(line))
     self.autopilot, self.local, self.topology, self.events = autopilot, local, topology, events
-    self.to_saved = to_saved
+    self.to_saved, self.run = to_saved, run
     self.failing = False
-    self.local_failing = False
-    self.last_step = None
+    self.nonfinite = None  # (status, message) once a save found the state not finite
+    self.local_failing = None  # (first step not written, saves not written, why) in a streak
+    self.local_last = None  # the last local step started
+    self.last_step = None  # the last persistent step started
+    self.unconfirmed = False  # whether its background write may still fail (`poll`)
     silence_orbax_failures()
 
   def __call__(self, step: int, state, train_iter, *, blocking: bool = False) -> bool:
@@ -139,31 +142,63 @@ class Saver:
         failed_step = step
         check_space(ckpt.directory, step, (ckpt.all_steps() or [None])[-1])
         ckpt.save(step, self.to_saved(state), train_iter, self.data_spec, self.config,
-                  autopilot=self._autopilot(), topology=self.topology())
-        self.last_step = step
+                  autopilot=self._autopilot(), topology=self.topology(), run=self.run)
+        self.last_step, self.unconfirmed = step, True
         if blocking:
           ckpt.wait()
       except Exception as e:  # noqa: BLE001  storage errors of any kind
         error = e
       failed = agree_any(error is not None)
-      removed = self._discard_partial() if failed else []
+      if failed:
+        self._failed(failed_step or step, error)
     self.events("checkpoint", step=step, tier="persistent", seconds=time.perf_counter() - t,
                 ok=not failed)
     if failed:
-      if not self.failing:
-        good = [s for s in ckpt.all_steps() if s < (failed_step or step)]
-        reason = describe(error, ckpt.directory) if error is not None else \
-            "failed on another process"
-        self.log(f"checkpoint save at step {failed_step} failed ({reason}); "
-                 + (f"removed its partial {', '.join(removed)}; " if removed else "")
-                 + f"earlier checkpoints are untouched (newest: {good[-1] if good else 'none'})")
-      self.failing = True
       return False
     if self.failing:
       self.log(f"checkpoint save at step {step} succeeded again")
     self.failing = False
     self.decider.saved()
     return True
+
+  def poll(self) -> bool:
+    """At a log step: whether the background write of the last persistent save has failed,
+    found now rather than at the next save (said like one). Every process takes part while
+    that write is unconfirmed (the same steps on all: a decision that leads into a collective)."""
+    if not self.unconfirmed:
+      return False
+    ckpt, error = self.checkpointer, None
+    done = not ckpt.manager.is_saving_in_progress()
+    if done:
+      try:
+        ckpt.wait()  # returns at once: the write is over; raises its error
+      except Exception as e:  # noqa: BLE001  storage errors of any kind
+        error = e
+    if agree_any(error is not None):
+      with self.timer.paused():
+        self._failed(self.last_step, error)
+      return True
+    self.unconfirmed = not agree_all(done)
+    return False
+
+  def _failed(self, step: int, error: Exception | None) -> None:
+    """A persistent save failed (on this process: `error`; None: on another): remove its partial
+    directory and say so in one line, once per streak of failures."""
+    removed = self._discard_partial()
+    self.unconfirmed = False
+    ckpt = self.checkpointer
+    good = [s for s in ckpt.all_steps() if s < step]
+    if isinstance(error, NonFiniteState):
+      self.nonfinite = ("nonfinite", f"stopped: the parameters at step {step} are not finite, "
+                        "so they were not saved; the newest checkpoint ("
+                        f"{good[-1] if good else 'none'}) is the last good state")
+    if not self.failing:
+      reason = describe(error, ckpt.directory) if error is not None else \
+          "failed on another process"
+      self.warn(f"checkpoint save at step {step} failed ({reason}); "
+                + (f"removed its partial {', '.join(removed)}; " if removed else "")
+                + f"earlier checkpoints are untouched (newest: {good[-1] if good else 'none'})")
+    self.failing = True
 
   def _discard_partial(self) -> list[str]:
     """After a failed save: once no process is writing any more, process 0 removes the partial
@@ -177,12 +212,15 @@ class Saver:
     return remove_partial(self.checkpointer.directory) if jax.process_index() == 0 else []
 
   def to_local(self, step: int, state, train_iter) -> bool:
-    """Start a save to the local tier (every process, the same step). Never stops the run."""
+    """Start a save to the local tier (every process, the same step). Never stops the run.
+    An error of an earlier local write is said, never raised before this save: its peer copy
+    is a collective every process must enter (whether a local step counts is agreed when it is
+    restored)."""
     t = time.perf_counter()
     error = None
     with self.timer.paused():
+      earlier = self.local.finish_previous()  # the previous local step, if it failed
       try:
-        self.local.check_for_errors()
         meta = {"config": self.config, "autopilot": self._autopilot(),
                 "topology": self.topology(),
                 "data": pipeline.saved_state(train_iter.get_state(), self.data_spec)}
@@ -191,17 +229,34 @@ class Saver:
         error = e
     self.events("checkpoint", step=step, tier="local", seconds=time.perf_counter() - t,
                 ok=error is None)
+    if earlier is not None:
+      self._local_failed(self.local_last, earlier)
+    self.local_last = step
     if error is not None:
-      if not self.local_failing:
-        reason = str(error) if isinstance(error, LocalSaveSkipped) else first_line(error)
-        self.log(f"local checkpoint at step {step} not written ({reason}); training goes on, "
-                 "and the next local save tries again")
-      self.local_failing = True
+      self._local_failed(step, error)
       return False
-    if self.local_failing:
-      self.log(f"local checkpoint at step {step} written again")
-    self.local_failing = False
+    if self.local_failing and earlier is None:
+      self.warn(f"local checkpoint at step {step} written again", here=True)
+      self.local_failing = None
     return True
+
+  def _local_failed(self, step: int | None, error: Exception) -> None:
+    reason = str(error) if isinstance(error, (LocalSaveSkipped, NonFiniteState)) else \
+        first_line(error)
+    if not self.local_failing:
+      self.warn(f"local checkpoint at step {step} not written ({reason}); training goes on, "
+                "and the next local save tries again", here=True)
+      self.local_failing = (step, 0, reason)
+    first, count, _ = self.local_failing
+    self.local_failing = (first, count + 1, reason)
+
+  def summary(self) -> str | None:
+    """At the end of a run: the line that says local saves stopped working, if they did."""
+    if not self.local_failing:
+      return None
+    first, count, reason = self.local_failing
+    return (f"local checkpoints failed from step {first} on: {count} local save(s) not written, "
+            f"the last because {reason}")
 
   def _autopilot(self) -> dict | None:
     return None if self.autopilot is None else self.autopilot.state_dict()

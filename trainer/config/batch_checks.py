@@ -4,6 +4,8 @@ Each problem is one `ConfigError` line naming the key, the value and what would 
 """
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES
@@ -70,7 +72,10 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
     try:
       stages = parse_ramp(d.batch_ramp)
     except ValueError as e:
-      raise ConfigError(f"data.batch_ramp={d.batch_ramp!r}: {e}") from None
+      word = difflib.get_close_matches(d.batch_ramp.strip().lower(), ["seesaw", "auto"], n=1)
+      raise ConfigError(f"data.batch_ramp={d.batch_ramp!r}: " + (
+          f"did you mean {word[0]!r}? (or stages BATCH:START_TOKENS,...)" if word else str(e))
+      ) from None
     need(d.micro_batch_size > 0,
           "data.batch_ramp needs data.micro_batch_size: every stage is a number of "
           "micro-batches of that fixed shape")

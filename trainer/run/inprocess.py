@@ -77,6 +77,9 @@ def load_run(workdir: str, step: int):
   """The config checkpoint `step` of the run in `workdir` was written with (ConfigDict)."""
   from trainer.checkpoint.model_dirs import source_config  # noqa: PLC0415  start-up
   from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
+  if not os.path.isdir(workdir):
+    raise ConfigError(f"{workdir} does not exist" + (" (it is a file)" if os.path.exists(workdir)
+                      else "") + "; give the --workdir of a trained run")
   directory = os.path.join(workdir, "checkpoints")
   have = sorted(int(n) for n in os.listdir(directory) if n.isdigit()) \
       if os.path.isdir(directory) else []

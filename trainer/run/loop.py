@@ -20,6 +20,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
+import sys
 import time
 
 import jax
@@ -30,6 +32,8 @@ from optim.autopilot import AutoConfig, Autopilot
 from sharding.mesh import data_parallel_size
 from trainer.checkpoint import elastic
 from trainer.checkpoint.horizon import fix_horizon
+from trainer.checkpoint.identity import keep_identity, run_identity
+from trainer.checkpoint.integrity import NonFiniteState
 from trainer.checkpoint.local_tier import LocalTier
 from trainer.checkpoint.model_dirs import init_from_mismatch, load_params
 from trainer.checkpoint.persistent import Checkpointer
@@ -79,6 +83,8 @@ class Run:
     setup_compilation_cache(cfg.trainer.compile_cache_dir)
     # An unset schedule horizon is `steps` at the first start, kept in the checkpoints after.
     cfg, self.horizon_note = fix_horizon(cfg, os.path.join(self.workdir, "checkpoints"))
+    self.config_batch = cfg.data.global_batch_size
+    cfg = elastic.as_resumed(cfg, self.workdir, jax.devices())  # a rescaling restart's batch
     self.mesh = run_mesh(cfg)
     self.events = Events(self.workdir, enabled=False)
     self.sources = sources(cfg)
@@ -96,23 +102,33 @@ class Run:
     self.feed = Feed(p.cfg, p, self.sources)
     self.steps = CompiledSteps(p, lambda *a, **k: self.events(*a, **k))
 
-  def log(self, message: str) -> None:
+  def log(self, message: str, *, stderr: bool = False) -> None:
     if self.writer is not None:
-      self.writer.log(message)
+      self.writer.log(message, stderr=stderr)
     elif self.is_lead:
-      print(message, flush=True)
+      print(message, flush=True, file=sys.stderr if stderr else sys.stdout)
+
+  def warn(self, message: str, *, here: bool = False) -> None:
+    """A line about something that failed (a save): to stderr; `here`: it happened on this
+    process alone (a local save), so this process says it even if it does not lead."""
+    if here and not self.is_lead:
+      print(f"process {jax.process_index()}: {message}", file=sys.stderr, flush=True)
+    else:
+      self.log(message, stderr=True)
 
   # --------------------------------------------------------------------------------------------
 
   def train(self) -> RunResult:
     started, process_start = time.time(), process_start_time()
     os.makedirs(self.workdir, exist_ok=True)
-    ck = self.cfg.checkpoint
+    ck, timeout = self.cfg.checkpoint, self.cfg.distributed.initialization_timeout
+    self.identity, note = run_identity(self.workdir, timeout)  # run.json once it has started
+    if note:
+      self.log(note)
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=ck.keep,
-                                     async_save=ck.async_save, log=self.log)
-    self.local = LocalTier(ck.local_dir, self.mesh, keep=ck.local_keep,
-                           async_save=ck.async_save, log=self.log,
-                           timeout_s=self.cfg.distributed.initialization_timeout) \
+                                     async_save=ck.async_save, log=self.log, timeout_s=timeout)
+    self.local = LocalTier(ck.local_dir, self.mesh, run=self.identity, keep=ck.local_keep,
+                           async_save=ck.async_save, log=self.log, timeout_s=timeout) \
         if ck.local_dir else None
     status = None
     try:
@@ -124,8 +140,9 @@ class Run:
         init_seconds = time.perf_counter() - t - restore_seconds
         repair_jsonl(os.path.join(self.workdir, "metrics.jsonl"))
         self.events = Events(self.workdir, enabled=self.is_lead)
-        self.events("start", time=started, process_start=process_start,
-                    processes=jax.process_count(), devices=jax.device_count())
+        self.events("start", time=started, process_start=process_start, pid=os.getpid(),
+                    host=socket.gethostname(), processes=jax.process_count(),
+                    devices=jax.device_count())
         self.events("restore", seconds=restore_seconds, step=restored and restored.step,
                     tier=restored and restored.tier, source=restored and restored.source)
         if restored is None:  # a fresh state: its initialiser is compiled, then run
@@ -137,6 +154,7 @@ class Run:
         if self.is_lead:
           with open(os.path.join(self.workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=1)
+          keep_identity(self.workdir, self.identity)
         result = self._train(signals, state, iterator, restored)
         status = (result.status, result.step, result.message)
         return result
@@ -167,7 +185,7 @@ class Run:
       return self._fresh_state(), self.feed.iterator(), None, seconds
     # Other devices: the batch kept or rescaled (data.on_resize), the program rebuilt for it.
     cfg, self.resize_line = elastic.plan(self.cfg, restored.items.get("topology"), restored.step,
-                                         self.mesh, self.ramp)
+                                         self.mesh, self.ramp, self.config_batch)
     iterator = restored.iterator
     if cfg is not None:
       self._build(cfg)
@@ -256,10 +274,12 @@ class Run:
                         newest_checkpoint=lambda: (self.checkpointer.all_steps() or [None])[-1],
                         stop_when=self.stop_when,
                         reduce=reduce_metrics(self.mesh) if self.program.diloco else None)
-    save = Saver(self.checkpointer, self.feed.spec, cfg.to_dict(), timer, decider, self.log,
-                 autopilot=self.autopilot, local=self.local, events=self.events,
-                 topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
-                 to_saved=self.program.layout.to_saved)
+    self.saver = save = Saver(
+        self.checkpointer, self.feed.spec, cfg.to_dict(), timer, decider, self.log,
+        autopilot=self.autopilot, local=self.local, events=self.events, run=self.identity,
+        topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
+        to_saved=self.program.layout.to_saved, warn=self.warn)
+    stops = lambda: save.nonfinite or cfg.checkpoint.on_error == "stop"  # after a failed save
     outcome = None  # (status, message) once the run must end early
     deferred = None  # a log step whose row is read while the next step runs
     step = start
@@ -283,6 +303,10 @@ class Run:
           outcome, deferred = readback(upto=deferred), None
           if outcome or readback.stop_reason is not None:
             break
+        if decision.log and not decision.save and save.poll() and stops():
+          outcome = readback() or save.nonfinite or ("storage", f"stopped at step {step}: "
+                                                     "checkpoint storage failed")
+          break
         if not decision.read:
           deferred = step if decision.log else None
           continue
@@ -298,10 +322,11 @@ class Run:
               "the checkpoint could not be written"))
           break
         if decision.save and not save(step, state, train_iter, blocking=decision.final):
-          if decision.final or cfg.checkpoint.on_error == "stop":
-            outcome = ("storage", f"stopped at step {step}: checkpoint storage failed"
-                       if not decision.final else
-                       f"finished step {step} but its checkpoint could not be written")
+          if decision.final or stops():
+            outcome = save.nonfinite or ("storage", f"stopped at step {step}: checkpoint "
+                                         "storage failed" if not decision.final else
+                                         f"finished step {step} but its checkpoint could not be "
+                                         "written")
             break
         if decision.local_save:
           save.to_local(step, state, train_iter)
@@ -327,12 +352,15 @@ class Run:
       self.checkpointer.wait()
     except Exception as e:  # noqa: BLE001
       if status == "done":
-        status, message = "storage", f"the last checkpoint could not be written ({first_line(e)})"
+        status, message = ("nonfinite", str(e)) if isinstance(e, NonFiniteState) else \
+            ("storage", f"the last checkpoint could not be written ({first_line(e)})")
     if self.local is not None:
       try:
         self.local.wait()
       except Exception as e:  # noqa: BLE001  a local write is best effort
-        self.log(f"the last local checkpoint could not be written ({first_line(e)})")
+        self.warn(f"the last local checkpoint could not be written ({first_line(e)})", here=True)
+      if self.saver.summary():
+        self.warn(self.saver.summary(), here=True)
     self.events("checkpoint", step=step, tier="wait", seconds=time.perf_counter() - t)
     if message:
       self.log(message)

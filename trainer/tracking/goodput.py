@@ -57,16 +57,17 @@ class StepTimer:
     return host
 
 
-def process_start_time() -> float:
-  """When this process started (wall clock, from /proc), or now where /proc cannot say."""
+def process_start_time(pid: int | str = "self") -> float | None:
+  """When process `pid` (this one by default) started (wall clock, from /proc); now for this
+  process and None for another where /proc cannot say (no such process)."""
   try:
-    with open("/proc/self/stat") as f:
+    with open(f"/proc/{pid}/stat") as f:
       ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime after boot
     with open("/proc/uptime") as f:
       uptime = float(f.read().split()[0])
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
   except (OSError, ValueError, IndexError):
-    return time.time()
+    return time.time() if pid == "self" else None
 
 
 class Events:
@@ -74,7 +75,8 @@ class Events:
   JSON line per event, each with its wall-clock `time`, written and flushed as it happens (a
   killed process loses nothing it wrote). What the loop records (trainer/run/loop.py):
 
-    start       {process_start, processes, devices}: a process of the run began (each restart)
+    start       {process_start, processes, devices, pid, host}: a process of the run began (each
+                restart); `tools.goodput` asks whether that process still runs
     restore     {seconds, step, tier, source}: the checkpoint it resumed from (step null: fresh)
     compile     {seconds, what}: a train step (or DiLoCo outer step) compiled
     first_step  {step}: the first step of this start was dispatched

@@ -76,13 +76,15 @@ class MetricsWriter:
       if postfix:
         self._bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
 
-  def log(self, message: str) -> None:
+  def log(self, message: str, *, stderr: bool = False) -> None:
+    """Print a line (to stderr with `stderr`: a failure), above the progress bar if any."""
     if not self.enabled:
       return
+    out = sys.stderr if stderr else sys.stdout
     if self._bar is not None:
-      self._bar.write(message)
+      self._bar.write(message, file=out)
     else:
-      print(message, flush=True)
+      print(message, flush=True, file=out)
 
   def close(self) -> None:
     if self._bar is not None:

@@ -1,0 +1,228 @@
+"""Damaged bytes are caught in both tiers and a non-finite state is never saved: checksums taken
+at save, verified before a restore accepts a step (trainer/checkpoint/integrity.py).
+
+Each test damages files the way the issue's reproduction did (4 KiB inverted inside an array
+file) and checks the one line, the fallback and the losses against an undamaged run.
+"""
+import glob
+import json
+import os
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import pytest
+
+from conftest import losses, tiny_config
+from trainer.checkpoint import integrity
+from trainer.checkpoint.persistent import Checkpointer
+from trainer.run.loop import Run
+
+
+def invert(path, size=4096):
+  """Invert `size` bytes in the middle of a file (a damage that still decodes)."""
+  data = bytearray(open(path, "rb").read())
+  start = max(len(data) // 2 - size // 2, 0)
+  data[start:start + size] = bytes(b ^ 0xFF for b in data[start:start + size])
+  open(path, "wb").write(bytes(data))
+
+
+def largest_file(directory):
+  files = [p for p in glob.glob(os.path.join(directory, "**"), recursive=True)
+           if os.path.isfile(p) and not p.endswith(integrity.SUMS)]
+  return max(files, key=os.path.getsize)
+
+
+def local_step_dir(root, step):
+  return glob.glob(os.path.join(root, "**", "process_0", str(step)), recursive=True)[0]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """Losses of an undamaged 6-step run saving persistently every 3 steps."""
+  workdir = tmp_path_factory.mktemp("straight")
+  assert Run(tiny_config(**{"checkpoint.every_steps": 3}), str(workdir)).train().status == "done"
+  return losses(workdir)
+
+
+def test_a_damaged_persistent_checkpoint_is_set_aside_and_the_previous_one_restored(
+    straight, tmp_path, capsys):
+  cfg = tiny_config(**{"checkpoint.every_steps": 2, "steps": 4})
+  workdir = tmp_path / "w"
+  assert Run(cfg, str(workdir)).train().status == "done"
+  victim = largest_file(workdir / "checkpoints" / "4" / "state")
+  invert(victim)
+  capsys.readouterr()
+  cfg.steps = 6
+  assert Run(cfg, str(workdir)).train().status == "done"
+  out = capsys.readouterr().out
+  damaged = [l for l in out.splitlines() if "is damaged" in l]
+  assert len(damaged) == 1 and "checkpoints/4 is damaged (state/" in damaged[0] \
+      and "does not match its checksum" in damaged[0], out
+  assert "resumed from" in out and out.split("resumed from")[1].split()[0].endswith("/2"), out
+  assert len(glob.glob(str(workdir / "checkpoints.unreadable" / "4-*"))) == 1
+  got = losses(workdir)
+  assert [got[s] for s in range(3, 7)] == [straight[s] for s in range(3, 7)]
+
+
+def test_a_damaged_local_step_falls_back_and_nan_is_never_trained_on(straight, tmp_path, capsys):
+  """The issue's reproduction: 4 KiB inverted inside the data file of the newest local step.
+  It is named in one line and not restored; the run resumes from the previous local step and
+  ends on the undamaged run's losses (no NaN step, no checkpoint written from a damaged state)."""
+  root, workdir = tmp_path / "local", tmp_path / "w"
+  cfg = tiny_config(**{"checkpoint.every_steps": 3, "checkpoint.local_dir": str(root),
+                       "checkpoint.local_every_steps": 1, "checkpoint.local_keep": 2})
+  assert Run(cfg, str(workdir)).train().status == "done"
+  shutil.rmtree(workdir / "checkpoints" / "6")  # killed before the final save: local 5 is newest
+  invert(largest_file(os.path.join(local_step_dir(root, 5), "state")))
+  capsys.readouterr()
+  assert Run(cfg, str(workdir)).train().status == "done"
+  out = capsys.readouterr().out
+  lines = [l for l in out.splitlines() if "local checkpoint 5" in l]
+  assert len(lines) == 1 and "process_0/state is damaged" in lines[0] and \
+      "does not match its checksum" in lines[0], out
+  assert "resumed from" in out and "/4 " in out.split("resumed from")[1].splitlines()[0], out
+  got = losses(workdir)
+  assert [got[s] for s in range(5, 7)] == [straight[s] for s in range(5, 7)]
+
+
+def test_a_state_with_nan_is_never_saved(tmp_path):
+  """A NaN anywhere in the parameters or optimizer state: the save fails in its background
+  commit (every process alike), nothing is committed, earlier steps stay."""
+  ckpt = Checkpointer(str(tmp_path / "c"), keep=3)
+  from data import pipeline  # noqa: PLC0415
+  from data.prepare import ensure_default_corpus  # noqa: PLC0415
+  spec = pipeline.StreamSpec(ensure_default_corpus(), "train", 32, 2, prefetch=0)
+  it = iter(pipeline.dataset(spec))
+  good = {"params": {"w": jnp.ones((8, 8))}}
+  ckpt.save(1, good, it, spec, {})
+  ckpt.wait()
+  bad = {"params": {"w": jnp.ones((8, 8)).at[3, 3].set(jnp.nan)}}
+  ckpt.save(2, bad, it, spec, {})
+  with pytest.raises(integrity.NonFiniteState, match="NaN or inf"):
+    ckpt.wait()
+  assert ckpt.all_steps() == [1]
+  ckpt.close()
+
+
+def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, monkeypatch,
+                                                                     capsys):
+  """The check at step 4's save says NaN (as a parameter overflowed to inf or a flipped bit in
+  memory would): nothing of step 4 is written, the failure is found once its write ended, and
+  the run stops with status nonfinite (exit 3), naming the last good checkpoint."""
+  real, calls = integrity.all_finite, []
+
+  def finite_until_step_4(tree):
+    calls.append(1)
+    return real(tree) & (len(calls) != 2)  # the second save: step 4
+
+  monkeypatch.setattr(integrity, "all_finite", finite_until_step_4)
+  result = Run(tiny_config(**{"checkpoint.every_steps": 2, "steps": 8}), str(tmp_path)).train()
+  err = capsys.readouterr().err
+  # Found at the first log step after the write ended (5), or by the save at 6 waiting for it.
+  assert (result.status, result.exit_code) == ("nonfinite", 3) and result.step in (5, 6), result
+  assert result.message == ("stopped: the parameters at step 4 are not finite, so they were not "
+                            "saved; the newest checkpoint (2) is the last good state")
+  assert "checkpoint save at step 4 failed (the state holds NaN or inf in its parameters; it is " \
+         "not saved)" in err, err
+  assert Checkpointer(str(tmp_path / "checkpoints"), keep=3).all_steps() == [2]
+
+
+def test_checksums_name_the_file_and_skip_items_written_without_them(tmp_path):
+  item = tmp_path / "item"
+  (item / "d").mkdir(parents=True)
+  (item / "d" / "a").write_bytes(b"x" * 10000)
+  (item / "b").write_bytes(b"y" * 10)
+  assert integrity.write_checksums(str(item)) == 10010
+  assert integrity.verify_item(str(item)) is None
+  invert(str(item / "d" / "a"), 16)
+  assert integrity.verify_item(str(item)).startswith("d/a does not match its checksum")
+  # Each process reads its share (round robin over b, d/a): the damaged file is process 1's.
+  assert integrity.verify_item(str(item), (0, 2)) is None
+  assert integrity.verify_item(str(item), (1, 2)).startswith("d/a")
+  (item / "b").write_bytes(b"y")
+  assert integrity.verify_item(str(item)) == "b has 1 bytes, 10 were written"
+  os.remove(item / integrity.SUMS)
+  assert integrity.verify_item(str(item)) is None  # written before checksums existed
+
+
+# --- a local step belongs to its run -----------------------------------------------------------
+
+
+def test_a_local_dir_shared_by_two_runs_restores_each_only_its_own(tmp_path, capsys):
+  """The issue's reproduction: run A leaves local steps; a fresh run B (another seed and rate)
+  pointed at the same local_dir must not resume from them (one line names A's steps, B starts
+  clean), and A resumed afterwards must not take B's newer local step. Both end on the losses
+  of their own uninterrupted runs."""
+  root = str(tmp_path / "local")
+  local = {"checkpoint.local_dir": root, "checkpoint.local_every_steps": 1,
+           "checkpoint.every_steps": 3}
+  a = lambda **k: tiny_config(**{"seed": 7, **local, **k})
+  b = lambda **k: tiny_config(**{"seed": 0, "optim.learning_rate": 3e-3, **local, **k})
+  straight = {}
+  for name, cfg in (("a", a(steps=8)), ("b", b(steps=8))):
+    cfg.checkpoint.local_dir, cfg.checkpoint.local_every_steps = "", 0
+    assert Run(cfg, str(tmp_path / f"straight_{name}")).train().status == "done"
+    straight[name] = losses(tmp_path / f"straight_{name}")
+  assert Run(a(steps=6), str(tmp_path / "a")).train().status == "done"
+  shutil.rmtree(tmp_path / "a" / "checkpoints" / "6")  # killed before its final save
+  capsys.readouterr()
+  assert Run(b(steps=8), str(tmp_path / "b")).train().status == "done"
+  out = capsys.readouterr().out
+  other = [l for l in out.splitlines() if "also holds local checkpoints of run" in l]
+  assert len(other) == 1 and f"of {tmp_path / 'a'} (steps 4, 5)" in other[0] \
+      and "never restored here and left untouched" in other[0], out
+  assert "resumed from" not in out, out
+  assert losses(tmp_path / "b") == straight["b"]
+  capsys.readouterr()
+  assert Run(a(steps=8), str(tmp_path / "a")).train().status == "done"  # b's local 7 is newer
+  out = capsys.readouterr().out
+  assert "resumed from" in out and "/5 " in out.split("resumed from")[1].splitlines()[0], out
+  got = losses(tmp_path / "a")
+  assert [got[s] for s in range(1, 9)] == [straight["a"][s] for s in range(1, 9)]
+
+
+def test_the_run_identity_is_kept_in_the_workdir_and_every_checkpoint(tmp_path):
+  from trainer.checkpoint import identity  # noqa: PLC0415
+  cfg = tiny_config(**{"steps": 2, "checkpoint.every_steps": 1})
+  assert Run(cfg, str(tmp_path / "w")).train().status == "done"
+  kept = identity.read_identity(str(tmp_path / "w"))
+  assert kept["workdir"] == str(tmp_path / "w") and len(kept["id"]) == 12
+  for step in (1, 2):
+    saved = json.load(open(tmp_path / "w" / "checkpoints" / str(step) / "run" / "metadata"))
+    assert saved == kept
+  assert identity.run_identity(str(tmp_path / "w")) == (kept, None)
+  # A copied workdir is another run: a new identity, said in one line.
+  shutil.copytree(tmp_path / "w", tmp_path / "copy")
+  new, note = identity.run_identity(str(tmp_path / "copy"))
+  assert new["id"] != kept["id"] and new["workdir"] == str(tmp_path / "copy")
+  assert note == (f"{tmp_path / 'copy'}/run.json names run {kept['id']} of {tmp_path / 'w'} "
+                  "(a copied or moved workdir): this is a new run")
+
+
+def test_local_copies_written_without_checksums_are_named_in_one_line_each(straight, tmp_path,
+                                                                           capsys):
+  """Copies of an earlier version (no checksums): garbage in a meta is named (it was skipped in
+  silence), a truncated state is named by its cause (not by a TensorStore spec), and the run
+  resumes from the persistent step on the undamaged run's losses."""
+  root, workdir = tmp_path / "local", tmp_path / "w"
+  cfg = tiny_config(**{"checkpoint.every_steps": 3, "checkpoint.local_dir": str(root),
+                       "checkpoint.local_every_steps": 1, "checkpoint.local_keep": 2})
+  assert Run(cfg, str(workdir)).train().status == "done"
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  for sums in glob.glob(os.path.join(root, "**", integrity.SUMS), recursive=True):
+    os.remove(sums)
+  (pathlib.Path(local_step_dir(root, 5)) / "meta" / "metadata").write_text("{garbage")
+  state = largest_file(os.path.join(local_step_dir(root, 4), "state"))
+  open(state, "r+b").truncate(os.path.getsize(state) // 2)
+  capsys.readouterr()
+  assert Run(cfg, str(workdir)).train().status == "done"
+  out = capsys.readouterr().out
+  five = [l for l in out.splitlines() if "local checkpoint 5" in l]
+  assert len(five) == 1 and "process_0/5/meta is unreadable (JSONDecodeError" in five[0], out
+  four = [l for l in out.splitlines() if "local checkpoint 4" in l]
+  assert len(four) == 1 and "process_0/state is unreadable" in four[0] and \
+      "OUT_OF_RANGE" in four[0] and "TensorStore" not in four[0], out
+  assert out.split("resumed from")[1].split()[0].endswith("checkpoints/3"), out
+  got = losses(workdir)
+  assert [got[s] for s in range(4, 7)] == [straight[s] for s in range(4, 7)]
