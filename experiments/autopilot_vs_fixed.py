@@ -99,26 +99,14 @@ COLUMNS = [("run", "run", "s"), ("batch_at_target", "batch then", "d"),
 
 def at_targets(name: str, kind: str, margin: float | None, r: batch_sweep.Result,
                targets: list[float], smooth_examples: float, seq_len: int) -> list[dict]:
-  """One row per target: where the run's smoothed eval curve crossed it, in examples, tokens and
-  steps of the run's own record (its batch changes), the batch it had then, and B_simple."""
-  rows = common.read_rows(r.workdir)
-  ramp = common.ramp_from_rows(rows, r.batch_size, seq_len)
-  curve = common.eval_curve(rows, ramp)
-  out = []
-  for target in targets:
-    hit = common.to_target(curve, ramp, target, smooth_examples)
-    out.append({
-        "run": name, "kind": kind, "margin": margin, "target": target,
-        "start_batch": r.batch_size, "learning_rate": r.learning_rate,
-        "steps": None if hit is None else hit.steps,
-        "examples": None if hit is None else hit.examples,
-        "tokens": None if hit is None else hit.tokens,
-        "batch_at_target": None if hit is None else ramp.batch_at(int(hit.steps)),
-        "noise_scale": None if hit is None else common.interpolate(
-            common.noise_curve(rows), hit.steps),
-        "final_batch": ramp.batches[-1], "steps_run": r.steps_run,
-        "final_eval_loss": r.final_eval_loss, "seconds": r.seconds})
-  return out
+  """One row per target: where the run's smoothed eval curve crossed it (`common.crossings`:
+  examples, tokens and steps of the run's own record, the batch it had then, B_simple)."""
+  return [{"run": name, "kind": kind, "margin": margin, "target": c["target"],
+           "start_batch": r.batch_size, "learning_rate": r.learning_rate,
+           **{k: c[k] for k in ("steps", "examples", "tokens", "batch_at_target", "noise_scale")},
+           "final_batch": r.final_batch, "steps_run": r.steps_run,
+           "final_eval_loss": r.final_eval_loss, "seconds": r.seconds}
+          for c in common.crossings(r.workdir, r.batch_size, seq_len, targets, smooth_examples)]
 
 
 def report(run) -> None:

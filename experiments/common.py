@@ -25,7 +25,8 @@ from trainer.config.cli import CliParser, load
 from trainer.multihost import platforms
 from trainer.run.inprocess import Trained, train  # noqa: F401  (the experiments' toolkit)
 from trainer.tracking.record import (Reached, eval_curve, interpolate, noise_curve,  # noqa: F401
-                                     ramp_from_rows, read_rows, target_stop, to_target, train_curve)
+                                     ramp_from_rows, read_rows, smooth, target_stop, to_target,
+                                     train_curve)
 
 DEFAULT_CONFIG = os.path.join("configs", "sweep_tiny.py")
 
@@ -57,6 +58,36 @@ def at_budget(base, batch: int, examples: int, *, micro: int, evals: int,
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
   return cfg
+
+
+def crossings(workdir: str, start_batch: int, seq_len: int, targets: list[float],
+              smooth_examples: float) -> list[dict]:
+  """Per target, where a run's smoothed eval curve crossed it: steps, examples and tokens through
+  the run's own record (its batch changes), the batch it had then and the B_simple the meter
+  logged there (all None where it never did)."""
+  rows = read_rows(workdir)
+  ramp = ramp_from_rows(rows, start_batch, seq_len)
+  curve, noise = eval_curve(rows, ramp), noise_curve(rows)
+  out = []
+  for target in targets:
+    hit = to_target(curve, ramp, target, smooth_examples)
+    out.append({"target": target, "steps": None, "examples": None, "tokens": None,
+                "batch_at_target": None, "noise_scale": None} if hit is None else
+               {"target": target, "steps": hit.steps, "examples": hit.examples,
+                "tokens": hit.tokens, "batch_at_target": ramp.batch_at(int(hit.steps)),
+                "noise_scale": interpolate(noise, hit.steps)})
+  return out
+
+
+def loss_at(workdir: str, start_batch: int, seq_len: int, examples: list[float],
+            smooth_examples: float) -> list[float | None]:
+  """The run's eval loss after each of `examples` sequences, on its curve smoothed as for a
+  crossing (`smooth`), linear between evaluations; None outside the smoothed curve."""
+  rows = read_rows(workdir)
+  curve = smooth(eval_curve(rows, ramp_from_rows(rows, start_batch, seq_len)),
+                 smooth_examples / 2)
+  return [interpolate(curve, x) if curve and curve[0][0] <= x <= curve[-1][0] else None
+          for x in examples]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -97,16 +128,18 @@ def add_to_target_args(p, max_examples: int) -> None:
 
 
 def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
-         keys: tuple[str, ...] = (), metrics: tuple[str, ...] = ()) -> int:
+         keys: tuple[str, ...] = (), metrics: tuple[str, ...] = (),
+         seeds_inside: bool = False) -> int:
   """Parse (`parse(argv) -> (args, overrides)`), load the base config, run
   `experiment(args, cfg) -> rows` (once per seed with `--seeds`: `keys` name a result, `metrics`
-  its numbers, summarised over the seeds) and report the wall time. A mistake in the command
-  line or a config is one line on stderr and exit code 2, before anything compiles."""
+  its numbers, summarised over the seeds; `seeds_inside`: the experiment runs its seeds itself)
+  and report the wall time. A mistake in the command line or a config is one line on stderr and
+  exit code 2, before anything compiles."""
   platforms.choose()
   try:
     args, overrides = parse(argv)
     cfg = load(args.config, overrides)
-    if getattr(args, "seeds", 1) < 1:
+    if not seeds_inside and getattr(args, "seeds", 1) < 1:
       raise ConfigError(f"--seeds {args.seeds}: must be at least 1")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
@@ -116,7 +149,7 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
     os.makedirs(out_dir, exist_ok=True)
   t0 = time.perf_counter()
   try:
-    if getattr(args, "seeds", 1) == 1:
+    if seeds_inside or getattr(args, "seeds", 1) == 1:
       experiment(args, cfg)
     else:
       over_seeds(name, args, cfg, experiment, keys, metrics)

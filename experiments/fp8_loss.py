@@ -119,4 +119,4 @@ def plot(path: str, curves: dict, table: list[dict]) -> bool:
 
 
 if __name__ == "__main__":
-  sys.exit(common.main("fp8_loss", parse, experiment, sys.argv[1:]))
+  sys.exit(common.main("fp8_loss", parse, experiment, sys.argv[1:], seeds_inside=True))

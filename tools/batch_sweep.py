@@ -72,6 +72,21 @@ def fit_tradeoff(batch_sizes, steps) -> Fit:
   return Fit(float(s_min), float(e_min))
 
 
+def zhang_batch(batch_sizes, steps, overhead: float = 0.2) -> float | None:
+  """Zhang et al. 2024's critical batch: where the steps to the target exceed linear scaling from
+  the smallest batch b0 (S(b0) b0 / B) by `overhead`, i.e. where E(B) / E(b0) first reaches
+  1 + overhead (E = B S), linear in B between batches (exact on McCandlish's curve, whose E is
+  linear in B: there it is (1 + overhead) b0 + overhead B_crit). None: not within the range."""
+  order = np.argsort(np.asarray(batch_sizes, float))
+  b = np.asarray(batch_sizes, float)[order]
+  ratio = b * np.asarray(steps, float)[order] / (b[0] * np.asarray(steps, float)[order][0])
+  for i in range(1, len(b)):
+    if ratio[i] >= 1 + overhead:
+      return float(b[i - 1] + (1 + overhead - ratio[i - 1]) / (ratio[i] - ratio[i - 1])
+                   * (b[i] - b[i - 1]))
+  return None
+
+
 # ------------------------------------------------------------------------------------------------
 # Running
 
@@ -96,7 +111,8 @@ class Result:
 
 def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
   """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
-  grow it), stopped at the target or after `args.max_examples`; returns what it measured.
+  grow it), stopped at the target (once `args.min_examples` are seen, if it has that) or after
+  `args.max_examples`; returns what it measured.
   Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
   from optim import derive  # noqa: PLC0415  start-up
   from optim.scaling import stated  # noqa: PLC0415  start-up
@@ -116,7 +132,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
 
   target = args.target_loss
   stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
-                                 args.max_examples)
+                                 args.max_examples, getattr(args, "min_examples", 0))
   trained = train(cfg, workdir, stop=stop)
   rows, ramp = trained.rows, trained.ramp
   reached = to_target(eval_curve(rows, ramp), ramp, target, args.smooth_examples)

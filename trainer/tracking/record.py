@@ -77,9 +77,11 @@ def to_target(curve: list[tuple[float, float]], ramp, target: float,
 
 
 def target_stop(target: float, smooth_examples: float, examples_at: Callable[[int], float],
-                max_examples: float = math.inf) -> Callable[[int, dict], str | None]:
+                max_examples: float = math.inf,
+                min_examples: float = 0) -> Callable[[int, dict], str | None]:
   """A `Run(stop_when=...)` callback: stop once the smoothed eval curve (examples from
-  `examples_at(step)`, the run's ramp) is at or below `target`, or `max_examples` are seen."""
+  `examples_at(step)`, the run's ramp) is at or below `target` and `min_examples` are seen (at
+  an evaluation), or once `max_examples` are seen."""
   evals: list[tuple[float, float]] = []
 
   def stop_when(step: int, row: dict) -> str | None:
@@ -87,8 +89,9 @@ def target_stop(target: float, smooth_examples: float, examples_at: Callable[[in
     if "eval_loss" in row:
       evals.append((seen, row["eval_loss"]))
       low = [x for x, y in smooth(evals, smooth_examples / 2) if y <= target]
-      if low:
-        return f"smoothed eval loss <= {target} at {low[0]:,.0f} examples"
+      if low and seen >= min_examples:
+        return f"smoothed eval loss <= {target} at {low[0]:,.0f} examples" + (
+            f" ({seen:,.0f} seen, at least {min_examples:,.0f} asked)" if min_examples else "")
     if seen >= max_examples:
       return f"{max_examples:,.0f} examples seen without reaching eval loss {target}"
     return None
