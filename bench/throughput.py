@@ -110,7 +110,8 @@ def main(argv=None):
         f"max {max(times) * 1e3:.1f})")
   if args.noise_every:
     off_s = statistics.median(plain_times)
-    print(f"noise scale       measured on every {args.noise_every}th step; the same step without "
+    every = "every step" if args.noise_every == 1 else f"every {args.noise_every} steps"
+    print(f"noise scale       measured {every}; the same step without "
           f"the meter, alternated with it: median {off_s * 1e3:.1f} ms, mean "
           f"{statistics.mean(plain_times) * 1e3:.1f}; the meter's cost: {step_s / off_s - 1:+.1%} "
           f"median, {statistics.mean(times) / statistics.mean(plain_times) - 1:+.1%} mean")

@@ -5,11 +5,11 @@ check step n the truth is tr(Sigma) / |G|^2 from per-sequence gradients (tools/n
 the checkpoints in the meter's window (the last `optim.noise_scale_window` of the examples
 read), the ratio of their sums as the meter takes it. Why a window, not one point: B_simple at a
 single iterate of this constant-rate run swings up to 10x between checkpoints 5 steps apart
-(docs/batch_size.md#how-the-meter-was-validated). Over 3 seeds x steps 100, 150, ..., 300 the
-meter (window 0.25, every step) read 0.61-1.18 x this truth (a heavy tail: a piece holding an
-unusual sequence reads tr(Sigma) 6-10x the typical value, which 25 measurements mostly miss),
-and 0.79-0.95 x as a run's geometric mean over steps 100, 200, 300: one point may miss by
-MAX_RATIO, a run's mean by MAX_MEAN_RATIO. The meter of earlier versions (an EMA of 0.98 per
+(docs/batch_size.md#how-the-meter-was-validated). Over 3 seeds x steps 100, 150, ..., 300, and
+at batch 8 and across a ramp, the meter (window 0.25, every step) read 0.61-1.18 x this truth,
+0.74-0.95 x as a run's geometric mean over its check steps (it reads low: a piece holding an
+unusual sequence reads tr(Sigma) 6-10x the typical value, which a window's measurements mostly
+miss): one point may miss by MAX_RATIO, a run's mean by MAX_MEAN_RATIO. The meter of earlier versions (an EMA of 0.98 per
 measurement, every 10th step) read 6.0x low at step 100.
 """
 import json
@@ -24,8 +24,8 @@ from conftest import ROOT
 from tools.noise_check import check_run
 from trainer.run.inprocess import load_run
 
-MAX_RATIO = 1.75
-MAX_MEAN_RATIO = 1.35
+MAX_RATIO = 1.8
+MAX_MEAN_RATIO = 1.5
 SEQUENCES = 256  # per checkpoint; a window holds 5-15 checkpoints
 
 

@@ -93,7 +93,8 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   for n in sorted({min(100, cfg.steps), cfg.steps}):
     first = ramp.first_step_at((1 - window) * ramp.examples_before(n))
     spans.append(f"at step {n:,} its steps {first + 1:,}-{n:,}")
-  writer.log(f"gradient noise scale: measured every {o.noise_scale_every} steps on small batches "
+  every = "every step" if o.noise_scale_every == 1 else f"every {o.noise_scale_every} steps"
+  writer.log(f"gradient noise scale: measured {every} on small batches "
              f"({', '.join(pieces)}), averaged over the last {window:.0%} of the tokens trained "
              f"so far ({'; '.join(spans)})")
 
