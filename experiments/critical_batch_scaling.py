@@ -136,6 +136,20 @@ def job(task: Task, cfg, args, stop: dict) -> dict:
               fingerprint=fingerprint)
 
 
+def reference_stop(args) -> dict:
+  """A reference run's stop rule: `--reference_factor` x the largest budget, no target."""
+  return dict(target_loss=-math.inf, min_examples=0, max_examples=args.reference_examples)
+
+
+def grid_stop(t: Task, target: float, ref: int, args) -> dict:
+  """A grid run's: past `target` (its width's lowest) with the largest budget seen. The run at
+  the reference batch and rate shares the reference run's record, so it also trains that long
+  (else a record cut at the target is retrained as a reference, then as a grid run, ...)."""
+  shared = (t.batch, t.lr_multiplier) == (ref, 1.0)
+  return dict(target_loss=target, max_examples=args.max_examples,
+              min_examples=args.reference_examples if shared else args.min_examples)
+
+
 def covered(j: dict, seq_len: int) -> bool:
   """Whether the run in j's workdir finished with j's fingerprint and its record covers j's stop
   rule: the target crossed with min_examples seen, or max_examples seen."""
@@ -227,9 +241,8 @@ def experiment(args, cfg) -> list[dict]:
   budgets = ", ".join(f"{d:,} sequences ({d * seq:,} tokens)" for d in args.budgets)
   print(f"[scaling] budgets D = {budgets}; batches {args.batch_sizes}; rates x{args.lr_grid}; "
         f"seeds {seeds}", flush=True)
-  ref_stop = dict(target_loss=-math.inf, min_examples=0, max_examples=args.reference_examples)
   ref_tasks = [Task(w, ref, 1.0, s) for s in seeds for w in args.widths]
-  ref_jobs = {t: job(t, cfg, args, ref_stop) for t in ref_tasks}
+  ref_jobs = {t: job(t, cfg, args, reference_stop(args)) for t in ref_tasks}
   run_all(ref_tasks, ref_jobs, args, seq)
   targets = {}
   for w in args.widths:
@@ -244,11 +257,7 @@ def experiment(args, cfg) -> list[dict]:
   # Smallest width first, all its seeds: a lab cut short has whole widths done, not seed 0 of all.
   tasks = [Task(w, b, m, s) for w in sorted(args.widths) for s in seeds
            for b in sorted(args.batch_sizes, reverse=True) for m in args.lr_grid]
-  # A run at the reference batch and rate is a reference run: its record must keep covering both.
-  stop = lambda t: dict(target_loss=min(targets[t.width]), max_examples=args.max_examples,
-                        min_examples=args.reference_examples if (t.batch, t.lr_multiplier) == (
-                            ref, 1.0) else args.min_examples)
-  jobs = {t: job(t, cfg, args, stop(t)) for t in tasks}
+  jobs = {t: job(t, cfg, args, grid_stop(t, min(targets[t.width]), ref, args)) for t in tasks}
   results = run_all(tasks, jobs, args, seq)
   runs = []
   for t in tasks:

@@ -27,6 +27,8 @@ def test_zhang_batch_on_mccandlish_curve():
   assert zhang_batch(batches, steps, overhead=1.0) == pytest.approx(2 * 8 + 40)
   perfect = [6400 / b for b in batches]  # steps halve with every doubling: no overhead
   assert zhang_batch(batches, perfect) is None
+  # measured steps (not on the curve): E / E(8) = 1, 1.1, 1.3, 1.6; +20% between 16 and 32
+  assert zhang_batch([8, 16, 32, 64], [100, 55, 32.5, 20]) == pytest.approx(24)
 
 
 def test_target_stop_waits_for_min_examples():
@@ -37,16 +39,17 @@ def test_target_stop_waits_for_min_examples():
 
 
 def synthetic_rows(seeds=(0, 1, 2), noise=0.03, b_crit=40.0, rng=None):
-  """One (N, D)'s rows: steps on McCandlish's curve (x1 the fastest rate, x2 15% slower), the
-  loss after D a parabola in log2 B (lowest at 32) and in log2 of the rate (lowest at x1)."""
+  """One (N, D)'s rows: steps on McCandlish's curve at the fastest rate (x1; the others slower,
+  most at small batches), the loss after D a parabola in log2 B (lowest at 2^5.4 = 42, between
+  grid points) and in log2 of the rate (lowest at x2^0.3 = 1.23e-3)."""
   rng = rng or np.random.default_rng(0)
   rows = []
   for s in seeds:
     for b in (8, 16, 32, 64, 128, 256):
       for m in (0.5, 1.0, 2.0):
-        steps = 50 * (1 + b_crit / b) * (1.15 if m != 1 else 1) * math.exp(
+        steps = 50 * (1 + b_crit / b) * (1 + 16 / b if m != 1 else 1) * math.exp(
             noise * rng.standard_normal())
-        loss = 2.5 + 0.01 * (math.log2(b) - 5) ** 2 + 0.02 * math.log2(m) ** 2 \
+        loss = 2.5 + 0.03 * (math.log2(b) - 5.4) ** 2 + 0.05 * (math.log2(m) - 0.3) ** 2 \
             + 0.002 * rng.standard_normal()
         rows.append(dict(seed=s, batch_size=b, lr_multiplier=m, learning_rate=1e-3 * m,
                          steps=steps, examples=steps * b, noise_scale=20.0 + s,
@@ -63,11 +66,11 @@ def test_cell_estimates_from_seeds():
   assert est["b_crit"] == pytest.approx(40, rel=0.15)
   assert est["b_crit_lo"] < est["b_crit"] < est["b_crit_hi"] and est["b_crit_hi"] < 80
   assert est["b_zhang"] == pytest.approx(1.2 * 8 + 0.2 * 40, rel=0.15)
-  assert est["b_opt"] == pytest.approx(32, rel=0.1) and est["b_opt_resolved"]
-  assert est["eta_opt"] == pytest.approx(1e-3, rel=0.1) and est["eta_opt_resolved"]
+  assert est["b_opt"] == pytest.approx(2 ** 5.4, rel=0.1) and est["b_opt_resolved"]
+  assert est["eta_opt"] == pytest.approx(1e-3 * 2 ** 0.3, rel=0.1) and est["eta_opt_resolved"]
   assert est["b_simple"] == 21.0 and len(reps) == 200 and est["seeds"] == 3
   # a rate grid of one: eta_opt at its edge, not resolved; B_opt at the smallest batch, neither
-  edge = [dict(r, loss_at_budget=r["loss_at_budget"] + 0.05 * math.log2(r["batch_size"]))
+  edge = [dict(r, loss_at_budget=r["loss_at_budget"] + 0.3 * math.log2(r["batch_size"]))
           for r in rows if r["lr_multiplier"] == 1.0]
   est, _ = scaling_cells.cell(edge, scaling_cells.draws(20, 6, 3))
   assert est["b_opt"] == 8 and not est["b_opt_resolved"] and not est["eta_opt_resolved"]
@@ -154,6 +157,17 @@ def test_a_run_is_read_only_when_its_record_covers_the_stop_rule(tmp_path):
   assert not lab.covered({**j, "args": {**j["args"], "target_loss": 1.5}}, 64)  # not crossed
   assert not lab.covered({**j, "args": {**j["args"], "min_examples": 1000}}, 64)
   assert lab.covered({**j, "args": {**j["args"], "target_loss": 1.5, "max_examples": 800}}, 64)
+  # the grid run at the reference batch and rate shares the reference run's record: a record
+  # its rule covers also covers the reference rule (no retraining back and forth)
+  args = lab.parse(lab_args(tmp_path))[0]
+  ref = lab.reference_stop(args)
+  for t, length in ((lab.Task(16, 16, 1.0, 0), args.reference_examples),
+                    (lab.Task(16, 16, 2.0, 0), args.min_examples),
+                    (lab.Task(16, 32, 1.0, 0), args.min_examples)):
+    rule = lab.grid_stop(t, 2.5, 16, args)
+    assert rule["min_examples"] == length and rule["max_examples"] == args.max_examples
+  assert lab.grid_stop(lab.Task(16, 16, 1.0, 0), 2.5, 16, args)["min_examples"] >= \
+      ref["max_examples"] > args.min_examples
 
 
 def lab_args(tmp_path, *more):
