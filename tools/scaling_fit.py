@@ -174,7 +174,7 @@ def plot(path: str, cells: list[dict], fits: dict, level: float, n_key: str = "p
         inside = usable(c, q)
         ax.errorbar([c["tokens"]], [c[q]], yerr=err, fmt="o", c=f"C{i}", ms=5, capsize=2,
                     mfc=f"C{i}" if inside else "white",
-                    label=f"N = {n:,.0f}" if c is mine[0] else None)
+                    label=f"N = {c[n_key]:,.0f}" if c is mine[0] else None)
       if f is not None and mine:
         xs = np.geomspace(min(c["tokens"] for c in cells), max(c["tokens"] for c in cells))
         n_fit = math.log(mine[0][n_key])
@@ -184,8 +184,8 @@ def plot(path: str, cells: list[dict], fits: dict, level: float, n_key: str = "p
            + ("" if f is None else f"\n{text(f)}"))
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
-  figures.save(fig, path, f"Power laws in D and N ({level:.0%} intervals; hollow: outside the "
-               "grid, not fitted)")
+  figures.save(fig, path, f"Power laws in D and N ({n_key} parameters; {level:.0%} intervals; "
+               "hollow: outside the grid, not fitted)")
   return True
 
 
