@@ -264,15 +264,29 @@ def experiment(args, cfg) -> list[dict]:
     r, where = results[t], jobs[t]["workdir"]
     hits = common.crossings(where, t.batch, seq, targets[t.width], args.smooth_examples)
     losses = common.loss_at(where, t.batch, seq, args.budgets, args.smooth_examples)
-    for d, hit, loss in zip(args.budgets, hits, losses):
+    for d, hit, loss in zip(args.budgets, map(measured, hits), losses):
       runs.append(dict(width=t.width, params=counts[t.width]["total"], seed=t.seed,
                        batch_size=t.batch, lr_multiplier=t.lr_multiplier,
                        learning_rate=r["learning_rate"], budget=d, budget_tokens=d * seq,
                        target=hit["target"], steps=hit["steps"], examples=hit["examples"],
                        tokens=hit["tokens"], noise_scale=hit["noise_scale"],
+                       below_at_start=hit["first"],
                        micro_batches=r["micro_batches"], loss_at_budget=loss,
                        steps_run=r["steps_run"], seconds=r["seconds"]))
+  early = sorted({(r["width"], r["budget"], r["batch_size"]) for r in runs if r["below_at_start"]})
+  if early:
+    print(f"[scaling] {len(early)} (width, D, batch) with a run already below its target at the "
+          "first smoothed point (no crossing measured; left out): "
+          + ", ".join(f"d{w} D {d} b{b}" for w, d, b in early), flush=True)
   return summarize(args, runs, counts, targets, seeds, seq)
+
+
+def measured(hit: dict) -> dict:
+  """A crossing (`common.crossings`) as the lab counts it: none where the run was below the
+  target at the first smoothed point already (it may have crossed earlier)."""
+  if not hit["first"]:
+    return hit
+  return {**hit, "steps": None, "examples": None, "tokens": None, "noise_scale": None}
 
 
 def summarize(args, runs: list[dict], counts, targets, seeds, seq) -> list[dict]:
@@ -318,6 +332,7 @@ FITTED = ("b_crit", "b_zhang", "b_opt", "eta_opt", "b_simple")  # what tools.sca
 COLUMNS = [("params", "N", ",d"), ("tokens", "D tokens", ",d"), ("target", "target", ".3f"),
            ("s_min", "S_min", ".1f"), ("e_min", "E_min", ",.0f"), ("b_crit", "B_crit", ".1f"),
            ("b_crit_ci", "95%", "s"), ("b_zhang", "B_zhang", ".1f"), ("b_zhang_ci", "95%", "s"),
+           ("zhang_b0", "b0", ".0f"),
            ("b_opt", "B_opt", ".1f"), ("b_opt_resolved", "inside", ""),
            ("eta_opt", "eta_opt", ".2e"), ("eta_opt_resolved", "inside", ""),
            ("b_simple", "B_simple", ".1f"), ("b_simple_ci", "95%", "s")]

@@ -3,13 +3,14 @@ intervals over seeds (experiments/critical_batch_scaling.py runs them; no jax he
 
 From rows of (batch, learning-rate multiplier, seed) with the steps to the target of D, the eval
 loss after D sequences and B_simple at the crossing: per seed and batch the rate with the fewest
-steps counts (`tools.batch_sweep.summarise`, as the sweep does); McCandlish's S_min, E_min and
-B_crit (`fit_tradeoff`) and Zhang et al.'s 20%-overhead batch (`zhang_batch`) on the steps
-averaged over seeds; B_opt, the batch with the lowest mean loss after D (a parabola in log B
-through its neighbours), and eta_opt, the rate with the lowest mean loss at that batch (a
-parabola in log eta), each "resolved" only when the minimum lies inside the grid; B_simple, the
-median of the meter's values at the crossings. Intervals: percentiles over `draws`, seeds
-drawn with replacement per batch, the same draws for every (N, D). Method: docs/scaling_lab.md
+steps counts (`tools.batch_sweep.summarise`, as the sweep does); on the steps averaged over seeds
+McCandlish's S_min, E_min and B_crit (`fit_tradeoff`) and Zhang et al.'s 20%-overhead batch
+(`zhang_batch` from `zhang_b0`, the smallest batch every seed crossed); B_opt, the batch with the
+lowest mean loss after D (a parabola in log B through its neighbours), and eta_opt, the rate with
+the lowest mean loss at that batch (a parabola in log eta), each "resolved" only when the minimum
+lies inside the grid; B_simple, the median of the meter's values at the crossings. Intervals:
+percentiles over `draws`, seeds drawn with replacement per batch, the same draws for every
+(N, D). Method: docs/scaling_lab.md
 """
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def vertex(xs, ys, i: int) -> float:
 
 def estimate(t: Table, pick: np.ndarray) -> dict:
   """The quantities with each batch's seeds taken as `pick[batch]` (indices into t.seeds)."""
-  out = dict.fromkeys(QUANTITIES + ("b_opt_resolved", "eta_opt_resolved"))
+  out = dict.fromkeys(QUANTITIES + ("b_opt_resolved", "eta_opt_resolved", "zhang_b0"))
   cols = np.arange(len(t.batches))
   steps = t.steps[pick.T, cols]  # [slot, batch]
   full = ~np.isnan(steps).any(axis=0)  # batches every picked seed reached
@@ -93,7 +94,7 @@ def estimate(t: Table, pick: np.ndarray) -> dict:
   if len(b) >= 2:
     fit = fit_tradeoff(b, mean)
     out.update(s_min=fit.s_min, e_min=fit.e_min, b_crit=fit.b_crit,
-               b_zhang=zhang_batch(b, mean))
+               b_zhang=zhang_batch(b, mean), zhang_b0=float(b[0]))
   loss = np.stack([t.loss[pick[j], j] for j in cols], axis=1)  # [slot, batch, rate]
   by_batch = _nanmin(loss, axis=2).mean(axis=0)  # the best rate's, averaged over seeds
   ok = ~np.isnan(by_batch)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config_file
+from experiments import common, scaling_cells
 from experiments import critical_batch_scaling as lab
-from experiments import scaling_cells
 from tools import scaling_fit
 from tools.batch_sweep import zhang_batch
 from trainer.tracking.record import target_stop
@@ -168,6 +168,22 @@ def test_a_run_is_read_only_when_its_record_covers_the_stop_rule(tmp_path):
     assert rule["min_examples"] == length and rule["max_examples"] == args.max_examples
   assert lab.grid_stop(lab.Task(16, 16, 1.0, 0), 2.5, 16, args)["min_examples"] >= \
       ref["max_examples"] > args.min_examples
+
+
+def test_a_crossing_at_the_first_smoothed_point_is_flagged(tmp_path):
+  """`common.crossings(...)["first"]`: the curve is already below the target where its smoothed
+  part starts, so the run may have crossed earlier; the lab leaves such a crossing out."""
+  with open(tmp_path / "metrics.jsonl", "w") as f:  # batch 8: step k has seen 8k sequences
+    for step in range(10, 110, 10):
+      f.write(json.dumps({"step": step, "eval_loss": 3.0 - step / 100}) + "\n")
+  flags = lambda smooth, targets: [c["first"] for c in common.crossings(
+      str(tmp_path), 8, 64, targets, smooth)]
+  assert flags(0, [2.95, 2.9, 2.5, 1.0]) == [True, True, False, False]
+  # smoothed over 160 sequences: the first point is step 20 (steps 10-30, mean 2.8)
+  assert flags(160, [2.85, 2.8, 2.75]) == [True, True, False]
+  early, later = map(lab.measured, common.crossings(str(tmp_path), 8, 64, [2.8, 2.75], 160))
+  assert early["steps"] is None and early["noise_scale"] is None and early["first"]
+  assert later["steps"] == pytest.approx(25) and not later["first"]  # 2.8 at 20, 2.7 at 30
 
 
 def lab_args(tmp_path, *more):
