@@ -44,7 +44,7 @@ class Table:
 
 def table(rows: list[dict]) -> Table:
   """The arrays of one (N, D)'s rows (keys: seed, batch_size, lr_multiplier, learning_rate,
-  steps, examples, noise_scale, micro_batches, loss_at_budget)."""
+  steps, examples, noise_scale, micro_batches, loss_at_budget, below_at_start)."""
   seeds = sorted({r["seed"] for r in rows})
   batches = sorted({r["batch_size"] for r in rows})
   mults = sorted({r["lr_multiplier"] for r in rows})
@@ -58,7 +58,9 @@ def table(rows: list[dict]) -> Table:
                       r.get("examples"), r.get("tokens"), r.get("noise_scale"),
                       r.get("micro_batches", 1), None, 0, 0.0, "") for r in mine]
     chosen, _, _ = summarise(results)  # the fastest rate per batch
-    for r in chosen:
+    # a rate already below the target where its curve starts may have been the fastest: unknown
+    early = {r["batch_size"] for r in mine if r.get("below_at_start")}
+    for r in (r for r in chosen if r.batch_size not in early):
       j = batches.index(r.batch_size)
       steps[i, j] = r.steps
       if r.noise_scale is not None and r.micro_batches >= MIN_MICRO_BATCHES:

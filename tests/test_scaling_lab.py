@@ -69,6 +69,13 @@ def test_cell_estimates_from_seeds():
   assert est["b_opt"] == pytest.approx(2 ** 5.4, rel=0.1) and est["b_opt_resolved"]
   assert est["eta_opt"] == pytest.approx(1e-3 * 2 ** 0.3, rel=0.1) and est["eta_opt_resolved"]
   assert est["b_simple"] == 21.0 and len(reps) == 200 and est["seeds"] == 3
+  assert est["zhang_b0"] == 8
+  # one seed's x2 run at batch 8 already below the target where its curve starts: the fastest
+  # rate there is unknown, so batch 8 is left out (Zhang's batch from 16), not its x1 run taken
+  early = [dict(r, steps=None, below_at_start=True) if (r["seed"], r["batch_size"],
+           r["lr_multiplier"]) == (1, 8, 2.0) else r for r in rows]
+  est8, _ = scaling_cells.cell(early, scaling_cells.draws(20, 6, 3))
+  assert est8["zhang_b0"] == 16 and est8["b_zhang"] == pytest.approx(1.2 * 16 + 0.2 * 40, rel=0.15)
   # a rate grid of one: eta_opt at its edge, not resolved; B_opt at the smallest batch, neither
   edge = [dict(r, loss_at_budget=r["loss_at_budget"] + 0.3 * math.log2(r["batch_size"]))
           for r in rows if r["lr_multiplier"] == 1.0]
