@@ -344,7 +344,7 @@ def plot(path: str, cells: list[dict], args) -> bool:
   plt = figures.pyplot()
   if plt is None:
     return False
-  fig, axes = plt.subplots(2, len(args.widths), figsize=(4.6 * len(args.widths), 8),
+  fig, axes = plt.subplots(2, len(args.widths), figsize=(max(9.2, 4.6 * len(args.widths)), 8),
                            squeeze=False)
   for col, w in enumerate(args.widths):
     top, bottom = axes[0][col], axes[1][col]

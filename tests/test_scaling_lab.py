@@ -116,6 +116,11 @@ def test_power_law_fit_recovers_known_exponents():
   f = scaling_fit.fit_quantity([c for c in cells if c["params"] == 1e5], "b_crit")
   assert f["b"] is None and f["a"] == pytest.approx(0.5, abs=0.15)
   assert scaling_fit.fit_quantity(cells[:1], "b_crit") is None
+  # Zhang's batch only across cells measured from one reference batch b0 (the most common)
+  zhang = [dict(c, b_zhang=c["b_crit"], zhang_b0=16 if i == 0 else 4) for i, c in enumerate(cells)]
+  zhang[0]["b_zhang"] *= 100
+  f = scaling_fit.fit_quantity(zhang, "b_zhang")
+  assert f["cells"] == 11 and f["a"] == pytest.approx(0.5, abs=0.08)
   # N from another column (non-embedding): N' = N^2 halves b
   squared = [dict(c, non_embedding=c["params"] ** 2) for c in cells]
   f = scaling_fit.fit_quantity(squared, "b_crit", reps, n_key="non_embedding")

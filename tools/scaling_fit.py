@@ -9,8 +9,9 @@ Reads the lab's CSV (a row per (N, D): `params`, `non_embedding`, `tokens`, each
 --n). Intervals: where the lab's bootstrap replicates exist (`<CSV stem>_boot.csv`, or --boot),
 percentiles of the exponents refitted on every replicate (the lab resampled seeds, the same draws
 for every cell); otherwise the fit's covariance (Student t). A cell enters a fit where its value
-is finite and positive and, for B_opt and eta_opt, inside the grid; with one D (or N) that
-exponent is not fitted. Writes STEM.png, STEM.json (default `<CSV stem>_fit`). docs/scaling_lab.md
+is finite and positive, for B_opt and eta_opt inside the grid, for Zhang's batch at the most
+common reference batch b0; with one D (or N) that exponent is not fitted. Writes STEM.png and
+STEM.json (default `<CSV stem>_fit`). docs/scaling_lab.md
 """
 from __future__ import annotations
 
@@ -93,6 +94,10 @@ def fit_quantity(cells: list[dict], q: str, replicates: list[dict] | None = None
   """The fit of `q` over the usable cells (N from column `n_key`), with intervals for a and b
   (`method` says which); None with fewer cells than coefficients."""
   use = [c for c in cells if usable(c, q)]
+  if q == "b_zhang" and any(c.get("zhang_b0") is not None for c in use):
+    # Zhang's batch is 20% over linear scaling *from b0*: only cells with one b0 compare
+    b0s = [c.get("zhang_b0") for c in use]
+    use = [c for c in use if c.get("zhang_b0") == max(set(b0s), key=b0s.count)]
   ns = [c[n_key] for c in use]
   try:
     out = fit([c["tokens"] for c in use], ns, [c[q] for c in use])
