@@ -7,10 +7,10 @@ steps counts (`tools.batch_sweep.summarise`, as the sweep does); on the steps av
 McCandlish's S_min, E_min and B_crit (`fit_tradeoff`) and Zhang et al.'s 20%-overhead batch
 (`zhang_batch` from `zhang_b0`, the smallest batch every seed crossed); B_opt, the batch with the
 lowest mean loss after D (a parabola in log B through its neighbours), and eta_opt, the rate with
-the lowest mean loss at that batch (a parabola in log eta), each "resolved" only when the minimum
-lies inside the grid; B_simple, the median of the meter's values at the crossings. Intervals:
-percentiles over `draws`, seeds drawn with replacement per batch, the same draws for every
-(N, D). Method: docs/scaling_lab.md
+the lowest mean loss at that batch (a parabola in log eta), "resolved" only when the minimum (for
+eta_opt both) lies inside the grid; B_simple, the median of the meter's values at the crossings.
+Intervals: percentiles over `draws`, seeds drawn with replacement per batch, the same draws for
+every (N, D). Method: docs/scaling_lab.md
 """
 from __future__ import annotations
 
@@ -110,7 +110,9 @@ def estimate(t: Table, pick: np.ndarray) -> dict:
     if good.any():
       rates, lr_loss = t.rates[j][good], by_rate[good]
       k = int(np.argmin(lr_loss))
-      out.update(eta_opt=vertex(rates, lr_loss, k), eta_opt_resolved=0 < k < len(rates) - 1)
+      # the joint minimum: a rate inside its grid at a batch inside its grid
+      out.update(eta_opt=vertex(rates, lr_loss, k),
+                 eta_opt_resolved=0 < k < len(rates) - 1 and bool(out["b_opt_resolved"]))
   noise = np.stack([t.noise[pick[j], j] for j in cols], axis=1)
   if not np.isnan(noise).all():
     out["b_simple"] = float(np.nanmedian(noise))

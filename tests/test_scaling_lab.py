@@ -81,6 +81,12 @@ def test_cell_estimates_from_seeds():
           for r in rows if r["lr_multiplier"] == 1.0]
   est, _ = scaling_cells.cell(edge, scaling_cells.draws(20, 6, 3))
   assert est["b_opt"] == 8 and not est["b_opt_resolved"] and not est["eta_opt_resolved"]
+  # every rate, B_opt at the edge: the rate's minimum is inside its grid, but not the joint one
+  edge = [dict(r, loss_at_budget=r["loss_at_budget"] + 0.3 * math.log2(r["batch_size"]))
+          for r in rows]
+  est, _ = scaling_cells.cell(edge, scaling_cells.draws(20, 6, 3))
+  assert not est["b_opt_resolved"] and not est["eta_opt_resolved"]
+  assert est["eta_opt"] == pytest.approx(1e-3 * 2 ** 0.3, rel=0.1)
 
 
 def synthetic_cells(a=0.5, b=0.1, noise=0.05, replicates=300, seed=0):
