@@ -176,7 +176,7 @@ def plot(path: str, cells: list[dict], fits: dict, level: float, n_key: str = "p
       for c in mine:
         lo, hi = c.get(f"{q}_lo"), c.get(f"{q}_hi")
         err = None if lo is None or not math.isfinite(hi) else [[c[q] - lo], [hi - c[q]]]
-        inside = usable(c, q)
+        inside = f is not None and (c["params"], c["tokens"]) in f["used"]
         ax.errorbar([c["tokens"]], [c[q]], yerr=err, fmt="o", c=f"C{i}", ms=5, capsize=2,
                     mfc=f"C{i}" if inside else "white",
                     label=f"N = {c[n_key]:,.0f}" if c is mine[0] else None)
@@ -190,7 +190,7 @@ def plot(path: str, cells: list[dict], fits: dict, level: float, n_key: str = "p
     ax.title.set_fontsize(8)
     ax.legend(fontsize=7)
   figures.save(fig, path, f"Power laws in D and N ({n_key} parameters; {level:.0%} intervals; "
-               "hollow: outside the grid, not fitted)")
+               "hollow: not fitted, e.g. at the grid's edge)")
   return True
 
 
