@@ -25,8 +25,9 @@ import numpy as np
 
 from sharding.collectives import collectives, crossing, format_bytes as size, total_bytes
 from sharding.rules import STAGE_AXIS, constrain
+from sharding.schedule import EXPLICIT, Table, build
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", *EXPLICIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,18 @@ class Pipeline:
     if stages == 1:
       return None
     p = cfg.pipeline
-    repeats = int(p.repeats) if p.schedule == "circular" else 1
-    return cls(stages, repeats, "circular" if repeats > 1 else "gpipe",  # circular R=1: GPipe
-               bool(p.remat_stage))
+    repeats = int(p.repeats) if p.schedule != "gpipe" else 1
+    schedule = p.schedule if p.schedule in EXPLICIT or repeats > 1 else "gpipe"  # circular R=1
+    return cls(stages, repeats, schedule, bool(p.remat_stage))
+
+  @property
+  def explicit(self) -> bool:
+    """The loop runs its own backward (sharding/pipeline_vjp.py), not autodiff of `run`."""
+    return self.schedule in EXPLICIT
+
+  def table(self, micro: int) -> Table:
+    """The schedule table of a step of `micro` micro-batches (sharding/schedule.py)."""
+    return build(self.schedule, self.stages, self.repeats, micro)
 
   def ticks(self, micro: int) -> int:
     """Ticks of a step of `micro` micro-batches: M R + S - 1."""
@@ -60,8 +70,10 @@ class Pipeline:
     return (self.stages - 1) / self.ticks(micro)
 
   def describe(self) -> str:
-    return (f"{self.stages} stages, GPipe" if self.schedule == "gpipe" else
-            f"{self.stages} stages x {self.repeats} repeats, circular")
+    name = {"gpipe": "GPipe", "circular": "circular", "zero_bubble": "zero bubble (ZB-H1)",
+            "1f1b": "interleaved 1F1B" if self.repeats > 1 else "1F1B"}[self.schedule]
+    return (f"{self.stages} stages, {name}" if self.repeats == 1 else
+            f"{self.stages} stages x {self.repeats} repeats, {name}")
 
   def stored_order(self, groups: int) -> np.ndarray:
     """order[i] = the plain index of the layer group stored at position i: stage-major (stage s

@@ -29,30 +29,37 @@ def grad_sums(spec, params, batch, *, measure_noise: bool = False):
   (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None)."""
   pipe, moe = spec.pipeline, spec.cfg.moe
   step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-  pieces = _halves(batch) if measure_noise else [batch]
+  parts = pieces(batch, 2) if measure_noise else [batch]
   fraction = None
-  if len(pieces) > 1 and moe.enabled and moe.balance_scope == "global":
+  if len(parts) > 1 and moe.enabled and moe.balance_scope == "global":
     fraction = model_pipeline.global_fraction(spec.model(params), pipe, batch)
   f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
   shard = lambda tree: jax.lax.with_sharding_constraint(tree, spec.param_shardings)
   out = None
-  for piece in pieces:
-    objective = lambda p, b=piece: model_pipeline.objective(
-        spec.model(p), pipe, b, step_tokens=step_tokens, parts=len(pieces), fraction=fraction)
-    (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  for piece in parts:
+    kw = dict(step_tokens=step_tokens, parts=len(parts), fraction=fraction)
+    if pipe.explicit:  # the schedule's loop computes the gradient (sharding/pipeline_vjp.py)
+      (_, (loss_sum, tokens, moe_sums)), grads = model_pipeline.value_and_grad(
+          spec.model(params), pipe, piece, **kw)
+    else:
+      objective = lambda p, b=piece: model_pipeline.objective(spec.model(p), pipe, b, **kw)
+      (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(
+          params)
     t = jnp.maximum(tokens, 1.0)
     noise = (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
     now = (loss_sum, tokens, shard(f32(grads)), noise, moe_sums)
     out = now if out is None else jax.tree.map(jnp.add, out, now)
   loss_sum, tokens, grads, noise, moe_sums = out
   grads = shard(grads)
-  return loss_sum, tokens, grads, (*noise, len(pieces)) if measure_noise else None, moe_sums
+  return loss_sum, tokens, grads, (*noise, len(parts)) if measure_noise else None, moe_sums
 
 
-def _halves(batch) -> list:
-  """[M, B, ...] -> two [M, B/2, ...]: every micro-batch's rows 0, 2, 4, ... and 1, 3, 5, ..."""
-  split = lambda x: x.reshape(x.shape[0], x.shape[1] // 2, 2, *x.shape[2:])
-  return [jax.tree.map(lambda x: split(x)[:, :, i], batch) for i in range(2)]
+def pieces(batch, count: int) -> list:
+  """[M, B, ...] -> `count` pieces [M, B / count, ...], piece i every micro-batch's rows i,
+  i + count, i + 2 count, ... (each device keeps its rows): the pieces the noise meter
+  measures on."""
+  split = lambda x: x.reshape(x.shape[0], x.shape[1] // count, count, *x.shape[2:])
+  return [jax.tree.map(lambda x: split(x)[:, :, i], batch) for i in range(count)]
 
 
 def loss_sums(spec, params, batch):
