@@ -7,7 +7,9 @@ MoE router statistics and auxiliary losses of the whole step.
     -> final norm, head and loss (every stage, its M / S micro-batches, one at a time)
 
 The embedding, head and final norm are replicated over `stage` and their gradients all-reduced
-over it once per step. Why and details: docs/pipeline.md#inside-the-tick-loop
+over it once per step. The explicit schedules (1f1b, zero_bubble) compute the gradient in their
+own loop (`value_and_grad`, sharding/pipeline_vjp.py), embedding and head inside it.
+Why and details: docs/pipeline.md#inside-the-tick-loop
 """
 from __future__ import annotations
 
@@ -131,12 +133,11 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
     m = merged(rest)
     return m.loss_from_hidden(m.final_norm(y_BSE), targets[micro], mask[micro])
 
-  x_MBSE, embed_vjp = jax.vjp(
-      lambda rest: jax.vmap(merged(rest).embed, spmd_axis_name=STAGE_AXIS)(batch["inputs"]), rest)
+  embed = lambda rest, micro: merged(rest).embed(batch["inputs"][micro])
   micro, rows, seq = batch["inputs"].shape
   table = pipe.table(micro)
-  _, aux_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0, 0], weights),
-                                jax.ShapeDtypeStruct(x_MBSE.shape[1:], x_MBSE.dtype),
+  x_like = jax.eval_shape(embed, rest, jax.ShapeDtypeStruct((), jnp.int32))
+  _, aux_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0, 0], weights), x_like,
                                 jax.ShapeDtypeStruct((), jnp.int32))
   sums_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct((pipe.stages, pipe.repeats, *a.shape),
                                                            a.dtype), aux_shape)
@@ -152,13 +153,10 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
   point = {k: jnp.full(a.shape, micro * rows * seq if k == "tokens" else 0, a.dtype)
            for k, a in sums_shape.items()}  # the tokens each layer routes in the step
   aux_ct = jax.grad(lambda s: aux_objective(s)[0])(point) if moe.enabled else {}
-  split = (_split(stage, weights, jax.ShapeDtypeStruct(x_MBSE.shape[1:], x_MBSE.dtype))
-           if table.split else (None, None))
-  fns = pipeline_vjp.StageFns(lambda w, x, m: stage(w, x, m), head, *split)
-  loss_sum, sums, d_inputs, d_blocks, d_head = pipeline_vjp.run(
-      table, fns, weights, rest, x_MBSE, aux_ct, act_names=ACT)
-  (d_embed,) = embed_vjp(d_inputs)
-  grads = jax.tree.map(lambda a, b: a.astype(jnp.float32) + b, d_embed, d_head)
+  split = _split(stage, weights, x_like) if table.split else (None, None)
+  fns = pipeline_vjp.StageFns(embed, lambda w, x, m: stage(w, x, m), head, *split)
+  loss_sum, sums, d_blocks, grads = pipeline_vjp.run(table, fns, weights, rest, aux_ct,
+                                                     act_names=ACT)
   grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), d_blocks)
   aux_value, moe_sums = aux_objective(sums)
   tokens = jnp.sum(mask.astype(jnp.float32))

@@ -1,17 +1,17 @@
-"""The schedule table of a pipeline step: for every tick and stage, the work that stage does (F a
-stage forward, B its backward, or only the input-gradient part of it when W is split off, W the
-weight-gradient part) on which micro-batch and repeat, or nothing. The explicit schedules' loop
-(sharding/pipeline_vjp.py) runs it, the start-up line and tools.aot print it, and the bubble and
-the stash each stage holds are counted on it.
+"""The schedule table of a pipeline step: for every tick and stage, the op that stage runs (F a
+stage forward, B its backward, or only its input-gradient part when W, the weight-gradient part,
+is split off) on which micro-batch, or nothing. The explicit schedules' loop runs it
+(sharding/pipeline_vjp.py); the start-up line and tools.aot print it; the bubble and the stash
+each stage holds are counted on it.
 
-  tick      0   1   2   3   4   5   6   7    1f1b, S = 2, M = 4: a forward moves one stage and a
-  stage 0   F0  F1  F2  F3  B1  B2  B3  .    backward one stage back per tick, and the last
-                        B0                   stage's forward and backward of a micro-batch share
-  stage 1   .   F0  F1  F2  F3  B3  .   .    its tick; a stage holds at most 2(S - s) - 1 inputs
-                B0  B1  B2                   (stage s), whatever M is
+  tick     0  1  2  3  4  5     1f1b, S = 2, M = 4: an activation moves one stage per tick, a
+  stage 0  F0 F1 F2 F3 .  .     cotangent one stage back; the last stage runs a micro-batch's
+           .  .  B0 B1 B2 B3    forward and backward in one tick. A stage holds at most
+  stage 1  .  F0 F1 F2 F3 .     2 (S - s) - 1 inputs (stage s) whatever M is.
+           .  B0 B1 B2 B3 .
 
-Ticks run in lockstep (an SPMD program), so a slot (F, B or W) is in a tick's program when any
-stage uses it, and every stage pays for it: the bubble is idle slot work over all slot work.
+Ticks run in lockstep (one SPMD program): a tick's program holds a slot (F, B, W) when any stage
+uses it, and every stage pays for it, so the bubble is idle slot work over all slot work.
 Why and details: docs/pipeline.md#the-schedule-table
 """
 from __future__ import annotations
@@ -115,8 +115,10 @@ class Table:
   def grid(self) -> str:
     """The table as in the module docstring: a column per tick, a row per stage and op (its
     micro-batch, `.repeat` when R > 1)."""
-    label = lambda op, t, s: ("." if self.cells[op][t, s, 0] < 0 else f"{op}{self.cells[op][t, s, 0]}"
-                              + (f".{self.cells[op][t, s, 1]}" if self.repeats > 1 else ""))
+    def label(op, t, s):
+      m, r = self.cells[op][t, s]
+      return "." if m < 0 else f"{op}{m}" + (f".{r}" if self.repeats > 1 else "")
+
     width = max(len(label(op, t, s)) for op in SLOTS for t in range(self.ticks)
                 for s in range(self.stages)) + 1
     lines = ["tick     " + "".join(f"{t:<{width}}" for t in range(self.ticks)).rstrip()]

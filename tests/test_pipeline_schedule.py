@@ -6,7 +6,13 @@ their tick loops run the table's phases (sharding/pipeline_vjp.py)."""
 import numpy as np
 import pytest
 
+from models.config import ModelConfig
+from models.sizes import flops_per_token
+from sharding.collectives import collectives, crossing
+from sharding.pipeline import count, stage_labels
 from sharding.schedule import SLOTS, build
+from test_pipeline import _cfg
+from trainer.step.program import Program, run_mesh
 
 CASES = [(schedule, S, R, M) for schedule in ("gpipe", "circular", "1f1b", "zero_bubble")
          for S in (2, 3, 4) for R in ((1,) if schedule == "gpipe" else (1, 2, 3))
@@ -130,3 +136,52 @@ def test_the_table_prints():
       "         .  B0 B1 B2 B3 ."]
   assert table.rows() == ["stage 0: F×2 FB×2 B×2", "stage 1: ·×1 FB×4 ·×1"]
   assert table.phases() == [(0, 1, ("F",)), (1, 5, ("F", "B")), (5, 6, ("B",))]
+
+
+# ------------------------------------------------------------------------------------------------
+# The compiled explicit loops (sharding/pipeline_vjp.py) and the costs the bubble weighs
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_compiled_loops_run_the_table(schedule, devices):
+  """The compiled step's hand-overs run as often as the table's runs of ticks are long (one
+  scan per run; one tick XLA inlines), each moves one micro-batch's activations per device, and
+  the only other bytes between stages are the stage-replicated weights' gradients."""
+  cfg = _cfg(**{"mesh.stage": 2, "mesh.data": 4, "pipeline.schedule": schedule})
+  program = Program(cfg, run_mesh(cfg))
+  micro = 4
+  text = program.compile(micro, logs=True).as_text()
+  found = count(program.pipeline, micro, text, program.mesh, program.slot_flops())
+  lengths = [stop - start for start, stop, _ in found.table.phases()]
+  assert found.loops_match, (found.runs, lengths)
+  assert set(found.runs) == set(lengths)
+  m = cfg.model
+  rows = cfg.data.micro_batch_size // cfg.mesh.data
+  activation = rows * cfg.data.seq_len * m.d_model * 4
+  permutes = [op for op in crossing(collectives(text), stage_labels(program.mesh))
+              if op.kind == "collective-permute"]
+  assert {op.bytes for op in permutes} == {activation}
+  weights = (2 * m.vocab_size * m.d_model + m.d_model) * 4  # embedding, head, final norm (fp32)
+  assert weights <= found.other_bytes <= weights + 256
+  assert found.bubble == pytest.approx(found.table.bubble(program.slot_flops()))
+  assert "the compiled step's tick loops run those runs" in found.line()
+
+
+def test_slot_costs_are_the_stage_flops(devices):
+  """F is the stage's layers' matmul and attention FLOPs (the model's own count, attention
+  unmasked: the product XLA computes); 1F1B's B recomputes F and runs the whole backward (2 F);
+  zero bubble splits that B into its input-gradient part and W without losing or adding any."""
+  flops = {}
+  for schedule in ("1f1b", "zero_bubble"):
+    cfg = _cfg(**{"mesh.stage": 2, "mesh.data": 4, "pipeline.schedule": schedule})
+    flops[schedule] = Program(cfg, run_mesh(cfg)).slot_flops()
+  model = ModelConfig.from_config(cfg.model)
+  per_token = flops_per_token(model, cfg.data.seq_len, causal=False)
+  head = 6.0 * model.d_model * model.vocab_size
+  tokens = cfg.data.micro_batch_size * cfg.data.seq_len
+  stage = (per_token["total"] - head) / 3 / 2 * tokens  # forward, one of 2 stages
+  ones, zero = flops["1f1b"], flops["zero_bubble"]
+  assert ones["F"] == pytest.approx(stage) and zero["F"] == ones["F"]
+  assert ones["B"] == pytest.approx(3 * ones["F"]) and ones["W"] == 0  # remat + backward
+  assert zero["B"] + zero["W"] == pytest.approx(ones["B"])
+  assert 0 < zero["W"] < ones["F"]  # the weight-gradient matmuls: 2/3 of them on F's share
