@@ -4,11 +4,12 @@ side models/pipeline.py, the start-up report trainer/tracking/report.py.
 
   grad_sums  trainer/step/train_step.py's `grad_sums` for a pipelined model: the pipeline's
              micro-batches are the step's M accumulation micro-batches, one value_and_grad runs
-             through all of them, and the rest of the step is unchanged; the step that measures
-             the noise scale runs it on the two halves of every micro-batch's rows
+             through all of them (1f1b, zero_bubble: their loop's own backward), and the rest of
+             the step is unchanged; the step that measures the noise scale runs it on `pieces`
+             of every micro-batch's rows
   Layout     the stored layer order and the plain stack checkpoints hold: the same for GPipe;
-             stage-major for a circular pipeline, converted at every save and restore
-             (`to_saved` / `from_saved`), so its checkpoints restore on any mesh
+             stage-major with repeats (circular, interleaved), converted at every save and
+             restore (`to_saved` / `from_saved`), so its checkpoints restore on any mesh
 
 Why and details: docs/pipeline.md#what-it-does.
 """
