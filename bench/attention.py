@@ -25,11 +25,10 @@ import time
 
 import numpy as np
 
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser
-from trainer.multihost import platforms
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 IMPLS = ("flash", "flash_triton", "cudnn", "xla")
 CHECK_ROWS = 256  # queries of the first sequence each implementation is checked on (the last)

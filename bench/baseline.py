@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser, load_from_cli
-from trainer.multihost import platforms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser, load_from_cli  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def plain_step(model_cfg, hp, b1: float, clip_norm: float, seed: int):

@@ -18,12 +18,11 @@ import sys
 import tempfile
 import time
 
-from data.prepare import ensure_default_corpus
-from trainer.config import ConfigError, default_config
-from trainer.config.cli import CliParser
-from trainer.multihost import platforms
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.prepare import ensure_default_corpus  # noqa: E402
+from trainer.config import ConfigError, default_config  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def build_parser():

@@ -23,12 +23,12 @@ import sys
 import tempfile
 import time
 
-from tools.goodput import account, read_events
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from tools.goodput import account, read_events  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
 
 
 def build_parser():

@@ -18,13 +18,12 @@ import time
 
 import numpy as np
 
-from configs.moe_tiny import get_config
-from data.prepare import ensure_default_corpus
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser
-from trainer.multihost import platforms
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs.moe_tiny import get_config  # noqa: E402
+from data.prepare import ensure_default_corpus  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def build_parser():

@@ -22,12 +22,11 @@ import time
 
 import numpy as np
 
-from data.prepare import prepare_files
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser, load_from_cli
-from trainer.multihost import platforms
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from data.prepare import prepare_files  # noqa: E402
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser, load_from_cli  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 TARGET_RATIO = 20.0
 

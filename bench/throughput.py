@@ -4,11 +4,11 @@
 
 Builds the real train step (same code path as train.py), feeds it real batches from the data
 pipeline, and times `--steps` steps after two warm-up steps. `--noise-every N` turns on the
-gradient-noise-scale meter as a run with `--config.optim.noise_scale_every=N` has it: the
-measuring step on every Nth step, the plain step otherwise (compare the mean step time with and
-without). Prints the median step time,
+gradient-noise-scale meter as a run with `--config.optim.noise_scale_every=N` has it (the
+measuring step on every Nth step) and times the same step without the meter alongside, in
+`--rounds` alternating blocks, with the ratio of the two. Prints the median step time,
 tokens/s, model FLOP/s, and MFU against (a) the matmul peak measured in this same process, in
-the model's dtype on a product that fills the device (`trainer.tracking.metrics.measure_matmul_peak`:
+the model's dtype on a product that fills the device (`trainer.tracking.peaks.measure_matmul_peak`:
 1024^3 on a CPU, 8192^3 on an accelerator), and (b) the configured/known peak, so the ratio is
 honest on any machine.
 """
@@ -20,11 +20,10 @@ import sys
 import tempfile
 import time
 
-from trainer.config import ConfigError
-from trainer.config.cli import CliParser, load_from_cli
-from trainer.multihost import platforms
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.config import ConfigError  # noqa: E402
+from trainer.config.cli import CliParser, load_from_cli  # noqa: E402
+from trainer.multihost import platforms  # noqa: E402
 
 
 def build_parser():
@@ -32,7 +31,10 @@ def build_parser():
   parser.add_argument("--steps", type=int, default=20)
   parser.add_argument("--noise-every", type=int, default=0, metavar="N",
                       help="run the gradient-noise-scale meter as a run with "
-                      "optim.noise_scale_every=N does: the measuring step on every Nth step")
+                      "optim.noise_scale_every=N does (the measuring step on every Nth step), "
+                      "alternated with the same step without the meter")
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="blocks of --steps steps (each variant's, alternating)")
   return parser
 
 
@@ -57,21 +59,37 @@ def main(argv=None):
     run = Run(cfg, workdir)
     t0 = time.perf_counter()
     step = run.program.compile()
-    measuring = run.program.compile(measure_noise=True, logs=True) if args.noise_every else None
+    measuring = run.program.compile(measure_noise=True) if args.noise_every else None
     compile_s = time.perf_counter() - t0
+    plain = None
+    if args.noise_every:  # the same step without the meter in the optimizer, timed alongside
+      off = cfg.copy_and_resolve_references()
+      off.optim.noise_scale_every = 0
+      plain = Run(off, os.path.join(workdir, "off"))
+      plain_step, plain_state = plain.program.compile(), init_state(plain.program.spec,
+                                                                     plain.program.tx)
     state = init_state(run.program.spec, run.program.tx)
     it = iter(__import__("data.pipeline", fromlist=["dataset"]).dataset(run.feed.spec))
     batches = [run.feed.global_batch([next(it) for _ in range(run.program.num_micro)])
                for _ in range(min(args.steps, 8))]
-    times = []
+    times, plain_times = [], []
     with jax.set_mesh(run.mesh):
-      for i in range(args.steps + 2):
-        t = time.perf_counter()
-        measure = bool(args.noise_every) and (i + 1) % args.noise_every == 0
-        state, metrics = (measuring if measure else step)(state, batches[i % len(batches)])
-        jax.block_until_ready(metrics)
-        if i >= 2:
-          times.append(time.perf_counter() - t)
+      for block in range(args.rounds):  # the two alternate in blocks of --steps steps
+        for i in range(args.steps + 2):
+          t = time.perf_counter()
+          measure = bool(args.noise_every) and (i + 1) % args.noise_every == 0
+          state, metrics = (measuring if measure else step)(state, batches[i % len(batches)])
+          jax.block_until_ready(metrics)
+          if i >= 2:
+            times.append(time.perf_counter() - t)
+        if plain is None:
+          continue
+        for i in range(args.steps + 2):
+          t = time.perf_counter()
+          plain_state, metrics = plain_step(plain_state, batches[i % len(batches)])
+          jax.block_until_ready(metrics)
+          if i >= 2:
+            plain_times.append(time.perf_counter() - t)
   # The peak of the model's own arithmetic (model.dtype) on a product that fills the device.
   probe_n = matmul_probe_size(jax.default_backend())
   matmul_peak = measure_matmul_peak(probe_n, repeats=10, dtype=cfg.model.dtype)
@@ -91,8 +109,12 @@ def main(argv=None):
         f"(mean {statistics.mean(times) * 1e3:.1f}, min {min(times) * 1e3:.1f}, "
         f"max {max(times) * 1e3:.1f})")
   if args.noise_every:
-    print(f"noise scale       measured on every {args.noise_every}th step (the mean includes "
-          "those steps)")
+    off_s = statistics.median(plain_times)
+    every = "every step" if args.noise_every == 1 else f"every {args.noise_every} steps"
+    print(f"noise scale       measured {every}; the same step without "
+          f"the meter, alternated with it: median {off_s * 1e3:.1f} ms, mean "
+          f"{statistics.mean(plain_times) * 1e3:.1f}; the meter's cost: {step_s / off_s - 1:+.1%} "
+          f"median, {statistics.mean(times) / statistics.mean(plain_times) - 1:+.1%} mean")
   print(f"tokens/s          {tps:,.0f}")
   print(f"model FLOP/s      {tps * fpt / 1e9:.2f} GFLOP/s")
   print(f"matmul peak       {matmul_peak / 1e9:.2f} GFLOP/s ({cfg.model.dtype} {probe_n}^3, "

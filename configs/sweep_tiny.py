@@ -11,7 +11,8 @@ As a plain run at batch 16, and under the batch autopilot from 16 up to 128:
 
 0.16M parameters, sequences of 64 bytes; AdamW stated at a reference batch of 16 and moved to
 each batch by the batch-size rules; a warmup in examples, then a constant rate; every run
-measures the gradient noise scale. Why and details: docs/configs.md#the-shipped-configs.
+measures the gradient noise scale on every step (free: the accumulation micro-batches are its
+small batches). Why and details: docs/configs.md#the-shipped-configs.
 """
 from trainer.config import default_config
 
@@ -24,8 +25,7 @@ def get_config():
   c.data.update(global_batch_size=16, micro_batch_size=8, seq_len=64)
   c.optim.update(name="adamw", learning_rate=3e-3, b2=0.99, schedule="constant",
                  reference_batch_size=16, lr_rule="sqrt", b2_rule="half_life",
-                 warmup_steps=0, warmup_examples=256, noise_scale_every=10,
-                 noise_scale_ema=0.98)
+                 warmup_steps=0, warmup_examples=256, noise_scale_every=1)
   c.log_every = 10
   c.eval_every = 50
   c.checkpoint.every_steps = 0

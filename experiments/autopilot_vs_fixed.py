@@ -224,7 +224,8 @@ def _log_ticks(axis, values, ticker, fmt, steps=(1, 2, 5)) -> None:
 
 
 def main(argv: list[str]) -> int:
-  return common.main("autopilot", parse, experiment, argv)
+  return common.main("autopilot", parse, experiment, argv, keys=("run", "target"),
+                     metrics=("steps", "tokens", "examples", "noise_scale", "batch_at_target"))
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ workdir under `--workdir`. Its outputs are one CSV (`tools/figures.write_csv`) a
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -61,10 +63,10 @@ def at_budget(base, batch: int, examples: int, *, micro: int, evals: int,
 # Command line, table, outputs
 
 
-def parser(name: str, doc: str):
+def parser(name: str, doc: str, *, seeds: bool = True):
   """CliParser of `python -m experiments.<name>`: `--config` (default configs/sweep_tiny.py),
-  `--out` (path stem of the CSV and PNG, default docs/<name>), `--workdir` (the runs), and
-  `--config.KEY=VALUE` overrides of the base config."""
+  `--out` (path stem of the CSV and PNG, default docs/<name>), `--workdir` (the runs),
+  `--seeds` (unless `seeds=False`) and `--config.KEY=VALUE` overrides of the base config."""
   p = CliParser(f"-m experiments.{name}", doc, config=False)
   p.add_argument("--config", default=DEFAULT_CONFIG, metavar="FILE.py",
                  help=f"base config (default {DEFAULT_CONFIG}); --config.KEY=VALUE overrides it")
@@ -72,6 +74,12 @@ def parser(name: str, doc: str):
                  help="writes OUT.csv and OUT.png (default docs/%(default)s)")
   p.add_argument("--workdir", default=os.path.join("runs", "experiments", name),
                  help="where the runs' workdirs go")
+  if not seeds:  # the experiment handles its seeds itself (fp8_loss: the noise is their spread)
+    return p
+  p.add_argument("--seeds", type=int, default=1,
+                 help="repeat the experiment with the config's seed, seed + 1, ... (data order "
+                      "and initialisation): OUT.csv holds every seed's rows, OUT_seeds.csv "
+                      "each result's mean, std, min and max over the seeds")
   return p
 
 
@@ -88,14 +96,18 @@ def add_to_target_args(p, max_examples: int) -> None:
                  help="the eval curve is averaged over this many sequences before a crossing")
 
 
-def main(name: str, parse: Callable, experiment: Callable, argv: list[str]) -> int:
+def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
+         keys: tuple[str, ...] = (), metrics: tuple[str, ...] = ()) -> int:
   """Parse (`parse(argv) -> (args, overrides)`), load the base config, run
-  `experiment(args, cfg) -> rows` and report the wall time. A mistake in the command line or a
-  config is one line on stderr and exit code 2, before anything compiles."""
+  `experiment(args, cfg) -> rows` (once per seed with `--seeds`: `keys` name a result, `metrics`
+  its numbers, summarised over the seeds) and report the wall time. A mistake in the command
+  line or a config is one line on stderr and exit code 2, before anything compiles."""
   platforms.choose()
   try:
     args, overrides = parse(argv)
     cfg = load(args.config, overrides)
+    if getattr(args, "seeds", 1) < 1:
+      raise ConfigError(f"--seeds {args.seeds}: must be at least 1")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -104,12 +116,67 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str]) -> i
     os.makedirs(out_dir, exist_ok=True)
   t0 = time.perf_counter()
   try:
-    experiment(args, cfg)
+    if getattr(args, "seeds", 1) == 1:
+      experiment(args, cfg)
+    else:
+      over_seeds(name, args, cfg, experiment, keys, metrics)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"[{name}] {time.perf_counter() - t0:.0f}s in all", flush=True)
   return 0
+
+
+def over_seeds(name: str, args, cfg, experiment: Callable, keys, metrics) -> list[dict]:
+  """The experiment at seeds cfg.seed, cfg.seed + 1, ...: each seed's runs, CSV and figure in
+  `--workdir`/seed<s>; OUT.csv every seed's rows, OUT_seeds.csv `summarize`'s, OUT.png the
+  first seed's figure."""
+  rows = []
+  for k in range(args.seeds):
+    seeded = cfg.copy_and_resolve_references()
+    seeded.seed = cfg.seed + k
+    where = os.path.join(args.workdir, f"seed{seeded.seed}")
+    os.makedirs(where, exist_ok=True)
+    each = copy.copy(args)
+    each.workdir, each.out = where, os.path.join(where, os.path.basename(args.out))
+    print(f"[{name}] seed {seeded.seed} ({k + 1} of {args.seeds})", flush=True)
+    rows += [{"seed": seeded.seed, **r} for r in experiment(each, seeded)]
+    if k == 0 and os.path.exists(each.out + ".png"):
+      shutil.copyfile(each.out + ".png", args.out + ".png")
+  figures.write_csv(args.out + ".csv", rows)
+  summary = summarize(rows, keys, metrics)
+  figures.write_csv(args.out + "_seeds.csv", summary)
+  columns = [(k, k, "") for k in keys] + [(f"{m}_text", m, "s") for m in metrics]
+  print(f"[{name}] over {args.seeds} seeds (mean +- std, min-max; n: seeds with a value):")
+  print(table(summary, columns, name))
+  print(f"[{name}] wrote {args.out}.csv, {args.out}_seeds.csv" +
+        (f", {args.out}.png (seed {cfg.seed})" if os.path.exists(args.out + ".png") else ""))
+  return rows
+
+
+def summarize(rows: list[dict], keys, metrics) -> list[dict]:
+  """One row per distinct `keys` value: for each metric its number of seeds with a value, mean,
+  sample std, min and max (None and NaN, e.g. a target not reached, are left out), and a text
+  "mean +- std (min-max, n)"."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+  out = []
+  for key, group in groups.items():
+    row = dict(zip(keys, key))
+    for m in metrics:
+      values = [float(r[m]) for r in group
+                if r.get(m) is not None and not math.isnan(float(r[m]))]
+      n = len(values)
+      mean = sum(values) / n if n else math.nan
+      std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+      low, high = (min(values), max(values)) if n else (math.nan, math.nan)
+      row.update({f"{m}_n": n, f"{m}_mean": mean, f"{m}_std": std, f"{m}_min": low,
+                  f"{m}_max": high,
+                  f"{m}_text": "-" if not n else f"{mean:.4g} +- {std:.2g} ({low:.4g}-{high:.4g}, "
+                                                 f"{n}/{len(group)})"})
+    out.append(row)
+  return out
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]], prefix: str) -> str:

@@ -23,7 +23,7 @@ DEFAULT_CONFIG = os.path.join("configs", "lm_tiny.py")
 
 
 def build_parser():
-  p = common.parser("fp8_loss", __doc__)
+  p = common.parser("fp8_loss", __doc__, seeds=False)
   p.set_defaults(config=DEFAULT_CONFIG)
   p.add_argument("--seeds", type=common.ints, default="0,1,2",
                  help="seeds of the run pairs (at least 2)")

@@ -129,7 +129,8 @@ def plot(path: str, rows: list[dict], curves: dict, batches: list[int], args) ->
 
 
 def main(argv: list[str]) -> int:
-  return common.main("optimizers", parse, experiment, argv)
+  return common.main("optimizers", parse, experiment, argv, keys=("optimizer", "batch_size"),
+                     metrics=("final_eval_loss",))
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ def plot(path: str, rows: list[dict], args) -> bool:
 
 
 def main(argv: list[str]) -> int:
-  return common.main("linear", parse, experiment, argv)
+  return common.main("linear", parse, experiment, argv, keys=("arm", "batch_size"),
+                     metrics=("final_eval_loss",))
 
 
 if __name__ == "__main__":

@@ -160,7 +160,9 @@ def plot(path: str, results: dict, fits: dict, summaries: dict, args) -> bool:
 
 
 def main(argv: list[str]) -> int:
-  return common.main("muon_critical_batch", parse, experiment, argv)
+  return common.main("muon_critical_batch", parse, experiment, argv,
+                     keys=("optimizer", "batch_size", "lr_multiplier"),
+                     metrics=("steps", "examples", "noise_scale", "b_crit"))
 
 
 if __name__ == "__main__":

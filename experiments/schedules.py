@@ -201,7 +201,8 @@ def plot(path: str, rows: list[dict], curves: dict, t_stable, seq: int) -> bool:
 
 
 def main(argv: list[str]) -> int:
-  return common.main("schedules", parse, experiment, argv)
+  return common.main("schedules", parse, experiment, argv, keys=("run",),
+                     metrics=("final_eval_loss",))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Setup and results: docs/experiments.md#seesaw-and-the-critical-batch-by-branchin
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import os
 import shutil
@@ -142,8 +143,8 @@ def plot(path: str, rows: list[dict], curves: dict, args) -> bool:
   return True
 
 
-def probe_part(args, cfg) -> None:
-  """The sweep_tiny run with checkpoints at the branch points, then the probe."""
+def probe_part(args, cfg) -> list[dict]:
+  """The sweep_tiny run with checkpoints at the branch points, then the probe; its branches."""
   run = cfg.copy_and_resolve_references()
   every = math.gcd(*args.at)
   run.steps = max(args.at)
@@ -168,17 +169,25 @@ def probe_part(args, cfg) -> None:
       shutil.copyfile(os.path.join(out + "_files", name), target)
   shutil.rmtree(out + "_files", ignore_errors=True)
   print(f"[seesaw] wrote {out}.csv, {out}.json, {out}.png", flush=True)
+  with open(out + ".csv") as f:
+    return list(csv.DictReader(f))
 
 
-def experiment(args: argparse.Namespace, cfg) -> None:
+def experiment(args: argparse.Namespace, cfg) -> list[dict]:
+  """Part 1's rows and part 2's branches (`part` says which)."""
+  rows = []
   if args.skip != "seesaw":
-    seesaw_part(args, cfg)
+    rows += [{"part": "seesaw", **r} for r in seesaw_part(args, cfg)]
   if args.skip != "probe":
-    probe_part(args, cfg)
+    rows += [{"part": "probe", **r} for r in probe_part(args, cfg)]
+  return rows
 
 
 def main(argv: list[str]) -> int:
-  return common.main("seesaw", parse, experiment, argv)
+  return common.main("seesaw", parse, experiment, argv,
+                     keys=("part", "run", "at_step", "factor"),
+                     metrics=("steps", "final_eval_loss", "smoothed_loss", "critical_batch",
+                              "b_simple"))
 
 
 if __name__ == "__main__":

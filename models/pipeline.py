@@ -98,10 +98,10 @@ def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
 def objective(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: int = 1,
               fraction=None):
   """(what the step differentiates, (loss sum, target tokens, {"stats", "aux"} or None)), as
-  trainer/step/train_step.py's accumulation objective: the loss sum plus the step's target tokens times
-  the weighted auxiliary losses. `batch` is the step's batch or one of `parts` equal pieces of
-  its rows (the noise-scale meter's halves), `fraction` then the whole step's f [G, N] for the
-  global balance loss (else taken from this pass)."""
+  trainer/step/train_step.py's accumulation objective: the loss sum plus the step's target
+  tokens times the weighted auxiliary losses. `batch` is the step's batch or one of `parts`
+  equal pieces of its rows (the noise-scale meter's small batches), `fraction` then the whole
+  step's f [G, N] for the global balance loss (else taken from this pass)."""
   loss_sum, tokens, stats, balance_mb = forward(model, pipe, batch)
   moe = model.cfg.moe
   if not moe.enabled:

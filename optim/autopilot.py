@@ -1,14 +1,15 @@
 """Batch-size autopilot (`data.batch_ramp = "auto"`): the global batch grows with the measured
 gradient noise scale.
 
-`Autopilot.observe` reads every noise measurement (`optim.noise_scale_every`), from replicated
-metrics only, so every process decides the same. Its trigger, `data.batch_auto.trigger`:
+`Autopilot.observe` reads the noise meter in every logged row (`log_every`; the meter measures
+every `optim.noise_scale_every` steps), from replicated metrics only, so every process decides
+the same. Its trigger, `data.batch_auto.trigger`:
 
   noise_scale   the smoothed B_simple (sequences, `noise_scale`) > `margin` x the batch
   norm_test     tr(Sigma) / (T |g_B|^2) > `eta`^2, the step's own |g_B| (Byrd et al. 2012)
 
-held at `patience` measurements in a row multiplies the batch by `factor` (up to `max`; it
-never shrinks), from step n + `DELAY` (2) after a measurement at step n. Every batch is
+held at `patience` rows in a row multiplies the batch by `factor` (up to `max`; it
+never shrinks), from step n + `DELAY` (2) after the row of step n. Every batch is
 `global_batch_size` x factor^k, whole micro-batches, so each size compiles once and the data
 order is a fixed batch's; the decisions and the streak are checkpointed (`state_dict`).
 `with_defaults` fills in what the config leaves unset. Why, the norm test's derivation, the
@@ -22,9 +23,9 @@ import math
 from optim.ramp import UNITS, BatchRamp
 
 TRIGGERS = ("noise_scale", "norm_test")
-DELAY = 2  # a measurement at step n (1-based) changes the batch from step n + DELAY
+DELAY = 2  # the row of step n (1-based) changes the batch from step n + DELAY
 DEFAULT_GROWTHS = 3  # data.batch_auto.max = 0: global_batch_size x factor^3
-DEFAULT_NOISE_SCALE_EVERY = 10  # optim.noise_scale_every = 0 under the autopilot
+DEFAULT_NOISE_SCALE_EVERY = 2  # optim.noise_scale_every = 0 under the autopilot
 NO_HORIZON = ("constant", "rsqrt")  # schedules that never read their horizon
 
 
@@ -178,7 +179,7 @@ class Autopilot:
                    f"eta^2={c.eta ** 2:.4g}")
 
   def observe(self, step: int, row: dict) -> Change | None:
-    """Feed the metrics of measuring step `step` (1-based); returns the change it causes.
+    """Feed the logged metrics row of step `step` (1-based); returns the change it causes.
     Skipped steps are ignored (their update was not applied)."""
     if row.get("skipped"):
       return None
@@ -191,7 +192,7 @@ class Autopilot:
       return None
     self.streak = 0
     new = min(batch * self.cfg.factor, self.cfg.max)
-    reason = why + (f" ({self.cfg.patience} measurements in a row)"
+    reason = why + (f" ({self.cfg.patience} rows in a row)"
                     if self.cfg.patience > 1 else "")
     change = Change(step + DELAY, new, batch, step, reason)
     self.ramp.add_stage(new, change.step - 1)

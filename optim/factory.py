@@ -112,13 +112,16 @@ def build_optimizer(cfg, param_names: Any, total_steps: int, data=None, *,
   if ramp is None and data is not None:
     ramp = planned_ramp(data, cfg, total_steps)
   default_batch = data.global_batch_size if data is not None else None
+  # The noise meter's clock: the examples read through a step (its memory is a fraction of it).
+  clock = (lambda step: ramp.examples_before_traced(step + 1)) if ramp is not None else \
+      (lambda step: step + 1)
 
   @functools.lru_cache(maxsize=None)
   def for_batch(batch_size):
     hp = derive(cfg, batch_size, default_batch)
     schedule = build_schedule(cfg, total_steps, ramp, peak=hp.learning_rate,
                               batch_size=batch_size)
-    return _optimizer(cfg, hp, schedule, m, param_names), schedule
+    return _optimizer(cfg, hp, schedule, m, param_names, clock), schedule
 
   reference_tx = for_batch(default_batch)[0]
 
@@ -147,10 +150,11 @@ def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransf
                    f"{', '.join(SCALE_INVARIANT_OPTIMIZERS)}")
 
 
-def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names
+def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names, clock
                ) -> optax.GradientTransformationExtraArgs:
   """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA. `m`: the
-  `masks` of `param_names` (+ muP's "lr_multipliers"); `param_names`: the logical axis names.
+  `masks` of `param_names` (+ muP's "lr_multipliers"); `param_names`: the logical axis names;
+  `clock(step)`: the noise meter's clock (`optim.noise_scale.meter`).
 
   Every optimizer ends in `scale_by_learning_rate_at(schedule)` (the trainer's step drives the
   schedule) with the weight decay added just before it, so decay is multiplied by the learning
@@ -192,8 +196,7 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names
   if float(cfg.clip_norm) > 0:
     tx = optax.chain(optax.clip_by_global_norm(float(cfg.clip_norm)), tx)
   if int(cfg.get("noise_scale_every", 0)) > 0:
-    # A fixed number of examples in the average at every batch (the half-life rule).
-    tx = optax.chain(noise_scale.meter(float(cfg.noise_scale_ema) ** hp.ratio), tx)
+    tx = optax.chain(noise_scale.meter(float(cfg.noise_scale_window), clock), tx)
   if hp.ema_decay > 0:
     tx = optax.chain(tx, ema_params(hp.ema_decay))
   return tx

@@ -93,3 +93,23 @@ def test_sweep_end_to_end(tmp_path, data_dir):
   summary = json.load(open(out / "batch_sweep.json"))
   assert summary["reached"] == [16, 32] and "b_crit" in summary and "b_simple_median" in summary
   assert os.path.getsize(out / "batch_sweep.png") > 10_000  # matplotlib is in the test extra
+
+
+@pytest.mark.slow  # four trainings
+def test_sweep_over_seeds(tmp_path, data_dir):
+  """`--seeds 2`: a sweep per seed in <out>/seed<s>, the spread of B_crit and of each batch's
+  steps in batch_sweep_seeds.json, seed 0's figure as the sweep's."""
+  config = write_sweep_config(tmp_path)
+  out = tmp_path / "out"
+  code = batch_sweep.main(["--config", str(config), "--batch_sizes", "16,32", "--target_loss",
+                           "4.5", "--out", str(out), "--eval_examples", "32",
+                           "--smooth_examples", "64", "--eval_sequences", "16",
+                           "--max_examples", "1600", "--seeds", "2"])
+  assert code == 0
+  per_seed = [json.load(open(out / f"seed{s}" / "batch_sweep.json")) for s in (0, 1)]
+  summary = json.load(open(out / "batch_sweep_seeds.json"))
+  assert summary["seeds"] == [0, 1] and summary["b_crit"]["n"] == 2
+  assert summary["b_crit"]["mean"] == pytest.approx((per_seed[0]["b_crit"] +
+                                                     per_seed[1]["b_crit"]) / 2)
+  assert summary["steps"]["16"]["n"] == 2
+  assert os.path.getsize(out / "batch_sweep.png") > 10_000

@@ -166,6 +166,42 @@ def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
   assert large_batch_optimizers.main(["--config", str(config), "--optimizers", "adam"]) == 2
 
 
+def test_summarize_over_seeds():
+  rows = [{"run": "a", "target": 2.7, "steps": s, "noise": n} for s, n in ((10, 1.0), (14, None),
+                                                                            (12, 3.0))]
+  rows.append({"run": "b", "target": 2.7, "steps": float("nan"), "noise": 2.0})
+  got = {r["run"]: r for r in common.summarize(rows, ("run", "target"), ("steps", "noise"))}
+  a = got["a"]
+  assert (a["steps_n"], a["steps_mean"], a["steps_min"], a["steps_max"]) == (3, 12.0, 10.0, 14.0)
+  assert a["steps_std"] == pytest.approx(2.0) and a["noise_n"] == 2 and a["noise_mean"] == 2.0
+  assert a["steps_text"] == "12 +- 2 (10-14, 3/3)" and got["b"]["steps_text"] == "-"
+  assert got["b"]["noise_n"] == 1 and math.isnan(got["b"]["noise_std"])
+
+
+def test_an_experiment_over_seeds(tmp_path, data_dir):
+  """`--seeds 2`: the experiment at seeds 0 and 1, each in its own workdir (other losses), every
+  row in OUT.csv with its seed, the spread in OUT_seeds.csv, the first seed's figure."""
+  config = tiny_config_file(tmp_path)
+  out = tmp_path / "out" / "opt"
+  code = large_batch_optimizers.main([
+      "--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",
+      "--optimizers", "lars", "--evals", "2", "--eval_sequences", "8", "--out", str(out),
+      "--workdir", str(tmp_path / "runs"), "--seeds", "2"])
+  assert code == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  assert [(r["seed"], int(r["batch_size"])) for r in rows] == [("0", 16), ("0", 8), ("1", 16),
+                                                               ("1", 8)]
+  loss = {(r["seed"], r["batch_size"]): float(r["final_eval_loss"]) for r in rows}
+  assert loss[("0", "16")] != loss[("1", "16")]  # another seed: another run
+  summary = {int(r["batch_size"]): r for r in csv.DictReader(open(f"{out}_seeds.csv"))}
+  assert int(summary[16]["final_eval_loss_n"]) == 2
+  assert float(summary[16]["final_eval_loss_mean"]) == pytest.approx(
+      (loss[("0", "16")] + loss[("1", "16")]) / 2)
+  assert os.path.exists(tmp_path / "runs" / "seed1" / "opt.csv")
+  assert os.path.getsize(f"{out}.png") > 10_000
+  assert large_batch_optimizers.main(["--config", str(config), "--seeds", "0"]) == 2
+
+
 @pytest.mark.slow  # six trainings, ~30-70 s on 2 shared cores
 def test_muon_critical_batch_end_to_end(tmp_path, data_dir):
   """The command with a tiny config and an easy target: AdamW and Muon at batches 16 and 32, the

@@ -1,6 +1,8 @@
-"""Gradient noise scale (McCandlish et al. 2018): the two-batch estimator, its EMA on a problem
-whose answer is known, the train step's wiring of the small and big batches, and the plain
-(non-measuring) step of a run with the meter being exactly the step of a run without it."""
+"""Gradient noise scale (McCandlish et al. 2018): the two-batch estimator, its windowed average on
+a problem whose answer is known, the window's memory in training (not in measurements), the train
+step's wiring of the small and big batches, and the plain (non-measuring) step of a run with the
+meter being exactly the step of a run without it. The meter as a run logs it, against per-sequence
+gradients at the run's parameters: tests/test_noise_meter.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,10 +43,10 @@ def test_meter_recovers_the_noise_scale_of_linear_regression():
   delta /= np.linalg.norm(delta)
   want = (d * (1 + s * s) + 1) / 1.0
 
-  tx = noise_scale.meter(0.99)
+  tx = noise_scale.meter(0.5)
   state = tx.init(None)
-  update = jax.jit(lambda st, sample: tx.update({}, st, noise_sample=sample)[1])
-  for _ in range(1500):
+  update = jax.jit(lambda st, sample, i: tx.update({}, st, noise_sample=sample, step=i)[1])
+  for i in range(1500):
     x = rng.standard_normal((num_micro, micro, d))
     eps = s * rng.standard_normal((num_micro, micro))
     g = x * (x @ delta - eps)[..., None]  # per-example gradients [M, b, d]
@@ -52,11 +54,66 @@ def test_meter_recovers_the_noise_scale_of_linear_regression():
     big = small.mean(axis=0)
     sample = noise_scale.Sample(np.mean(np.sum(small ** 2, -1)), np.sum(big ** 2),
                                 float(micro), float(num_micro * micro))
-    state = update(state, sample)
+    state = update(state, sample, i)
   out = noise_scale.readout(state)
   assert float(out["b_simple"]) == pytest.approx(want, rel=0.10)
   assert float(out["g_sq"]) == pytest.approx(1.0, rel=0.10)
   assert float(out["trace_sigma"]) == pytest.approx(want, rel=0.10)
+
+
+def test_the_window_is_the_last_fraction_of_the_training_so_far():
+  """At step n the meter sums the measurements after (1 - window) n (to within one bucket, 1/8
+  of the window, at its old edge), whatever came before and however many there were: an
+  impulse in tr(Sigma) at step 100 counts at step 130 and not at step 140 or later."""
+  window = 0.25
+  tx = noise_scale.meter(window)
+  state = tx.init(None)
+  update = jax.jit(lambda st, sample, i: tx.update({}, st, noise_sample=sample, step=i)[1])
+  seen = {}
+  for step in range(1000):  # 0-based: the step that ends at step + 1
+    trace = 4.0 if step == 99 else 0.0  # squared norms whose estimates are (1, trace) exactly
+    sample = noise_scale.Sample(*(np.float32(v) for v in (1 + trace, 1 + trace / 2, 1.0, 2.0)))
+    state = update(state, sample, step)
+    out = noise_scale.readout(state)
+    seen[step + 1] = (float(out["trace_sigma"]) * float(out["count"]), float(out["count"]))
+  assert seen[130][0] == pytest.approx(4.0) and seen[140][0] == 0.0 and seen[400][0] == 0.0
+  for n in (40, 400, 1000):  # the window's measurements: n / 4, and at most one bucket more
+    assert window * n <= seen[n][1] <= window * n * (1 + 1 / 8) + 1, (n, seen[n])
+  assert float(state.clock) == 1000.0 and float(noise_scale.readout(state)["g_sq"]) == \
+      pytest.approx(1.0, rel=1e-5)
+  whole = noise_scale.meter(1.0)  # window 1: every measurement so far
+  state = whole.init(None)
+  for step in range(50):
+    _, state = whole.update({}, state, noise_sample=noise_scale.Sample(
+        *(np.float32(v) for v in (5.0, 3.0, 1.0, 2.0))), step=step)
+  assert float(noise_scale.readout(state)["count"]) == 50
+
+
+def test_the_meter_forgets_in_training_not_in_measurements():
+  """The same stream of estimates, measured every step or every 10th: after a change of the
+  truth (B_simple 4 -> 16 at step 200 of 400) both read the new value by the end, with the
+  memory the window sets in steps (an EMA of 0.98 per measurement, as earlier versions had,
+  read 11 here at every 10th step: a run-long average)."""
+  rng = np.random.default_rng(1)
+  readings = {}
+  for every in (1, 10):
+    tx = noise_scale.meter(0.25)
+    state = tx.init(None)
+    for step in range(every - 1, 400, every):
+      g_sq, trace = 1.0, (4.0 if step < 200 else 16.0) * (1 + 0.1 * rng.standard_normal())
+      b, big = 8.0, 64.0  # squared norms whose estimates are (g_sq, trace) exactly
+      sample = noise_scale.Sample(*(np.float32(v) for v in (
+          g_sq + trace / b, g_sq + trace / big, b, big)))
+      _, state = tx.update({}, state, noise_sample=sample, step=step)
+    readings[every] = float(noise_scale.readout(state)["b_simple"])
+  assert readings[1] == pytest.approx(16, rel=0.1) and readings[10] == pytest.approx(16, rel=0.15)
+
+
+def test_splits_make_enough_small_batches_where_the_rows_allow():
+  assert noise_scale.splits(1, 2, 8) == 2 and noise_scale.splits(2, 2, 8) == 1
+  assert noise_scale.splits(1, 8, 8) == 8 and noise_scale.splits(2, 8, 8) == 4
+  assert noise_scale.splits(1, 8, 6) == 6 and noise_scale.splits(1, 8, 3) == 3
+  assert noise_scale.splits(16, 4, 8) == 1 and noise_scale.splits(1, 2, 1) == 1
 
 
 def test_meter_is_an_identity_without_a_sample():
@@ -118,15 +175,17 @@ def test_step_without_accumulation_measures_two_halves(step_setup):
   harmonic = 2 / (1 / tokens[0] + 1 / tokens[1])
   g_sq, trace = noise_scale.estimate(small, big, harmonic, total)
   assert metrics["noise_g_sq"] == pytest.approx(g_sq, rel=1e-3)
+  assert metrics["noise_g_sq_step"] == pytest.approx(g_sq, rel=1e-3)
   assert metrics["noise_trace"] == pytest.approx(trace, rel=1e-3)
   assert metrics["noise_scale_tokens"] == pytest.approx(trace / g_sq, rel=1e-3)
   assert metrics["noise_scale"] == pytest.approx(trace / g_sq * 8 / total, rel=1e-3)
 
 
 def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
-  """With optim.noise_scale_every > 0 the steps that do not log the noise scale run
+  """With optim.noise_scale_every > 0 the steps that do not measure run
   `Program.compile(measure_noise=False)`: bit for bit the step of a run without the meter (no
-  half-batch split), leaving the meter's state as it was; the measuring step updates it."""
+  half-batch split), leaving the meter's state as it was (their rows carry its value); the
+  measuring step updates it."""
   _, batch, mesh, _ = step_setup
   def steps(cfg, measure_noise):
     program = Program(cfg, mesh)
@@ -146,11 +205,14 @@ def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
   plain, plain_state, meter0 = steps(metered, False)
   for a, b in zip(off, plain):
     assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
-    assert "noise_scale" not in b
+    assert "noise_g_sq_step" not in b and np.isnan(b["noise_scale"])  # no measurement yet
   jax.tree.map(np.testing.assert_array_equal, plain_state.params, off_state.params)
-  assert noise_scale.find_state(plain_state.opt_state) == meter0  # untouched
+  jax.tree.map(np.testing.assert_array_equal, noise_scale.find_state(plain_state.opt_state),
+               meter0)  # untouched
   measured, measured_state, _ = steps(metered, True)
-  assert float(noise_scale.find_state(measured_state.opt_state).weight) > 0
+  # two measurements at 8 and 16 examples: the window (the last quarter) holds the second
+  assert float(noise_scale.readout(noise_scale.find_state(measured_state.opt_state))["count"]) \
+      == 1
   assert np.isfinite(measured[-1]["noise_g_sq"])
   assert measured[0]["loss"] == pytest.approx(off[0]["loss"], rel=1e-6)
 
@@ -216,3 +278,45 @@ def test_the_meter_agrees_with_per_example_gradients_of_independent_sequences(da
   per_seq_tokens = rows[:, 2].sum() / (len(rows) * 64)  # B_simple in tokens -> in sequences
   got, got_se = jackknife(rows, lambda r: r[:, 1].mean() / r[:, 0].mean() / per_seq_tokens)
   assert abs(got - want) < 3 * np.hypot(got_se, want_se), (got, got_se, want, want_se)
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"optim.noise_scale_window": 0.0}, "optim.noise_scale_window=0.0: must be in (0, 1]"),
+    ({"optim.noise_scale_window": 1.5}, "optim.noise_scale_window=1.5: must be in (0, 1]"),
+    ({"optim.noise_scale_pieces": 1}, "optim.noise_scale_pieces=1: must be >= 2"),
+])
+def test_meter_settings_are_checked(override, needle):
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config.checks import validate  # noqa: PLC0415
+  with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+    validate(tiny_config(**{"optim.noise_scale_every": 1, **override}), 1)
+
+
+def test_the_old_ema_key_names_its_replacement(tmp_path):
+  from trainer.config import ConfigError  # noqa: PLC0415
+  from trainer.config.cli import load  # noqa: PLC0415
+  path = tmp_path / "c.py"
+  path.write_text("from trainer.config import default_config\n"
+                  "def get_config():\n  return default_config()\n")
+  with pytest.raises(ConfigError, match="it is now optim.noise_scale_window"):
+    load(str(path), [("optim.noise_scale_ema", "0.98")])
+
+
+def test_a_run_measures_on_the_pieces_asked_and_says_its_window(tmp_path, capsys):
+  """`noise_scale_pieces=4` on one 32-row micro-batch over 8 devices: the measuring steps split
+  it in 4 (their rows say so); the start-up line gives the window in steps; a row that does not
+  measure carries the meter's value."""
+  from conftest import metric_rows  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
+  cfg = tiny_config(**{"data.global_batch_size": 32, "steps": 8, "log_every": 1,
+                       "optim.noise_scale_every": 2, "optim.noise_scale_pieces": 4})
+  Run(cfg, str(tmp_path)).train()
+  rows = metric_rows(tmp_path)
+  assert [s for s in rows if "noise_pieces" in rows[s]] == [2, 4, 6, 8]
+  assert {rows[s]["noise_pieces"] for s in (2, 4, 6, 8)} == {4}
+  assert rows[5]["noise_scale"] == rows[4]["noise_scale"]  # no measurement at step 5
+  assert "noise_pieces" not in rows[5] and rows[4]["noise_measurements"] >= 1
+  out = capsys.readouterr().out
+  assert ("gradient noise scale: measured every 2 steps on small batches (4 at batch 32), "
+          "averaged over the last 25% of the tokens trained so far (at step 8 its steps 7-8)"
+          ) in out, out

@@ -266,30 +266,32 @@ def test_evaluation_through_the_pipeline(reference, devices):
     np.testing.assert_allclose(out["piped", rows], out["plain", rows], rtol=1e-6)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
-def test_noise_scale_meter_through_the_pipeline(reference, devices, schedule):
-  """The measuring step runs the pipeline on the two halves of every micro-batch's rows (even and
-  odd): the halves the plain step measures on when the same 16 rows are one micro-batch, so the
-  noise-scale estimates, like the update, are the plain step's."""
+@pytest.mark.parametrize("schedule,pieces,micro", [("gpipe", 4, 8), ("zero_bubble", 2, 4)])
+def test_noise_scale_meter_through_the_pipeline(reference, devices, schedule, pieces, micro):
+  """The measuring step runs the pipeline on `optim.noise_scale_pieces` parts of every
+  micro-batch's rows (part j: rows j, j + P, ...): the small batches the plain step measures on
+  when the same 16 rows are one micro-batch, so the noise-scale estimates, like the update, are
+  the plain step's."""
   batches, _, _ = reference
-  over = {"optim.noise_scale_every": 1}
+  over = {"optim.noise_scale_every": 1, "optim.noise_scale_pieces": pieces}
   rows = {}
   for name, cfg, devs in (
       ("plain", _cfg(**over, **{"data.micro_batch_size": 16}), jax.devices()[:1]),
       ("piped", _cfg(**{**GPIPE2, **over, "mesh.data": 2, "mesh.tensor": 2,
-                        "pipeline.schedule": schedule}), None)):
+                        "data.micro_batch_size": micro, "pipeline.schedule": schedule}), None)):
     program = Program(cfg, run_mesh(cfg, devs))
     state = program.init_state()
     step = program.jitted_step(measure_noise=True, logs=True)
     with jax.set_mesh(program.mesh):
-      for batch in batches[:2]:
-        if name == "plain":  # the same rows as one micro-batch [1, 16, S]
-          batch = {k: v.reshape(1, -1, *v.shape[2:]) for k, v in batch.items()}
+      width = 16 if name == "plain" else micro
+      for batch in batches[:2]:  # the same 16 rows as [1, 16, S] (plain) or [16 / micro, micro, S]
+        batch = {k: v.reshape(-1, width, *v.shape[2:]) for k, v in batch.items()}
         state, metrics = step(state, {k: jax.device_put(v, program.batch_sharding)
                                       for k, v in batch.items()})
     rows[name] = jax.device_get(metrics)
   for key in ("loss", "grad_norm", "noise_scale", "noise_trace", "noise_g_sq"):
     np.testing.assert_allclose(rows["piped"][key], rows["plain"][key], rtol=1e-4, err_msg=key)
+  assert rows["piped"]["noise_pieces"] == rows["plain"]["noise_pieces"] == pieces
   assert np.isfinite(rows["piped"]["noise_scale"])
 
 
@@ -351,9 +353,9 @@ def test_batch_ramp_changes_the_micro_batches_and_the_counted_bubble(data_dir, t
       "pipeline.schedule": "zero_bubble"}, "fewer than the mesh.stage=4 pipeline stages (M < S"),
     ({**GPIPE2, "pipeline.schedule": "1f1b", "pipeline.repeats": 3},
      "model.num_layers=8 does not split over mesh.stage=2 x pipeline.repeats=3"),
-    ({**GPIPE2, "optim.noise_scale_every": 2}, "runs the pipeline on two halves of every"),
+    ({**GPIPE2, "optim.noise_scale_every": 2}, "runs the pipeline on optim.noise_scale_pieces=2"),
     ({**GPIPE2, "optim.noise_scale_every": 2, "data.batch_ramp": "8:0,16:64"},
-     "runs the pipeline on two halves of every"),
+     "(at least two) parts of every micro-batch's"),
 ])
 def test_config_errors_are_one_line(overrides, needle, data_dir):
   with pytest.raises(ConfigError) as e:

@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -109,7 +110,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.steps = max(1, math.ceil(args.max_examples / batch_size))
   cfg.eval_every = max(1, round(args.eval_examples / batch_size))
   cfg.eval_sequences = args.eval_sequences
-  cfg.optim.noise_scale_every = max(1, cfg.eval_every // 2)
+  cfg.optim.noise_scale_every = 1  # the meter measures every step (its window: the config's)
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
 
@@ -241,6 +242,9 @@ def build_parser():
   p.add_argument("--smooth_examples", type=int, default=1024,
                  help="width in examples of the centered average of the eval curve (0: none)")
   p.add_argument("--plot", default="", help="PNG path (default <out>/batch_sweep.png)")
+  p.add_argument("--seeds", type=int, default=1,
+                 help="sweep at the config's seed, seed + 1, ... (each in <out>/seed<s>) and "
+                      "report the spread of B_crit, B_simple and the steps")
   return p
 
 
@@ -256,33 +260,19 @@ def parse_args(argv):
   return args, overrides, name
 
 
-def main(argv: list[str]) -> int:
-  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
-  try:
-    args, overrides, name = parse_args(argv)
-    cfg = load(args.config, overrides)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  if cfg.data.batch_ramp:
-    print("error: the sweep sets the batch itself; remove data.batch_ramp", file=sys.stderr)
-    return 2
-  bad = [b for b in args.batch_sizes if b % args.micro_batch_size]
-  if bad:
-    print(f"error: batch {bad[0]} is not a multiple of --micro_batch_size="
-          f"{args.micro_batch_size}", file=sys.stderr)
-    return 2
-  os.makedirs(args.out, exist_ok=True)
+def sweep(cfg, args, out: str, name: str) -> dict:
+  """One sweep of `cfg` into `out` (runs, CSV, JSON, figure); its summary (`summarise`'s, with the
+  settings). A config a batch cannot take raises ConfigError naming the batch."""
+  os.makedirs(out, exist_ok=True)
   results = []
   t0 = time.perf_counter()
   for batch in args.batch_sizes:
     for mult in args.lr_grid:
-      workdir = os.path.join(args.out, "runs", f"b{batch}_lr{mult:g}")
+      workdir = os.path.join(out, "runs", f"b{batch}_lr{mult:g}")
       try:
         r = run_one(cfg, batch, mult, args, workdir)
       except ConfigError as e:
-        print(f"error: batch {batch}: {e}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"batch {batch}: {e}") from None
       results.append(r)
       reached = (f"target at step {r.steps:.1f} ({r.examples:,.0f} examples)" if r.steps
                  else f"target not reached in {r.steps_run} steps")
@@ -290,14 +280,16 @@ def main(argv: list[str]) -> int:
             f"B_simple {r.noise_scale if r.noise_scale is None else round(r.noise_scale, 1)}; "
             f"{r.seconds:.0f}s", flush=True)
   chosen, fit, summary = summarise(results)
-  summary.update(config=args.config, overrides=dict(overrides), target_loss=args.target_loss,
+  summary.update(config=args.config, overrides=getattr(args, "overrides", {}),
+                 seed=int(cfg.seed), target_loss=args.target_loss,
                  batch_sizes=args.batch_sizes, lr_grid=args.lr_grid,
                  micro_batch_size=args.micro_batch_size, seconds=time.perf_counter() - t0)
-  write_csv(os.path.join(args.out, "batch_sweep.csv"), results)
-  with open(os.path.join(args.out, "batch_sweep.json"), "w") as f:
+  write_csv(os.path.join(out, "batch_sweep.csv"), results)
+  with open(os.path.join(out, "batch_sweep.json"), "w") as f:
     json.dump(summary, f, indent=1)
-  title = f"{name}: eval loss {args.target_loss}"
-  plotted = plot(args.plot, results, chosen, fit, summary, args.target_loss, title)
+  plot_path = args.plot if out == args.out else os.path.join(out, "batch_sweep.png")
+  plotted = plot(plot_path, results, chosen, fit, summary, args.target_loss,
+                 f"{name} (seed {cfg.seed}): eval loss {args.target_loss}")
   print("[sweep] batch  steps   examples  B_simple")
   for r in chosen:
     print(f"[sweep] {r.batch_size:5d} {r.steps:7.1f} {r.examples:10,.0f} "
@@ -312,8 +304,73 @@ def main(argv: list[str]) -> int:
     lo, hi = summary["b_simple_range"]
     print(f"[sweep] measured B_simple at the target: median {summary['b_simple_median']:.1f} "
           f"sequences (range {lo:.1f}-{hi:.1f})")
-  print(f"[sweep] wrote {args.out}/batch_sweep.csv, batch_sweep.json"
-        + (f", {args.plot}" if plotted else figures.NO_PLOT))
+  print(f"[sweep] wrote {out}/batch_sweep.csv, batch_sweep.json"
+        + (f", {plot_path}" if plotted else figures.NO_PLOT))
+  summary["steps"] = {r.batch_size: r.steps for r in chosen}
+  return summary
+
+
+def over_seeds(summaries: list[dict]) -> dict:
+  """Mean, sample std, min and max over the seeds' sweeps of B_crit, S_min, E_min, the median
+  B_simple, and the steps to the target at each batch."""
+  def spread(values):
+    values = [float(v) for v in values if v is not None]
+    if not values:
+      return None
+    mean = float(np.mean(values))
+    std = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+  out = {k: spread([s.get(k) for s in summaries])
+         for k in ("b_crit", "s_min", "e_min", "b_simple_median")}
+  batches = sorted({b for s in summaries for b in s["steps"]})
+  out["steps"] = {b: spread([s["steps"].get(b) for s in summaries]) for b in batches}
+  out["seeds"] = [s["seed"] for s in summaries]
+  return out
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
+  try:
+    args, overrides, name = parse_args(argv)
+    cfg = load(args.config, overrides)
+    args.overrides = dict(overrides)
+    if args.seeds < 1:
+      raise ConfigError(f"--seeds {args.seeds}: must be at least 1")
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if cfg.data.batch_ramp:
+    print("error: the sweep sets the batch itself; remove data.batch_ramp", file=sys.stderr)
+    return 2
+  bad = [b for b in args.batch_sizes if b % args.micro_batch_size]
+  if bad:
+    print(f"error: batch {bad[0]} is not a multiple of --micro_batch_size="
+          f"{args.micro_batch_size}", file=sys.stderr)
+    return 2
+  summaries = []
+  try:
+    for k in range(args.seeds):
+      seeded = cfg.copy_and_resolve_references()
+      seeded.seed = cfg.seed + k
+      out = args.out if args.seeds == 1 else os.path.join(args.out, f"seed{seeded.seed}")
+      summaries.append(sweep(seeded, args, out, name))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.seeds > 1:
+    summary = over_seeds(summaries)
+    with open(os.path.join(args.out, "batch_sweep_seeds.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    shutil.copyfile(os.path.join(args.out, f"seed{cfg.seed}", "batch_sweep.png"), args.plot) \
+        if os.path.exists(os.path.join(args.out, f"seed{cfg.seed}", "batch_sweep.png")) else None
+    text = lambda s: "-" if s is None else (f"{s['mean']:.4g} +- {s['std']:.2g} "
+                                            f"({s['min']:.4g}-{s['max']:.4g}, n={s['n']})")
+    print(f"[sweep] over seeds {summary['seeds']}: B_crit {text(summary['b_crit'])}; S_min "
+          f"{text(summary['s_min'])}; E_min {text(summary['e_min'])}; B_simple at the target "
+          f"{text(summary['b_simple_median'])}")
+    for b, s in summary["steps"].items():
+      print(f"[sweep]   batch {b}: steps to the target {text(s)}")
+    print(f"[sweep] wrote {args.out}/batch_sweep_seeds.json")
   return 0
 
 

@@ -8,6 +8,7 @@ import ml_collections
 
 from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES
 from optim.autopilot import AutoConfig, check, schedule_lengths, with_defaults
+from optim.noise_scale import splits
 from optim.ramp import parse_ramp
 from optim.scaling import B2_OPTIMIZERS, SCALE_INVARIANT_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner
 from optim.seesaw import Seesaw, seesaw_defaults
@@ -54,7 +55,10 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
           "warmup_examples or warmup_tokens")
   need(o.noise_scale_every >= 0,
         f"optim.noise_scale_every={o.noise_scale_every}: must be >= 0 (0 = off)")
-  need(0 < o.noise_scale_ema < 1, f"optim.noise_scale_ema={o.noise_scale_ema}: must be in (0, 1)")
+  need(0 < o.noise_scale_window <= 1, f"optim.noise_scale_window={o.noise_scale_window}: must "
+       "be in (0, 1], the fraction of the tokens trained so far that the meter averages over")
+  need(o.noise_scale_pieces >= 2, f"optim.noise_scale_pieces={o.noise_scale_pieces}: must be "
+       ">= 2 (small batches per measuring step)")
   micro = d.micro_batch_size or d.global_batch_size
   batches = [d.global_batch_size]
   need(d.max_batch == 0 or d.batch_ramp == "seesaw", f"data.max_batch={d.max_batch} is "
@@ -79,17 +83,21 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
     batches = [b for b, _ in stages]
   if d.batch_ramp == "auto":
     batches = check_autopilot(cfg, micro)
-  if o.noise_scale_every and (micro in batches or num_stages > 1):
-    split = (f"optim.noise_scale_every on a step without accumulation splits its {micro} rows "
-             "into " if num_stages == 1 else
-             f"optim.noise_scale_every with mesh.stage={num_stages} runs the pipeline on two "
-             f"halves of every micro-batch's {micro} rows (trainer/step/pipelined.py), ")
-    need(micro % (2 * dp) == 0,
-          split + f"two halves, which must divide over the data-parallel size {dp}; use a "
-          f"multiple of {2 * dp} rows"
-          + (", or accumulate (data.micro_batch_size below the batch)" if num_stages == 1 else "")
-          + ("; data.micro_batch_size and optim.noise_scale_every are the autopilot's default "
-             "here, set them to choose" if d.batch_ramp == "auto" else ""))
+  if o.noise_scale_every:
+    for batch in batches:  # a measuring step needs 2 or more small batches
+      if num_stages > 1:
+        need(micro % (2 * dp) == 0,
+             f"optim.noise_scale_every with mesh.stage={num_stages} runs the pipeline on "
+             f"optim.noise_scale_pieces={o.noise_scale_pieces} (at least two) parts of every "
+             f"micro-batch's {micro} rows, which must divide over the data-parallel size {dp}; "
+             f"use data.micro_batch_size a multiple of {2 * dp}")
+      elif batch // micro * splits(batch // micro, o.noise_scale_pieces, micro // dp) < 2:
+        need(False, f"optim.noise_scale_every at batch {batch} without accumulation splits its "
+             f"{micro} rows into two halves, which must divide over the data-parallel size "
+             f"{dp}; use a multiple of {2 * dp} rows, or accumulate (data.micro_batch_size "
+             "below the batch)" + ("; data.micro_batch_size and optim.noise_scale_every are "
+                                   "the autopilot's default here, set them to choose"
+                                   if d.batch_ramp == "auto" else ""))
   return batches
 
 

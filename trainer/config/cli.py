@@ -91,7 +91,10 @@ def _check_keys(cfg, ref, where, prefix=""):
 
 # Keys of earlier versions: what replaced them, for the unknown-key message.
 RENAMED = {"eval_steps": "eval_sequences (validation sequences per evaluation, not batches: "
-                         "eval_steps x the micro-batch rows)"}
+                         "eval_steps x the micro-batch rows)",
+           "optim.noise_scale_ema": "optim.noise_scale_window (the meter's memory as a fraction "
+                                    "of the tokens trained so far, e.g. 0.25; an average per "
+                                    "measurement remembered 1 / (1 - ema) measurements)"}
 
 
 def _suggest(full: str, ref, prefix: str) -> str:

@@ -131,7 +131,7 @@ def default_config() -> ml_collections.ConfigDict:
           factor=2,
           trigger="noise_scale",  # noise_scale: B_simple > margin x batch | norm_test (eta)
           margin=2.0, eta=0.8,
-          patience=2,  # measurements in a row the trigger must hold
+          patience=2,  # logged rows in a row the trigger must hold
       )),
       # Restarting on more or fewer data-parallel devices (trainer/checkpoint/elastic.py): "keep" the
       # global batch (more or fewer micro-batches) or "rescale" it with the devices (rows per
@@ -169,9 +169,10 @@ def default_config() -> ml_collections.ConfigDict:
       warmup_examples=0, warmup_tokens=0, decay_examples=0, decay_tokens=0,
       power_a=4.6, power_b=-0.51,  # schedule="power": lr = min(lr, batch * a * tokens^b)
       # Gradient noise scale (optim/noise_scale.py): measured and logged every N steps (0 = off;
-      # the other steps are the plain step); its EMA coefficient per measurement at
-      # reference_batch_size (** (B/B_ref) at batch B).
-      noise_scale_every=0, noise_scale_ema=0.95,
+      # the other steps are the plain step) on `noise_scale_pieces` small batches of the step's
+      # batch (at least 2: the accumulation micro-batches, split further where there are fewer),
+      # averaged over the last `noise_scale_window` of the tokens trained so far (in (0, 1]).
+      noise_scale_every=0, noise_scale_window=0.25, noise_scale_pieces=2,
       # DiLoCo (optim/diloco.py, trainer/step/diloco.py): `replicas` M >= 1 replicas train apart,
       # each on its B/M rows of the global batch with the optimizer above (the inner optimizer)
       # and no communication between replicas (a mesh axis of their own, `replica`, outermost;

@@ -118,8 +118,9 @@ class Decider:
 
   def logs(self, step: int) -> bool:
     """Whether the step that ends at `step` (1-based) writes its metrics row (known before it
-    runs: the loop picks that step's compiled variant by it)."""
-    return step % self.log_every == 0 or step == self.steps or self.measures_noise(step)
+    runs: the loop picks that step's compiled variant by it). A row carries the noise meter's
+    value whether or not its step measured."""
+    return step % self.log_every == 0 or step == self.steps
 
   def saved(self) -> None:
     self.last_save = time.monotonic()

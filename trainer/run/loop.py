@@ -27,6 +27,7 @@ import ml_collections
 
 from models.sizes import flops_per_token
 from optim.autopilot import AutoConfig, Autopilot
+from sharding.mesh import data_parallel_size
 from trainer.checkpoint import elastic
 from trainer.checkpoint.horizon import fix_horizon
 from trainer.checkpoint.local_tier import LocalTier
@@ -46,8 +47,8 @@ from trainer.tracking.goodput import Events, StepTimer, process_start_time, repa
 from trainer.tracking.metrics import MetricsWriter
 from trainer.tracking.peaks import machine_peak_flops
 from trainer.tracking.profiling import ProfileWindow
-from trainer.tracking.report import (bubble_cost, log_batch_plan, log_diloco, log_pipeline_plan,
-                                     log_setup)
+from trainer.tracking.report import (bubble_cost, log_batch_plan, log_diloco, log_noise_meter,
+                                     log_pipeline_plan, log_setup)
 
 EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
 
@@ -210,9 +211,11 @@ class Run:
           self.log(line)
     for line in self.program.defaults_filled:
       self.log(line)
+    batches = self.autopilot.cfg.sizes() if self.autopilot else self.ramp.batches
     log_batch_plan(self.writer, self.cfg, self.ramp, self.autopilot, start)
-    log_pipeline_plan(self.writer, self.program,
-                      self.autopilot.cfg.sizes() if self.autopilot else self.ramp.batches)
+    log_noise_meter(self.writer, self.cfg, self.ramp, self.program.micro_rows,
+                    data_parallel_size(self.mesh.shape), batches)
+    log_pipeline_plan(self.writer, self.program, batches)
 
   def _compile_first(self, start: int, decider: Decider):
     """Compile the first step (and a DiLoCo run's outer step) and say what it costs; returns the

@@ -4,8 +4,8 @@
 decision needs it: at log, save, evaluation and stop steps, in one transfer for the whole window,
 so no step in between waits for the device. A skipped (non-finite or spike) step is therefore
 seen at the next such step: before any checkpoint, evaluation or log row, never later.
-`Readback` writes the rows due, feeds the batch autopilot the rows that measured the noise
-scale, applies the non-finite and spike policies, and asks `stop_when` whether to end the run.
+`Readback` writes the rows due, feeds the batch autopilot the rows with a new noise
+measurement, applies the non-finite and spike policies, and asks `stop_when` whether to end the run.
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ class Readback:
     self.newest_checkpoint, self.stop_when = newest_checkpoint, stop_when
     self.window = MetricsWindow(reduce)
     self.recorded = self.dispatched = start  # steps in goodput events / dispatched so far
+    self.observed = start  # the last step whose row the autopilot saw
     self.last_metrics: dict = {}
     self.stop_reason: str | None = None
 
@@ -101,7 +102,7 @@ class Readback:
         self.writer.advance(0, loss=host["loss"])
         self.last_metrics = host
         self._stop_check(step, host)
-      if log and self.autopilot is not None and "noise_scale" in host:
+      if log and self.autopilot is not None and self._measured_since(step):
         self._steer(step, host)
       if not host["skipped"]:
         continue
@@ -115,6 +116,15 @@ class Readback:
                              f"applying it; {newest}")
       self.writer.log(f"{kind} at step {step} (loss={host['loss']}): update skipped")
     return None
+
+  def _measured_since(self, step: int) -> bool:
+    """Whether the meter measured since the last row the autopilot saw (so it never counts one
+    measurement twice when rows come more often than measurements)."""
+    every, seen = self.cfg.optim.noise_scale_every, self.observed
+    if not every or step // every == seen // every:
+      return False
+    self.observed = step
+    return True
 
   def _steer(self, step: int, host: dict) -> None:
     """Feed a measuring step's row to the batch autopilot; log the change it decides."""

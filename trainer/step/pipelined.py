@@ -5,8 +5,8 @@ side models/pipeline.py, the start-up report trainer/tracking/report.py.
   grad_sums  trainer/step/train_step.py's `grad_sums` for a pipelined model: the pipeline's
              micro-batches are the step's M accumulation micro-batches, one value_and_grad runs
              through all of them (1f1b, zero_bubble: their loop's own backward), and the rest of
-             the step is unchanged; the step that measures the noise scale runs it on `pieces`
-             of every micro-batch's rows
+             the step is unchanged; the step that measures the noise scale runs it once per
+             part of every micro-batch's rows (`optim.noise_scale_pieces` parts)
   Layout     the stored layer order and the plain stack checkpoints hold: the same for GPipe;
              stage-major with repeats (circular, interleaved), converted at every save and
              restore (`to_saved` / `from_saved`), so its checkpoints restore on any mesh
@@ -21,16 +21,22 @@ import numpy as np
 import optax
 
 from models import pipeline as model_pipeline
+from optim import noise_scale
 from sharding.pipeline import Pipeline, reorder
 
 
-def grad_sums(spec, params, batch, *, measure_noise: bool = False):
+def grad_sums(spec, params, batch, *, measure_noise: bool = False, noise_parts: int = 2):
   """trainer/step/train_step.py's `grad_sums` for a pipelined model (module docstring): (loss
   sum, target tokens, gradient sum in float32 sharded like the parameters, noise-meter sums
-  (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None)."""
+  (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None). Measuring the
+  noise, the pipeline runs once per part of `noise_parts` (`noise_scale.split_rows`): part j of
+  every micro-batch is one small batch."""
   pipe, moe = spec.pipeline, spec.cfg.moe
   step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-  parts = pieces(batch, 2) if measure_noise else [batch]
+  parts = [batch]
+  if measure_noise:
+    split = jax.tree.map(lambda x: noise_scale.split_rows(x, noise_parts), batch)
+    parts = [jax.tree.map(lambda x, j=j: x[:, j], split) for j in range(noise_parts)]
   fraction = None
   if len(parts) > 1 and moe.enabled and moe.balance_scope == "global":
     fraction = model_pipeline.global_fraction(spec.model(params), pipe, batch)
@@ -53,14 +59,6 @@ def grad_sums(spec, params, batch, *, measure_noise: bool = False):
   loss_sum, tokens, grads, noise, moe_sums = out
   grads = shard(grads)
   return loss_sum, tokens, grads, (*noise, len(parts)) if measure_noise else None, moe_sums
-
-
-def pieces(batch, count: int) -> list:
-  """[M, B, ...] -> `count` pieces [M, B / count, ...], piece i every micro-batch's rows i,
-  i + count, i + 2 count, ... (each device keeps its rows): the pieces the noise meter
-  measures on."""
-  split = lambda x: x.reshape(x.shape[0], x.shape[1] // count, count, *x.shape[2:])
-  return [jax.tree.map(lambda x: split(x)[:, :, i], batch) for i in range(count)]
 
 
 def loss_sums(spec, params, batch):

@@ -156,7 +156,9 @@ class Program:
     guard = GuardConfig.from_config(self.cfg.trainer)
     if self.diloco is None:
       step = make_train_step(self.spec, self.tx, self.schedule, guard,
-                             measure_noise=measure_noise, norm_metrics=self.computes_norms(logs))
+                             measure_noise=measure_noise,
+                             noise_pieces=int(self.cfg.optim.noise_scale_pieces),
+                             norm_metrics=self.computes_norms(logs))
       metrics = replicated(self.mesh)
     else:
       if measure_noise:

@@ -24,6 +24,7 @@ import optax
 from models import moe as moe_lib
 from models.llama import moe_layer_ids
 from optim import noise_scale
+from sharding.mesh import data_parallel_size
 from trainer.step import pipelined
 from trainer.step.state import ModelSpec, TrainState
 
@@ -89,8 +90,10 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
   return bad, finite, spike, new_guard
 
 
-def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
-  """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
+def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
+              noise_parts: int = 2):
+  """Sums over the micro-batches of `batch` [M, B, S] (the noise meter's small batches: the
+  micro-batches, with a pipeline `noise_parts` parts of their rows): (loss sum, target tokens, gradient sum
   in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2 and 1 / t_i summed
   over the pieces i, and their number) or None, MoE sums ({"stats": router statistics, "aux":
   auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1 a scan
@@ -98,7 +101,8 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   """
 
   if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/step/pipelined.py)
-    return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise)
+    return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise,
+                               noise_parts=noise_parts)
   num_micro = jax.tree.leaves(batch)[0].shape[0]
   moe = spec.cfg.moe
   # The step's target tokens: the MoE auxiliary terms are scaled by it (docs/moe.md).
@@ -149,26 +153,34 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
-                    measure_noise: bool = False, norm_metrics: bool = True, replicas: int = 1):
+                    measure_noise: bool = False, noise_pieces: int = 2, norm_metrics: bool = True,
+                    replicas: int = 1):
   """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
-  the gradient noise scale (the optimizer must carry the meter); without, it is the plain step
-  and the meter's state passes through unchanged. `norm_metrics=False` leaves param_norm and
-  update_norm out of the metrics (and their passes over the state out of the program; the loop
-  runs that variant on the steps that do not log, `trainer.norm_metrics`). `replicas`: the step
-  is one of that many DiLoCo replicas' inner steps (trainer/step/diloco.py), each on B of the
-  replicas x B rows of the global batch; the optimizer and schedule are told the global batch."""
-  if measure_noise and noise_scale.find_state(jax.eval_shape(
-      tx.init, spec.abstract_params)) is None:
+  the gradient noise scale on `noise_pieces` small batches (`noise_scale.splits`; the optimizer
+  must carry the meter); without, it is the plain step and the meter's state passes through.
+  `norm_metrics=False` leaves param_norm and update_norm out of the metrics (and their passes
+  over the state out of the program; the loop runs that variant on the steps that do not log,
+  `trainer.norm_metrics`). `replicas`: the step is one of that many DiLoCo replicas' inner steps
+  (trainer/step/diloco.py), each on B of the replicas x B rows of the global batch; the
+  optimizer and schedule are told the global batch."""
+  dp = data_parallel_size(spec.mesh.shape)
+  has_meter = noise_scale.find_state(jax.eval_shape(tx.init, spec.abstract_params)) is not None
+  if measure_noise and not has_meter:
     raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
                      "(optim.noise_scale_every > 0)")
 
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
     batch_size = num_micro * rows * replicas
-    if measure_noise and num_micro == 1:
-      batch, num_micro = jax.tree.map(_split_rows_in_two, batch), 2
+    parts = 1
+    if measure_noise:  # enough small batches for the meter
+      parts = noise_scale.splits(num_micro, noise_pieces, rows // dp,
+                                 together=spec.pipeline is not None)
+    if parts > 1 and spec.pipeline is None:  # [M parts, B / parts, S]: each part one micro-batch
+      batch = jax.tree.map(lambda x: noise_scale.split_rows(x, parts).reshape(
+          num_micro * parts, rows // parts, *x.shape[2:]), batch)
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
-        spec, state.params, batch, measure_noise=measure_noise)
+        spec, state.params, batch, measure_noise=measure_noise, noise_parts=parts)
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
@@ -212,22 +224,19 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     if moe_sums is not None:  # router statistics and auxiliary losses (models/moe.py)
       metrics.update(moe_lib.metrics(moe_sums["stats"], moe_sums["aux"], spec.cfg.moe,
                                      layer_ids=moe_layer_ids(spec.cfg)))
-    if measure_noise:
+    if has_meter:  # the meter's value (its averages pass through the steps that do not measure)
       noise = noise_scale.readout(noise_scale.find_state(opt_state))
       metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,
                      noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
-                     noise_trace=noise["trace_sigma"])
+                     noise_trace=noise["trace_sigma"], noise_measurements=noise["count"])
+    if measure_noise:  # this step's own estimates
+      g_sq, trace = noise_scale.estimate(*extra["noise_sample"])
+      metrics.update(noise_g_sq_step=g_sq, noise_trace_step=trace,
+                     noise_pieces=jnp.asarray(pieces, jnp.int32))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, guard=guard)
     return new_state, metrics
 
   return step
-
-
-def _split_rows_in_two(x):
-  """[1, B, ...] -> [2, B/2, ...]: rows 0, 2, 4, ... and 1, 3, 5, ... (a device's block of rows
-  stays on it when B / devices is even)."""
-  rows = x.shape[1]
-  return x[0].reshape(rows // 2, 2, *x.shape[2:]).swapaxes(0, 1)
 
 
 def make_eval_step(spec: ModelSpec):

@@ -5,6 +5,7 @@ console and event rows in metrics.jsonl, through the run's `MetricsWriter` (lead
   log_batch_plan       the batch autopilot's settings and decisions, the ramp's stages, the
                        schedule in its unit, the hyperparameters each batch gets (optim/scaling.py)
   log_hyperparameters  one batch's derived hyperparameters, also as a `hyperparameters` event
+  log_noise_meter      what the gradient-noise meter measures and the steps it averages over
   log_diloco           a DiLoCo run's replicas and steps, and the bytes that cross replicas next
                        to plain data parallelism's (trainer/tracking/communication.py)
   log_pipeline         a pipelined run's schedule, bubble and bytes between stages, counted from
@@ -22,7 +23,7 @@ from jax.sharding import Mesh
 from data import mixture
 from models.llama import ModelConfig
 from models.sizes import param_counts
-from optim import BatchRamp, derive
+from optim import BatchRamp, derive, noise_scale
 from optim import schedules as schedules_lib
 from optim.autopilot import Autopilot
 from optim.scaling import describe as describe_hyperparameters
@@ -64,8 +65,8 @@ def log_batch_plan(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp: 
     writer.log(f"batch autopilot: {' -> '.join(map(str, a.sizes()))} sequences, x{a.factor} "
                + (f"when B_simple > {a.margin:g} x batch" if a.trigger == "noise_scale" else
                   f"when the norm test fails (eta={a.eta:g})")
-               + f" at {a.patience} measurement(s) in a row (every "
-               f"{cfg.optim.noise_scale_every} steps); decided so far: "
+               + f" at {a.patience} logged row(s) in a row (every {cfg.log_every} steps; the "
+               f"meter measures every {cfg.optim.noise_scale_every}); decided so far: "
                + ("; ".join(c.describe() for c in autopilot.changes) or "none"))
   if not ramp.is_constant or ramp.cuts:
     writer.log(ramp.describe())
@@ -73,6 +74,29 @@ def log_batch_plan(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp: 
     log_hyperparameters(writer, cfg, step, batch)
   if cfg.optim.schedule_unit != "steps" or not ramp.is_constant:
     writer.log(schedules_lib.describe(cfg.optim, cfg.steps, ramp))
+
+
+def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp: BatchRamp,
+                    micro_rows: int, dp: int, batches) -> None:
+  """What the gradient-noise meter measures and the window it averages over, in steps (nothing
+  when it is off)."""
+  o = cfg.optim
+  if not o.noise_scale_every:
+    return
+  pieces, staged = [], cfg.mesh.stage > 1  # a pipeline runs its micro-batches together
+  for batch in dict.fromkeys(batches):
+    m = batch // micro_rows
+    parts = noise_scale.splits(m, int(o.noise_scale_pieces), micro_rows // dp, together=staged)
+    pieces.append(f"{parts if staged else m * parts} at batch {batch}")
+  window = float(o.noise_scale_window)
+  spans = []
+  for n in sorted({min(100, cfg.steps), cfg.steps}):
+    first = ramp.first_step_at((1 - window) * ramp.examples_before(n))
+    spans.append(f"at step {n:,} its steps {first + 1:,}-{n:,}")
+  every = "every step" if o.noise_scale_every == 1 else f"every {o.noise_scale_every} steps"
+  writer.log(f"gradient noise scale: measured {every} on small batches "
+             f"({', '.join(pieces)}), averaged over the last {window:.0%} of the tokens trained "
+             f"so far ({'; '.join(spans)})")
 
 
 def log_hyperparameters(writer: MetricsWriter, cfg: ml_collections.ConfigDict, step: int,

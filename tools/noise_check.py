@@ -1,0 +1,208 @@
+"""The gradient noise scale a run logged, against the truth at the same parameters.
+
+    python -m tools.noise_check --workdir RUN --steps 100,300 [--sequences 3072]
+
+At each step (a checkpoint of the run) the truth is B_simple = tr(Sigma) / |G|^2 in sequences,
+from the per-sequence gradients (of each sequence's mean token loss) of `--sequences`
+independent windows of the run's training data, drawn by an order with a seed of its own, with
+its jackknife standard error over `--groups` groups; with `--window F`, also over the meter's
+window (the checkpoints after (1 - F) of the examples read). Beside them: the `noise_scale` the
+run logged at that step (or the nearest row before it), and the ratios.
+Why and how it is used: docs/batch_size.md#gradient-noise-scale.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from trainer.config import ConfigError
+from trainer.config.cli import CliParser, ints
+from trainer.multihost import platforms
+from trainer.run.inprocess import load_run
+from trainer.tracking.record import ramp_from_rows, read_rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Truth:
+  """B_simple in sequences from per-sequence gradients, its jackknife standard error, the
+  estimates it is the ratio of (per-sequence tr(Sigma) and |G|^2), and the sequences used."""
+  b_simple: float
+  se: float
+  trace: float
+  g_sq: float
+  sequences: int
+
+
+def _ratio(sums):
+  """Unbiased tr(Sigma) / |G|^2 from [groups, dim + 2] sums (gradient sum, sum of squared norms,
+  count), |G|^2 estimated as |mean|^2 - tr(Sigma) / n."""
+  total = sums.sum(0)
+  n, mean = total[-1], total[:-2] / total[-1]
+  trace = (total[-2] - n * mean @ mean) / (n - 1)
+  g_sq = mean @ mean - trace / n
+  return trace / g_sq, trace, g_sq
+
+
+def truth_meter(spec, stream_spec, *, sequences: int = 2048, groups: int = 16,
+                chunk: int = 128):
+  """params -> `Truth` at those parameters (module docstring), compiled once for a model:
+  `stream_spec` gives the data, the sequence length and the order's seed (its `rows` is replaced
+  by `chunk`); every call reads the same `sequences` windows."""
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
+
+  from data import pipeline  # noqa: PLC0415  start-up
+  from trainer.step.train_step import loss_sums  # noqa: PLC0415  start-up
+
+  chunk = math.gcd(chunk, sequences // groups)  # a group is whole chunks
+  flat = lambda tree: jnp.concatenate([x.ravel().astype(jnp.float32) for x in
+                                       jax.tree.leaves(tree)])
+  mean_loss = lambda p, row: (lambda s, n: s / jnp.maximum(n, 1.0))(*loss_sums(
+      spec, p, jax.tree.map(lambda x: x[None], row)))
+  per_sequence = jax.jit(lambda p, rows: jax.vmap(
+      lambda r: flat(jax.grad(mean_loss)(p, r)))(rows))
+  it = iter(pipeline.dataset(dataclasses.replace(stream_spec, rows=chunk, row_ids=None,
+                                                  prefetch=0)))
+  batches = [next(it) for _ in range(sequences // groups // chunk * groups)]
+
+  def measure(params) -> Truth:
+    parts = []
+    for batch in batches:
+      g = np.asarray(per_sequence(params, batch), np.float64)
+      parts.append(np.concatenate([g.sum(0), [np.sum(g * g), len(g)]]))
+    sums = np.array(parts).reshape(groups, -1, parts[0].size).sum(1)
+    b_simple, trace, g_sq = _ratio(sums)
+    leave_out = np.array([_ratio(np.delete(sums, k, axis=0))[0] for k in range(groups)])
+    se = float(np.sqrt((groups - 1) / groups * np.sum((leave_out - leave_out.mean()) ** 2)))
+    return Truth(float(b_simple), se, float(trace), float(g_sq), int(sums[:, -1].sum()))
+
+  return measure
+
+
+def logged_at(rows: list[dict], step: int, key: str = "noise_scale") -> tuple[int, float] | None:
+  """(step, value) of the last row at or before `step` that logged `key`, or None."""
+  found = [(r["step"], r[key]) for r in rows if key in r and r["step"] <= step]
+  return found[-1] if found else None
+
+
+def checkpoints(workdir: str) -> list[int]:
+  """The steps of a run's checkpoints, oldest first."""
+  directory = os.path.join(workdir, "checkpoints")
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit()) \
+      if os.path.isdir(directory) else []
+
+
+def check_run(workdir: str, steps: list[int], *, sequences: int, groups: int, seed: int,
+              window: float = 0.0, key: str = "noise_scale") -> list[dict]:
+  """One row per step: the truth at its checkpoint's parameters, the logged value, the ratio;
+  with `window` also the truth over that window ending at the step (`windowed`)."""
+  import jax  # noqa: PLC0415  start-up
+
+  from data import pipeline  # noqa: PLC0415  start-up
+  from optim.seesaw import planned_ramp  # noqa: PLC0415  start-up
+  from sharding.mesh import make_mesh  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import restore_params  # noqa: PLC0415  start-up
+  from trainer.run.feed import sources  # noqa: PLC0415  start-up
+
+  rows = read_rows(workdir)
+  mesh = make_mesh({"data": 1}, jax.devices()[:1])
+  cfg = load_run(workdir, steps[0])
+  ramp = planned_ramp(cfg.data, cfg.optim, cfg.steps) if cfg.data.batch_ramp != "auto" else \
+      ramp_from_rows(rows, cfg.data.global_batch_size, cfg.data.seq_len)
+  data = sources(cfg)
+  stream = pipeline.StreamSpec(data[0].dir, "train", cfg.data.seq_len, 1, seed=seed,
+                               mixture=data if cfg.data.mixture else ())
+  measure, cache = None, {}
+
+  def at(step: int) -> Truth:
+    nonlocal measure
+    if step not in cache:
+      spec, params, _, _ = restore_params(os.path.join(workdir, "checkpoints", str(step)), mesh)
+      measure = measure or truth_meter(spec, stream, sequences=sequences, groups=groups)
+      with jax.set_mesh(mesh):
+        cache[step] = measure(params)
+    return cache[step]
+
+  have, out = checkpoints(workdir), []
+  for step in steps:
+    t = at(step)
+    logged = logged_at(rows, step, key)
+    row = {"step": step, "truth": t.b_simple, "truth_se": t.se, "sequences": t.sequences,
+           "truth_trace": t.trace, "truth_g_sq": t.g_sq,
+           "logged_step": logged and logged[0], "logged": logged and logged[1],
+           "ratio": logged and t.b_simple / logged[1]}
+    if window:
+      inside = [s for s in have if s <= step and
+                ramp.examples_before(s) > (1 - window) * ramp.examples_before(step)]
+      row.update(window_truth=windowed([at(s) for s in inside]), window_checkpoints=len(inside),
+                 window_ratio=logged and windowed([at(s) for s in inside]) / logged[1])
+    out.append(row)
+  return out
+
+
+def windowed(truths: list[Truth]) -> float:
+  """The truth over a window: the ratio of the sums of its checkpoints' tr(Sigma) and |G|^2, as
+  the meter takes the ratio of its measurements' sums."""
+  return sum(t.trace for t in truths) / sum(t.g_sq for t in truths)
+
+
+def build_parser():
+  parser = CliParser("-m tools.noise_check", __doc__, config=False)
+  parser.add_argument("--workdir", required=True, help="a run with checkpoints at --steps")
+  parser.add_argument("--steps", type=ints, required=True, help="checkpoint steps, e.g. 100,300")
+  parser.add_argument("--sequences", type=int, default=3072,
+                      help="independent windows whose per-sequence gradients make the truth")
+  parser.add_argument("--groups", type=int, default=16, help="jackknife groups")
+  parser.add_argument("--seed", type=int, default=12345,
+                      help="the seed of the truth's data order (not the run's)")
+  parser.add_argument("--window", type=float, default=0.0,
+                      help="also the truth over the meter's window ending at each step (e.g. "
+                           "0.25: the checkpoints after 75%% of the examples read then)")
+  parser.add_argument("--key", default="noise_scale", help="the logged metric to compare")
+  parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+  return parser
+
+
+def main(argv: list[str]) -> int:
+  platforms.choose()
+  from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
+  try:
+    args, _ = build_parser().parse(argv)
+    if not os.path.isdir(args.workdir):
+      raise ConfigError(f"--workdir {args.workdir}: no such directory")
+    have = checkpoints(args.workdir)
+    missing = [s for s in args.steps if s not in have]
+    if missing:
+      raise ConfigError(f"--steps: {args.workdir} has no checkpoint at step {missing[0]} (it has "
+                        f"{', '.join(map(str, have)) or 'none'}); train with "
+                        "--config.checkpoint.every_steps dividing the steps to check")
+    if not 0 <= args.window <= 1:
+      raise ConfigError(f"--window {args.window}: a fraction in (0, 1], or 0 for none")
+    rows = check_run(args.workdir, args.steps, sequences=args.sequences, groups=args.groups,
+                     seed=args.seed, window=args.window, key=args.key)
+  except (ConfigError, CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.json:
+    print(json.dumps(rows, indent=1))
+    return 0
+  print("step  truth (s.e.)     logged (at step)   truth / logged"
+        + ("   truth over the window (checkpoints)   / logged" if args.window else ""))
+  for r in rows:
+    logged = "none" if r["logged"] is None else f"{r['logged']:.2f} ({r['logged_step']})"
+    ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+    line = f"{r['step']:5d} {r['truth']:7.2f} ({r['truth_se']:.2f})  {logged:>17s}   {ratio:>5s}"
+    if args.window:
+      w = "" if r["window_ratio"] is None else f"{r['window_ratio']:.2f}"
+      line += f"   {r['window_truth']:7.2f} ({r['window_checkpoints']})   {w:>20s}"
+    print(line)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
