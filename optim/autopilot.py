@@ -8,12 +8,11 @@ the same. Its trigger, `data.batch_auto.trigger`:
   noise_scale   the smoothed B_simple (sequences, `noise_scale`) > `margin` x the batch
   norm_test     tr(Sigma) / (T |g_B|^2) > `eta`^2, the step's own |g_B| (Byrd et al. 2012)
 
-held at `patience` rows in a row multiplies the batch by `factor` (up to `max`; it
-never shrinks), from step n + `DELAY` (2) after the row of step n. Every batch is
-`global_batch_size` x factor^k, whole micro-batches, so each size compiles once and the data
-order is a fixed batch's; the decisions and the streak are checkpointed (`state_dict`).
-`with_defaults` fills in what the config leaves unset. Why, the norm test's derivation, the
-defaults: docs/batch_size.md#batch-autopilot
+held at `patience` rows in a row multiplies the batch by `factor` (up to `max`; it never
+shrinks), from step n + `DELAY` (2) after the row of step n. Every batch is `global_batch_size` x
+factor^k, whole micro-batches, so each size compiles once and the data order is a fixed batch's;
+decisions and streak checkpointed (`state_dict`); `with_defaults` fills in what the config
+leaves unset. Why, the norm test's derivation, the defaults: docs/batch_size.md#batch-autopilot
 """
 from __future__ import annotations
 
