@@ -11,7 +11,8 @@ the ticks counted in it, the bubble against (S - 1) / (M R + S - 1), the stash, 
 and memory per chip, the roofline's step time and time per micro-batch and the bytes between
 stages; the same batches without stages give the reference. gpipe runs R = 1, circular the R > 1
 of `--repeats`, 1f1b and zero_bubble every R. A config that does not fit is a row with `fits`
-False; `--jobs N` compiles N programs at once. docs/pipeline.md#the-bubble-against-the-batch-size
+False; `--jobs N` compiles N programs at once.
+Why and details: docs/pipeline.md#the-bubble-and-the-memory-against-the-batch-size
 """
 from __future__ import annotations
 
