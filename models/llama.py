@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from models import weight_grad
 from models.attention import IMPLS, attention, layer_segments, sequence_layout
 from models.config import ModelConfig
 from models.cross_entropy import chunked_cross_entropy
@@ -66,7 +67,7 @@ def dense(x, w, contract: int, fp8: bool = False):
   lead, ins, outs = x.shape[:-contract], w.shape[:contract], w.shape[contract:]
   n_in = math.prod(ins)
   matmul = fp8_matmul if fp8 else jnp.dot
-  y = matmul(x.reshape(-1, n_in), w.reshape(n_in, -1))
+  y = weight_grad.matmul(matmul, x.reshape(-1, n_in), w.reshape(n_in, -1), x)
   return y.reshape(*lead, *outs)
 
 
@@ -301,14 +302,24 @@ def layer_inputs(cfg: ModelConfig, positions_BS, segment_ids_BS):
   return rope, segments
 
 
-def run_layers(cfg: ModelConfig, x_BSE, blocks, rope, segments):
+def run_layers(cfg: ModelConfig, x_BSE, blocks, rope, segments, tape=None):
   """x [B, S, E] through the stacked layers `blocks` (a Transformer's, or one pipeline stage's
   share of them, models/pipeline.py), each under `model.remat`'s policy: (x, the MoE groups'
-  statistics stacked, {} if dense)."""
+  statistics stacked, {} if dense). With `tape` = (make, data): each layer runs under the tape
+  `make(its slice of data)` (models/weight_grad.py) and what the tapes return, stacked, comes
+  third."""
 
   def layer(x_BSE, block):  # every layer reads the same RoPE tables and masks
     out = block(x_BSE, rope, segments)
     return out if isinstance(out, tuple) else (out, {})  # MoE groups add their statistics
+
+  if tape is not None:
+    plain = layer
+
+    def layer(x_BSE, block, data):
+      with weight_grad.active(tape[0](data)) as tape_:
+        y_BSE, stats = tape_.passed(plain(x_BSE, block))
+      return y_BSE, (stats, tape_.result())
 
   if cfg.remat != "none":
     layer = nnx.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
@@ -316,7 +327,11 @@ def run_layers(cfg: ModelConfig, x_BSE, blocks, rope, segments):
   # Unrolled (`scan_unroll`), the layers' residuals for the backward pass are separate buffers
   # instead of slices of stacked [L, ...] arrays: no copies into and out of the stacks, for a
   # program that grows with the number of layers unrolled.
-  run = nnx.scan(layer, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+  in_axes = (nnx.Carry, 0) if tape is None else (nnx.Carry, 0, 0)
+  run = nnx.scan(layer, in_axes=in_axes, out_axes=(nnx.Carry, 0),
                  unroll=min(cfg.scan_unroll, depth),
                  transform_metadata={nnx.PARTITION_NAME: "layers"})
-  return run(x_BSE, blocks)
+  if tape is None:
+    return run(x_BSE, blocks)
+  x_BSE, (stats, results) = run(x_BSE, blocks, tape[1])
+  return x_BSE, stats, results

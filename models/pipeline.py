@@ -7,7 +7,9 @@ MoE router statistics and auxiliary losses of the whole step.
     -> final norm, head and loss (every stage, its M / S micro-batches, one at a time)
 
 The embedding, head and final norm are replicated over `stage` and their gradients all-reduced
-over it once per step. Why and details: docs/pipeline.md#inside-the-tick-loop
+over it once per step. The explicit schedules (1f1b, zero_bubble) compute the gradient in their
+own loop (`value_and_grad`, sharding/pipeline_vjp.py), embedding and head inside it.
+Why and details: docs/pipeline.md#inside-the-tick-loop
 """
 from __future__ import annotations
 
@@ -16,31 +18,74 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import moe as moe_lib
+from models import weight_grad
 from models.llama import Transformer, layer_inputs, run_layers
+from models.params import DTYPES
+from sharding import pipeline_vjp
 from sharding.mesh import data_parallel_size
 from sharding.pipeline import Pipeline, run
 from sharding.rules import STAGE_AXIS, constrain
+from sharding.schedule import dot_flops
 
 ACT = ("act_batch", "act_seq", "act_embed")
+
+
+def _stage(model: Transformer, pipe: Pipeline, batch):
+  """(the stage function of sharding/pipeline.py's loops, the layer stack as [S, R, G / (S R),
+  ...] weights): stage(w, x, micro) runs one stage's layers on micro-batch `micro`."""
+  cfg = model.cfg
+  graphdef, state = nnx.split(model.blocks)
+  weights = jax.tree.map(pipe.stage_view, nnx.to_pure_dict(state))
+  positions, segments_ids = batch["positions"], batch["segment_ids"]
+
+  def stage(w, x_BSE, micro, tape=None):  # with a tape: also what the layers' tapes return
+    blocks = nnx.merge(graphdef, w)
+    rope, segments = layer_inputs(cfg, positions[micro], segments_ids[micro])
+    y_BSE, stats, *taped = run_layers(cfg, x_BSE, blocks, rope, segments, tape)
+    if stats:  # this micro-batch's balance term per layer (balance_scope="micro_batch")
+      stats = {**stats, "balance_mb": _micro_balance(stats, cfg.moe)}
+    return (y_BSE, stats, *taped)
+
+  return stage, weights
+
+
+def _split(stage, weights, x_like):
+  """(backward, weight) of the zero-bubble schedule (sharding/pipeline_vjp.py `StageFns`) for
+  `stage`: the backward split at the layers' matmuls (models/weight_grad.py)."""
+  made = []
+
+  def shapes(_):
+    made.append(weight_grad.Tape("shapes"))
+    return made[-1]
+
+  w0 = jax.tree.map(lambda a: a[0, 0], weights)
+  _, _, (_, outputs) = jax.eval_shape(lambda w, x: stage(w, x, 0, (shapes, {})), w0, x_like)
+  index = list(made[-1].index)
+
+  def backward(w, x, dy, ct, micro):
+    taps = [jnp.zeros(o.shape, o.dtype) for o in outputs]
+
+    def f(w, x, taps):
+      y, stats, inputs = stage(w, x, micro, (lambda d: weight_grad.Tape("B", taps=d), taps))
+      return (y, stats), inputs
+
+    _, pull, inputs = jax.vjp(f, w, x, taps, has_aux=True)
+    dw, dx, dtaps = pull((dy, ct))
+    return dx, dw, (inputs, dtaps)
+
+  def weight(w, stash, micro):
+    make = lambda d: weight_grad.Tape("W", inputs=d[0], cotangents=d[1], index=index)
+    zero = jnp.zeros(x_like.shape, x_like.dtype)  # no input reaches the objective
+    return jax.grad(lambda w: jnp.sum(stage(w, zero, micro, (make, stash))[2]))(w)
+
+  return backward, weight
 
 
 def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
   """(loss sum, target tokens, router statistics [G, ...] in model order ({} if dense), the
   per-micro-batch balance terms [G] (None if dense)) of `batch` (leaves [M, B, S], M a multiple
   of the stages) through the pipeline."""
-  cfg = model.cfg
-  graphdef, state = nnx.split(model.blocks)
-  weights = jax.tree.map(pipe.stage_view, nnx.to_pure_dict(state))
-  positions, segments_ids = batch["positions"], batch["segment_ids"]
-
-  def stage(w, x_BSE, micro):
-    blocks = nnx.merge(graphdef, w)
-    rope, segments = layer_inputs(cfg, positions[micro], segments_ids[micro])
-    y_BSE, stats = run_layers(cfg, x_BSE, blocks, rope, segments)
-    if stats:  # this micro-batch's balance term per layer (balance_scope="micro_batch")
-      stats = {**stats, "balance_mb": _micro_balance(stats, cfg.moe)}
-    return y_BSE, stats
-
+  stage, weights = _stage(model, pipe, batch)
   x_MBSE = jax.vmap(model.embed, spmd_axis_name=STAGE_AXIS)(batch["inputs"])
   y_MBSE, sums = run(pipe, stage, weights, x_MBSE, act_names=ACT)
   stats = jax.tree.map(_model_order, sums)
@@ -53,10 +98,10 @@ def forward(model: Transformer, pipe: Pipeline, batch) -> tuple:
 def objective(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: int = 1,
               fraction=None):
   """(what the step differentiates, (loss sum, target tokens, {"stats", "aux"} or None)), as
-  trainer/step/train_step.py's accumulation objective: the loss sum plus the step's target tokens times
-  the weighted auxiliary losses. `batch` is the step's batch or one of `parts` equal pieces of
-  its rows (the noise-scale meter's halves), `fraction` then the whole step's f [G, N] for the
-  global balance loss (else taken from this pass)."""
+  trainer/step/train_step.py's accumulation objective: the loss sum plus the step's target
+  tokens times the weighted auxiliary losses. `batch` is the step's batch or one of `parts`
+  equal pieces of its rows (the noise-scale meter's small batches), `fraction` then the whole
+  step's f [G, N] for the global balance loss (else taken from this pass)."""
   loss_sum, tokens, stats, balance_mb = forward(model, pipe, batch)
   moe = model.cfg.moe
   if not moe.enabled:
@@ -65,6 +110,84 @@ def objective(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: 
   aux = aux_losses(stats, balance_mb, moe, micro=micro * parts, parts=parts, fraction=fraction)
   total = loss_sum + step_tokens * moe_lib.aux_objective(aux, moe)
   return total, (loss_sum, tokens, {"stats": stats, "aux": aux})
+
+
+def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, parts: int = 1,
+                   fraction=None):
+  """`jax.value_and_grad(objective, has_aux=True)` at the model's parameters for the explicit
+  schedules (1f1b, zero_bubble: sharding/pipeline_vjp.py), whose loop computes the gradient
+  itself: ((objective, (loss sum, tokens, MoE sums or None)), gradient as the parameters).
+  MoE with the global balance loss takes f from a forward pass first (as the accumulation scan
+  does), since a micro-batch's backward runs before the step's last forward."""
+  cfg, moe = model.cfg, model.cfg.moe
+  if moe.enabled and moe.balance_scope == "global" and fraction is None:
+    fraction = global_fraction(model, pipe, batch)
+  graphdef, state = nnx.split(model)
+  params = nnx.to_pure_dict(state)
+  rest = {k: v for k, v in params.items() if k != "blocks"}
+  merged = lambda rest: nnx.merge(graphdef, {**rest, "blocks": params["blocks"]})
+  stage, weights = _stage(model, pipe, batch)
+  targets, mask = batch["targets"], batch["loss_mask"]
+
+  def head(rest, y_BSE, micro):
+    m = merged(rest)
+    return m.loss_from_hidden(m.final_norm(y_BSE), targets[micro], mask[micro])
+
+  embed = lambda rest, micro: merged(rest).embed(batch["inputs"][micro])
+  micro, rows, seq = batch["inputs"].shape
+  table = pipe.table(micro)
+  x_like = jax.eval_shape(embed, rest, jax.ShapeDtypeStruct((), jnp.int32))
+  _, aux_shape = jax.eval_shape(stage, jax.tree.map(lambda a: a[0, 0], weights), x_like,
+                                jax.ShapeDtypeStruct((), jnp.int32))
+  sums_shape = jax.tree.map(lambda a: jax.ShapeDtypeStruct((pipe.stages, pipe.repeats, *a.shape),
+                                                           a.dtype), aux_shape)
+
+  def aux_objective(sums):  # linear in what carries a gradient: its gradient is the same anywhere
+    if not moe.enabled:
+      return jnp.zeros((), jnp.float32), None
+    stats = jax.tree.map(_model_order, sums)
+    balance_mb = stats.pop("balance_mb", None)
+    aux = aux_losses(stats, balance_mb, moe, micro=micro * parts, parts=parts, fraction=fraction)
+    return step_tokens * moe_lib.aux_objective(aux, moe), {"stats": stats, "aux": aux}
+
+  point = {k: jnp.full(a.shape, micro * rows * seq if k == "tokens" else 0, a.dtype)
+           for k, a in sums_shape.items()}  # the tokens each layer routes in the step
+  aux_ct = jax.grad(lambda s: aux_objective(s)[0])(point) if moe.enabled else {}
+  split = _split(stage, weights, x_like) if table.split else (None, None)
+  fns = pipeline_vjp.StageFns(embed, lambda w, x, m: stage(w, x, m), head, *split)
+  loss_sum, sums, d_blocks, grads = pipeline_vjp.run(table, fns, weights, rest, aux_ct,
+                                                     act_names=ACT)
+  grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), d_blocks)
+  aux_value, moe_sums = aux_objective(sums)
+  tokens = jnp.sum(mask.astype(jnp.float32))
+  return (loss_sum + aux_value, (loss_sum, tokens, moe_sums)), grads
+
+
+def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
+  """{"F", "B", "W"}: the FLOPs of one stage's forward, backward (zero_bubble: its input-gradient
+  part) and weight-gradient part on a micro-batch of `rows` x `seq` tokens, counted in their
+  jaxprs (`sharding.schedule.dot_flops`; `params` may be abstract): the costs the schedule
+  table's bubble weighs its slots with. W is 0 unless the schedule splits the backward."""
+  def traced(params, op):
+    model = nnx.merge(graphdef, params)
+    ids = jnp.zeros((1, rows, seq), jnp.int32)
+    stage, weights = _stage(model, pipe, {"positions": ids, "segment_ids": ids + 1})
+    w = jax.tree.map(lambda a: a[0, 0], weights)
+    x = jnp.zeros((rows, seq, model.cfg.d_model), DTYPES[model.cfg.dtype])
+    if op == "F":
+      return stage(w, x, 0)
+    ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(stage, w, x, 0)[1])
+    if pipe.schedule != "zero_bubble":
+      return jax.vjp(lambda w, x: stage(w, x, 0), w, x)[1]((x, ct))
+    backward, weight = _split(stage, weights, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    if op == "B":
+      return backward(w, x, x, ct, 0)[:2]
+    stash = jax.eval_shape(backward, w, x, x, ct, 0)[2]
+    return weight(w, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash), 0)
+
+  ops = ("F", "B", "W") if pipe.schedule == "zero_bubble" else ("F", "B")
+  out = {op: dot_flops(jax.make_jaxpr(lambda p, op=op: traced(p, op))(params)) for op in ops}
+  return {"W": 0.0, **out}
 
 
 def aux_losses(stats, balance_mb, moe, *, micro: int, parts: int = 1, fraction=None):

@@ -1,17 +1,18 @@
 """Pipeline parallelism over the `stage` mesh axis: GPipe and circular schedules as one SPMD loop
-inside the jitted step, the layer order a circular pipeline stores, and the bubble and the bytes
-between stages counted from a compiled program (`count`).
+inside the jitted step (differentiated by autodiff), the layer order a circular or interleaved
+pipeline stores, and the bubble and the bytes between stages counted from a compiled program
+(`count`). The explicit schedules (1f1b, zero_bubble) run their own forward and backward loop
+from the schedule table: sharding/schedule.py, sharding/pipeline_vjp.py.
 
 S stages, M micro-batches (a multiple of S), R repeats (GPipe: R = 1). Stage s runs layer groups
-s, S + s, 2S + s, ... of L / (S R) layers; at tick t it works on micro-batch (t - s) mod M:
+s, S + s, ... of L / (S R) layers; at tick t it works on micro-batch (t - s) mod M:
 
   tick      0    1    2    3    4        S = 2, M = 4, R = 1: M R + S - 1 = 5 ticks,
   stage 0   m0   m1   m2   m3   .        a bubble of (S - 1) / (M R + S - 1) = 1/5
   stage 1   .    m0   m1   m2   m3
 
 Per-stage state has a leading [S] dimension sharded over `stage`; the stage function is vmapped
-over it (`spmd_axis_name="stage"`), the hand-over is a `jnp.roll` (a collective-permute).
-Why and details: docs/pipeline.md#inside-the-tick-loop
+over it; hand-overs are `jnp.roll`s (collective-permutes). docs/pipeline.md#inside-the-tick-loop
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ import numpy as np
 
 from sharding.collectives import collectives, crossing, format_bytes as size, total_bytes
 from sharding.rules import STAGE_AXIS, constrain
+from sharding.schedule import EXPLICIT, Table, build
 
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", *EXPLICIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,22 +48,39 @@ class Pipeline:
     if stages == 1:
       return None
     p = cfg.pipeline
-    repeats = int(p.repeats) if p.schedule == "circular" else 1
-    return cls(stages, repeats, "circular" if repeats > 1 else "gpipe",  # circular R=1: GPipe
-               bool(p.remat_stage))
+    repeats = int(p.repeats) if p.schedule != "gpipe" else 1
+    schedule = p.schedule if p.schedule in EXPLICIT or repeats > 1 else "gpipe"  # circular R=1
+    return cls(stages, repeats, schedule, bool(p.remat_stage))
+
+  @property
+  def explicit(self) -> bool:
+    """The loop runs its own backward (sharding/pipeline_vjp.py), not autodiff of `run`."""
+    return self.schedule in EXPLICIT
+
+  def table(self, micro: int) -> Table:
+    """The schedule table of a step of `micro` micro-batches (sharding/schedule.py)."""
+    return build(self.schedule, self.stages, self.repeats, micro)
 
   def ticks(self, micro: int) -> int:
-    """Ticks of a step of `micro` micro-batches: M R + S - 1."""
+    """Ticks of GPipe's and circular's forward loop at `micro` micro-batches: M R + S - 1."""
     return micro * self.repeats + self.stages - 1
 
-  def bubble(self, micro: int) -> float:
-    """The idle fraction of each stage's ticks, (S - 1) / (M R + S - 1): the cost model of a
-    batch size (the compiled program's own count is `count`)."""
-    return (self.stages - 1) / self.ticks(micro)
+  def bubble(self, micro: int, weights: dict | None = None) -> float:
+    """The bubble at `micro` micro-batches: the cost model of a batch size (the compiled
+    program's own count is `count`). GPipe, circular: the idle fraction of each stage's ticks,
+    (S - 1) / (M R + S - 1); explicit schedules: the table's idle slot work, F, B, W weighted by
+    `weights` (their FLOPs; 1f1b's bubble is GPipe's whatever they are)."""
+    if not self.explicit:
+      return (self.stages - 1) / self.ticks(micro)
+    if weights is None and self.schedule == "zero_bubble":
+      raise ValueError("the zero-bubble schedule's bubble depends on the costs of F, B and W")
+    return self.table(micro).bubble(weights or {"F": 1.0, "B": 2.0, "W": 0.0})
 
   def describe(self) -> str:
-    return (f"{self.stages} stages, GPipe" if self.schedule == "gpipe" else
-            f"{self.stages} stages x {self.repeats} repeats, circular")
+    name = {"gpipe": "GPipe", "circular": "circular", "zero_bubble": "zero bubble (ZB-H1)",
+            "1f1b": "interleaved 1F1B" if self.repeats > 1 else "1F1B"}[self.schedule]
+    return (f"{self.stages} stages, {name}" if self.repeats == 1 else
+            f"{self.stages} stages x {self.repeats} repeats, {name}")
 
   def stored_order(self, groups: int) -> np.ndarray:
     """order[i] = the plain index of the layer group stored at position i: stage-major (stage s
@@ -170,7 +189,8 @@ def run(pipe: Pipeline, stage_fn: Callable, weights, inputs, *, act_names):
 
 @dataclasses.dataclass(frozen=True)
 class Count:
-  """What a compiled pipelined step does, per device, read from its HLO."""
+  """What a compiled pipelined step does, per device, read from its HLO; for the explicit
+  schedules with the table its loop runs and the costs of F, B, W it weighs the bubble by."""
   stages: int
   micro: int
   repeats: int
@@ -178,6 +198,9 @@ class Count:
   activation_bytes: float | None  # collective-permutes between stages, per step
   other_bytes: float | None  # other collectives joining stages (stage-replicated weights' grads)
   permutes: int  # collective-permute instructions between stages
+  runs: tuple = ()  # the distinct run counts of those collective-permutes
+  table: Table | None = None  # explicit schedules: the table the loop runs
+  weights: dict | None = None  # {"F", "B", "W"}: their FLOPs (models/pipeline.py `slot_flops`)
 
   @property
   def busy(self) -> int:
@@ -190,7 +213,16 @@ class Count:
 
   @property
   def bubble(self) -> float | None:
+    if self.table is not None:
+      return self.table.bubble(self.weights)
     return None if self.ticks is None else self.idle / self.ticks
+
+  @property
+  def loops_match(self) -> bool:
+    """Explicit schedules: every hand-over runs as often as a run of the table's ticks is long,
+    and every run longer than one tick (a loop; one tick XLA inlines) has its hand-overs."""
+    lengths = {stop - start for start, stop, _ in self.table.phases()}
+    return set(self.runs) <= lengths and {n for n in lengths if n > 1} <= set(self.runs)
 
   @property
   def stage_bytes(self) -> float | None:
@@ -200,21 +232,40 @@ class Count:
 
   def line(self) -> str:
     """The start-up / tools.aot line."""
+    between = (f"between stages per step and device: {size(self.stage_bytes)} (activations "
+               f"{size(self.activation_bytes)} in {self.permutes} collective-permute(s)")
+    if self.table is not None:
+      t, w = self.table, self.weights
+      lengths = "+".join(str(stop - start) for start, stop, _ in t.phases())
+      held = t.held("F", "B")
+      ratio = ":".join(f"{w[op] / w['F']:.2f}" for op in ("F", "B", "W") if w.get(op))
+      return (f"pipeline: M={self.micro} micro-batches, bubble {self.bubble:.1%} of the slot "
+              f"work (the schedule table, {t.ticks} ticks in runs of {lengths}, F:B"
+              + (":W" if t.split else "") + f" weighted {ratio} by their FLOPs; the compiled "
+              f"step's tick loops {'run' if self.loops_match else 'do NOT run'} those runs); "
+              f"stash per stage at most {held.max()} stage input(s)"
+              + (f" and {t.held('B', 'W').max()} weight-gradient stash(es)" if t.split else "")
+              + f"; {between} run {'/'.join(map(str, self.runs))} times, stage-replicated "
+              f"weights' gradients {size(self.other_bytes)})")
     bubble = ("unknown (no hand-over between stages found in the compiled program)"
               if self.ticks is None else
               f"{self.bubble:.1%} ({self.idle} idle of {self.ticks} ticks per stage, counted "
               f"from the compiled step; (S-1)/(MR+S-1) = {self.stages - 1}/"
               f"{self.micro * self.repeats + self.stages - 1})")
-    return (f"pipeline: M={self.micro} micro-batches, bubble {bubble}; between stages per step "
-            f"and device: {size(self.stage_bytes)} (activations {size(self.activation_bytes)} "
-            f"in {self.permutes} collective-permute(s) run {self.ticks or '?'} times each, "
-            f"stage-replicated weights' gradients {size(self.other_bytes)})")
+    return (f"pipeline: M={self.micro} micro-batches, bubble {bubble}; {between} run "
+            f"{self.ticks or '?'} times each, stage-replicated weights' gradients "
+            f"{size(self.other_bytes)})")
 
   def row(self) -> dict:
-    return {"pipeline/micro_batches": self.micro, "pipeline/ticks": self.ticks,
-            "pipeline/idle_ticks": self.idle, "pipeline/bubble": self.bubble,
-            "pipeline/activation_bytes": self.activation_bytes,
-            "pipeline/other_bytes": self.other_bytes}
+    out = {"pipeline/micro_batches": self.micro, "pipeline/ticks": self.ticks,
+           "pipeline/idle_ticks": self.idle, "pipeline/bubble": self.bubble,
+           "pipeline/activation_bytes": self.activation_bytes,
+           "pipeline/other_bytes": self.other_bytes}
+    if self.table is not None:
+      out.update({"pipeline/ticks": self.table.ticks, "pipeline/idle_ticks": None,
+                  "pipeline/stash": int(self.table.held("F", "B").max()),
+                  **{f"pipeline/flops_{op}": v for op, v in self.weights.items()}})
+    return out
 
 
 def stage_labels(mesh) -> list[int]:
@@ -228,12 +279,16 @@ def stage_labels(mesh) -> list[int]:
   return np.broadcast_to(ids, shape).ravel().tolist()
 
 
-def count(pipe: Pipeline, micro: int, hlo_text: str, mesh) -> Count:
-  """The `Count` of a compiled pipelined step of `micro` micro-batches (`compiled.as_text()`)."""
+def count(pipe: Pipeline, micro: int, hlo_text: str, mesh, weights: dict | None = None) -> Count:
+  """The `Count` of a compiled pipelined step of `micro` micro-batches (`compiled.as_text()`);
+  `weights`: the FLOPs of F, B, W (needed for the explicit schedules)."""
   ops = crossing(collectives(hlo_text), stage_labels(mesh))
   permutes = [op for op in ops if op.kind == "collective-permute"]
   runs = [op.count for op in permutes]
   ticks = None if not runs or any(r is None for r in runs) else max(runs)
   others = [op for op in ops if op.kind != "collective-permute"]
-  return Count(pipe.stages, micro, pipe.repeats, ticks, total_bytes(permutes),
-               total_bytes(others), len(permutes))
+  explicit = pipe.explicit
+  return Count(pipe.stages, micro, pipe.repeats, None if explicit else ticks,
+               total_bytes(permutes), total_bytes(others), len(permutes),
+               tuple(sorted({r for r in runs if r is not None})),
+               pipe.table(micro) if explicit else None, weights if explicit else None)

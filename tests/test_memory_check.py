@@ -73,6 +73,41 @@ def test_circular_pipeline_predicts_its_checkpoint_save():
   assert phases["checkpoint save"] >= report.state_bytes + layers
 
 
+STAGES = {"mesh.stage": 2, "mesh.data": 4, "model.num_layers": 4, "data.micro_batch_size": 8,
+          "model.remat": "full", "pipeline.repeats": 2}
+
+
+def test_1f1b_predicts_its_phases_and_stash():
+  """Interleaved 1F1B on 2 stages at M = 16 (the 8 CPU devices): tools.memory_check predicts
+  its phases (the stage-major layers' checkpoint save included), and tools.aot's report carries
+  the schedule table and the stash it holds, (R - 1) S + 2 S - 1 stage inputs."""
+  import jax
+
+  cfg = override(load(TINY, []), **STAGES, **{"pipeline.schedule": "1f1b",
+                                                "data.global_batch_size": 128})
+  report, phases = memory_check.predict(cfg, aot.Target("local", jax.devices()), "lm_tiny")
+  assert list(phases) == ["train step", "logging step", "evaluation", "checkpoint save"]
+  assert report.pipeline["pipeline/stash"] == 5
+  assert report.pipeline["table"][0].startswith("stage 0: F×4 FB×")
+  assert all(v > report.state_bytes for v in phases.values()), (phases, report.state_bytes)
+
+
+@pytest.mark.slow
+def test_1f1b_temporaries_do_not_grow_with_the_micro_batches():
+  """From M = 8 to 16 the circular schedule's compiled step holds 16 more tick inputs (autodiff
+  keeps every tick's), interleaved 1F1B's the same stash: its temporaries stay put."""
+  import jax
+
+  target = aot.Target("local", jax.devices())
+  temp = {(schedule, m): aot.compile_report(override(load(TINY, []), **STAGES, **{
+      "pipeline.schedule": schedule, "data.global_batch_size": 8 * m}), target, "lm_tiny"
+      ).temp_bytes for schedule in ("circular", "1f1b") for m in (8, 16)}
+  activation = 8 // 4 * 128 * 128 * 4  # one micro-batch's stage input per device (fp32)
+  assert temp["circular", 16] - temp["circular", 8] >= 16 * activation, temp
+  assert abs(temp["1f1b", 16] - temp["1f1b", 8]) < activation, temp
+  assert temp["1f1b", 16] < temp["circular", 16], temp
+
+
 def report_state(cfg):
   """The abstract train state of `cfg` on the 8 CPU devices, as a dict of its fields."""
   import dataclasses  # noqa: PLC0415

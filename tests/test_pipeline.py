@@ -29,6 +29,8 @@ BASE = {"model.num_layers": 8, "data.global_batch_size": 16, "data.micro_batch_s
 GPIPE2 = {"mesh.stage": 2, "mesh.data": 4}
 CIRCULAR2 = {"mesh.stage": 2, "mesh.data": 4, "pipeline.schedule": "circular",
              "pipeline.repeats": 2}
+ONE_F_ONE_B_R2 = {**CIRCULAR2, "pipeline.schedule": "1f1b"}  # interleaved 1F1B
+ZERO_BUBBLE2 = {**GPIPE2, "pipeline.schedule": "zero_bubble"}
 
 
 def _cfg(**overrides):
@@ -86,8 +88,19 @@ def reference(data_dir):
     pytest.param({"mesh.stage": 4, "mesh.data": 2}, marks=pytest.mark.slow),
     pytest.param({"mesh.stage": 4, "mesh.data": 2, "pipeline.schedule": "circular",
                   "pipeline.repeats": 2}, marks=pytest.mark.slow),
+    ONE_F_ONE_B_R2,
+    {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "zero_bubble",
+     "model.remat": "full"},
+    pytest.param({**GPIPE2, "pipeline.schedule": "1f1b"}, marks=pytest.mark.slow),
+    pytest.param({"mesh.stage": 4, "mesh.data": 2, "pipeline.schedule": "1f1b"},
+                 marks=pytest.mark.slow),
+    pytest.param({"mesh.stage": 4, "mesh.data": 2, "pipeline.schedule": "zero_bubble"},
+                 marks=pytest.mark.slow),
+    pytest.param({"mesh.stage": 4, "mesh.fsdp": 2, "pipeline.schedule": "zero_bubble",
+                  "pipeline.repeats": 2}, marks=pytest.mark.slow),
 ], ids=["gpipe-s2", "circular-s2r2", "circular-s2r4-fsdp2-tensor2-layer-remat", "gpipe-s4",
-        "circular-s4r2"])
+        "circular-s4r2", "1f1b-s2r2", "zero_bubble-s2-fsdp2-tensor2-layer-remat", "1f1b-s2",
+        "1f1b-s4", "zero_bubble-s4", "zero_bubble-s4r2-fsdp2"])
 def test_stages_equal_the_plain_step(reference, mesh, devices):
   """Losses, gradient norms and the parameters after several SGD steps (each step's update is
   its gradient) equal the plain step on one device, to fp32 rounding."""
@@ -101,11 +114,15 @@ def test_stages_equal_the_plain_step(reference, mesh, devices):
   assert _column(ref_rows, "loss")[-1] < _column(ref_rows, "loss")[0]  # it trains
 
 
-def test_gradients_equal_the_accumulation_scan(reference, devices):
-  """The gradient sum of one step, leaf by leaf: the circular pipeline's (brought to the plain
-  layer order) against the plain accumulation scan's."""
+@pytest.mark.parametrize("mesh", [CIRCULAR2, {**CIRCULAR2, "pipeline.schedule": "zero_bubble"},
+                                  pytest.param(ONE_F_ONE_B_R2, marks=pytest.mark.slow)],
+                         ids=["circular", "zero_bubble-r2", "1f1b-r2"])
+def test_gradients_equal_the_accumulation_scan(reference, devices, mesh):
+  """The gradient sum of one step, leaf by leaf: the pipeline's with two repeats (brought to
+  the plain layer order) against the plain accumulation scan's; the explicit schedules compute
+  it in their own loop (sharding/pipeline_vjp.py)."""
   batches, _, _ = reference
-  cfg = _cfg(**CIRCULAR2)
+  cfg = _cfg(**mesh)
   piped = Program(cfg, run_mesh(cfg))
   plain = Program(_cfg(), run_mesh(_cfg(), jax.devices()[:1]))
   out = {}
@@ -137,7 +154,12 @@ MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.num_layers": 2}
     pytest.param("micro_batch", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2,
                                  "pipeline.schedule": "circular", "pipeline.repeats": 2,
                                  "model.num_layers": 4}, marks=pytest.mark.slow),
-])
+    ("global", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2,
+                "pipeline.schedule": "1f1b"}),
+    pytest.param("micro_batch", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2,
+                                 "pipeline.schedule": "zero_bubble", "pipeline.repeats": 2,
+                                 "model.num_layers": 4}, marks=pytest.mark.slow),
+], ids=["global-gpipe", "micro_batch-circular", "global-1f1b", "micro_batch-zero_bubble-r2"])
 def test_moe_layers_in_stages(data_dir, devices, scope, mesh):
   """MoE layers (experts split over `expert` inside each stage, tokens exchanged by all-to-all):
   loss, router statistics, auxiliary losses and parameters equal the plain step's."""
@@ -244,28 +266,32 @@ def test_evaluation_through_the_pipeline(reference, devices):
     np.testing.assert_allclose(out["piped", rows], out["plain", rows], rtol=1e-6)
 
 
-def test_noise_scale_meter_through_the_pipeline(reference, devices):
-  """The measuring step runs the pipeline on the two halves of every micro-batch's rows (even and
-  odd): the halves the plain step measures on when the same 16 rows are one micro-batch, so the
-  noise-scale estimates, like the update, are the plain step's."""
+@pytest.mark.parametrize("schedule,pieces,micro", [("gpipe", 4, 8), ("zero_bubble", 2, 4)])
+def test_noise_scale_meter_through_the_pipeline(reference, devices, schedule, pieces, micro):
+  """The measuring step runs the pipeline on `optim.noise_scale_pieces` parts of every
+  micro-batch's rows (part j: rows j, j + P, ...): the small batches the plain step measures on
+  when the same 16 rows are one micro-batch, so the noise-scale estimates, like the update, are
+  the plain step's."""
   batches, _, _ = reference
-  over = {"optim.noise_scale_every": 1}
+  over = {"optim.noise_scale_every": 1, "optim.noise_scale_pieces": pieces}
   rows = {}
   for name, cfg, devs in (
       ("plain", _cfg(**over, **{"data.micro_batch_size": 16}), jax.devices()[:1]),
-      ("piped", _cfg(**{**GPIPE2, **over, "mesh.data": 2, "mesh.tensor": 2}), None)):
+      ("piped", _cfg(**{**GPIPE2, **over, "mesh.data": 2, "mesh.tensor": 2,
+                        "data.micro_batch_size": micro, "pipeline.schedule": schedule}), None)):
     program = Program(cfg, run_mesh(cfg, devs))
     state = program.init_state()
     step = program.jitted_step(measure_noise=True, logs=True)
     with jax.set_mesh(program.mesh):
-      for batch in batches[:2]:
-        if name == "plain":  # the same rows as one micro-batch [1, 16, S]
-          batch = {k: v.reshape(1, -1, *v.shape[2:]) for k, v in batch.items()}
+      width = 16 if name == "plain" else micro
+      for batch in batches[:2]:  # the same 16 rows as [1, 16, S] (plain) or [16 / micro, micro, S]
+        batch = {k: v.reshape(-1, width, *v.shape[2:]) for k, v in batch.items()}
         state, metrics = step(state, {k: jax.device_put(v, program.batch_sharding)
                                       for k, v in batch.items()})
     rows[name] = jax.device_get(metrics)
   for key in ("loss", "grad_norm", "noise_scale", "noise_trace", "noise_g_sq"):
     np.testing.assert_allclose(rows["piped"][key], rows["plain"][key], rtol=1e-4, err_msg=key)
+  assert rows["piped"]["noise_pieces"] == rows["plain"]["noise_pieces"] == pieces
   assert np.isfinite(rows["piped"]["noise_scale"])
 
 
@@ -320,10 +346,16 @@ def test_batch_ramp_changes_the_micro_batches_and_the_counted_bubble(data_dir, t
     ({"mesh.stage": 2, "mesh.data": 2, "optim.diloco.replicas": 2},
      "pipeline stages do not run inside DiLoCo's replicas"),
     ({**GPIPE2, "pipeline.repeats": 2}, "pipeline.repeats=2 with pipeline.schedule='gpipe'"),
-    ({**GPIPE2, "pipeline.schedule": "1f1b"}, "pipeline.schedule='1f1b': choose one of gpipe"),
-    ({**GPIPE2, "optim.noise_scale_every": 2}, "runs the pipeline on two halves of every"),
+    ({**GPIPE2, "pipeline.schedule": "2f2b"}, "pipeline.schedule='2f2b': choose one of gpipe"),
+    ({**GPIPE2, "pipeline.schedule": "1f1b", "pipeline.remat_stage": False},
+     "pipeline.remat_stage=False with pipeline.schedule='1f1b': its loop keeps only"),
+    ({"mesh.stage": 4, "mesh.data": 2, "data.micro_batch_size": 8,
+      "pipeline.schedule": "zero_bubble"}, "fewer than the mesh.stage=4 pipeline stages (M < S"),
+    ({**GPIPE2, "pipeline.schedule": "1f1b", "pipeline.repeats": 3},
+     "model.num_layers=8 does not split over mesh.stage=2 x pipeline.repeats=3"),
+    ({**GPIPE2, "optim.noise_scale_every": 2}, "runs the pipeline on optim.noise_scale_pieces=2"),
     ({**GPIPE2, "optim.noise_scale_every": 2, "data.batch_ramp": "8:0,16:64"},
-     "runs the pipeline on two halves of every"),
+     "(at least two) parts of every micro-batch's"),
 ])
 def test_config_errors_are_one_line(overrides, needle, data_dir):
   with pytest.raises(ConfigError) as e:

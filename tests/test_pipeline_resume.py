@@ -1,8 +1,8 @@
 """Pipeline stages through crashes and mesh changes, with real processes (train.py): a circular
 pipeline (mesh.stage=2, pipeline.repeats=2, its layer stack stored stage-major) resumes bit for
 bit after SIGKILL on the same mesh, its checkpoint (the plain layer stack) continues on one
-device, and a one-device checkpoint continues with stages; across meshes the losses agree to fp32
-reduction order."""
+device, on 4 stages under zero bubble and under interleaved 1F1B, and a one-device checkpoint
+continues with stages; across meshes and schedules the losses agree to fp32 reduction order."""
 import os
 import shutil
 
@@ -68,3 +68,32 @@ def test_one_device_checkpoint_resumes_with_stages(straight, tmp_path):
   np.testing.assert_allclose([got[s] for s in range(1, 9)], [straight[s] for s in range(1, 9)],
                              rtol=1e-5)
   assert os.path.isdir(tmp_path / "checkpoints" / "8")
+
+
+@pytest.mark.parametrize("name,mesh", [
+    ("zero_bubble", ["--config.mesh.stage=4", "--config.mesh.data=2",
+                     "--config.pipeline.repeats=1"]),
+    pytest.param("1f1b", STAGES, marks=pytest.mark.slow)])
+def test_checkpoint_continues_on_another_schedule_and_stage_count(straight, killed, tmp_path,
+                                                                  name, mesh):
+  """The circular run's checkpoint (step 4) continued by zero bubble on 4 stages (the explicit
+  loop, one layer per stage, the plain layer order) and by interleaved 1F1B on 2 stages (the
+  same stage-major order): the straight run's losses to fp32 reduction order."""
+  shutil.copytree(killed, tmp_path / "run")
+  proc = train(tmp_path / "run", 8, *PIPE, *mesh, f"--config.pipeline.schedule={name}")
+  assert "resumed from" in proc.stdout and "schedule stage" in proc.stdout
+  got = losses(tmp_path / "run")
+  np.testing.assert_allclose([got[s] for s in range(5, 9)], [straight[s] for s in range(5, 9)],
+                             rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_1f1b_sigkill_resumes_bit_for_bit(tmp_path):
+  """Interleaved 1F1B killed after its step-4 checkpoint resumes on the same mesh bit for bit."""
+  one_f = [*PIPE, *STAGES, "--config.pipeline.schedule=1f1b"]
+  straight_dir = tmp_path / "straight"
+  train(straight_dir, 8, *one_f)
+  workdir = tmp_path / "killed"
+  kill_once_saved(start(workdir, 8, *one_f), workdir, 4, timeout=300)
+  train(workdir, 8, *one_f)
+  assert_same_tail(losses(workdir), losses(straight_dir), 1, last=8)

@@ -140,6 +140,7 @@ class Report:
           f"{kind} {format_bytes(n)}" for kind, n in self.collective_bytes.items()))
     if self.pipeline:
       out.append(f"  {self.pipeline['line']}")
+      out.extend(f"    schedule {row}" for row in self.pipeline.get("table", []))
     out += self.roofline.lines()
     return out + [f"  {line}" for line in self.communication]
 
@@ -271,12 +272,22 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
   report.collective_bytes = {kind: total_bytes([op for op in ops if op.kind == kind])
                              for kind in dict.fromkeys(op.kind for op in ops)}
   if program.pipeline is not None:  # the bubble and the bytes between stages, counted
-    found = pipeline_count(program.pipeline, program.num_micro, text, mesh)
-    report.pipeline = {"line": found.line(), **found.row()}
-    if found.ticks is not None:
+    pipe = program.pipeline
+    weights = program.slot_flops() if pipe.explicit else None
+    found = pipeline_count(pipe, program.num_micro, text, mesh, weights)
+    report.pipeline = {"line": found.line(), **found.row(),
+                       "table": found.table.rows() if found.table is not None else []}
+    if found.table is not None:  # idle slots, and the head every stage runs in every F tick
+      m = program.model_cfg
+      f_ticks = int(found.table.present()["F"].sum())
+      per_micro = report.tokens_per_step / program.num_micro
+      report.idle_flops = idle_flops(m, cfg.data.seq_len, report.tokens_per_step,
+                                     found.bubble, 1 - found.bubble, True) + (
+          6.0 * m.d_model * m.vocab_size * per_micro * (pipe.stages * f_ticks - program.num_micro))
+    elif found.ticks is not None:
       report.idle_flops = idle_flops(program.model_cfg, cfg.data.seq_len,
                                      report.tokens_per_step, found.idle, found.busy,
-                                     program.pipeline.remat_stage)
+                                     pipe.remat_stage)
   report.compiled = compiled  # not a field (not in the JSON): for callers that read the program
   if program.diloco is not None:  # its outer step, and plain data parallelism's step, compiled
     with no_persistent_cache():

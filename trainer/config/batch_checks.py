@@ -92,9 +92,10 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
     for batch in batches:  # a measuring step needs 2 or more small batches
       if num_stages > 1:
         need(micro % (2 * dp) == 0,
-             f"optim.noise_scale_every with mesh.stage={num_stages} runs the pipeline on two "
-             f"halves of every micro-batch's {micro} rows, which must divide over the "
-             f"data-parallel size {dp}; use data.micro_batch_size a multiple of {2 * dp}")
+             f"optim.noise_scale_every with mesh.stage={num_stages} runs the pipeline on "
+             f"optim.noise_scale_pieces={o.noise_scale_pieces} (at least two) parts of every "
+             f"micro-batch's {micro} rows, which must divide over the data-parallel size {dp}; "
+             f"use data.micro_batch_size a multiple of {2 * dp}")
       elif batch // micro * splits(batch // micro, o.noise_scale_pieces, micro // dp) < 2:
         need(False, f"optim.noise_scale_every at batch {batch} without accumulation splits its "
              f"{micro} rows into two halves, which must divide over the data-parallel size "

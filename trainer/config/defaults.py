@@ -53,11 +53,17 @@ def default_config() -> ml_collections.ConfigDict:
   # micro-batches are the accumulation micro-batches (M = global / micro batch, a multiple of
   # S). "gpipe": each stage runs L / S consecutive layers; "circular" with `repeats` R: each
   # stage runs R groups of L / (S R) layers, the micro-batches going round the stages R times
-  # (bubble (S - 1) / (M R + S - 1) instead of (S - 1) / (M + S - 1)).
+  # (bubble (S - 1) / (M R + S - 1) instead of (S - 1) / (M + S - 1)). Both run every forward
+  # before the first backward, so they hold all M R stage inputs. "1f1b" (R > 1: interleaved
+  # 1F1B) starts each micro-batch's backward as soon as its forward has left the last stage,
+  # holding at most (R - 1) S + 2 S - 1 stage inputs on a stage whatever M is; "zero_bubble"
+  # (ZB-H1) also splits the backward in input and weight gradient and runs the weight
+  # gradients where every stage has one: a smaller bubble (sharding/schedule.py prints both).
   # remat_stage: keep only each tick's stage input for the backward pass and recompute the
   # stage's layers from it (GPipe's re-materialization: the activations of M R + S - 1 stage
   # inputs instead of what model.remat keeps of every layer at every tick, for one more forward
-  # of the layers); model.remat applies per layer inside the stages either way.
+  # of the layers); model.remat applies per layer inside the stages either way. 1f1b and
+  # zero_bubble always recompute (they need remat_stage=True).
   c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", repeats=1, remat_stage=True))
 
   c.model = ml_collections.ConfigDict(dict(

@@ -80,13 +80,18 @@ def check_pipeline(cfg: ml_collections.ConfigDict, sizes: dict, batches: list[in
   p, m, d = cfg.pipeline, cfg.model, cfg.data
   choice(cfg, "pipeline.schedule", SCHEDULES)
   need(p.repeats >= 1, f"pipeline.repeats={p.repeats}: must be >= 1")
-  need(p.repeats == 1 or p.schedule == "circular",
+  need(p.repeats == 1 or p.schedule != "gpipe",
        f"pipeline.repeats={p.repeats} with pipeline.schedule='gpipe': a stage's repeats are the "
-       "circular schedule's; set pipeline.schedule='circular' (or pipeline.repeats=1)")
+       "circular and interleaved schedules'; set pipeline.schedule='circular', '1f1b' or "
+       "'zero_bubble' (or pipeline.repeats=1)")
+  need(p.remat_stage or p.schedule in ("gpipe", "circular"),
+       f"pipeline.remat_stage=False with pipeline.schedule={p.schedule!r}: its loop keeps only "
+       "each stage's input between a forward and its backward and recomputes the stage there; "
+       "set pipeline.remat_stage=True (the default), or use gpipe / circular")
   stages = sizes["stage"]
   if stages == 1:
     return
-  repeats = p.repeats if p.schedule == "circular" else 1
+  repeats = p.repeats if p.schedule != "gpipe" else 1
   every = m.moe.every if m.moe.num_experts else 1
   groups = m.num_layers // every
   need(groups % (stages * repeats) == 0,

@@ -4,11 +4,12 @@ side models/pipeline.py, the start-up report trainer/tracking/report.py.
 
   grad_sums  trainer/step/train_step.py's `grad_sums` for a pipelined model: the pipeline's
              micro-batches are the step's M accumulation micro-batches, one value_and_grad runs
-             through all of them, and the rest of the step is unchanged; the step that measures
-             the noise scale runs it on the two halves of every micro-batch's rows
+             through all of them (1f1b, zero_bubble: their loop's own backward), and the rest of
+             the step is unchanged; the step that measures the noise scale runs it once per
+             part of every micro-batch's rows (`optim.noise_scale_pieces` parts)
   Layout     the stored layer order and the plain stack checkpoints hold: the same for GPipe;
-             stage-major for a circular pipeline, converted at every save and restore
-             (`to_saved` / `from_saved`), so its checkpoints restore on any mesh
+             stage-major with repeats (circular, interleaved), converted at every save and
+             restore (`to_saved` / `from_saved`), so its checkpoints restore on any mesh
 
 Why and details: docs/pipeline.md#what-it-does.
 """
@@ -20,39 +21,44 @@ import numpy as np
 import optax
 
 from models import pipeline as model_pipeline
+from optim import noise_scale
 from sharding.pipeline import Pipeline, reorder
 
 
-def grad_sums(spec, params, batch, *, measure_noise: bool = False):
+def grad_sums(spec, params, batch, *, measure_noise: bool = False, noise_parts: int = 2):
   """trainer/step/train_step.py's `grad_sums` for a pipelined model (module docstring): (loss
   sum, target tokens, gradient sum in float32 sharded like the parameters, noise-meter sums
-  (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None)."""
+  (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None). Measuring the
+  noise, the pipeline runs once per part of `noise_parts` (`noise_scale.split_rows`): part j of
+  every micro-batch is one small batch."""
   pipe, moe = spec.pipeline, spec.cfg.moe
   step_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-  pieces = _halves(batch) if measure_noise else [batch]
+  parts = [batch]
+  if measure_noise:
+    split = jax.tree.map(lambda x: noise_scale.split_rows(x, noise_parts), batch)
+    parts = [jax.tree.map(lambda x, j=j: x[:, j], split) for j in range(noise_parts)]
   fraction = None
-  if len(pieces) > 1 and moe.enabled and moe.balance_scope == "global":
+  if len(parts) > 1 and moe.enabled and moe.balance_scope == "global":
     fraction = model_pipeline.global_fraction(spec.model(params), pipe, batch)
   f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)
   shard = lambda tree: jax.lax.with_sharding_constraint(tree, spec.param_shardings)
   out = None
-  for piece in pieces:
-    objective = lambda p, b=piece: model_pipeline.objective(
-        spec.model(p), pipe, b, step_tokens=step_tokens, parts=len(pieces), fraction=fraction)
-    (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+  for piece in parts:
+    kw = dict(step_tokens=step_tokens, parts=len(parts), fraction=fraction)
+    if pipe.explicit:  # the schedule's loop computes the gradient (sharding/pipeline_vjp.py)
+      (_, (loss_sum, tokens, moe_sums)), grads = model_pipeline.value_and_grad(
+          spec.model(params), pipe, piece, **kw)
+    else:
+      objective = lambda p, b=piece: model_pipeline.objective(spec.model(p), pipe, b, **kw)
+      (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(
+          params)
     t = jnp.maximum(tokens, 1.0)
     noise = (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
     now = (loss_sum, tokens, shard(f32(grads)), noise, moe_sums)
     out = now if out is None else jax.tree.map(jnp.add, out, now)
   loss_sum, tokens, grads, noise, moe_sums = out
   grads = shard(grads)
-  return loss_sum, tokens, grads, (*noise, len(pieces)) if measure_noise else None, moe_sums
-
-
-def _halves(batch) -> list:
-  """[M, B, ...] -> two [M, B/2, ...]: every micro-batch's rows 0, 2, 4, ... and 1, 3, 5, ..."""
-  split = lambda x: x.reshape(x.shape[0], x.shape[1] // 2, 2, *x.shape[2:])
-  return [jax.tree.map(lambda x: split(x)[:, :, i], batch) for i in range(2)]
+  return loss_sum, tokens, grads, (*noise, len(parts)) if measure_noise else None, moe_sums
 
 
 def loss_sums(spec, params, batch):

@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from data.pipeline import BATCH_KEYS
+from models import pipeline as model_pipeline
 from models.llama import ModelConfig
 from optim import build_optimizer
 from optim.autopilot import with_defaults
@@ -93,6 +94,17 @@ class Program:
     self.batch_sharding = batch_sharding(mesh, microbatched=True)
     # The layer order of the train state against the checkpoints' plain stack (trainer/step/pipelined.py)
     self.layout = Layout(self.pipeline, self.model_cfg, self.shardings)
+    self._slot_flops = None
+
+  def slot_flops(self) -> dict:
+    """The FLOPs of one stage's F, B and W on a micro-batch (models/pipeline.py `slot_flops`):
+    what the schedule table's bubble weighs its slots by; traced once."""
+    if self._slot_flops is None:
+      with jax.set_mesh(self.mesh):
+        self._slot_flops = model_pipeline.slot_flops(
+            self.spec.graphdef, self.spec.abstract_params, self.pipeline, self.micro_rows,
+            self.cfg.data.seq_len)
+    return self._slot_flops
 
   def abstract_state(self):
     if self.diloco is None:

@@ -90,8 +90,10 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
   return bad, finite, spike, new_guard
 
 
-def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
-  """Sums over the micro-batches of `batch` [M, B, S]: (loss sum, target tokens, gradient sum
+def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
+              noise_parts: int = 2):
+  """Sums over the micro-batches of `batch` [M, B, S] (the noise meter's small batches: the
+  micro-batches, with a pipeline `noise_parts` parts of their rows): (loss sum, target tokens, gradient sum
   in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2 and 1 / t_i summed
   over the pieces i, and their number) or None, MoE sums ({"stats": router statistics, "aux":
   auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1 a scan
@@ -99,7 +101,8 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False):
   """
 
   if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/step/pipelined.py)
-    return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise)
+    return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise,
+                               noise_parts=noise_parts)
   num_micro = jax.tree.leaves(batch)[0].shape[0]
   moe = spec.cfg.moe
   # The step's target tokens: the MoE auxiliary terms are scaled by it (docs/moe.md).
@@ -154,11 +157,12 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                     replicas: int = 1):
   """step(state, batch[M, B, S]) -> (state, metrics). With `measure_noise` the step measures
   the gradient noise scale on `noise_pieces` small batches (`noise_scale.splits`; the optimizer
-  must carry the meter); without, it is the plain step and the meter's state passes through. `norm_metrics=False` leaves param_norm and
-  update_norm out of the metrics (and their passes over the state out of the program; the loop
-  runs that variant on the steps that do not log, `trainer.norm_metrics`). `replicas`: the step
-  is one of that many DiLoCo replicas' inner steps (trainer/step/diloco.py), each on B of the
-  replicas x B rows of the global batch; the optimizer and schedule are told the global batch."""
+  must carry the meter); without, it is the plain step and the meter's state passes through.
+  `norm_metrics=False` leaves param_norm and update_norm out of the metrics (and their passes
+  over the state out of the program; the loop runs that variant on the steps that do not log,
+  `trainer.norm_metrics`). `replicas`: the step is one of that many DiLoCo replicas' inner steps
+  (trainer/step/diloco.py), each on B of the replicas x B rows of the global batch; the
+  optimizer and schedule are told the global batch."""
   dp = data_parallel_size(spec.mesh.shape)
   has_meter = noise_scale.find_state(jax.eval_shape(tx.init, spec.abstract_params)) is not None
   if measure_noise and not has_meter:
@@ -168,11 +172,15 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
   def step(state: TrainState, batch) -> tuple[TrainState, dict[str, jax.Array]]:
     num_micro, rows = jax.tree.leaves(batch)[0].shape[:2]
     batch_size = num_micro * rows * replicas
-    if measure_noise and spec.pipeline is None:  # enough small batches for the meter
-      parts = noise_scale.splits(num_micro, noise_pieces, rows // dp)
-      batch = jax.tree.map(lambda x: _split_rows(x, parts), batch)
+    parts = 1
+    if measure_noise:  # enough small batches for the meter
+      parts = noise_scale.splits(num_micro, noise_pieces, rows // dp,
+                                 together=spec.pipeline is not None)
+    if parts > 1 and spec.pipeline is None:  # [M parts, B / parts, S]: each part one micro-batch
+      batch = jax.tree.map(lambda x: noise_scale.split_rows(x, parts).reshape(
+          num_micro * parts, rows // parts, *x.shape[2:]), batch)
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
-        spec, state.params, batch, measure_noise=measure_noise)
+        spec, state.params, batch, measure_noise=measure_noise, noise_parts=parts)
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
@@ -229,16 +237,6 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     return new_state, metrics
 
   return step
-
-
-def _split_rows(x, parts: int):
-  """[M, B, ...] -> [M parts, B / parts, ...]: part j of a micro-batch holds its rows j, j +
-  parts, ... (a device's block of rows stays on it when B / devices divides by `parts`)."""
-  m, rows = x.shape[:2]
-  if parts == 1:
-    return x
-  return x.reshape(m, rows // parts, parts, *x.shape[2:]).swapaxes(1, 2).reshape(
-      m * parts, rows // parts, *x.shape[2:])
 
 
 def make_eval_step(spec: ModelSpec):

@@ -83,11 +83,11 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   o = cfg.optim
   if not o.noise_scale_every:
     return
-  pieces = []
+  pieces, staged = [], cfg.mesh.stage > 1  # a pipeline runs its micro-batches together
   for batch in dict.fromkeys(batches):
     m = batch // micro_rows
-    parts = noise_scale.splits(m, int(o.noise_scale_pieces), micro_rows // dp)
-    pieces.append(f"{m * parts} at batch {batch}")
+    parts = noise_scale.splits(m, int(o.noise_scale_pieces), micro_rows // dp, together=staged)
+    pieces.append(f"{parts if staged else m * parts} at batch {batch}")
   window = float(o.noise_scale_window)
   spans = []
   for n in sorted({min(100, cfg.steps), cfg.steps}):
@@ -136,7 +136,8 @@ def log_diloco(writer: MetricsWriter, program, batch: int, step: int, inner, out
 
 def measure(program, compiled, micro: int) -> tuple[Count, object]:
   """(the pipeline's `Count`, the step's `CompiledCosts`) of a compiled train step."""
-  return (count(program.pipeline, micro, compiled.as_text() or "", program.mesh),
+  weights = program.slot_flops() if program.pipeline.explicit else None
+  return (count(program.pipeline, micro, compiled.as_text() or "", program.mesh, weights),
           compiled_costs(compiled))
 
 
@@ -148,18 +149,23 @@ def log_pipeline(writer, program, compiled, micro: int, step: int) -> None:
   writer.log(f"{program.pipeline.describe()}; " + found.line()
              + f"; memory per device {gib(costs.total_bytes)} (arguments "
              f"{gib(costs.argument_bytes)} + temporaries {gib(costs.temp_bytes)})")
+  if found.table is not None:  # the table the loop runs, one line per stage
+    for line in found.table.rows():
+      writer.log(f"  schedule {line}")
   writer.write(step, {"event": "pipeline", **found.row(),
                       "pipeline/memory_bytes": costs.total_bytes}, console=False)
 
 
 def bubble_cost(program):
-  """batch -> the pipeline's idle fraction at that batch (the cost model the batch autopilot and
-  the batch plan quote: (S - 1) / (M R + S - 1), M = batch / micro-batch rows), or None without
-  a pipeline."""
+  """batch -> the pipeline's bubble at that batch (the cost model the batch autopilot and the
+  batch plan quote, M = batch / micro-batch rows: (S - 1) / (M R + S - 1) for GPipe and
+  circular, the schedule table's weighted by the counted FLOPs of F, B, W for the explicit
+  schedules), or None without a pipeline."""
   pipe = program.pipeline
   if pipe is None:
     return None
-  return lambda batch: pipe.bubble(batch // program.micro_rows)
+  weights = program.slot_flops() if pipe.explicit else None
+  return lambda batch: pipe.bubble(batch // program.micro_rows, weights)
 
 
 def log_pipeline_plan(writer, program, batches) -> None:
@@ -169,6 +175,8 @@ def log_pipeline_plan(writer, program, batches) -> None:
   if cost is None:
     return
   pipe, rows = program.pipeline, program.micro_rows
-  writer.log(f"pipeline ({pipe.describe()}): bubble (S-1)/(MR+S-1) by batch, M = batch / {rows} "
+  model = ("the schedule table's idle slot work, F:B:W weighted by their FLOPs" if pipe.explicit
+           else "(S-1)/(MR+S-1)")
+  writer.log(f"pipeline ({pipe.describe()}): bubble by batch ({model}), M = batch / {rows} "
              "rows: " + ", ".join(f"{b} -> M={b // rows}, {cost(b):.1%}"
                                   for b in dict.fromkeys(batches)))

@@ -1,0 +1,201 @@
+"""The explicit pipeline schedules (1f1b, interleaved 1f1b, zero_bubble): forward and backward of
+every stage in one SPMD tick loop driven by the schedule table (sharding/schedule.py), with
+per-stage VJPs instead of autodiff through the loop.
+
+Each run of ticks whose programs hold the same slots (F, B, W) is one `jax.lax.scan` over the
+table's columns for those ticks. Per tick, every stage (vmapped over `stage` like
+sharding/pipeline.py's loop):
+  F  runs its layers on its input (stage 0's first repeat: the micro-batch's embedding; else
+     what the previous stage sent), keeps the input in its stash slot and sends the output on;
+     the last stage's last repeat scores it (the head) and starts its cotangent
+  B  recomputes its stage from the stashed input and pulls the output cotangent back (from the
+     head, or from the next stage) through it: the weight gradient is summed, the input's sent
+     back (stage 0's first repeat: through the embedding)
+  W  (zero_bubble) the weight-gradient part B left in its W stash
+Why and details: docs/pipeline.md#the-explicit-schedules
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sharding.rules import STAGE_AXIS, constrain
+from sharding.schedule import Table
+
+P = jax.sharding.PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFns:
+  """One stage's work. embed(hw, micro) -> the first stage's input for micro-batch `micro`;
+  forward(w, x, micro) -> (y, aux) as sharding.pipeline.run's `stage_fn`; head(hw, y, micro) ->
+  the loss sum of the micro-batch from the last stage's output `y` (`hw`: the weights outside
+  the layer stack, one copy per stage). With the backward split (zero_bubble):
+  backward(w, x, dy, aux_ct, micro) -> (dx, the weight gradient it computes, a stash for W) and
+  weight(w, stash, micro) -> the rest of the weight gradient; without, B is the VJP of
+  `forward`."""
+  embed: Callable
+  forward: Callable
+  head: Callable
+  backward: Callable | None = None
+  weight: Callable | None = None
+
+
+def _stage_constrain(tree):
+  if jax.sharding.get_abstract_mesh().empty:
+    return tree
+  spec = lambda a: P(STAGE_AXIS, *(P.UNCONSTRAINED,) * (a.ndim - 1))
+  return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, spec(a)), tree)
+
+
+def tie(x, token):
+  """`x` plus zero times `token` [S, *act] (the activation computed last): a data dependency,
+  nothing more. `x` is [S, *act] or a W stash leaf [S, layers, rows x sequence, ...]."""
+  if token is None:
+    return x
+  if x.shape != token.shape:  # [S, B, T, E] -> [S, 1, B T, 1, ...]: broadcast, no collective
+    token = token.reshape(token.shape[0], 1, -1, token.shape[-1])[..., :1]
+    token = token.reshape(*token.shape, *(1,) * (x.ndim - token.ndim))
+  return x + (0 * token).astype(x.dtype)
+
+
+def _columns(table: Table, start: int, stop: int) -> dict:
+  """The table's entries for ticks [start, stop) as the scan's per-tick inputs [n, S]."""
+  S, R = table.stages, table.repeats
+  cut = lambda a: np.asarray(a[start:stop], np.int32)
+  f, b, w = (table.cells[op] for op in ("F", "B", "W"))
+  first, last = np.arange(S) == 0, np.arange(S) == S - 1
+  stash = table.slots("F", "B")
+  out = {"f_micro": cut(np.maximum(f[..., 0], 0)), "f_repeat": cut(np.maximum(f[..., 1], 0)),
+         "f_ok": cut(f[..., 0] >= 0), "f_slot": cut(np.maximum(stash[..., 0], 0)),
+         "embed": cut((f[..., 0] >= 0) & (f[..., 1] == 0) & first),
+         "head": cut((f[..., 0] >= 0) & (f[..., 1] == R - 1) & last),
+         "b_micro": cut(np.maximum(b[..., 0], 0)), "b_repeat": cut(np.maximum(b[..., 1], 0)),
+         "b_ok": cut(b[..., 0] >= 0), "b_slot": cut(np.maximum(stash[..., 1], 0)),
+         "b_embed": cut((b[..., 0] >= 0) & (b[..., 1] == 0) & first),
+         "b_head": cut((b[..., 0] >= 0) & (b[..., 1] == R - 1) & last)}
+  # the last stage's backward of its last repeat follows the head of the same tick's forward
+  assert np.array_equal(out["b_head"], out["head"] & (cut(b[..., 0]) == cut(f[..., 0])))
+  if table.split:
+    wslot = table.slots("B", "W")
+    out.update(w_micro=cut(np.maximum(w[..., 0], 0)), w_repeat=cut(np.maximum(w[..., 1], 0)),
+               w_ok=cut(w[..., 0] >= 0), bw_slot=cut(np.maximum(wslot[..., 0], 0)),
+               w_slot=cut(np.maximum(wslot[..., 1], 0)))
+  return out
+
+
+def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names):
+  """The step's forward and backward through the pipeline (module docstring).
+
+  weights: leaves [S, R, ...] (`Pipeline.stage_view`); head_weights: the weights `fns.embed`
+  and `fns.head` read (one copy per stage is made here); aux_ct: the cotangent of the objective
+  with respect to the aux sums (leaves [S, R, ...], the same for every micro-batch: the
+  objective is linear in them).
+  Returns (loss sum, aux sums [S, R, ...], the weights' gradient [S, R, ...] and the head
+  weights' gradient, both in float32).
+  """
+  S, R = table.stages, table.repeats
+  act = ("act_stage", *act_names)
+  vmap = lambda f: jax.vmap(f, spmd_axis_name=STAGE_AXIS)
+  per_stage = lambda mask, x: mask.reshape(S, *(1,) * (x.ndim - 1))
+  zeros32 = lambda tree: _stage_constrain(jax.tree.map(
+      lambda a: jnp.zeros(a.shape, jnp.float32), tree))
+
+  copies = _stage_constrain(jax.tree.map(lambda a: jnp.broadcast_to(a, (S, *a.shape)),
+                                         head_weights))
+  pick = lambda w, r: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), w)
+  w0 = jax.tree.map(lambda a: a[0, 0], weights)
+  micro0 = jax.ShapeDtypeStruct((), jnp.int32)
+  one = jax.eval_shape(fns.embed, head_weights, micro0)
+  _, aux_shape = jax.eval_shape(fns.forward, w0, one, micro0)
+  zero = constrain(jnp.zeros((S, *one.shape), one.dtype), act)
+  carry = {"shift": zero, "dshift": zero,
+           "stash": constrain(jnp.zeros((S, int(table.held("F", "B").max()), *one.shape),
+                                        one.dtype), ("act_stage", None, *act_names)),
+           "loss": jnp.zeros((S,), jnp.float32),
+           "aux": jax.tree.map(lambda a: jnp.zeros((S, R, *a.shape), a.dtype), aux_shape),
+           "grads": zeros32(weights), "head": zeros32(copies)}
+  if table.split:
+    ct0 = jax.tree.map(lambda a: a[0, 0], aux_ct)
+    wstash = jax.eval_shape(fns.backward, w0, one, one, ct0, micro0)[2]
+    depth = int(table.held("B", "W").max())
+    carry["wstash"] = _stage_constrain(jax.tree.map(
+        lambda a: jnp.zeros((S, depth, *a.shape), a.dtype), wstash))
+
+  def add_at(acc, r, ok, value):  # acc[s, r] += value[s] where ok[s]
+    return jax.tree.map(lambda a, v: vmap(lambda a, r, ok, v: a.at[r].add(
+        jnp.where(ok, v.astype(a.dtype), jnp.zeros_like(v, a.dtype))))(a, r, ok, v), acc, value)
+
+  def put(buffer, slot, ok, value):  # buffer[s, slot[s]] = value[s] where ok[s]
+    return jax.tree.map(lambda b, v: vmap(lambda b, i, ok, v: b.at[i].set(
+        jnp.where(ok, v, b[i])))(b, slot, ok, v), buffer, value)
+
+  get = lambda buffer, slot: jax.tree.map(lambda b: vmap(lambda b, i: b[i])(b, slot), buffer)
+  add = lambda acc, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g)
+
+  def head_vjp(hw, y, micro, on):
+    loss, pull = jax.vjp(lambda hw, y: fns.head(hw, y, micro), hw, y)
+    dhw, dy = pull(jnp.where(on, 1.0, 0.0).astype(loss.dtype))
+    return jnp.where(on, loss, 0.0), dhw, dy
+
+  def embed_vjp(hw, micro, dx, on):
+    _, pull = jax.vjp(lambda hw: fns.embed(hw, micro), hw)
+    return pull(jnp.where(on, dx, jnp.zeros_like(dx)))[0]
+
+  def backward(w, x, dy, ct, micro):
+    if fns.backward is not None:
+      return fns.backward(w, x, dy, ct, micro)
+    _, pull = jax.vjp(lambda w, x: fns.forward(w, x, micro), w, x)
+    dw, dx = pull((dy, ct))
+    return dx, dw, None
+
+  def tick(slots, c, x):
+    # One chain per tick: F (after the embedding) and the head, B (and the embedding's VJP),
+    # the hand-overs, W, each fed (`tie`) by the one before, so every device runs the tick's
+    # collectives in the same order (XLA:CPU runs independent computations concurrently, and
+    # two devices waiting on each other's collectives hang).
+    c, token = dict(c), None
+    if "F" in slots:
+      embedded = vmap(fns.embed)(copies, x["f_micro"])
+      xin = constrain(jnp.where(per_stage(x["embed"], embedded), embedded, c["shift"]), act)
+      y, aux = vmap(lambda w, x, r, m: fns.forward(pick(w, r), x, m))(
+          weights, xin, x["f_repeat"], x["f_micro"])
+      y = constrain(y, act)
+      c["stash"] = put(c["stash"], x["f_slot"], x["f_ok"], xin)
+      c["aux"] = add_at(c["aux"], x["f_repeat"], x["f_ok"], aux)
+      loss, dhw, dy_head = vmap(head_vjp)(copies, y, x["f_micro"], x["head"])
+      c["loss"] = c["loss"] + loss
+      c["head"] = add(c["head"], dhw)
+      token = dy_head = constrain(dy_head, act)
+    if "B" in slots:
+      dy = c["dshift"] if token is None else jnp.where(per_stage(x["b_head"], dy_head), dy_head,
+                                                       c["dshift"])
+      ct = jax.tree.map(lambda a: vmap(lambda a, r: a[r])(a, x["b_repeat"]), aux_ct)
+      dx, dw, wst = vmap(lambda w, xs, dy, ct, r, m: backward(pick(w, r), xs, dy, ct, m))(
+          weights, tie(get(c["stash"], x["b_slot"]), token), tie(constrain(dy, act), token), ct,
+          x["b_repeat"], x["b_micro"])
+      token = dx = constrain(dx, act)
+      c["grads"] = add_at(c["grads"], x["b_repeat"], x["b_ok"], dw)
+      if wst is not None:
+        c["wstash"] = put(c["wstash"], x["bw_slot"], x["b_ok"], wst)
+      c["head"] = add(c["head"], vmap(embed_vjp)(copies, x["b_micro"], dx, x["b_embed"]))
+    if "F" in slots:  # the hand-overs: the ring forward, then back
+      c["shift"] = token = constrain(jnp.roll(tie(y, token), 1, axis=0), act)
+    if "B" in slots:
+      c["dshift"] = token = constrain(jnp.roll(tie(dx, token), -1, axis=0), act)
+    if "W" in slots:
+      stash = jax.tree.map(lambda a: tie(a, token), get(c["wstash"], x["w_slot"]))
+      dw = vmap(lambda w, st, r, m: fns.weight(pick(w, r), st, m))(
+          weights, stash, x["w_repeat"], x["w_micro"])
+      c["grads"] = add_at(c["grads"], x["w_repeat"], x["w_ok"], dw)
+    return c, None
+
+  for start, stop, slots in table.phases():
+    carry, _ = jax.lax.scan(lambda c, x, slots=slots: tick(slots, c, x), carry,
+                            _columns(table, start, stop))
+  head = jax.tree.map(lambda a: jnp.sum(a, axis=0), carry["head"])
+  return jnp.sum(carry["loss"]), carry["aux"], carry["grads"], head
