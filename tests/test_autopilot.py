@@ -207,6 +207,7 @@ def test_norm_test_trigger_in_a_run(tmp_path, data_dir):
 # Two real processes (gloo, 4 CPU devices each) against one process with 8 devices.
 
 
+@pytest.mark.slow  # two real processes; the default run keeps tests/test_multihost.py's
 def test_two_processes_decide_the_same_batches_as_one(tmp_path):
   """data.batch_ramp=auto with micro-batches of 4 rows, 8 -> 32, margin 0.01 (every measurement
   fires), noise measured every 2 steps: 8 -> 16 from step 4, 16 -> 32 from step 6. Each process

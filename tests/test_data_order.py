@@ -75,6 +75,7 @@ def test_losses_do_not_depend_on_micro_batches_devices_or_mesh(tmp_path):
   _same(_rows(tmp_path / "one"), want)
 
 
+@pytest.mark.slow  # an elastic restart; the default run keeps test_local_tier's rescale
 def test_a_restart_on_fewer_devices_keeps_the_batch_and_the_losses(tmp_path):
   """Elastic restart: 2 steps on 8 devices (micro-batches of 8), then on from the checkpoint
   with 2 devices (micro-batches of 2, four times as many): the same global batch, so the same

@@ -10,6 +10,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from test_multihost import (MODEL_ARGS, ROOT, TINY, assert_ok, child_env, free_port,
                             run_processes)
 
@@ -120,6 +121,7 @@ def _logged_steps(workdir) -> int:
   return max((r["step"] for r in rows if "loss" in r), default=0)
 
 
+@pytest.mark.slow  # two real processes; the default run keeps tests/test_multihost.py's
 def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
   """SIGTERM to process 1 only: both processes stop after the same step, write one checkpoint
   together and exit 75; the resumed run equals an uninterrupted one."""
@@ -163,6 +165,7 @@ def test_stop_when_ends_the_run_one_step_after_the_row(tmp_path):
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # two real processes; the default run keeps tests/test_multihost.py's
 def test_two_processes_agree_on_clock_saves(tmp_path):
   """With several processes the wall clock is consulted at log steps only, and agreed: a save
   every 1 us becomes a save at every log step (3, 6) and the last one (7), on both processes."""

@@ -145,6 +145,7 @@ def test_branch_from_a_checkpoint_equals_a_run_from_scratch(tmp_path, data_dir):
   assert len(set(got[3:])) == 3
 
 
+@pytest.mark.slow  # the default run keeps test_an_experiment_over_seeds, the same experiment over 2 seeds
 def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
   """The command with a tiny config: LARS and Muon at batch 16 and at their reference batch 8,
   the linear rule doubling LARS's rate, the sqrt rule Muon's by sqrt(2); a CSV row per run and

@@ -109,6 +109,7 @@ def test_harness_runs_local_tasks(lm, tmp_path, offline):
   assert "exact_match,none" in results["local_gen"]
 
 
+@pytest.mark.slow  # the default run keeps test_harness_runs_local_tasks
 def test_harness_cli_with_the_registered_model(lm, tmp_path, offline, capsys):
   from tools import lm_eval_adapter
   write_tasks(tmp_path)

@@ -28,6 +28,7 @@ def test_phases_each_hold_the_whole_state():
   assert all(v > report.state_bytes for v in phases.values()), (phases, report.state_bytes)
 
 
+@pytest.mark.slow  # compiles a DiLoCo program; the default run keeps two memory_check programs
 def test_diloco_prediction_holds_the_replicas_state_and_the_outer_step(monkeypatch, capsys):
   """DiLoCo, 2 replicas of data=4 on the 8 CPU devices, parameters replicated inside a replica:
   each device holds its replica's parameters and AdamW moments, the anchor and the outer
@@ -54,6 +55,7 @@ def test_diloco_prediction_holds_the_replicas_state_and_the_outer_step(monkeypat
       "outer momentum)" in out and ", outer step " in out, out
 
 
+@pytest.mark.slow  # compiles a circular pipeline; the default run keeps the 1F1B one
 def test_circular_pipeline_predicts_its_checkpoint_save():
   """A circular pipeline (mesh.stage=2, pipeline.repeats=2) on the 8 CPU devices: tools.aot's
   report counts the bubble in the compiled step, and the prediction adds the program that turns

@@ -279,6 +279,7 @@ def test_two_processes_equal_one_and_resume(tmp_path):
                              rtol=1e-5)
 
 
+@pytest.mark.slow  # two real processes; the default run keeps test_two_processes_equal_one_and_resume
 def test_batch_rows_replicated_across_processes(tmp_path):
   """A mesh whose `tensor` axis spans the two processes (data=fsdp=1, tensor=2, sequence=4):
   every batch row lives on both processes, so each reads all of them, and the run equals one

@@ -219,7 +219,7 @@ MOE = {"model.moe.num_experts": 8, "model.moe.top_k": 2, "model.moe.mlp_dim": 32
 
 @pytest.mark.parametrize("mesh_cfg,model", [
     ({"fsdp": 4, "tensor": 2}, {}), ({"data": 2, "fsdp": 2, "tensor": 2}, {}),
-    ({"fsdp": 4, "expert": 2}, MOE)])  # 8 experts on expert x fsdp, the router gathered
+    pytest.param({"fsdp": 4, "expert": 2}, MOE, marks=pytest.mark.slow)])  # 8 experts on expert x fsdp
 def test_sharded_update_equals_one_device(mesh_cfg, model):
   cfg = _muon_config(**{"model.d_model": 64, "model.mlp_dim": 128, **model})
   spec1, tx1, state1 = _tiny_params(cfg, make_mesh({"data": 1}, jax.devices()[:1]))
@@ -294,6 +294,7 @@ def test_trains_end_to_end_with_each_fallback_and_jordan_scaling(tmp_path, fallb
   assert got[8] < got[1] - 0.5, got
 
 
+@pytest.mark.slow  # the default run keeps tests/test_checkpoint.py's resume
 def test_resumed_muon_run_equals_uninterrupted_run(tmp_path):
   cfg = lambda steps, **kw: _muon_config(**{"steps": steps, "checkpoint.every_steps": 3, **kw})
   Run(cfg(6), str(tmp_path / "straight")).train()

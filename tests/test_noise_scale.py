@@ -217,6 +217,7 @@ def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
   assert measured[0]["loss"] == pytest.approx(off[0]["loss"], rel=1e-6)
 
 
+@pytest.mark.slow  # the estimator at fixed parameters; the default run keeps tests/test_noise_meter.py's check in training
 def test_the_meter_agrees_with_per_example_gradients_of_independent_sequences(data_dir):
   """The meter's B_simple, from the training stream's steps (batch 64 in micro-batches of 4, the
   step's own gradient sums, its estimator averaged over steps), equals tr(Sigma) / |G|^2 from

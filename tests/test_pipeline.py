@@ -266,7 +266,8 @@ def test_evaluation_through_the_pipeline(reference, devices):
     np.testing.assert_allclose(out["piped", rows], out["plain", rows], rtol=1e-6)
 
 
-@pytest.mark.parametrize("schedule,pieces,micro", [("gpipe", 4, 8), ("zero_bubble", 2, 4)])
+@pytest.mark.parametrize("schedule,pieces,micro", [
+    ("gpipe", 4, 8), pytest.param("zero_bubble", 2, 4, marks=pytest.mark.slow)])
 def test_noise_scale_meter_through_the_pipeline(reference, devices, schedule, pieces, micro):
   """The measuring step runs the pipeline on `optim.noise_scale_pieces` parts of every
   micro-batch's rows (part j: rows j, j + P, ...): the small batches the plain step measures on

@@ -93,6 +93,7 @@ def assert_same_tail(got, want, first, last=12):
 # --- SIGKILL -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a kill -9; the default run keeps test_sigkill_during_async_save
 def test_sigkill_before_first_checkpoint_then_right_after_one(straight, tmp_path):
   """Two hard kills in one workdir: before anything was saved, then just after step 4 was."""
   proc = start(tmp_path, 12)
@@ -164,7 +165,8 @@ def _largest_file(directory):
   return max(files, key=os.path.getsize)
 
 
-@pytest.mark.parametrize("damage", ["truncate", pytest.param("delete", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("damage", [  # the default run keeps tests/test_integrity.py's
+    pytest.param("truncate", marks=pytest.mark.slow), pytest.param("delete", marks=pytest.mark.slow)])
 def test_corrupt_newest_checkpoint_falls_back(straight, tmp_path, damage):
   train(tmp_path, 8)
   assert checkpoint_steps(tmp_path) == [4, 6, 8]
@@ -185,6 +187,7 @@ def test_corrupt_newest_checkpoint_falls_back(straight, tmp_path, damage):
   assert_same_tail(losses(tmp_path), straight["small"], 7)
 
 
+@pytest.mark.slow  # damaged checkpoints: the default run keeps tests/test_integrity.py's
 def test_no_readable_checkpoint_stops_with_exit_2(tmp_path):
   train(tmp_path, 4)
   for step in checkpoint_steps(tmp_path):
@@ -252,6 +255,7 @@ def small_disk(tmp_path):
   subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
+@pytest.mark.slow  # a full disk: the default run keeps test_local_tier's small-disk tests
 def test_full_disk_during_a_save(straight, tmp_path, small_disk):
   train(tmp_path, 4)
   ckpts = os.path.join(tmp_path, "checkpoints")
@@ -295,6 +299,7 @@ def test_full_disk_during_a_save(straight, tmp_path, small_disk):
 # --- restore elsewhere -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # an elastic restart; the default run keeps test_local_tier's rescale
 def test_elastic_restore_8_to_4_to_1_devices(straight, tmp_path):
   """Same global batch and data order on any device count; losses within fp32 noise."""
   train(tmp_path, 4, devices=8)
