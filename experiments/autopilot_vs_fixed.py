@@ -38,10 +38,7 @@ def build_parser():
 def parse(argv):
   p = build_parser()
   args, overrides = p.parse(argv)
-  args.targets = sorted(args.targets, reverse=True)
-  if not args.targets:
-    p.error("--targets needs at least one loss")
-  args.target_loss = args.targets[-1]  # what tools.batch_sweep.run_one stops at
+  common.parse_targets(p, args)
   if len(args.batch_sizes) < 2 or any(b % args.micro_batch_size for b in args.batch_sizes):
     p.error(f"--batch_sizes needs two or more multiples of --micro_batch_size="
             f"{args.micro_batch_size}")

@@ -117,6 +117,15 @@ def parser(name: str, doc: str, *, seeds: bool = True):
   return p
 
 
+def parse_targets(p, args) -> None:
+  """`--targets` (eval losses) sorted from the highest, duplicates dropped; `args.target_loss`
+  the lowest, where `tools.batch_sweep.run_one` stops (the others are read on the way)."""
+  args.targets = sorted(set(args.targets), reverse=True)
+  if not args.targets:
+    p.error("--targets needs at least one loss, e.g. 2.7")
+  args.target_loss = args.targets[-1]
+
+
 def add_to_target_args(p, max_examples: int) -> None:
   """The flags of an experiment whose runs train to a target loss (`target_stop`, `to_target`):
   micro-batch, the give-up budget, evaluation interval and size, and the smoothing window."""

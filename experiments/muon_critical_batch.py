@@ -62,10 +62,7 @@ def parse(argv):
   if unknown:
     p.error(f"--stated_lr: unknown optimizer {sorted(unknown)[0]!r}")
   args.lr_grid = sorted(set(args.lr_grid) | {1.0})
-  args.targets = sorted(set(args.targets), reverse=True)
-  if not args.targets:
-    p.error("--targets needs at least one loss, e.g. 2.7")
-  args.target_loss = args.targets[-1]  # what tools.batch_sweep.run_one stops at
+  common.parse_targets(p, args)
   odd = [b for b in args.batch_sizes if b % args.micro_batch_size]
   if odd:
     p.error(f"--batch_sizes: {odd[0]} is not a multiple of --micro_batch_size="
@@ -98,9 +95,12 @@ def experiment(args, cfg) -> list[dict]:
         print(f"[muon_bcrit] {name} batch {batch} lr x{mult:g} ({r.learning_rate:.3g}): "
               f"{reached}; {r.seconds:.0f}s", flush=True)
     trained[name] = runs
+  hits = {id(r): common.crossings(r.workdir, r.batch_size, cfg.data.seq_len, args.targets,
+                                  args.smooth_examples)  # each record read once
+          for runs in trained.values() for r in runs}
   rows, lowest = [], None
-  for target in args.targets:
-    results, fits, summaries = at_target(trained, target, cfg.data.seq_len, args)
+  for i, target in enumerate(args.targets):
+    results, fits, summaries = at_target(trained, {k: h[i] for k, h in hits.items()}, target)
     rows += [dict(optimizer=name, target=target, **dataclasses.asdict(r),
                   b_crit=_b_crit(fits[name])) for name in args.optimizers for r in results[name]]
     lowest = (results, fits, summaries)
@@ -116,14 +116,14 @@ def experiment(args, cfg) -> list[dict]:
   return rows
 
 
-def at_target(trained: dict, target: float, seq_len: int, args):
-  """Each optimizer's runs with their crossing of `target` (from their records), the fit over
-  the best run per batch, and the sweep's summary."""
+def at_target(trained: dict, hits: dict, target: float):
+  """Each optimizer's runs with their crossing of `target` (`hits`: `common.crossings`' entry per
+  run, by id), the fit over the best run per batch, and the sweep's summary."""
   results, fits, summaries = {}, {}, {}
   for name, runs in trained.items():
     here = []
     for r in runs:
-      (hit,) = common.crossings(r.workdir, r.batch_size, seq_len, [target], args.smooth_examples)
+      hit = hits[id(r)]
       here.append(dataclasses.replace(r, steps=hit["steps"], examples=hit["examples"],
                                       tokens=hit["tokens"], noise_scale=hit["noise_scale"],
                                       best=False))
