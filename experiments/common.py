@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from tools import figures
+from tools import batch_sweep, figures
 from trainer.config import ConfigError
 from trainer.config.cli import floats, ints  # noqa: F401  (the experiments' argparse types)
 from trainer.config.cli import CliParser, load
@@ -210,16 +210,12 @@ def summarize(rows: list[dict], keys, metrics) -> list[dict]:
   for key, group in groups.items():
     row = dict(zip(keys, key))
     for m in metrics:
-      values = [float(r[m]) for r in group
-                if r.get(m) is not None and not math.isnan(float(r[m]))]
-      n = len(values)
-      mean = sum(values) / n if n else math.nan
-      std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
-      low, high = (min(values), max(values)) if n else (math.nan, math.nan)
-      row.update({f"{m}_n": n, f"{m}_mean": mean, f"{m}_std": std, f"{m}_min": low,
-                  f"{m}_max": high,
-                  f"{m}_text": "-" if not n else f"{mean:.4g} +- {std:.2g} ({low:.4g}-{high:.4g}, "
-                                                 f"{n}/{len(group)})"})
+      s = batch_sweep.spread(r.get(m) for r in group) or dict.fromkeys(
+          ("mean", "std", "min", "max"), math.nan) | {"n": 0}
+      row.update({f"{m}_{k}": s[k] for k in ("n", "mean", "std", "min", "max")})
+      row[f"{m}_text"] = "-" if not s["n"] else (
+          f"{s['mean']:.4g} +- {s['std']:.2g} ({s['min']:.4g}-{s['max']:.4g}, "
+          f"{s['n']}/{len(group)})")
     out.append(row)
   return out
 

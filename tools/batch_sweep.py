@@ -326,16 +326,20 @@ def sweep(cfg, args, out: str, name: str) -> dict:
   return summary
 
 
+def spread(values) -> dict | None:
+  """Mean, sample std (NaN for one value), min, max and count of `values`, None and NaN (a
+  target not reached) left out; None when nothing is left."""
+  values = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+  if not values:
+    return None
+  mean = float(np.mean(values))
+  std = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+  return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+
+
 def over_seeds(summaries: list[dict]) -> dict:
-  """Mean, sample std, min and max over the seeds' sweeps of B_crit, S_min, E_min, the median
-  B_simple, and the steps to the target at each batch."""
-  def spread(values):
-    values = [float(v) for v in values if v is not None]
-    if not values:
-      return None
-    mean = float(np.mean(values))
-    std = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
-    return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+  """`spread` over the seeds' sweeps of B_crit, S_min, E_min, the median B_simple, and the steps
+  to the target at each batch."""
   out = {k: spread([s.get(k) for s in summaries])
          for k in ("b_crit", "s_min", "e_min", "b_simple_median")}
   batches = sorted({b for s in summaries for b in s["steps"]})
