@@ -186,8 +186,8 @@ def experiment(args: argparse.Namespace, cfg) -> list[dict]:
 def main(argv: list[str]) -> int:
   return common.main("seesaw", parse, experiment, argv,
                      keys=("part", "run", "at_step", "factor"),
-                     metrics=("steps", "final_eval_loss", "smoothed_loss", "critical_batch",
-                              "b_simple"))
+                     metrics=("steps", "final_eval_loss", "loss_minus_cosine", "smoothed_loss",
+                              "critical_batch", "b_simple"))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from conftest import losses, tiny_config
 from trainer.checkpoint import integrity
 from trainer.checkpoint.persistent import Checkpointer
 from trainer.run.loop import Run
+from trainer.run.readback import MetricsWindow
 
 
 def invert(path, size=4096):
@@ -105,11 +106,15 @@ def test_a_state_with_nan_is_never_saved(tmp_path):
   ckpt.close()
 
 
+@pytest.mark.parametrize("flag", ["read_back", "computed"])
 def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, monkeypatch,
-                                                                     capsys):
-  """The check at step 4's save says NaN (as a parameter overflowed to inf or a flipped bit in
-  memory would): nothing of step 4 is written, the failure is found once its write ended, and
-  the run stops with status nonfinite (exit 3), naming the last good checkpoint."""
+                                                                     capsys, flag):
+  """The parameters after step 4 are NaN (as a parameter overflowed to inf or a flipped bit in
+  memory would), known either way a save learns it: `read_back`, step 4's param_norm as the
+  loop read it back (every step logs its norms: no save computes anything); `computed`, the
+  save's own reduction (`trainer.norm_metrics=never`). Nothing of step 4 is written, the
+  failure is found once its write ended, and the run stops with status nonfinite (exit 3),
+  naming the last good checkpoint."""
   real, calls = integrity.all_finite, []
 
   def finite_until_step_4(tree):
@@ -117,8 +122,23 @@ def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, mo
     return real(tree) & (len(calls) != 2)  # the second save: step 4
 
   monkeypatch.setattr(integrity, "all_finite", finite_until_step_4)
-  result = Run(tiny_config(**{"checkpoint.every_steps": 2, "steps": 8}), str(tmp_path)).train()
+  overrides = {"checkpoint.every_steps": 2, "steps": 8}
+  if flag == "read_back":
+    read = MetricsWindow.read
+
+    def nan_norm_at_4(self, upto=None):
+      rows = read(self, upto)
+      for step, host, _ in rows:
+        if step == 4:
+          host["param_norm"] = float("nan")
+      return rows
+
+    monkeypatch.setattr(MetricsWindow, "read", nan_norm_at_4)
+  else:
+    overrides["trainer.norm_metrics"] = "never"
+  result = Run(tiny_config(**overrides), str(tmp_path)).train()
   err = capsys.readouterr().err
+  assert len(calls) == (0 if flag == "read_back" else 2), calls
   # Found at the first log step after the write ended (5), or by the save at 6 waiting for it.
   assert (result.status, result.exit_code) == ("nonfinite", 3) and result.step in (5, 6), result
   assert result.message == ("stopped: the parameters at step 4 are not finite, so they were not "

@@ -12,6 +12,7 @@ step. Why, costs and what is not detected: docs/reliability.md#integrity.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -143,20 +144,37 @@ class _AfterFinite:
     self.finite.check(timeout)
 
 
+# One thread that dispatches an async save's finiteness reduction while the save's blocking part
+# runs (the CPU backend executes a dispatch of this size inline: ~1.4 ms of 36 MB on 2 cores).
+_BESIDE = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="finite-check")
+
+
 @contextlib.contextmanager
-def finite_guard(handler, params, blocking: bool):
+def finite_guard(handler, params, blocking: bool, known: bool | None = None):
   """Around a save whose item `handler` (a `checksummed` one) holds `params`: its commit fails
-  (`NonFiniteState`) unless every parameter is finite. The flag is computed after the save's
-  blocking part returns, or before it where the save blocks until committed."""
+  (`NonFiniteState`) unless every parameter is finite. `known`: that flag, already read back
+  (the loop's: the saved step's param_norm, trainer/run/readback.py), so nothing is computed.
+  Otherwise: where the save blocks until committed the flag is computed before it; an async
+  save dispatches the reduction beside its blocking part (on a thread, with one process; with
+  several after it, in program order: it is a collective) and waits for that dispatch before
+  it returns, so the next step cannot donate the buffers before the reduction holds them; the
+  value is waited for in the commit."""
   finite = handler.guard = Finite()
+  beside = None
   try:
-    if blocking:
+    if known is not None:
+      finite.set(known)
+    elif blocking:
       finite.set(all_finite(params))
+    elif jax.process_count() == 1:
+      beside = _BESIDE.submit(all_finite, params)
     yield
-    if not blocking:
-      finite.set(all_finite(params))
+    if not finite._set.is_set():
+      finite.set(beside.result() if beside is not None else all_finite(params))
   finally:
     handler.guard = None
+    if beside is not None:
+      beside.exception()  # dispatched (or failed) before the buffers can be donated
     if not finite._set.is_set():
       finite.set(None)  # the save failed before its commit: nothing waits for a flag
 

@@ -111,9 +111,10 @@ class LocalTier:
   # ------------------------------------------------------------------------------------------
   # Saving
 
-  def save(self, step: int, state, meta: dict) -> int:
+  def save(self, step: int, state, meta: dict, finite: bool | None = None) -> int:
     """Start saving `state` and the peer copy at `step`; `meta`: the JSON items the persistent
-    tier saves (config, data, autopilot, topology). Every process calls it at the same step
+    tier saves (config, data, autopilot, topology); `finite`: whether the parameters are, where
+    the caller knows (`integrity.finite_guard`). Every process calls it at the same step
     (the peer copy is a collective). Returns the bytes this process writes; raises
     LocalSaveSkipped when the disk is too full, anything else on a storage error."""
     leaves = jax.tree.leaves(state)
@@ -134,7 +135,7 @@ class LocalTier:
     if peer:
       items["peer"] = CheckedPyTree.Save({f"a{i}": x for i, x in enumerate(peer)})
     guard = finite_guard(self._handlers["state"], getattr(state, "params", state),
-                         blocking=not self.async_save)
+                         blocking=not self.async_save, known=finite)
     with short_switch_interval(), guard:
       self.manager.save(step, args=ocp.args.Composite(**items), force=True)
     return size

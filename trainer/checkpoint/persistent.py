@@ -116,16 +116,17 @@ class Checkpointer:
 
   def save(self, step: int, state, data_iterator, data_spec: pipeline.StreamSpec,
            config: dict, autopilot: dict | None = None, topology: dict | None = None,
-           run: dict | None = None) -> None:
+           run: dict | None = None, finite: bool | None = None) -> None:
     """Start saving (async unless configured otherwise). Raises on storage errors.
     `autopilot`: the batch autopilot's decisions (JSON, `optim/autopilot.py`), if it runs;
     `topology`: the devices, mesh and batch history (`trainer/checkpoint/elastic.py`); `run`: the
     run's identity (`trainer/checkpoint/identity.py`). A state
-    whose parameters are not finite fails in its commit (`integrity.NonFiniteState`)."""
+    whose parameters are not finite fails in its commit (`integrity.NonFiniteState`); `finite`:
+    whether they are, where the caller knows (else it is computed, `integrity.finite_guard`)."""
     extra = {k: CheckedJson.Save(v) for k, v in
              (("autopilot", autopilot), ("topology", topology), ("run", run)) if v is not None}
     guard = finite_guard(self.handlers["state"], getattr(state, "params", state),
-                         blocking=not self._options.enable_async_checkpointing) \
+                         blocking=not self._options.enable_async_checkpointing, known=finite) \
         if self.integrity else contextlib.nullcontext()
     with short_switch_interval(), guard:
       self.manager.save(step, args=ocp.args.Composite(

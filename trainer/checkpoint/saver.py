@@ -131,7 +131,10 @@ class Saver:
     self.unconfirmed = False  # whether its background write may still fail (`poll`)
     silence_orbax_failures()
 
-  def __call__(self, step: int, state, train_iter, *, blocking: bool = False) -> bool:
+  def __call__(self, step: int, state, train_iter, *, blocking: bool = False,
+               finite: bool | None = None) -> bool:
+    """A persistent save at `step` (every process, the same step); `finite`: whether the
+    parameters are, where the loop read it back (else the save computes it). False if it failed."""
     ckpt = self.checkpointer
     t = time.perf_counter()
     with self.timer.paused():
@@ -142,7 +145,8 @@ class Saver:
         failed_step = step
         check_space(ckpt.directory, step, (ckpt.all_steps() or [None])[-1])
         ckpt.save(step, self.to_saved(state), train_iter, self.data_spec, self.config,
-                  autopilot=self._autopilot(), topology=self.topology(), run=self.run)
+                  autopilot=self._autopilot(), topology=self.topology(), run=self.run,
+                  finite=finite)
         self.last_step, self.unconfirmed = step, True
         if blocking:
           ckpt.wait()
@@ -211,7 +215,7 @@ class Saver:
       multihost_utils.sync_global_devices("scaletrain: failed checkpoint save")
     return remove_partial(self.checkpointer.directory) if jax.process_index() == 0 else []
 
-  def to_local(self, step: int, state, train_iter) -> bool:
+  def to_local(self, step: int, state, train_iter, finite: bool | None = None) -> bool:
     """Start a save to the local tier (every process, the same step). Never stops the run.
     An error of an earlier local write is said, never raised before this save: its peer copy
     is a collective every process must enter (whether a local step counts is agreed when it is
@@ -224,7 +228,7 @@ class Saver:
         meta = {"config": self.config, "autopilot": self._autopilot(),
                 "topology": self.topology(),
                 "data": pipeline.saved_state(train_iter.get_state(), self.data_spec)}
-        self.local.save(step, self.to_saved(state), meta)
+        self.local.save(step, self.to_saved(state), meta, finite=finite)
       except Exception as e:  # noqa: BLE001  full disk, storage errors: the next save retries
         error = e
     self.events("checkpoint", step=step, tier="local", seconds=time.perf_counter() - t,

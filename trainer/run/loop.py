@@ -315,13 +315,17 @@ class Run:
         outcome = readback()
         if outcome:
           break
+        # The saved parameters' finiteness, from the step's param_norm where it was read back
+        # (not after DiLoCo's outer step, which moves them); else each save computes it.
+        finite = None if decision.outer else readback.params_finite(step)
         if decision.preempted:
-          ok = save(step, state, train_iter, blocking=True)
+          ok = save(step, state, train_iter, blocking=True, finite=finite)
           outcome = ("preempted", f"{decision.preempted}: stopped after step {step}; " + (
               f"checkpoint saved to {self.checkpointer.directory}/{step}" if ok else
               "the checkpoint could not be written"))
           break
-        if decision.save and not save(step, state, train_iter, blocking=decision.final):
+        if decision.save and not save(step, state, train_iter, blocking=decision.final,
+                                      finite=finite):
           if decision.final or stops():
             outcome = save.nonfinite or ("storage", f"stopped at step {step}: checkpoint "
                                          "storage failed" if not decision.final else
@@ -329,7 +333,7 @@ class Run:
                                          "written")
             break
         if decision.local_save:
-          save.to_local(step, state, train_iter)
+          save.to_local(step, state, train_iter, finite=finite)
         if decision.evaluate:
           t = time.perf_counter()
           with timer.paused():

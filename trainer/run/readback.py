@@ -72,6 +72,7 @@ class Readback:
     self.observed = start  # the last step whose row the autopilot saw
     self.last_metrics: dict = {}
     self.stop_reason: str | None = None
+    self._norm: tuple[int, float] | None = None  # (step, param_norm) of the last row with one
 
   def evaluated(self, step: int, row: dict) -> None:
     """An evaluation's row: written, and shown to `stop_when`."""
@@ -88,6 +89,8 @@ class Readback:
     non-finite / spike policies. Returns (status, message) when the run must stop."""
     cfg = self.cfg
     for step, host, log in self.window.read(upto):
+      if "param_norm" in host:
+        self._norm = step, host["param_norm"]
       if log:
         batch = self.ramp.batch_at(step - 1)
         if not self.ramp.is_constant or self.autopilot is not None:
@@ -116,6 +119,15 @@ class Readback:
                              f"applying it; {newest}")
       self.writer.log(f"{kind} at step {step} (loss={host['loss']}): update skipped")
     return None
+
+  def params_finite(self, step: int) -> bool | None:
+    """Whether the parameters after `step` are finite, where its row was read back with their
+    norm (a log step, `trainer.norm_metrics`): the norm is finite exactly when every parameter
+    is, short of squares past float32's range (~1e19, where the save is refused too). None where
+    not known: a save then computes it (`trainer.checkpoint.integrity.finite_guard`)."""
+    if self._norm is None or self._norm[0] != step:
+      return None
+    return bool(np.isfinite(self._norm[1]))
 
   def _measured_since(self, step: int) -> bool:
     """Whether the meter measured since the last row the autopilot saw (so it never counts one
