@@ -11,7 +11,7 @@ import pytest
 
 from conftest import losses, tiny_config, tiny_config_file, write_sweep_config
 from experiments import (autopilot_vs_fixed, common, large_batch_optimizers, muon_critical_batch,
-                         schedules, seesaw)
+                         schedules, seesaw, timescale)
 
 
 def _record():
@@ -285,3 +285,50 @@ def test_divergence_is_flagged():
   assert is_diverged([3.5, float("nan"), 2.6], 512)
   assert is_diverged([3.5, 2e5, 6.24], 512)  # blew up, then stuck at ln 512 = 6.238
   assert is_diverged([6.2383, 6.2383], 512) and is_diverged([], 512)
+
+
+def test_timescale_optimum_and_exponent():
+  """Power Lines' tau from a batch's weight-decay sweep: the parabola's vertex in log lambda
+  where the best is inside the grid, the edge (not resolved) where it is not; lambda_opt's
+  exponent in B over the resolved batches only."""
+  def runs(batch, lr, losses):
+    return [{"weight_decay": wd, "final_eval_loss": y, "learning_rate": lr}
+            for wd, y in zip((0.1, 1.0, 10.0), losses)]
+  inside = timescale.optimum(runs(8, 2e-3, [3.0, 2.0, 3.0]), 8, 4096)
+  assert inside["inside"] and inside["wd_opt"] == pytest.approx(1.0)
+  assert inside["tau_opt"] == pytest.approx(8 / (2e-3 * 1.0 * 4096))
+  skew = timescale.optimum(runs(32, 4e-3, [3.0, 2.0, 2.5]), 32, 4096)
+  assert 1.0 < skew["wd_opt"] < 10.0  # pulled towards the lower neighbour
+  edge = timescale.optimum(runs(128, 8e-3, [3.0, 2.5, 2.0]), 128, 4096)
+  assert not edge["inside"] and edge["wd_opt"] == 10.0
+  fit = timescale.exponent([inside, {**inside, "batch_size": 32, "wd_opt": 2.0}, edge])
+  assert fit["batches_inside"] == 2 and fit["wd_exponent"] == pytest.approx(0.5)
+  assert math.isnan(timescale.exponent([inside, edge])["wd_exponent"])
+  assert timescale.main(["--wd_grid", "0.1,1"]) == 2  # no neighbour on both sides: one line
+
+
+@pytest.mark.slow  # six trainings, ~1 min on 2 shared cores (the kind: test_large_batch_optimizers_end_to_end)
+def test_timescale_end_to_end(tmp_path, data_dir):
+  """The command with a tiny config over 2 seeds: a run per (batch, lambda) at the sqrt rule's
+  rate with lambda as given, a row per batch with its optimum and one with the exponent; the
+  spread over the seeds; the figure."""
+  config = tiny_config_file(tmp_path)
+  out = tmp_path / "out" / "tau"
+  code = timescale.main([
+      "--config", str(config), "--batch_sizes", "8,16", "--wd_grid", "0.1,1,10",
+      "--examples", "64", "--evals", "2", "--eval_sequences", "8", "--seeds", "2",
+      "--out", str(out), "--workdir", str(tmp_path / "runs")])
+  assert code == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  seed0 = [r for r in rows if r["seed"] == "0"]
+  assert [(r["kind"], r["batch_size"], r["weight_decay"]) for r in seed0[:6]] == [
+      ("run", str(b), str(wd)) for b in (8, 16) for wd in (0.1, 1.0, 10.0)]
+  lr = {r["batch_size"]: float(r["learning_rate"]) for r in seed0[:6]}
+  assert lr["16"] == pytest.approx(2 ** 0.5 * lr["8"])
+  assert [r["kind"] for r in seed0[6:]] == ["optimum", "optimum", "fit"]
+  for r in seed0[6:8]:
+    assert float(r["tau_opt"]) == pytest.approx(
+        int(r["batch_size"]) / (float(r["learning_rate"]) * float(r["wd_opt"]) * 64))
+  summary = list(csv.DictReader(open(f"{out}_seeds.csv")))
+  assert sum(r["kind"] == "optimum" for r in summary) == 2
+  assert os.path.getsize(f"{out}.png") > 10_000

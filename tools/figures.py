@@ -11,9 +11,10 @@ NO_PLOT = " (no plot: pip install -e '.[tools]')"
 
 
 def write_csv(path: str, rows: list[dict], fields: list[str] | None = None) -> None:
-  """One row per dict; the columns are `fields`, or the first row's keys."""
+  """One row per dict; the columns are `fields`, or every row's keys in the order first seen
+  (a row without one leaves its cell empty)."""
   with open(path, "w", newline="") as f:
-    w = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
+    w = csv.DictWriter(f, fieldnames=fields or list(dict.fromkeys(k for r in rows for k in r)))
     w.writeheader()
     w.writerows(rows)
 

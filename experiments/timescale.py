@@ -1,0 +1,154 @@
+"""Power Lines' timescale (Bergsma et al. 2025, arXiv 2505.13738): is tau = B / (eta lambda D)
+what stays optimal across batch sizes? AdamW's weight decay lambda swept at each batch.
+
+    python -m experiments.timescale [--batch_sizes 8,32,128] [--wd_grid 0.1,0.3,1,3,10,30] \\
+        [--examples 4096] [--seeds 3] [--out docs/timescale]
+
+configs/sweep_tiny.py's AdamW, its rate moved by the sqrt rule, a warmup over 1/16 of
+`--examples` sequences then a linear decay to zero (as Power Lines trains); at every batch a run
+per lambda of `--wd_grid`, scored by its final eval loss. Per batch lambda_opt (the grid's best,
+refined by a parabola in log lambda, `scaling_cells.vertex`; an edge is not resolved) and tau_opt
+= B / (eta lambda_opt D) (B, D in sequences). Power Lines: tau_opt is the same at every batch, so
+lambda_opt grows as B / eta (B^0.5 under the sqrt rule: `optim.weight_decay_rule=timescale`); a
+flat lambda_opt says the constant rule. OUT.csv: a row per run, per batch (its optimum), and the
+exponent of lambda_opt in B over the resolved batches; OUT.png. Results: docs/scaling_lab.md
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+
+from experiments import common, scaling_cells
+from tools import figures
+
+
+def build_parser():
+  p = common.parser("timescale", __doc__)
+  p.add_argument("--batch_sizes", type=common.ints, default="8,32,128")
+  p.add_argument("--wd_grid", type=common.floats, default="0.1,0.3,1,3,10,30",
+                 help="AdamW weight decays lambda (decoupled: each step multiplies the "
+                      "parameters by 1 - lr lambda), the same at every batch")
+  p.add_argument("--examples", type=int, default=4096, help="training sequences D per run")
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--evals", type=int, default=4, help="evaluations per run")
+  p.add_argument("--eval_sequences", type=int, default=256)
+  return p
+
+
+def parse(argv):
+  p = build_parser()
+  args, overrides = p.parse(argv)
+  args.wd_grid = sorted(set(args.wd_grid))
+  if len(args.wd_grid) < 3 or args.wd_grid[0] <= 0:
+    p.error(f"--wd_grid {','.join(f'{x:g}' for x in args.wd_grid)}: needs at least 3 positive "
+            "values (an optimum inside the grid has a neighbour on each side), e.g. 0.1,1,10")
+  return args, overrides
+
+
+def run_config(base, args, batch: int, weight_decay: float):
+  """`base` at `batch` for `--examples` sequences with weight decay `weight_decay`; its rate is
+  stated at its reference batch (its own batch where it names none) and moved by the sqrt rule."""
+  reference = base.optim.reference_batch_size or base.data.global_batch_size
+  cfg = common.at_budget(base, batch, args.examples, micro=args.micro_batch_size,
+                         evals=args.evals, eval_sequences=args.eval_sequences)
+  cfg.optim.update(name="adamw", weight_decay=weight_decay, weight_decay_rule="constant",
+                   lr_rule="sqrt", reference_batch_size=reference, schedule="linear", schedule_unit="examples", min_lr_ratio=0.0,
+                   warmup_steps=0, warmup_tokens=0, decay_steps=0, decay_tokens=0,
+                   warmup_examples=args.examples // 16, decay_examples=args.examples)
+  return cfg
+
+
+def optimum(runs: list[dict], batch: int, examples: int) -> dict:
+  """The optimum of one batch's runs (their `weight_decay`, `final_eval_loss`, `learning_rate`):
+  lambda_opt, tau_opt = B / (eta lambda_opt D), and whether it is inside the grid."""
+  runs = sorted((r for r in runs if math.isfinite(r["final_eval_loss"])),
+                key=lambda r: r["weight_decay"])
+  wd = [r["weight_decay"] for r in runs]
+  loss = [r["final_eval_loss"] for r in runs]
+  i = int(np.argmin(loss))
+  best = scaling_cells.vertex(wd, loss, i)
+  eta = runs[i]["learning_rate"]
+  return {"kind": "optimum", "batch_size": batch, "learning_rate": eta, "wd_opt": best,
+          "tau_opt": batch / (eta * best * examples), "inside": 0 < i < len(runs) - 1,
+          "final_eval_loss": loss[i]}
+
+
+def exponent(optima: list[dict]) -> dict:
+  """lambda_opt ~ B^e over the batches whose optimum is inside the grid (NaN with fewer than 2):
+  Power Lines under the sqrt rule says e = 0.5, the constant rule e = 0."""
+  inside = [o for o in optima if o["inside"]]
+  e = math.nan
+  if len(inside) >= 2:
+    e = float(np.polyfit(np.log([o["batch_size"] for o in inside]),
+                         np.log([o["wd_opt"] for o in inside]), 1)[0])
+  return {"kind": "fit", "wd_exponent": e, "batches_inside": len(inside)}
+
+
+def experiment(args, cfg) -> list[dict]:
+  from optim import derive  # noqa: PLC0415  start-up
+  runs = []
+  for batch in args.batch_sizes:
+    for wd in args.wd_grid:
+      c = run_config(cfg, args, batch, wd)
+      t = common.train(c, os.path.join(args.workdir, f"b{batch}_wd{wd:g}"))
+      finite = [y for _, y in common.eval_curve(t.rows, t.ramp) if math.isfinite(y)]
+      runs.append({"kind": "run", "batch_size": batch, "weight_decay": wd,
+                   "learning_rate": derive(c.optim, batch).learning_rate, "steps": t.steps_run,
+                   "final_eval_loss": finite[-1] if finite else math.nan, "seconds": t.seconds})
+      print(f"[timescale] batch {batch:4d} lambda {wd:<5g}: lr {runs[-1]['learning_rate']:.3g}, "
+            f"final eval {runs[-1]['final_eval_loss']:.4f}; {t.seconds:.0f}s", flush=True)
+  optima = [optimum([r for r in runs if r["batch_size"] == b], b, args.examples)
+            for b in args.batch_sizes]
+  rows = runs + optima + [exponent(optima)]
+  common.write(args, rows)
+  print(common.table(optima, COLUMNS, "timescale"))
+  print(f"[timescale] lambda_opt ~ B^{rows[-1]['wd_exponent']:.2f} over "
+        f"{rows[-1]['batches_inside']} batch(es) with the optimum inside the grid (Power Lines, "
+        "sqrt rule: 0.5; constant weight decay: 0)")
+  plotted = plot(args.out + ".png", runs, optima, args)
+  print(f"[timescale] wrote {args.out}.csv" + (f", {args.out}.png" if plotted else figures.NO_PLOT))
+  return rows
+
+
+COLUMNS = [("batch_size", "batch", "d"), ("learning_rate", "lr", ".3g"),
+           ("wd_opt", "lambda_opt", ".3g"), ("inside", "inside", ""), ("tau_opt", "tau_opt", ".3g"),
+           ("final_eval_loss", "best eval loss", ".4f")]
+
+
+def plot(path: str, runs: list[dict], optima: list[dict], args) -> bool:
+  """Final loss against lambda per batch (the optimum marked), and against tau = B / (eta lambda
+  D): Power Lines' claim is that the second panel's minima line up."""
+  plt = figures.pyplot()
+  if plt is None:
+    return False
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.3))
+  for i, b in enumerate(args.batch_sizes):
+    mine = sorted((r for r in runs if r["batch_size"] == b), key=lambda r: r["weight_decay"])
+    o = next(x for x in optima if x["batch_size"] == b)
+    tau = [b / (r["learning_rate"] * r["weight_decay"] * args.examples) for r in mine]
+    for ax, xs, best in ((axes[0], [r["weight_decay"] for r in mine], o["wd_opt"]),
+                         (axes[1], tau, o["tau_opt"])):
+      ax.plot(xs, [r["final_eval_loss"] for r in mine], "o-", c=f"C{i}",
+              label=f"batch {b} (lr {o['learning_rate']:.2g})")
+      ax.axvline(best, c=f"C{i}", ls=":" if o["inside"] else "--", lw=1)
+  axes[0].set(xscale="log", xlabel="weight decay lambda", ylabel="final eval loss",
+              title="dotted: lambda_opt (dashed: at the grid's edge)")
+  axes[1].set(xscale="log", xlabel="tau = B / (lr lambda D)", ylabel="final eval loss",
+              title="Power Lines: the minima at one tau")
+  for ax in axes:
+    ax.legend(fontsize=8)
+  figures.save(fig, path, f"AdamW's timescale across batches, {args.examples:,} sequences")
+  return True
+
+
+def main(argv: list[str]) -> int:
+  return common.main("timescale", parse, experiment, argv, keys=("kind", "batch_size",
+                                                                 "weight_decay"),
+                     metrics=("final_eval_loss", "wd_opt", "tau_opt", "wd_exponent"))
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
