@@ -11,8 +11,8 @@ noise is visible in the min/max columns. The integrity comparison alternates sav
 save by save in one process, so all see the same machine, each after a log step, in two kinds:
 a save takes the parameters' finiteness from the step's param_norm as read back (what a run's
 saves do with the default `log_every` and `checkpoint.every_steps`), or computes it (what a save
-does where its step has no norms: `trainer.norm_metrics=never`, a time-based local save). The checksums' own cost is
-timed where they are taken (Orbax's finalize step, in the background), and a restore's check.
+does where its step has no norms: `trainer.norm_metrics=never`, a local save between log steps).
+The checksums' cost is timed where taken (Orbax's finalize, in the background), and a restore's.
 """
 from __future__ import annotations
 

@@ -126,6 +126,15 @@ def parse_targets(p, args) -> None:
   args.target_loss = args.targets[-1]
 
 
+def add_budget_args(p, *, evals: int, eval_sequences: int, evals_help: str = "evaluations per run"
+                    ) -> None:
+  """The flags of an experiment whose runs train a fixed budget (`at_budget`): micro-batch,
+  how often and on how many validation sequences a run is evaluated."""
+  p.add_argument("--micro_batch_size", type=int, default=8)
+  p.add_argument("--evals", type=int, default=evals, help=evals_help)
+  p.add_argument("--eval_sequences", type=int, default=eval_sequences, help="validation sequences")
+
+
 def add_to_target_args(p, max_examples: int) -> None:
   """The flags of an experiment whose runs train to a target loss (`target_stop`, `to_target`):
   micro-batch, the give-up budget, evaluation interval and size, and the smoothing window."""

@@ -30,9 +30,8 @@ def build_parser():
   p.add_argument("--replicas", type=common.ints, default="1,2,4", help="DiLoCo's M values")
   p.add_argument("--inner_steps", type=common.ints, default="1,8,32", help="DiLoCo's H values")
   p.add_argument("--examples", type=int, default=8192, help="training sequences per run")
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--evals", type=int, default=4, help="evaluations per run (at least)")
-  p.add_argument("--eval_sequences", type=int, default=128)
+  common.add_budget_args(p, evals=4, eval_sequences=128,
+                         evals_help="evaluations per run (at least)")
   p.add_argument("--devices", type=int, default=4,
                  help="CPU host devices to run on (DiLoCo's M must divide them)")
   return p

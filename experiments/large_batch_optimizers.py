@@ -39,9 +39,7 @@ def build_parser():
                       "them)")
   p.add_argument("--examples", type=int, default=32768, help="training sequences per run")
   p.add_argument("--optimizers", default="adamw,lamb,lars,muon")
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--evals", type=int, default=16)
-  p.add_argument("--eval_sequences", type=int, default=128)
+  common.add_budget_args(p, evals=16, eval_sequences=128)
   return p
 
 

@@ -31,9 +31,7 @@ def build_parser():
   p.add_argument("--examples", type=int, default=16384, help="training sequences per run")
   p.add_argument("--lr", type=float, default=0.15, help="SGD rate at the smallest batch")
   p.add_argument("--warmup_fraction", type=float, default=1 / 16)
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--evals", type=int, default=8, help="evaluations per run")
-  p.add_argument("--eval_sequences", type=int, default=128)
+  common.add_budget_args(p, evals=8, eval_sequences=128)
   return p
 
 

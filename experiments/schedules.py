@@ -32,9 +32,7 @@ def build_parser():
                  help="WSD runs end at these fractions of T (each decays over the last "
                       "decay_fraction x T)")
   p.add_argument("--decay_fraction", type=float, default=0.2)
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--evals", type=int, default=32, help="evaluations over T")
-  p.add_argument("--eval_sequences", type=int, default=256)
+  common.add_budget_args(p, evals=32, eval_sequences=256, evals_help="evaluations over T")
   return p
 
 

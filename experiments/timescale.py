@@ -32,9 +32,7 @@ def build_parser():
                  help="AdamW weight decays lambda (decoupled: each step multiplies the "
                       "parameters by 1 - lr lambda), the same at every batch")
   p.add_argument("--examples", type=int, default=4096, help="training sequences D per run")
-  p.add_argument("--micro_batch_size", type=int, default=8)
-  p.add_argument("--evals", type=int, default=4, help="evaluations per run")
-  p.add_argument("--eval_sequences", type=int, default=256)
+  common.add_budget_args(p, evals=4, eval_sequences=256)
   return p
 
 
@@ -55,7 +53,8 @@ def run_config(base, args, batch: int, weight_decay: float):
   cfg = common.at_budget(base, batch, args.examples, micro=args.micro_batch_size,
                          evals=args.evals, eval_sequences=args.eval_sequences)
   cfg.optim.update(name="adamw", weight_decay=weight_decay, weight_decay_rule="constant",
-                   lr_rule="sqrt", reference_batch_size=reference, schedule="linear", schedule_unit="examples", min_lr_ratio=0.0,
+                   lr_rule="sqrt", reference_batch_size=reference, schedule="linear",
+                   schedule_unit="examples", min_lr_ratio=0.0,
                    warmup_steps=0, warmup_tokens=0, decay_steps=0, decay_tokens=0,
                    warmup_examples=args.examples // 16, decay_examples=args.examples)
   return cfg

@@ -307,7 +307,7 @@ def test_timescale_optimum_and_exponent():
   assert timescale.main(["--wd_grid", "0.1,1"]) == 2  # no neighbour on both sides: one line
 
 
-@pytest.mark.slow  # six trainings, ~1 min on 2 shared cores (the kind: test_large_batch_optimizers_end_to_end)
+@pytest.mark.slow  # 12 trainings, ~1.5 min (its kind in the default run: large_batch_optimizers')
 def test_timescale_end_to_end(tmp_path, data_dir):
   """The command with a tiny config over 2 seeds: a run per (batch, lambda) at the sqrt rule's
   rate with lambda as given, a row per batch with its optimum and one with the exponent; the
