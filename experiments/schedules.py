@@ -143,6 +143,9 @@ def experiment(args, cfg) -> list[dict]:
     t.rows = [r for r in t_stable.rows if r.get("step", 0) <= stop and "event" not in r] + \
         [r for r in t.rows if r.get("step", 0) > stop]
     record(f"wsd to {end * batch * seq / 1e6:.2f}M tokens", t, "wsd", end, stop)
+  cosine = next(r["final_eval_loss"] for r in rows if r["run"] == "cosine")
+  for r in rows:  # against the same seed's cosine: what a spread over seeds compares
+    r["loss_minus_cosine"] = r["final_eval_loss"] - cosine
   common.write(args, rows)
   print(common.table(rows, COLUMNS, "schedules"))
   plotted = plot(args.out + ".png", rows, curves, t_stable, seq)
@@ -200,7 +203,7 @@ def plot(path: str, rows: list[dict], curves: dict, t_stable, seq: int) -> bool:
 
 def main(argv: list[str]) -> int:
   return common.main("schedules", parse, experiment, argv, keys=("run",),
-                     metrics=("final_eval_loss",))
+                     metrics=("final_eval_loss", "loss_minus_cosine"))
 
 
 if __name__ == "__main__":
