@@ -332,3 +332,22 @@ def test_timescale_end_to_end(tmp_path, data_dir):
   summary = list(csv.DictReader(open(f"{out}_seeds.csv")))
   assert sum(r["kind"] == "optimum" for r in summary) == 2
   assert os.path.getsize(f"{out}.png") > 10_000
+
+
+@pytest.mark.slow  # 7 trainings, ~30 s (its kind in the default run: large_batch_optimizers')
+def test_schedules_end_to_end(tmp_path, data_dir):
+  """The command with a tiny config: cosine, power and two WSD branches from one stable run,
+  each row with its loss against the same run's cosine; the figure."""
+  config = write_sweep_config(tmp_path)
+  out = tmp_path / "out" / "sched"
+  code = schedules.main([
+      "--config", str(config), "--examples", "128", "--branches", "0.5,1", "--evals", "4", "--eval_sequences", "8", "--out", str(out),
+      "--workdir", str(tmp_path / "runs")])
+  assert code == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  assert [r["schedule"] for r in rows] == ["cosine", "power", "wsd", "wsd"]
+  assert [int(r["end_step"]) for r in rows] == [8, 8, 4, 8]
+  for r in rows:
+    assert float(r["loss_minus_cosine"]) == pytest.approx(
+        float(r["final_eval_loss"]) - float(rows[0]["final_eval_loss"]))
+  assert os.path.getsize(f"{out}.png") > 10_000
