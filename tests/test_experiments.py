@@ -307,7 +307,7 @@ def test_timescale_optimum_and_exponent():
   assert timescale.main(["--wd_grid", "0.1,1"]) == 2  # no neighbour on both sides: one line
 
 
-@pytest.mark.slow  # 12 trainings, ~1.5 min (its kind in the default run: large_batch_optimizers')
+@pytest.mark.slow  # 12 trainings, ~1.5 min (the default run has test_an_experiment_over_seeds)
 def test_timescale_end_to_end(tmp_path, data_dir):
   """The command with a tiny config over 2 seeds: a run per (batch, lambda) at the sqrt rule's
   rate with lambda as given, a row per batch with its optimum and one with the exponent; the
@@ -334,14 +334,15 @@ def test_timescale_end_to_end(tmp_path, data_dir):
   assert os.path.getsize(f"{out}.png") > 10_000
 
 
-@pytest.mark.slow  # 7 trainings, ~30 s (its kind in the default run: large_batch_optimizers')
+@pytest.mark.slow  # 7 trainings, ~30 s (the default run has test_an_experiment_over_seeds)
 def test_schedules_end_to_end(tmp_path, data_dir):
   """The command with a tiny config: cosine, power and two WSD branches from one stable run,
   each row with its loss against the same run's cosine; the figure."""
   config = write_sweep_config(tmp_path)
   out = tmp_path / "out" / "sched"
   code = schedules.main([
-      "--config", str(config), "--examples", "128", "--branches", "0.5,1", "--evals", "4", "--eval_sequences", "8", "--out", str(out),
+      "--config", str(config), "--examples", "128", "--branches", "0.5,1", "--evals", "4",
+      "--eval_sequences", "8", "--out", str(out),
       "--workdir", str(tmp_path / "runs")])
   assert code == 0
   rows = list(csv.DictReader(open(f"{out}.csv")))
