@@ -73,6 +73,9 @@ def experiment(args, cfg) -> list[dict]:
                "examples": t.ramp.examples_before(t.steps_run),
                "final_eval_loss": finite[-1][1] if finite else math.nan,
                "diverged": diverged, "seconds": t.seconds}
+        # over seeds: the loss of the runs that trained, and the fraction that diverged
+        row.update(trained_loss=math.nan if diverged else row["final_eval_loss"],
+                   diverged_fraction=float(diverged))
         done[key] = row
       rows.append(row)
       print(f"[linear] {name:18s} batch {batch:4d}: lr {row['learning_rate']:.3g}, final eval "
@@ -136,7 +139,7 @@ def plot(path: str, rows: list[dict], args) -> bool:
 
 def main(argv: list[str]) -> int:
   return common.main("linear", parse, experiment, argv, keys=("arm", "batch_size"),
-                     metrics=("final_eval_loss",))
+                     metrics=("trained_loss", "diverged_fraction", "final_eval_loss"))
 
 
 if __name__ == "__main__":
