@@ -145,7 +145,7 @@ class _AfterFinite:
 
 
 # One thread that dispatches an async save's finiteness reduction while the save's blocking part
-# runs (the CPU backend executes a dispatch of this size inline: ~1.4 ms of 36 MB on 2 cores).
+# runs (on the CPU backend the call can take about as long as the reduction itself).
 _BESIDE = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="finite-check")
 
 
