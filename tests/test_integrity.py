@@ -106,7 +106,9 @@ def test_a_state_with_nan_is_never_saved(tmp_path):
   ckpt.close()
 
 
-@pytest.mark.parametrize("flag", ["read_back", "computed"])
+# computed: the save's own reduction in a run (slow; the default run keeps its mechanism in
+# test_a_state_with_nan_is_never_saved and the run path in read_back)
+@pytest.mark.parametrize("flag", ["read_back", pytest.param("computed", marks=pytest.mark.slow)])
 def test_a_run_whose_state_turns_non_finite_stops_without_saving_it(tmp_path, monkeypatch,
                                                                      capsys, flag):
   """The parameters after step 4 are NaN (as a parameter overflowed to inf or a flipped bit in
