@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import gc
 import os
 import re
 import sys
@@ -69,6 +70,20 @@ def modules(root: str = ROOT) -> dict[str, str]:
   return out
 
 
+def parse(text: str, path: str) -> ast.Module:
+  """`ast.parse` with the garbage collector paused: on Python 3.11 a finalizer that runs during
+  the parse and formats a traceback (an asyncio task whose exception nobody read: 3.11's
+  traceback module parses the failing line) breaks the outer parse with "SystemError: AST
+  constructor recursion depth mismatch"."""
+  was = gc.isenabled()
+  gc.disable()
+  try:
+    return ast.parse(text, path)
+  finally:
+    if was:
+      gc.enable()
+
+
 def _resolve(name: str, known: dict[str, str]) -> str | None:
   while name and name not in known:
     name = name.rpartition(".")[0]
@@ -82,7 +97,7 @@ def imports(root: str = ROOT) -> list[Import]:
   for module, path in known.items():
     with open(os.path.join(root, path)) as f:
       lines = f.read().splitlines()
-    tree = ast.parse("\n".join(lines), path)
+    tree = parse("\n".join(lines), path)
 
     def visit(node, in_function: bool):
       for child in ast.iter_child_nodes(node):
@@ -263,7 +278,7 @@ def code_lines(path: str) -> tuple[int, int]:
     text = f.read()
   lines = text.splitlines()
   doc = set()
-  for node in ast.walk(ast.parse(text)):
+  for node in ast.walk(parse(text, path)):
     if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
         and node.body and isinstance(node.body[0], ast.Expr) \
         and isinstance(node.body[0].value, ast.Constant) \
