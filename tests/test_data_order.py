@@ -108,6 +108,7 @@ def test_the_data_order_tool_prints_documents_per_step_against_independent_draws
   assert capsys.readouterr().err.strip().endswith("(python -m tools.data_order --help)")
 
 
+@pytest.mark.slow  # resume refusals: the default run keeps test_run_policies' mismatched config
 def test_resume_on_other_data_is_refused_or_said(tmp_path, data_dir):
   """A checkpoint of the byte-level corpus resumed on data of another tokenizer: refused in one
   line (exit 2) naming both, the checkpoint untouched. Resumed with another seed: it goes on

@@ -357,6 +357,7 @@ def _killed_at(workdir, step: int) -> None:
   assert Checkpointer(str(workdir / "checkpoints"), keep=3).latest_step() == step
 
 
+@pytest.mark.slow  # the default run keeps DiLoCo's restore onto another mesh (below)
 def test_resume_is_bit_for_bit_between_and_at_outer_steps(tmp_path):
   """A straight 6-step run (outer steps after 2, 4 and 6) against one killed after step 3
   (between outer steps), resumed and killed after step 4 (right after one), and resumed to the

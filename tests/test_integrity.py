@@ -171,6 +171,7 @@ def test_checksums_name_the_file_and_skip_items_written_without_them(tmp_path):
 # --- a local step belongs to its run -----------------------------------------------------------
 
 
+@pytest.mark.slow  # the default run keeps the run identity test below
 def test_a_local_dir_shared_by_two_runs_restores_each_only_its_own(tmp_path, capsys):
   """The issue's reproduction: run A leaves local steps; a fresh run B (another seed and rate)
   pointed at the same local_dir must not resume from them (one line names A's steps, B starts

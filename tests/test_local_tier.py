@@ -79,6 +79,7 @@ def straight(tmp_path_factory):
 # --- the local tier under SIGKILL ------------------------------------------------------------
 
 
+@pytest.mark.slow  # the default run keeps test_reliability's kill during an async save
 def test_sigkill_during_a_local_save_resumes_from_the_previous_local_step(straight, tmp_path):
   """Kill while a local save is being written: the interrupted step does not count, its
   temporary directory is gone after the restart, and the run resumes from the local tier."""

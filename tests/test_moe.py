@@ -227,6 +227,7 @@ E2E = {"steps": 4, "log_every": 1, "eval_every": 0, "checkpoint.every_steps": 2,
        "model.moe.every": 2, "model.moe.shared_expert": 16}
 
 
+@pytest.mark.slow  # the default run keeps MoE in pipeline stages and tests/test_train_e2e.py
 def test_train_py_moe_tiny_and_resume(tmp_path):
   """train.py runs configs/moe_tiny.py and logs the router metrics; a run resumed from its
   step-2 checkpoint continues the uninterrupted one bit for bit."""

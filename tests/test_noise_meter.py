@@ -54,9 +54,9 @@ def check(workdir, points):
 
 
 def test_the_logged_meter_reads_the_parameters_it_is_at(tmp_path):
-  """sweep_tiny as shipped (batch 16 in 2 micro-batches of 8), steps 100, 200 and 300."""
-  train(tmp_path, "--config.steps=300")
-  check(tmp_path, [100, 200, 300])
+  """sweep_tiny as shipped (batch 16 in 2 micro-batches of 8), steps 100 and 200."""
+  train(tmp_path, "--config.steps=200")
+  check(tmp_path, [100, 200])
 
 
 @pytest.mark.slow

@@ -70,9 +70,9 @@ def test_one_device_checkpoint_resumes_with_stages(straight, tmp_path):
   assert os.path.isdir(tmp_path / "checkpoints" / "8")
 
 
-@pytest.mark.parametrize("name,mesh", [
-    ("zero_bubble", ["--config.mesh.stage=4", "--config.mesh.data=2",
-                     "--config.pipeline.repeats=1"]),
+@pytest.mark.parametrize("name,mesh", [  # the default run keeps the resume on one device above
+    pytest.param("zero_bubble", ["--config.mesh.stage=4", "--config.mesh.data=2",
+                                 "--config.pipeline.repeats=1"], marks=pytest.mark.slow),
     pytest.param("1f1b", STAGES, marks=pytest.mark.slow)])
 def test_checkpoint_continues_on_another_schedule_and_stage_count(straight, killed, tmp_path,
                                                                   name, mesh):

@@ -101,6 +101,7 @@ def test_each_stage_uses_its_batch_and_hyperparameters(straight):
   assert events[1]["hparams/learning_rate"] == pytest.approx(peak24)
 
 
+@pytest.mark.slow  # the default run keeps test_seesaw's resume across a doubling
 def test_resume_across_a_stage_boundary_is_exact(straight, tmp_path):
   """Stop after step 5 (the next step starts stage 2), restart: losses, noise scale and the EMA's
   evaluation are identical to the run that never stopped."""
