@@ -7,11 +7,11 @@ compiled program (and its schedule table) and the step time of tools.aot's roofl
         --config.data.micro_batch_size=16 --jobs 4 --csv docs/pipeline.csv --png docs/pipeline.png
 
 No TPU is needed (compile only, as `tools.aot`). One row per program (schedule, repeats R, M):
-the ticks counted in it, the bubble against (S - 1) / (M R + S - 1), the stash, the temporaries
-and memory per chip, the roofline's step time and time per micro-batch and the bytes between
-stages; the same batches without stages give the reference. gpipe runs R = 1, circular the R > 1
-of `--repeats`, 1f1b and zero_bubble every R. A config that does not fit is a row with `fits`
-False; `--jobs N` compiles N programs at once.
+the ticks counted in it, the bubble against (S - 1) / (M R + S - 1), the stash, the memory per
+chip, the roofline's step time and the bytes between stages; the same batches without stages
+give the reference. gpipe runs R = 1, circular the R > 1 of `--repeats`, 1f1b, 1f1b_residuals
+(1f1b with pipeline.remat_stage=False) and zero_bubble every R. A config that does not fit is a
+row with `fits` False; `--jobs N` compiles N programs at once.
 Why and details: docs/pipeline.md#the-bubble-and-the-memory-against-the-batch-size
 """
 from __future__ import annotations
@@ -36,7 +36,8 @@ from trainer.tracking.peaks import GiB  # noqa: E402
 FIELDS = ["schedule", "repeats", "micro", "global_batch", "fits", "ticks", "idle", "bubble",
           "bubble_formula", "stash", "step_ms", "ms_per_micro", "temp_gib", "memory_gib",
           "stage_mb"]
-SCHEDULES = ("gpipe", "circular", "1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "circular", "1f1b", "1f1b_residuals", "zero_bubble")
+KEEPS_RESIDUALS = "1f1b_residuals"  # 1f1b with pipeline.remat_stage=False: F's VJP residuals kept
 
 
 def row(cfg, topology: str, name: str, stages: int, schedule: str, repeats: int,
@@ -46,10 +47,11 @@ def row(cfg, topology: str, name: str, stages: int, schedule: str, repeats: int,
   target = aot.config_target(cfg, topology)
   cfg = cfg.copy_and_resolve_references()
   cfg.mesh.stage = stages
-  cfg.pipeline.schedule = schedule
+  cfg.pipeline.schedule = "1f1b" if schedule == KEEPS_RESIDUALS else schedule
+  cfg.pipeline.remat_stage = schedule != KEEPS_RESIDUALS
   cfg.pipeline.repeats = repeats
   cfg.data.global_batch_size = micro * cfg.data.micro_batch_size
-  out = {"schedule": "none" if stages == 1 else cfg.pipeline.schedule, "repeats": repeats,
+  out = {"schedule": "none" if stages == 1 else schedule, "repeats": repeats,
          "micro": micro, "global_batch": cfg.data.global_batch_size,
          "bubble_formula": (stages - 1) / (micro * repeats + stages - 1)}
   try:
@@ -74,7 +76,7 @@ def row(cfg, topology: str, name: str, stages: int, schedule: str, repeats: int,
 
 def label(schedule: str, repeats: int) -> str:
   name = {"none": "no stages", "gpipe": "GPipe", "circular": "circular", "1f1b": "1F1B",
-          "zero_bubble": "zero bubble"}[schedule]
+          KEEPS_RESIDUALS: "1F1B, residuals kept", "zero_bubble": "zero bubble"}[schedule]
   return name if repeats == 1 or schedule == "none" else f"{name} R={repeats}"
 
 

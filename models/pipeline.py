@@ -156,7 +156,7 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
   split = _split(stage, weights, x_like) if table.split else (None, None)
   fns = pipeline_vjp.StageFns(embed, lambda w, x, m: stage(w, x, m), head, *split)
   loss_sum, sums, d_blocks, grads = pipeline_vjp.run(table, fns, weights, rest, aux_ct,
-                                                     act_names=ACT)
+                                                     act_names=ACT, remat=pipe.remat_stage)
   grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), d_blocks)
   aux_value, moe_sums = aux_objective(sums)
   tokens = jnp.sum(mask.astype(jnp.float32))
@@ -168,16 +168,24 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
   part) and weight-gradient part on a micro-batch of `rows` x `seq` tokens, counted in their
   jaxprs (`sharding.schedule.dot_flops`; `params` may be abstract): the costs the schedule
   table's bubble weighs its slots with. W is 0 unless the schedule splits the backward."""
-  def traced(params, op):
+  def setup(params):
     model = nnx.merge(graphdef, params)
     ids = jnp.zeros((1, rows, seq), jnp.int32)
     stage, weights = _stage(model, pipe, {"positions": ids, "segment_ids": ids + 1})
     w = jax.tree.map(lambda a: a[0, 0], weights)
     x = jnp.zeros((rows, seq, model.cfg.d_model), DTYPES[model.cfg.dtype])
+    ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(stage, w, x, 0)[1])
+    return stage, weights, w, x, ct
+
+  def traced(params, op, residuals=None):
+    stage, weights, w, x, ct = setup(params)
     if op == "F":
       return stage(w, x, 0)
-    ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(stage, w, x, 0)[1])
-    if pipe.schedule != "zero_bubble":
+    if residuals is not None:  # B without remat: the pullback alone, F's residuals its inputs
+      keep = pipeline_vjp.Residuals(stage)
+      keep.f(w, x, 0)  # traced for the pullback's structure only (dead code in the count)
+      return keep.b(w, residuals, x, ct)[:2]
+    if pipe.schedule != "zero_bubble":  # the forward recomputed, then pulled back
       return jax.vjp(lambda w, x: stage(w, x, 0), w, x)[1]((x, ct))
     backward, weight = _split(stage, weights, jax.ShapeDtypeStruct(x.shape, x.dtype))
     if op == "B":
@@ -187,6 +195,10 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
 
   ops = ("F", "B", "W") if pipe.schedule == "zero_bubble" else ("F", "B")
   out = {op: dot_flops(jax.make_jaxpr(lambda p, op=op: traced(p, op))(params)) for op in ops}
+  if pipe.schedule != "zero_bubble" and not pipe.remat_stage:
+    residuals = jax.eval_shape(lambda p: (lambda stage, _, w, x, ct: pipeline_vjp.Residuals(
+        stage).f(w, x, 0)[2])(*setup(p)), params)
+    out["B"] = dot_flops(jax.make_jaxpr(lambda p, r: traced(p, "B", r))(params, residuals))
   return {"W": 0.0, **out}
 
 

@@ -201,6 +201,7 @@ class Count:
   runs: tuple = ()  # the distinct run counts of those collective-permutes
   table: Table | None = None  # explicit schedules: the table the loop runs
   weights: dict | None = None  # {"F", "B", "W"}: their FLOPs (models/pipeline.py `slot_flops`)
+  residuals: bool = False  # the stash holds F's VJP residuals (pipeline.remat_stage=False)
 
   @property
   def busy(self) -> int:
@@ -243,7 +244,8 @@ class Count:
               f"work (the schedule table, {t.ticks} ticks in runs of {lengths}, F:B"
               + (":W" if t.split else "") + f" weighted {ratio} by their FLOPs; the compiled "
               f"step's tick loops {'run' if self.loops_match else 'do NOT run'} those runs); "
-              f"stash per stage at most {held.max()} stage input(s)"
+              f"stash per stage at most {held.max()} "
+              + ("micro-batches' VJP residuals" if self.residuals else "stage input(s)")
               + (f" and {t.held('B', 'W').max()} weight-gradient stash(es)" if t.split else "")
               + f"; {between} run {'/'.join(map(str, self.runs))} times, stage-replicated "
               f"weights' gradients {size(self.other_bytes)})")
@@ -291,4 +293,5 @@ def count(pipe: Pipeline, micro: int, hlo_text: str, mesh, weights: dict | None 
   return Count(pipe.stages, micro, pipe.repeats, None if explicit else ticks,
                total_bytes(permutes), total_bytes(others), len(permutes),
                tuple(sorted({r for r in runs if r is not None})),
-               pipe.table(micro) if explicit else None, weights if explicit else None)
+               pipe.table(micro) if explicit else None, weights if explicit else None,
+               explicit and not pipe.remat_stage)

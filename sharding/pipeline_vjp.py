@@ -8,9 +8,9 @@ sharding/pipeline.py's loop):
   F  runs its layers on its input (stage 0's first repeat: the micro-batch's embedding; else
      what the previous stage sent), keeps the input in its stash slot and sends the output on;
      the last stage's last repeat scores it (the head) and starts its cotangent
-  B  recomputes its stage from the stashed input and pulls the output cotangent back (from the
-     head, or from the next stage) through it: the weight gradient is summed, the input's sent
-     back (stage 0's first repeat: through the embedding)
+  B  recomputes its stage from the stashed input (`pipeline.remat_stage=False`: takes F's VJP
+     residuals from the stash instead) and pulls the output cotangent back (from the head, or
+     the next stage) through it: the weight gradient is summed, the input's sent back
   W  (zero_bubble) the weight-gradient part B left in its W stash
 Why and details: docs/pipeline.md#the-explicit-schedules
 """
@@ -43,6 +43,32 @@ class StageFns:
   head: Callable
   backward: Callable | None = None
   weight: Callable | None = None
+
+
+class Residuals:
+  """F's VJP kept for B without recomputing (`pipeline.remat_stage=False`, 1f1b): the pullback's
+  leaves less the stage weights among them (B passes those in again, so no stash slot holds a
+  copy of the weights), and what puts the pullback back together (set when F is traced; every
+  trace of F gives the same)."""
+
+  def __init__(self, forward: Callable):
+    self.forward, self.treedef, self.where = forward, None, None
+
+  def f(self, w, x, micro):
+    """(y, aux, the residuals to stash) of the stage at weights `w` on input `x`."""
+    (y, aux), pull = jax.vjp(lambda w, x: self.forward(w, x, micro), w, x)
+    leaves, self.treedef = jax.tree.flatten(pull)
+    weights = jax.tree.leaves(w)
+    self.where = [next((i for i, a in enumerate(weights) if a is leaf), -1) for leaf in leaves]
+    return y, aux, [leaf for leaf, i in zip(leaves, self.where) if i < 0]
+
+  def b(self, w, residuals, dy, ct):
+    """(dx, dw, None): the cotangents (dy, ct) of (y, aux) pulled back through the stashed VJP."""
+    weights, kept = jax.tree.leaves(w), iter(residuals)
+    pull = jax.tree.unflatten(self.treedef, [weights[i] if i >= 0 else next(kept)
+                                             for i in self.where])
+    dw, dx = pull((dy, ct))
+    return dx, dw, None
 
 
 def _stage_constrain(tree):
@@ -88,13 +114,15 @@ def _columns(table: Table, start: int, stop: int) -> dict:
   return out
 
 
-def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names):
+def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names,
+        remat: bool = True):
   """The step's forward and backward through the pipeline (module docstring).
 
   weights: leaves [S, R, ...] (`Pipeline.stage_view`); head_weights: the weights `fns.embed`
   and `fns.head` read (one copy per stage is made here); aux_ct: the cotangent of the objective
   with respect to the aux sums (leaves [S, R, ...], the same for every micro-batch: the
-  objective is linear in them).
+  objective is linear in them). remat: B recomputes the stage from its stashed input (else
+  the stash holds F's VJP residuals; not with a split backward).
   Returns (loss sum, aux sums [S, R, ...], the weights' gradient [S, R, ...] and the head
   weights' gradient, both in float32).
   """
@@ -113,9 +141,15 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
   one = jax.eval_shape(fns.embed, head_weights, micro0)
   _, aux_shape = jax.eval_shape(fns.forward, w0, one, micro0)
   zero = constrain(jnp.zeros((S, *one.shape), one.dtype), act)
-  carry = {"shift": zero, "dshift": zero,
-           "stash": constrain(jnp.zeros((S, int(table.held("F", "B").max()), *one.shape),
-                                        one.dtype), ("act_stage", None, *act_names)),
+  held = int(table.held("F", "B").max())
+  keep = None if remat else Residuals(fns.forward)
+  if keep is None:
+    stash = constrain(jnp.zeros((S, held, *one.shape), one.dtype), ("act_stage", None, *act_names))
+  else:
+    assert not table.split, "a split backward recomputes its stage"
+    stash = _stage_constrain([jnp.zeros((S, held, *a.shape), a.dtype) for a in
+                              jax.eval_shape(keep.f, w0, one, micro0)[2]])
+  carry = {"shift": zero, "dshift": zero, "stash": stash,
            "loss": jnp.zeros((S,), jnp.float32),
            "aux": jax.tree.map(lambda a: jnp.zeros((S, R, *a.shape), a.dtype), aux_shape),
            "grads": zeros32(weights), "head": zeros32(copies)}
@@ -162,8 +196,12 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
     if "F" in slots:
       embedded = vmap(fns.embed)(copies, x["f_micro"])
       xin = constrain(jnp.where(per_stage(x["embed"], embedded), embedded, c["shift"]), act)
-      y, aux = vmap(lambda w, x, r, m: fns.forward(pick(w, r), x, m))(
-          weights, xin, x["f_repeat"], x["f_micro"])
+      if keep is None:
+        y, aux = vmap(lambda w, x, r, m: fns.forward(pick(w, r), x, m))(
+            weights, xin, x["f_repeat"], x["f_micro"])
+      else:
+        y, aux, xin = vmap(lambda w, x, r, m: keep.f(pick(w, r), x, m))(
+            weights, xin, x["f_repeat"], x["f_micro"])
       y = constrain(y, act)
       c["stash"] = put(c["stash"], x["f_slot"], x["f_ok"], xin)
       c["aux"] = add_at(c["aux"], x["f_repeat"], x["f_ok"], aux)
@@ -175,9 +213,14 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
       dy = c["dshift"] if token is None else jnp.where(per_stage(x["b_head"], dy_head), dy_head,
                                                        c["dshift"])
       ct = jax.tree.map(lambda a: vmap(lambda a, r: a[r])(a, x["b_repeat"]), aux_ct)
-      dx, dw, wst = vmap(lambda w, xs, dy, ct, r, m: backward(pick(w, r), xs, dy, ct, m))(
-          weights, tie(get(c["stash"], x["b_slot"]), token), tie(constrain(dy, act), token), ct,
-          x["b_repeat"], x["b_micro"])
+      dy = tie(constrain(dy, act), token)
+      if keep is None:
+        dx, dw, wst = vmap(lambda w, xs, dy, ct, r, m: backward(pick(w, r), xs, dy, ct, m))(
+            weights, tie(get(c["stash"], x["b_slot"]), token), dy, ct, x["b_repeat"],
+            x["b_micro"])
+      else:  # the residuals are not tied: the pullback's collectives act on products with dy
+        dx, dw, wst = vmap(lambda w, res, dy, ct, r: keep.b(pick(w, r), res, dy, ct))(
+            weights, get(c["stash"], x["b_slot"]), dy, ct, x["b_repeat"])
       token = dx = constrain(dx, act)
       c["grads"] = add_at(c["grads"], x["b_repeat"], x["b_ok"], dw)
       if wst is not None:

@@ -242,8 +242,8 @@ def test_diloco_replicas_are_slices_and_only_the_outer_step_crosses_them(two_sli
 @pytest.mark.slow
 def test_pipeline_bubble_bench_counts_each_compiled_program(tmp_path, capsys):
   """bench/pipeline_bubble.py on the tiny model, 2 stages on v5e:2x2: every GPipe and circular
-  program's counted ticks are M R + S - 1 and its bubble the formula, zero bubble's ticks and
-  stash its table's and its bubble below the formula; the programs without stages are the
+  program's counted ticks are M R + S - 1 and its bubble the formula, 1F1B's (residuals kept)
+  and zero bubble's ticks and stash their table's, zero bubble's bubble below the formula; the programs without stages are the
   reference rows; the roofline gives each a step time."""
   import csv  # noqa: PLC0415
 
@@ -252,21 +252,23 @@ def test_pipeline_bubble_bench_counts_each_compiled_program(tmp_path, capsys):
   out = tmp_path / "pipeline.csv"
   assert bench_module("pipeline_bubble").main([
       "--config", TINY, "--topology", "v5e:2x2", "--stages", "2", "--micro", "2,4",
-      "--schedules", "gpipe,circular,zero_bubble", "--repeats", "1,2",
+      "--schedules", "gpipe,circular,1f1b_residuals,zero_bubble", "--repeats", "1,2",
       "--config.data.micro_batch_size=8", "--config.model.num_layers=4", "--jobs", "2",
       "--csv", str(out)]) == 0
   rows = list(csv.DictReader(open(out)))
   assert [(r["schedule"], r["repeats"], r["micro"]) for r in rows] == [
       ("gpipe", "1", "2"), ("gpipe", "1", "4"), ("circular", "2", "2"), ("circular", "2", "4"),
-      ("zero_bubble", "1", "2"), ("zero_bubble", "1", "4"), ("zero_bubble", "2", "2"),
+      ("1f1b_residuals", "1", "2"), ("1f1b_residuals", "1", "4"), ("1f1b_residuals", "2", "2"),
+      ("1f1b_residuals", "2", "4"), ("zero_bubble", "1", "2"), ("zero_bubble", "1", "4"), ("zero_bubble", "2", "2"),
       ("zero_bubble", "2", "4"), ("none", "1", "2"), ("none", "1", "4")]
   for r in rows:
     assert r["fits"] == "True" and float(r["step_ms"]) > 0
     if r["schedule"] in ("gpipe", "circular"):
       assert int(r["ticks"]) == int(r["micro"]) * int(r["repeats"]) + 1
       assert float(r["bubble"]) == pytest.approx(float(r["bubble_formula"]))
-    elif r["schedule"] == "zero_bubble":  # its table's ticks; W fills part of the bubble
-      table = build("zero_bubble", 2, int(r["repeats"]), int(r["micro"]))
+    elif r["schedule"] != "none":  # their table's ticks and stash; zero bubble's W fills some
+      schedule = "1f1b" if r["schedule"] == "1f1b_residuals" else r["schedule"]
+      table = build(schedule, 2, int(r["repeats"]), int(r["micro"]))
       assert int(r["ticks"]) == table.ticks and int(r["stash"]) == table.held("F", "B").max()
-      assert 0 < float(r["bubble"]) < float(r["bubble_formula"])
+      assert 0 < float(r["bubble"]) < float(r["bubble_formula"]) or schedule == "1f1b"
   assert "| circular | 2 | 4 | 32 | 9 | 1 | 11.1% | 11.1% |" in capsys.readouterr().out

@@ -114,9 +114,12 @@ def test_stages_equal_the_plain_step(reference, mesh, devices):
   assert _column(ref_rows, "loss")[-1] < _column(ref_rows, "loss")[0]  # it trains
 
 
-@pytest.mark.parametrize("mesh", [CIRCULAR2, {**CIRCULAR2, "pipeline.schedule": "zero_bubble"},
-                                  pytest.param(ONE_F_ONE_B_R2, marks=pytest.mark.slow)],
-                         ids=["circular", "zero_bubble-r2", "1f1b-r2"])
+@pytest.mark.parametrize("mesh", [
+    CIRCULAR2, {**CIRCULAR2, "pipeline.schedule": "zero_bubble"},
+    pytest.param(ONE_F_ONE_B_R2, marks=pytest.mark.slow),
+    {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "1f1b",
+     "pipeline.repeats": 2, "pipeline.remat_stage": False},
+], ids=["circular", "zero_bubble-r2", "1f1b-r2", "1f1b-r2-fsdp2-tensor2-residuals"])
 def test_gradients_equal_the_accumulation_scan(reference, devices, mesh):
   """The gradient sum of one step, leaf by leaf: the pipeline's with two repeats (brought to
   the plain layer order) against the plain accumulation scan's; the explicit schedules compute
@@ -348,8 +351,8 @@ def test_batch_ramp_changes_the_micro_batches_and_the_counted_bubble(data_dir, t
      "pipeline stages do not run inside DiLoCo's replicas"),
     ({**GPIPE2, "pipeline.repeats": 2}, "pipeline.repeats=2 with pipeline.schedule='gpipe'"),
     ({**GPIPE2, "pipeline.schedule": "2f2b"}, "pipeline.schedule='2f2b': choose one of gpipe"),
-    ({**GPIPE2, "pipeline.schedule": "1f1b", "pipeline.remat_stage": False},
-     "pipeline.remat_stage=False with pipeline.schedule='1f1b': its loop keeps only"),
+    ({**GPIPE2, "pipeline.schedule": "zero_bubble", "pipeline.remat_stage": False},
+     "pipeline.remat_stage=False with pipeline.schedule='zero_bubble': its split backward"),
     ({"mesh.stage": 4, "mesh.data": 2, "data.micro_batch_size": 8,
       "pipeline.schedule": "zero_bubble"}, "fewer than the mesh.stage=4 pipeline stages (M < S"),
     ({**GPIPE2, "pipeline.schedule": "1f1b", "pipeline.repeats": 3},

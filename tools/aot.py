@@ -282,7 +282,7 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
       f_ticks = int(found.table.present()["F"].sum())
       per_micro = report.tokens_per_step / program.num_micro
       report.idle_flops = idle_flops(m, cfg.data.seq_len, report.tokens_per_step,
-                                     found.bubble, 1 - found.bubble, True) + (
+                                     found.bubble, 1 - found.bubble, pipe.remat_stage) + (
           6.0 * m.d_model * m.vocab_size * per_micro * (pipe.stages * f_ticks - program.num_micro))
     elif found.ticks is not None:
       report.idle_flops = idle_flops(program.model_cfg, cfg.data.seq_len,

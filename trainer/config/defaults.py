@@ -62,8 +62,9 @@ def default_config() -> ml_collections.ConfigDict:
   # remat_stage: keep only each tick's stage input for the backward pass and recompute the
   # stage's layers from it (GPipe's re-materialization: the activations of M R + S - 1 stage
   # inputs instead of what model.remat keeps of every layer at every tick, for one more forward
-  # of the layers); model.remat applies per layer inside the stages either way. 1f1b and
-  # zero_bubble always recompute (they need remat_stage=True).
+  # of the layers); model.remat applies per layer inside the stages either way. 1f1b without
+  # it keeps each forward's VJP residuals (what model.remat leaves) until its backward instead;
+  # zero_bubble always recomputes (it needs remat_stage=True).
   c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", repeats=1, remat_stage=True))
 
   c.model = ml_collections.ConfigDict(dict(

@@ -84,10 +84,10 @@ def check_pipeline(cfg: ml_collections.ConfigDict, sizes: dict, batches: list[in
        f"pipeline.repeats={p.repeats} with pipeline.schedule='gpipe': a stage's repeats are the "
        "circular and interleaved schedules'; set pipeline.schedule='circular', '1f1b' or "
        "'zero_bubble' (or pipeline.repeats=1)")
-  need(p.remat_stage or p.schedule in ("gpipe", "circular"),
-       f"pipeline.remat_stage=False with pipeline.schedule={p.schedule!r}: its loop keeps only "
-       "each stage's input between a forward and its backward and recomputes the stage there; "
-       "set pipeline.remat_stage=True (the default), or use gpipe / circular")
+  need(p.remat_stage or p.schedule != "zero_bubble",
+       "pipeline.remat_stage=False with pipeline.schedule='zero_bubble': its split backward "
+       "recomputes each stage from its input; set pipeline.remat_stage=True (the default), or "
+       "use 1f1b, gpipe or circular")
   stages = sizes["stage"]
   if stages == 1:
     return
