@@ -162,7 +162,11 @@ MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.num_layers": 2}
     pytest.param("micro_batch", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2,
                                  "pipeline.schedule": "zero_bubble", "pipeline.repeats": 2,
                                  "model.num_layers": 4}, marks=pytest.mark.slow),
-], ids=["global-gpipe", "micro_batch-circular", "global-1f1b", "micro_batch-zero_bubble-r2"])
+    pytest.param("global", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2,
+                            "pipeline.schedule": "1f1b", "pipeline.remat_stage": False},
+                 marks=pytest.mark.slow),
+], ids=["global-gpipe", "micro_batch-circular", "global-1f1b", "micro_batch-zero_bubble-r2",
+        "global-1f1b-residuals"])
 def test_moe_layers_in_stages(data_dir, devices, scope, mesh):
   """MoE layers (experts split over `expert` inside each stage, tokens exchanged by all-to-all):
   loss, router statistics, auxiliary losses and parameters equal the plain step's."""
