@@ -184,7 +184,7 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
     if residuals is not None:  # B without remat: the pullback alone, F's residuals its inputs
       keep = pipeline_vjp.Residuals(stage)
       keep.f(w, x, 0)  # traced for the pullback's structure only (dead code in the count)
-      return keep.b(w, residuals, x, ct)[:2]
+      return keep.b(w, residuals, x, ct, 0)[:2]
     if pipe.schedule != "zero_bubble":  # the forward recomputed, then pulled back
       return jax.vjp(lambda w, x: stage(w, x, 0), w, x)[1]((x, ct))
     backward, weight = _split(stage, weights, jax.ShapeDtypeStruct(x.shape, x.dtype))

@@ -46,29 +46,46 @@ class StageFns:
 
 
 class Residuals:
-  """F's VJP kept for B without recomputing (`pipeline.remat_stage=False`, 1f1b): the pullback's
-  leaves less the stage weights among them (B passes those in again, so no stash slot holds a
-  copy of the weights), and what puts the pullback back together (set when F is traced; every
-  trace of F gives the same)."""
+  """F's VJP kept for B without recomputing the stage (`pipeline.remat_stage=False`, 1f1b).
+  Only the pullback's leaves that depend on the stage input are stashed; the others (the stage
+  weights, their casts to the compute dtype, what is built from the micro-batch's positions)
+  B computes again from the weights and the micro-batch index, where XLA drops the rest of
+  that forward as dead code: no stash slot holds a copy of the weights. The pullback's
+  structure and which leaves are stashed are set when F is traced (every trace gives the same)."""
 
   def __init__(self, forward: Callable):
-    self.forward, self.treedef, self.where = forward, None, None
+    self.forward, self.treedef, self.stashed, self.x = forward, None, None, None
+
+  def _leaves(self, w, x, micro):
+    (y, aux), pull = jax.vjp(lambda w, x: self.forward(w, x, micro), w, x)
+    leaves, self.treedef = jax.tree.flatten(pull)
+    return y, aux, leaves
 
   def f(self, w, x, micro):
     """(y, aux, the residuals to stash) of the stage at weights `w` on input `x`."""
-    (y, aux), pull = jax.vjp(lambda w, x: self.forward(w, x, micro), w, x)
-    leaves, self.treedef = jax.tree.flatten(pull)
-    weights = jax.tree.leaves(w)
-    self.where = [next((i for i, a in enumerate(weights) if a is leaf), -1) for leaf in leaves]
-    return y, aux, [leaf for leaf, i in zip(leaves, self.where) if i < 0]
+    y, aux, leaves = self._leaves(w, x, micro)
+    self.x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    self.stashed = _reads_input(lambda w, x: self._leaves(w, x, micro)[2], w, x)
+    return y, aux, [leaf for leaf, keep in zip(leaves, self.stashed) if keep]
 
-  def b(self, w, residuals, dy, ct):
-    """(dx, dw, None): the cotangents (dy, ct) of (y, aux) pulled back through the stashed VJP."""
-    weights, kept = jax.tree.leaves(w), iter(residuals)
-    pull = jax.tree.unflatten(self.treedef, [weights[i] if i >= 0 else next(kept)
-                                             for i in self.where])
+  def b(self, w, residuals, dy, ct, micro):
+    """(dx, dw, None): the cotangents (dy, ct) of (y, aux) pulled back through the VJP of F on
+    micro-batch `micro`, rebuilt from the stashed residuals."""
+    again = self._leaves(w, jnp.zeros(self.x.shape, self.x.dtype), micro)[2]
+    kept = iter(residuals)
+    pull = jax.tree.unflatten(self.treedef, [next(kept) if keep else leaf
+                                             for leaf, keep in zip(again, self.stashed)])
     dw, dx = pull((dy, ct))
     return dx, dw, None
+
+
+def _reads_input(fn: Callable, w, x) -> list[bool]:
+  """For each array `fn(w, x)` returns, whether it depends on `x` (its jaxpr, dead code left
+  out per output; where that cannot tell, it does)."""
+  from jax._src.interpreters import partial_eval  # noqa: PLC0415  version
+  jaxpr = jax.make_jaxpr(fn)(w, x).jaxpr
+  n = len(jaxpr.outvars)
+  return [partial_eval.dce_jaxpr(jaxpr, [j == i for j in range(n)])[1][-1] for i in range(n)]
 
 
 def _stage_constrain(tree):
@@ -219,8 +236,8 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
             weights, tie(get(c["stash"], x["b_slot"]), token), dy, ct, x["b_repeat"],
             x["b_micro"])
       else:  # the residuals are not tied: the pullback's collectives act on products with dy
-        dx, dw, wst = vmap(lambda w, res, dy, ct, r: keep.b(pick(w, r), res, dy, ct))(
-            weights, get(c["stash"], x["b_slot"]), dy, ct, x["b_repeat"])
+        dx, dw, wst = vmap(lambda w, res, dy, ct, r, m: keep.b(pick(w, r), res, dy, ct, m))(
+            weights, get(c["stash"], x["b_slot"]), dy, ct, x["b_repeat"], x["b_micro"])
       token = dx = constrain(dx, act)
       c["grads"] = add_at(c["grads"], x["b_repeat"], x["b_ok"], dw)
       if wst is not None:

@@ -6,6 +6,7 @@ plain layer stack, evaluation and the noise-scale meter through the pipeline, th
 micro-batch counts, and the one-line config errors. Resume across meshes and after SIGKILL:
 tests/test_pipeline_resume.py."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -14,6 +15,7 @@ from data import pipeline as data_pipeline
 from optim.autopilot import AutoConfig, Autopilot, Change
 from optim.ramp import BatchRamp
 from sharding.pipeline import Pipeline, count
+from sharding.pipeline_vjp import Residuals
 from trainer.config import ConfigError
 from trainer.config.checks import validate
 from trainer.step.pipelined import grad_sums as pipelined_grad_sums
@@ -143,6 +145,29 @@ def test_gradients_equal_the_accumulation_scan(reference, devices, mesh):
   worst = jax.tree.map(lambda a, b: np.max(np.abs(a - b)) / np.max(np.abs(b)),
                        out["piped"][2], out["plain"][2])
   assert max(jax.tree.leaves(worst)) < 5e-6, worst
+
+
+def test_kept_residuals_hold_nothing_the_weights_or_the_micro_batch_index_give():
+  """`pipeline.remat_stage=false`: a stage that casts its weights to bfloat16 and adds a
+  position term built from the micro-batch index stashes only what depends on its input (no
+  cast weight, no position table), and B's pullback equals jax.grad's."""
+  table = np.linspace(-1, 1, 3 * 2 * 8).reshape(3, 2, 8)  # [micro-batches, rows, features]
+
+  def stage(w, x, micro):
+    h = jnp.tanh(x @ w["a"].astype(jnp.bfloat16) + jnp.asarray(table)[micro].astype(jnp.bfloat16))
+    return h @ w["b"].astype(jnp.bfloat16), {"s": jnp.sum(h.astype(jnp.float32) ** 2)}
+
+  w = {"a": jnp.linspace(-0.5, 0.5, 32).reshape(4, 8), "b": jnp.linspace(0.3, -0.2, 32).reshape(8, 4)}
+  x = jnp.linspace(-1, 1, 8).reshape(2, 4).astype(jnp.bfloat16)
+  keep = Residuals(stage)
+  y, _, residuals = keep.f(w, x, 1)
+  assert all(r.shape[0] == 2 for r in residuals), [r.shape for r in residuals]  # [rows, ...] only
+  cotangents = (jnp.linspace(0, 1, 8).reshape(2, 4).astype(jnp.bfloat16),
+                {"s": jnp.ones((), jnp.float32)})
+  dx, dw, _ = keep.b(w, residuals, *cotangents, 1)
+  want_w, want_x = jax.vjp(lambda w, x: stage(w, x, 1), w, x)[1](cotangents)
+  _assert_trees_close(jax.tree.map(lambda a: a.astype(jnp.float32), (dw, dx)),
+                      jax.tree.map(lambda a: a.astype(jnp.float32), (want_w, want_x)), rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
