@@ -177,14 +177,10 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
     ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(stage, w, x, 0)[1])
     return stage, weights, w, x, ct
 
-  def traced(params, op, residuals=None):
+  def traced(params, op):
     stage, weights, w, x, ct = setup(params)
     if op == "F":
       return stage(w, x, 0)
-    if residuals is not None:  # B without remat: the pullback alone, F's residuals its inputs
-      keep = pipeline_vjp.Residuals(stage)
-      keep.f(w, x, 0)  # traced for the pullback's structure only (dead code in the count)
-      return keep.b(w, residuals, x, ct, 0)[:2]
     if pipe.schedule != "zero_bubble":  # the forward recomputed, then pulled back
       return jax.vjp(lambda w, x: stage(w, x, 0), w, x)[1]((x, ct))
     backward, weight = _split(stage, weights, jax.ShapeDtypeStruct(x.shape, x.dtype))
@@ -193,12 +189,23 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
     stash = jax.eval_shape(backward, w, x, x, ct, 0)[2]
     return weight(w, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), stash), 0)
 
+  def residuals_of(params):
+    stage, _, w, x, _ = setup(params)
+    return pipeline_vjp.Residuals(stage).f(w, x, 0)[2]
+
+  def pullback(params, residuals):  # B without remat: F's residuals are the jaxpr's inputs
+    stage, _, w, x, ct = setup(params)
+    keep = pipeline_vjp.Residuals(stage)
+    keep.f(w, x, 0)  # traced for the pullback's structure only (dead code in the count)
+    return keep.b(w, residuals, x, ct, 0)[:2]
+
   ops = ("F", "B", "W") if pipe.schedule == "zero_bubble" else ("F", "B")
-  out = {op: dot_flops(jax.make_jaxpr(lambda p, op=op: traced(p, op))(params)) for op in ops}
-  if pipe.schedule != "zero_bubble" and not pipe.remat_stage:
-    residuals = jax.eval_shape(lambda p: (lambda stage, _, w, x, ct: pipeline_vjp.Residuals(
-        stage).f(w, x, 0)[2])(*setup(p)), params)
-    out["B"] = dot_flops(jax.make_jaxpr(lambda p, r: traced(p, "B", r))(params, residuals))
+  keeps = pipe.schedule != "zero_bubble" and not pipe.remat_stage
+  out = {op: dot_flops(jax.make_jaxpr(lambda p, op=op: traced(p, op))(params))
+         for op in ops if not (keeps and op == "B")}
+  if keeps:
+    residuals = jax.eval_shape(residuals_of, params)
+    out["B"] = dot_flops(jax.make_jaxpr(pullback)(params, residuals))
   return {"W": 0.0, **out}
 
 

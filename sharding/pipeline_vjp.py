@@ -64,8 +64,9 @@ class Residuals:
   def f(self, w, x, micro):
     """(y, aux, the residuals to stash) of the stage at weights `w` on input `x`."""
     y, aux, leaves = self._leaves(w, x, micro)
-    self.x = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    self.stashed = _reads_input(lambda w, x: self._leaves(w, x, micro)[2], w, x)
+    if self.stashed is None:  # on the first trace (each F traced again gives the same)
+      self.x = jax.ShapeDtypeStruct(x.shape, x.dtype)
+      self.stashed = _reads_input(lambda w, x: self._leaves(w, x, micro)[2], w, x)
     return y, aux, [leaf for leaf, keep in zip(leaves, self.stashed) if keep]
 
   def b(self, w, residuals, dy, ct, micro):
