@@ -249,3 +249,54 @@ def test_local_copies_written_without_checksums_are_named_in_one_line_each(strai
   assert out.split("resumed from")[1].split()[0].endswith("checkpoints/3"), out
   got = losses(workdir)
   assert [got[s] for s in range(4, 7)] == [straight[s] for s in range(4, 7)]
+
+
+# --- reads outside a resume: warm starts and the tools --------------------------------------
+
+
+def test_a_warm_start_and_the_tools_read_only_verified_finite_steps(tmp_path, capsys):
+  """The issue's reproduction: 4 KiB inverted in the newest step of a run, then a warm start
+  (`checkpoint.init_from`) and the tools' `restore_params` from it. Both fall back to the
+  previous step with the resume's one line; a damaged step named alone, or weights with NaN
+  whose sums are right (a converted dir), are refused in one line: never NaN loaded."""
+  import jax
+  import numpy as np
+  from sharding.mesh import make_mesh
+  from trainer.checkpoint.model_dirs import load_params, restore_params, write_converted
+  from trainer.checkpoint.saved import CheckpointError
+  from trainer.config import default_config
+
+  source = tmp_path / "source"
+  cfg = tiny_config(**{"checkpoint.every_steps": 2, "steps": 4})
+  assert Run(cfg, str(source)).train().status == "done"
+  invert(largest_file(source / "checkpoints" / "4" / "state"))
+  capsys.readouterr()
+  warm = tmp_path / "warm"
+  cfg.update(steps=1)
+  cfg.checkpoint.init_from = str(source)
+  run = Run(cfg, str(warm))
+  assert run.train().status == "done"
+  out = capsys.readouterr().out
+  damaged = [l for l in out.splitlines() if "is damaged" in l]
+  assert damaged == [f"checkpoint {source}/checkpoints/4 is damaged (state/"
+                     + damaged[0].split("(state/")[1]] and damaged[0].endswith(
+                         "; trying the previous one") and "does not match its checksum" in \
+      damaged[0], out
+  assert f"initialised parameters from {source}/checkpoints/2 " in out, out
+
+  mesh = make_mesh(default_config().mesh, jax.devices()[:1])
+  lines = []
+  spec, params, _, _ = restore_params(str(source), mesh, log=lines.append)
+  assert len(lines) == 1 and lines[0].startswith(f"checkpoint {source}/checkpoints/4 is damaged")
+  want, _ = load_params(str(source / "checkpoints" / "2"), spec.abstract_params)
+  jax.tree.map(np.testing.assert_array_equal, params, want)
+  with pytest.raises(CheckpointError) as e:  # one step named: nothing to fall back to
+    restore_params(str(source / "checkpoints" / "4"), mesh)
+  assert "checkpoints/4 is damaged (state/" in str(e.value) and \
+      str(e.value).endswith("nothing was loaded") and "\n" not in str(e.value)
+
+  nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), want)
+  write_converted(str(tmp_path / "nan"), nan, spec.cfg, source="test")
+  with pytest.raises(CheckpointError, match=r"is unreadable \(it holds NaN or inf \(its "
+                                            r"parameters hold NaN or inf\)\); nothing was loaded"):
+    load_params(str(tmp_path / "nan"), spec.abstract_params)

@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from trainer.errors import first_line
+from trainer.multihost.agreement import exchange
+
 SUMS = "checksums.json"
 CHUNK = 16 * 2**20  # bytes read at a time (zlib.crc32 releases the GIL on large buffers)
 
@@ -89,15 +92,43 @@ def verify_item(item_dir: str, share: tuple[int, int] = (0, 1)) -> str | None:
   return None
 
 
+# An item that a step of this version always has: a step holding it was written with checksums
+# (persistent tier, trainer/checkpoint/identity.py), so an item of it without its sums is damage.
+MARK_ITEM = "run"
+
+
 def verify_step(step_dir: str, share: tuple[int, int] = (0, 1)) -> str | None:
   """`verify_item` over every item of one step (each process its `share` of every item's
-  files): None, or "<item>/<file> ..." of the first difference."""
+  files): None, or "<item>/<file> ..." of the first difference. In a step of this version (it
+  has the `run` item) every item must have its sums: a missing one is reported, not skipped."""
   items = sorted(d for d in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, d)))
+  current = MARK_ITEM in items
   for item in items:
+    if current and not os.path.exists(os.path.join(step_dir, item, SUMS)):
+      return f"{item}/{SUMS} is missing (the step was written with checksums)"
     problem = verify_item(os.path.join(step_dir, item), share)
     if problem:
       return f"{item}/{problem}"
   return None
+
+
+def verify_agreed(step_dir: str, timeout_s: float, step: int | None = None) -> str | None:
+  """`verify_step` of `step_dir` with every process reading its share of the files; every
+  process gets the same answer (the first problem any found). `step`: the step every process
+  must be verifying (carried in the exchange: processes that paired different steps would
+  restore a state mixed from both, so that is a bug, raised)."""
+  try:
+    problem = verify_step(step_dir, (jax.process_index(), jax.process_count()))
+  except OSError as e:
+    problem = first_line(e)
+  if jax.process_count() > 1:
+    rows = exchange({"problem": problem, "step": step}, timeout_s)
+    steps = [r["step"] for r in rows]
+    if len(set(steps)) > 1:
+      raise AssertionError(f"processes verify different checkpoint steps {steps} (the restore "
+                           "must iterate the steps every process lists)")
+    problem = next((r["problem"] for r in rows if r["problem"]), None)
+  return problem
 
 
 @jax.jit

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,10 +28,12 @@ from data import mixture, tokenizer
 from data.prepare import ensure_default_corpus
 from models.config import ModelConfig, functional_differences, overrides_to_match
 from optim.ema import find_ema
+from trainer.checkpoint.integrity import all_finite, verify_agreed, write_checksums
 from trainer.checkpoint.saved import (CheckpointError, UnreadableConfig, describe_mismatch,
                                       read_saved_config)
 from trainer.config import default_config
 from trainer.errors import first_line
+from trainer.multihost.agreement import agree_all
 from trainer.step.program import Program
 from trainer.step.state import ModelSpec
 
@@ -55,36 +59,43 @@ def model_config(config: dict) -> ModelConfig:
   return ModelConfig.from_config(config["model"])
 
 
-def restore_params(src: str, mesh, *, ema: bool = False, flag: str = "--checkpoint"):
-  """(ModelSpec on `mesh`, params sharded by the rule table, config dict, which weights).
+def restore_params(src: str, mesh, *, ema: bool = False, flag: str = "--checkpoint",
+                   log: Callable[[str], None] | None = None):
+  """(ModelSpec on `mesh`, params sharded by the rule table, config dict, which weights) of the
+  newest step of `src` that verifies (`read_verified`; `log`: where its fallback lines go).
 
   With `ema=True` and a checkpoint whose optimizer kept a parameter EMA (`optim.ema_decay`),
   the EMA weights are returned instead of the raw ones.
   """
-  step_dir, config = source_config(src, flag)
-  cfg = model_config(config)
-  spec = ModelSpec(cfg, mesh, seed=0)
-  if ema and config.get("optim", {}).get("ema_decay", 0) > 0:
-    return spec, _restore_ema(step_dir, config, mesh), config, "ema"
-  params, _ = load_params(step_dir, spec.abstract_params)
-  return spec, params, config, "params"
+  def read(step_dir, config):
+    spec = ModelSpec(model_config(config), mesh, seed=0)
+    if ema and config.get("optim", {}).get("ema_decay", 0) > 0:
+      return (spec, _restore_ema(step_dir, config, mesh), "ema"), None
+    return (spec, _read_params(step_dir, spec.abstract_params, flag), "params"), None
+
+  (spec, params, which), _, config = read_verified(src, flag, read, log)
+  return spec, params, config, which
 
 
-def restore_with_ema(src: str, mesh):
+def restore_with_ema(src: str, mesh, log: Callable[[str], None] | None = None):
   """(ModelSpec, {"params": ..., "ema": ...} ("ema" only when the checkpoint kept one),
-  config dict): both weight sets of a checkpoint from one read."""
-  step_dir, config = source_config(src)
-  spec = ModelSpec(model_config(config), mesh, seed=0)
-  if config.get("optim", {}).get("ema_decay", 0) > 0:
-    params, ema = _restore_ema(step_dir, config, mesh, with_params=True)
-    return spec, {"params": params, "ema": ema}, config
-  params, _ = load_params(step_dir, spec.abstract_params)
-  return spec, {"params": params}, config
+  config dict): both weight sets of a checkpoint from one read (of a verified step, as
+  `restore_params`)."""
+  def read(step_dir, config):
+    spec = ModelSpec(model_config(config), mesh, seed=0)
+    if config.get("optim", {}).get("ema_decay", 0) > 0:
+      params, ema = _restore_ema(step_dir, config, mesh, with_params=True)
+      return (spec, {"params": params, "ema": ema}), None
+    return (spec, {"params": _read_params(step_dir, spec.abstract_params, "--checkpoint")}), None
+
+  (spec, weights), _, config = read_verified(src, "--checkpoint", read, log)
+  return spec, weights, config
 
 
 def _restore_ema(step_dir: str, config: dict, mesh, *, with_params: bool = False):
   """The EMA weights of a training checkpoint: the full state is restored (its structure comes
-  from the optimizer the config builds) and the EMA picked out of the optimizer state."""
+  from the optimizer the config builds) and the EMA picked out of the optimizer state. Raises
+  NotFinite if the parameters or the EMA hold NaN or inf."""
 
   cfg = default_config()
   cfg.update_from_flattened_dict(_flatten(config, cfg))
@@ -92,6 +103,7 @@ def _restore_ema(step_dir: str, config: dict, mesh, *, with_params: bool = False
   with ocp.StandardCheckpointer() as checkpointer:
     state = checkpointer.restore(os.path.join(step_dir, "state"), abstract)
   ema = find_ema(state.opt_state, state.params)
+  _check_finite((state.params, ema), "its parameters or their EMA")
   return (state.params, ema) if with_params else ema
 
 
@@ -125,6 +137,8 @@ def write_converted(out_dir: str, params, cfg: ModelConfig, *, source: str,
   if jax.process_index() == 0:
     with open(os.path.join(out_dir, "config", "metadata"), "w") as f:
       json.dump(config, f, indent=1)
+    for item in ("state", "config") + (("tokenizer",) if copied else ()):
+      write_checksums(os.path.join(out_dir, item))  # verified when read, like a training step
 
 
 def copy_tokenizer(src_dir: str | None, dst_dir: str) -> list[str]:
@@ -179,11 +193,13 @@ def data_tokenizer(data_dir: str):
   return tokenizer.load_tokenizer(data_dir)
 
 
-def init_from_mismatch(src: str, model_cfg: ModelConfig) -> str | None:
-  """None if `src` (for checkpoint.init_from) was made with a model that computes what
-  `model_cfg` does (models/config.py FUNCTIONAL), else one line naming the first differing key
-  and the overrides that would fix it."""
-  _, config = source_config(src, "checkpoint.init_from")
+def init_from_mismatch(src: str, model_cfg: ModelConfig, config: dict | None = None) -> str | None:
+  """None if `src` (for checkpoint.init_from; `config`: the one saved with the step read, else
+  its newest step's) was made with a model that computes what `model_cfg` does
+  (models/config.py FUNCTIONAL), else one line naming the first differing key and the
+  overrides that would fix it."""
+  if config is None:
+    _, config = source_config(src, "checkpoint.init_from")
   differences = functional_differences(model_config(config), model_cfg)
   if not differences:
     return None
@@ -192,40 +208,108 @@ def init_from_mismatch(src: str, model_cfg: ModelConfig) -> str | None:
           f"{b!r}; run with {overrides_to_match(differences)}")
 
 
-def resolve_step_dir(path: str, flag: str = "checkpoint.init_from") -> str:
-  """A workdir, its checkpoints dir, or one step's dir -> the step dir to read. `flag`: what the
+def step_dirs(path: str, flag: str = "checkpoint.init_from") -> list[str]:
+  """The step dirs a source names, newest first: the dir itself for one step's dir or a
+  converted dir, every numbered step of a workdir or its checkpoints/ dir. `flag`: what the
   user gave the path as (named in the error)."""
   path = os.path.abspath(path)
   if os.path.isdir(os.path.join(path, "checkpoints")):
     path = os.path.join(path, "checkpoints")
   if os.path.isdir(os.path.join(path, "state")):
-    return path
+    return [path]
   steps = sorted(int(n) for n in os.listdir(path) if n.isdigit()) if os.path.isdir(path) else []
   if not steps:
     raise CheckpointError(f"{flag}={path!r}: no checkpoint found there "
                           "(give a workdir, its checkpoints/ dir, or a step dir)")
-  return os.path.join(path, str(steps[-1]))
+  return [os.path.join(path, str(step)) for step in reversed(steps)]
 
 
-def load_params(path: str, abstract_params) -> tuple[Any, str]:
-  """Parameters of another run's checkpoint, resharded to `abstract_params`' shardings (a DiLoCo
-  run's: its anchor, the outer model the replicas agreed on)."""
-  step_dir = resolve_step_dir(path)
+def resolve_step_dir(path: str, flag: str = "checkpoint.init_from") -> str:
+  """A workdir, its checkpoints dir, or one step's dir -> the newest step dir (unverified: what
+  a source says about itself; reads of its arrays go through `read_verified`)."""
+  return step_dirs(path, flag)[0]
+
+
+class NotFinite(ValueError):
+  """Weights read from a checkpoint hold NaN or inf."""
+
+
+def _check_finite(tree, what: str) -> None:
+  if not bool(all_finite(tree)):
+    raise NotFinite(f"{what} hold NaN or inf")
+
+
+def read_verified(src: str, flag: str, read: Callable, log: Callable[[str], None] | None = None,
+                  timeout_s: float = 300):
+  """(result, step dir, saved config) of `read(step_dir, config)` on the newest step of `src`
+  that a resume would accept: its files match their checksums (`verify_agreed`, every process
+  its share), its config is readable, and what it holds is finite (`read` returns (result,
+  None) after checking what it read with `_check_finite`). A step that fails is named in the
+  one line a resume prints (`log`, stderr by default) and the previous step is tried; none
+  left: CheckpointError. `read` raising CheckpointError (the source does not fit) stops at
+  once. Every process settles on the same step."""
+  log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+  dirs = step_dirs(src, flag)
+  for i, step_dir in enumerate(dirs):
+    result = config = None
+    damaged = problem = verify_agreed(step_dir, timeout_s, os.path.basename(step_dir))
+    if not problem:
+      try:
+        config = read_saved_config(step_dir)
+        result, _ = read(step_dir, config)
+      except CheckpointError:
+        raise
+      except UnreadableConfig as e:
+        problem = str(e)
+      except NotFinite as e:
+        problem = f"it holds NaN or inf ({e})"
+      except Exception as e:  # noqa: BLE001  any read failure means "try the previous one"
+        problem = first_line(e)
+    if agree_all(problem is None):
+      return result, step_dir, config
+    what = (f"checkpoint {step_dir} is {'damaged' if damaged else 'unreadable'} "
+            f"({problem or 'on another process'})")
+    if i + 1 < len(dirs):
+      log(f"{what}; trying the previous one")
+      continue
+    raise CheckpointError(f"{flag}={src!r}: {what}"
+                          + ("; no earlier step of it can be read either" if i else "")
+                          + "; nothing was loaded")
+  raise AssertionError("unreachable")
+
+
+def load_params(path: str, abstract_params, *, model_cfg: ModelConfig | None = None,
+                log: Callable[[str], None] | None = None) -> tuple[Any, str]:
+  """Parameters of another run's checkpoint (its newest step that verifies, `read_verified`),
+  resharded to `abstract_params`' shardings (a DiLoCo run's: its anchor, the outer model the
+  replicas agreed on), and the step dir they came from. `model_cfg`: the model they are for; a
+  source made by a model that computes something else is refused (`init_from_mismatch`)."""
+  def read(step_dir, config):
+    if model_cfg is not None and "model" in config:
+      reason = init_from_mismatch(path, model_cfg, config)
+      if reason:
+        raise CheckpointError(reason)
+    return _read_params(step_dir, abstract_params, f"checkpoint.init_from={path!r}"), None
+
+  params, step_dir, _ = read_verified(path, "checkpoint.init_from", read, log)
+  return params, step_dir
+
+
+def _read_params(step_dir: str, abstract_params, source: str):
+  """The parameters of one step dir (finite, else NotFinite), resharded to `abstract_params`.
+  `source`: how the user named it (in the error if it holds no such parameters)."""
   state_dir = os.path.join(step_dir, "state")
   with ocp.PyTreeCheckpointer() as checkpointer:
-    try:
-      saved = checkpointer.metadata(state_dir).item_metadata.tree
-    except Exception as e:  # noqa: BLE001
-      raise CheckpointError(f"checkpoint.init_from: cannot read {state_dir} "
-                            f"({first_line(e)})") from None
+    saved = checkpointer.metadata(state_dir).item_metadata.tree  # unreadable: read_verified
     key = "anchor" if "anchor" in saved else "params"
     if key not in saved:
-      raise CheckpointError(f"checkpoint.init_from: {state_dir} holds no params")
+      raise CheckpointError(f"{source}: {state_dir} holds no params")
     reason = describe_mismatch({}, {}, saved[key], abstract_params)
     if reason:
-      raise CheckpointError(f"checkpoint.init_from={path!r} does not fit this model: {reason}")
+      raise CheckpointError(f"{source} does not fit this model: {reason}")
     target = {key: abstract_params}
     restored = checkpointer.restore(state_dir, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
-  return restored[key], step_dir
+  _check_finite(restored[key], "its parameters")
+  return restored[key]

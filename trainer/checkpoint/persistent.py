@@ -33,12 +33,13 @@ from jax.experimental import multihost_utils
 from data import pipeline
 from trainer.checkpoint.data_state import DataStateHandler, DataStateRestore, DataStateSave, read_data_states
 from trainer.checkpoint.integrity import (CheckedJson, CheckedStandard, all_finite, checksummed,
-                                          finite_guard, verify_step)
+                                          finite_guard, verify_agreed)
 from trainer.checkpoint.saved import CheckpointError, SavedShapes, UnreadableConfig, check_saved, read_saved_config
 from trainer.errors import first_line
 from trainer.multihost.agreement import agree_all, exchange
 
 
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # what Orbax appends to a step being written
 SAVE_SWITCH_INTERVAL = 2e-4  # seconds; see short_switch_interval
 CheckedData = checksummed(DataStateHandler, DataStateSave, DataStateRestore)
 NOT_FINITE = "it holds NaN or inf in its parameters or optimizer state"
@@ -100,6 +101,20 @@ class Checkpointer:
       handler.sums = integrity
     self.manager = ocp.CheckpointManager(self.directory, options=self._options,
                                          item_handlers=self.handlers)
+
+  def remove_interrupted(self) -> None:
+    """Remove the temporary directories of saves that never committed (`<step>` + Orbax's tmp
+    suffix, left by a process killed during a save: a double Ctrl-C, SIGKILL). Call only while
+    no save of this directory can be in flight (the run holds its workdir's lock, before its
+    first save); process 0 removes them (the directory is shared)."""
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in sorted(os.listdir(self.directory)):
+      step, suffix, _ = name.partition(TMP_SUFFIX)
+      path = os.path.join(self.directory, name)
+      if suffix and step.isdigit() and os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+        self.log(f"removed {path}, left by a save that was interrupted before it completed")
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -170,15 +185,17 @@ class Checkpointer:
   def verify(self, step: int) -> str | None:
     """None if the files of checkpoint `step` match their checksums, else the first that does
     not (each process reads its share of the files; every process gets the same answer)."""
-    try:
-      problem = verify_step(os.path.join(self.directory, str(step)),
-                            (jax.process_index(), jax.process_count()))
-    except OSError as e:
-      problem = first_line(e)
-    if jax.process_count() > 1:
-      rows = exchange({"problem": problem}, self.timeout_s)
-      problem = next((r["problem"] for r in rows if r["problem"]), None)
-    return problem
+    return verify_agreed(os.path.join(self.directory, str(step)), self.timeout_s, step)
+
+  def agreed_steps(self) -> list[int]:
+    """The steps every process lists (a listing cache on NFS or FUSE may show one host a step
+    committed a moment ago that another does not see yet): a restore iterates only these, so
+    every process reads the same step."""
+    steps = self.all_steps()
+    if jax.process_count() == 1:
+      return steps
+    rows = exchange({"steps": steps}, self.timeout_s)
+    return sorted(set.intersection(*(set(r["steps"]) for r in rows)))
 
   def check_compatible(self, step: int, abstract_state, config: dict,
                        data_spec: pipeline.StreamSpec | None = None,
@@ -226,7 +243,7 @@ class Checkpointer:
     from this one. Falls back past unreadable steps; raises CheckpointError if none is
     readable. `windows_before(step)`: the windows the steps before `step` read, where a data
     state of the earlier per-row reader continues (None: such a state is refused)."""
-    steps = self.all_steps()
+    steps = self.agreed_steps()
     local_steps = local.steps() if local is not None else []
     if not steps and not local_steps:
       return None

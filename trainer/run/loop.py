@@ -35,9 +35,8 @@ from trainer.checkpoint.horizon import fix_horizon
 from trainer.checkpoint.identity import keep_identity, run_identity
 from trainer.checkpoint.integrity import NonFiniteState
 from trainer.checkpoint.local_tier import LocalTier
-from trainer.checkpoint.model_dirs import init_from_mismatch, load_params
+from trainer.checkpoint.model_dirs import load_params
 from trainer.checkpoint.persistent import Checkpointer
-from trainer.checkpoint.saved import CheckpointError
 from trainer.checkpoint.saver import Saver
 from trainer.errors import first_line
 from trainer.evaluation.periodic import make_evaluator
@@ -45,6 +44,7 @@ from trainer.run.decisions import Decider, StopSignals
 from trainer.run.feed import Feed, sources
 from trainer.run.readback import Readback
 from trainer.run.steps import CompiledSteps
+from trainer.run.workdir_lock import WorkdirLock
 from trainer.step.diloco import reduce_metrics
 from trainer.step.program import Program, run_mesh, setup_compilation_cache
 from trainer.tracking.goodput import Events, StepTimer, process_start_time, repair_jsonl
@@ -119,14 +119,26 @@ class Run:
   # --------------------------------------------------------------------------------------------
 
   def train(self) -> RunResult:
+    """Train in the workdir, holding its lock (a second run on it is refused: WorkdirBusy)."""
     started, process_start = time.time(), process_start_time()
     os.makedirs(self.workdir, exist_ok=True)
+    lock = WorkdirLock(self.workdir, log=self.log,
+                       timeout_s=self.cfg.distributed.initialization_timeout)
+    lock.acquire()
+    try:
+      return self._train_locked(started, process_start, lock.held)
+    finally:
+      lock.release()
+
+  def _train_locked(self, started: float, process_start: float, locked: bool) -> RunResult:
     ck, timeout = self.cfg.checkpoint, self.cfg.distributed.initialization_timeout
     self.identity, note = run_identity(self.workdir, timeout)  # run.json once it has started
     if note:
       self.log(note)
     self.checkpointer = Checkpointer(os.path.join(self.workdir, "checkpoints"), keep=ck.keep,
                                      async_save=ck.async_save, log=self.log, timeout_s=timeout)
+    if locked:  # no save of another run can be in flight: what an interrupted one left goes
+      self.checkpointer.remove_interrupted()
     self.local = LocalTier(ck.local_dir, self.mesh, run=self.identity, keep=ck.local_keep,
                            async_save=ck.async_save, log=self.log, timeout_s=timeout) \
         if ck.local_dir else None
@@ -207,12 +219,11 @@ class Run:
     source = self.cfg.checkpoint.init_from
     if not source:
       return self.program.init_state()
-    # Shapes alone miss a different rope_theta, rope scaling, norm eps, parametrization or
-    # router top_k (models/config.py FUNCTIONAL): name it.
-    reason = init_from_mismatch(source, self.program.model_cfg)
-    if reason:
-      raise CheckpointError(reason)
-    params, found = load_params(source, self.program.spec.abstract_params)
+    # Verified like a resume (checksums, finiteness; falls back past a damaged step). Shapes
+    # alone miss a different rope_theta, rope scaling, norm eps, parametrization or router
+    # top_k (models/config.py FUNCTIONAL): load_params names it.
+    params, found = load_params(source, self.program.spec.abstract_params,
+                                model_cfg=self.program.model_cfg, log=self.log)
     self.log(f"initialised parameters from {found} (optimizer state and data start fresh)")
     return self.program.init_state(params)
 
