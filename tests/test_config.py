@@ -39,6 +39,16 @@ TINY = os.path.join(ROOT, "configs", "lm_tiny.py")
     (["--config.model.moe.shared_expert=True"],  # a width now: says so
      "--config.model.moe.shared_expert='True': expected int"),
     (["--config.steps=1.5"], "--config.steps='1.5': expected int"),
+    # a pipeline setting without stages would be ignored: refused, as pipeline.repeats was
+    (["--config.pipeline.schedule=zero_bubble"], "pipeline.schedule='zero_bubble' with "
+     "mesh.stage=1: pipeline settings apply to pipeline stages only and would be ignored"),
+    (["--config.pipeline.schedule=1f1b", "--config.pipeline.remat_stage=false"],
+     "pipeline.schedule='1f1b' with mesh.stage=1"),
+    (["--config.pipeline.remat_stage=false"], "pipeline.remat_stage=False with mesh.stage=1"),
+    (["--config.mesh.stage=16"], "mesh.data=-1 cannot fill 8 devices: the other axes multiply "
+     "to 16, which does not divide 8 (the fixed sizes ask for 16 devices; this process sees 8 "
+     "cpu device(s): run where there are 16, or on CPU set "
+     "XLA_FLAGS=--xla_force_host_platform_device_count=16 before starting)"),
 ])
 def test_config_error_is_one_line_exit_2(args, needle, tmp_path, capsys):
   code = train.main(["--config", TINY, "--workdir", str(tmp_path / "w")] + args)

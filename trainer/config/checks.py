@@ -13,6 +13,7 @@ trainer/config/parallel_checks.py's.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -127,6 +128,20 @@ def matmul_width_warnings(cfg: ml_collections.ConfigDict, sizes: dict) -> list[s
   return out
 
 
+def _device_hint(mesh: ml_collections.ConfigDict, num_devices: int, replicas: int,
+                 devices) -> str:
+  """What to add to a mesh error whose fixed axis sizes ask for more devices than there are:
+  how many this process sees and, on CPU, how to get more."""
+  wanted = math.prod(v for v in mesh.values() if isinstance(v, int) and v > 0) * max(replicas, 1)
+  if wanted <= num_devices:
+    return ""
+  platform = getattr(devices[0], "platform", None) if not isinstance(devices, int) else None
+  return (f" (the fixed sizes ask for {wanted} devices; this process sees {num_devices}"
+          + (f" {platform}" if platform else "") + " device(s): run where there are "
+          f"{wanted}" + (", or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+                         f"{wanted} before starting" if platform in (None, "cpu") else "") + ")")
+
+
 def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   """Check the whole config against itself and the devices the run will use (a list: their
   count and slices; or a count, one slice). Returns every mesh axis's size over all devices."""
@@ -153,7 +168,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
       num_devices, slices = len(devices), num_slices(devices)
     sizes = resolve_mesh_shape(cfg.mesh, num_devices, slices, replicas)
   except MeshError as e:
-    raise ConfigError(str(e)) from None
+    raise ConfigError(str(e) + _device_hint(cfg.mesh, num_devices, replicas, devices)) from None
 
   m = cfg.model
   _choice(cfg, "model.param_dtype", DTYPES)

@@ -89,7 +89,12 @@ def check_pipeline(cfg: ml_collections.ConfigDict, sizes: dict, batches: list[in
        "recomputes each stage from its input; set pipeline.remat_stage=True (the default), or "
        "use 1f1b, gpipe or circular")
   stages = sizes["stage"]
-  if stages == 1:
+  if stages == 1:  # a schedule without stages would be ignored: refused like repeats are
+    defaults = {"schedule": "gpipe", "repeats": 1, "remat_stage": True}
+    for key, default in defaults.items():
+      need(p[key] == default, f"pipeline.{key}={p[key]!r} with mesh.stage=1: pipeline settings "
+           "apply to pipeline stages only and would be ignored; set mesh.stage > 1 (layers "
+           f"split over that many devices) or leave pipeline.{key}={default!r}")
     return
   repeats = p.repeats if p.schedule != "gpipe" else 1
   every = m.moe.every if m.moe.num_experts else 1
