@@ -147,3 +147,24 @@ def test_parsing_survives_a_finalizer_that_formats_a_traceback():
     gc.set_threshold(*threshold)
     gc.enable()
   gc.collect()
+
+
+def test_a_relative_import_is_resolved_against_the_importers_package(tmp_path):
+  """`from ..run import inprocess, loop` planted in a copy of trainer/config/checks.py: an arrow
+  up the README's order (config -> run) and a cycle (inprocess imports checks in a function),
+  both reported (relative imports were skipped: nothing was)."""
+  import shutil  # noqa: PLC0415
+  copy = tmp_path / "repo"
+  shutil.copytree(ROOT, copy, ignore=lambda d, names: [
+      n for n in names if n.startswith(".") or n in layout.SKIP_DIRS
+      or (os.path.isfile(os.path.join(d, n)) and not n.endswith((".py", ".md")))])
+  before = set(layout.problems(str(copy)))
+  with open(copy / "trainer" / "config" / "checks.py", "a") as f:
+    f.write("from ..run import inprocess, loop\n")
+  found = [i for i in layout.imports(str(copy)) if i.importer == "trainer.config.checks"]
+  assert any(i.target == "trainer.run.loop" and i.in_repo for i in found), found
+  problems = set(layout.problems(str(copy))) - before
+  assert any(p.startswith("forbidden arrow: trainer.config -> trainer.run") for p in problems), \
+      problems
+  assert any(p.startswith("import cycle: trainer.config.checks <-> ") and
+             p.endswith(" <-> trainer.run.inprocess") for p in problems), problems

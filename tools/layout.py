@@ -90,6 +90,17 @@ def _resolve(name: str, known: dict[str, str]) -> str | None:
   return name or None
 
 
+def _absolute(node: ast.ImportFrom, module: str, path: str) -> str:
+  """The absolute module a `from X import ...` names: X itself, or a relative X (`from ..run
+  import loop`) resolved against the importer's package, as Python does."""
+  if not node.level:
+    return node.module
+  package = module if os.path.basename(path) == "__init__.py" else module.rpartition(".")[0]
+  parts = package.split(".") if package else []
+  base = ".".join(parts[:len(parts) - node.level + 1]) if node.level <= len(parts) else ""
+  return ".".join(p for p in (base, node.module) if p)
+
+
 def imports(root: str = ROOT) -> list[Import]:
   """Every import statement of every module, with where it stands and its comment."""
   known = modules(root)
@@ -104,8 +115,10 @@ def imports(root: str = ROOT) -> list[Import]:
         inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
         if isinstance(child, ast.Import):
           written = [(a.name, a.name) for a in child.names]
-        elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-          written = [(f"{child.module}.{a.name}", child.module) for a in child.names]
+        elif isinstance(child, ast.ImportFrom) and (child.level or child.module):
+          base = _absolute(child, module, path)
+          written = [(f"{base}.{a.name}" if base else a.name, base or a.name)
+                     for a in child.names]
         else:
           written = []
         comment = lines[child.lineno - 1].partition("#")[2].strip() if written else ""
