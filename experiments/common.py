@@ -105,7 +105,7 @@ def parser(name: str, doc: str, *, seeds: bool = True):
   p.add_argument("--config", default=DEFAULT_CONFIG, metavar="FILE.py",
                  help=f"base config (default {DEFAULT_CONFIG}); --config.KEY=VALUE overrides it")
   p.add_argument("--out", default=os.path.join("docs", name),
-                 help="writes OUT.csv and OUT.png (default docs/%(default)s)")
+                 help="writes OUT.csv and OUT.png (default %(default)s)")
   p.add_argument("--workdir", default=os.path.join("runs", "experiments", name),
                  help="where the runs' workdirs go")
   if not seeds:  # the experiment handles its seeds itself (fp8_loss: the noise is their spread)

@@ -352,3 +352,9 @@ def test_schedules_end_to_end(tmp_path, data_dir):
     assert float(r["loss_minus_cosine"]) == pytest.approx(
         float(r["final_eval_loss"]) - float(rows[0]["final_eval_loss"]))
   assert os.path.getsize(f"{out}.png") > 10_000
+
+
+def test_help_shows_the_default_output_as_it_is():
+  """`--help` said docs/docs/<name> for the default docs/<name>."""
+  text = " ".join(common.parser("timescale", "doc").format_help().split())
+  assert "(default docs/timescale)" in text and "docs/docs" not in text, text
