@@ -321,3 +321,16 @@ def test_a_run_measures_on_the_pieces_asked_and_says_its_window(tmp_path, capsys
   assert ("gradient noise scale: measured every 2 steps on small batches (4 at batch 32), "
           "averaged over the last 25% of the tokens trained so far (at step 8 its steps 7-8)"
           ) in out, out
+
+
+def test_the_start_up_line_never_says_an_empty_window():
+  """A 3-step run with a window of 20%: the window is the last step's measurement, "steps 3-3"
+  (it said "steps 4-3")."""
+  from optim.ramp import BatchRamp  # noqa: PLC0415
+  from trainer.tracking.report import log_noise_meter  # noqa: PLC0415
+  cfg = tiny_config(**{"steps": 3, "optim.noise_scale_every": 1,
+                       "optim.noise_scale_window": 0.2})
+  lines = []
+  writer = type("Writer", (), {"log": lambda self, line: lines.append(line)})()
+  log_noise_meter(writer, cfg, BatchRamp.from_config(cfg.data), 8, 1, [8])
+  assert len(lines) == 1 and "(at step 3 its steps 3-3" in lines[0], lines

@@ -91,7 +91,8 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   window = float(o.noise_scale_window)
   spans = []
   for n in sorted({min(100, cfg.steps), cfg.steps}):
-    first = ramp.first_step_at((1 - window) * ramp.examples_before(n))
+    # the window holds at least the step's own measurement (a short run: "steps 3-3", not 4-3)
+    first = min(ramp.first_step_at((1 - window) * ramp.examples_before(n)), n - 1)
     spans.append(f"at step {n:,} its steps {first + 1:,}-{n:,}")
   every = "every step" if o.noise_scale_every == 1 else f"every {o.noise_scale_every} steps"
   writer.log(f"gradient noise scale: measured {every} on small batches "
