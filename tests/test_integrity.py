@@ -205,16 +205,31 @@ def test_a_local_dir_shared_by_two_runs_restores_each_only_its_own(tmp_path, cap
   assert [got[s] for s in range(1, 9)] == [straight["a"][s] for s in range(1, 9)]
 
 
-def test_the_run_identity_is_kept_in_the_workdir_and_every_checkpoint(tmp_path):
+def test_the_run_identity_is_kept_in_the_workdir_and_every_checkpoint(tmp_path, capsys):
   from trainer.checkpoint import identity  # noqa: PLC0415
   cfg = tiny_config(**{"steps": 2, "checkpoint.every_steps": 1})
+  # what a save interrupted by a double Ctrl-C leaves: removed (under the workdir's lock)
+  interrupted = tmp_path / "w" / "checkpoints" / "7.orbax-checkpoint-tmp" / "state"
+  interrupted.mkdir(parents=True)
+  (interrupted / "x").write_bytes(b"partial")
   assert Run(cfg, str(tmp_path / "w")).train().status == "done"
+  assert sorted(os.listdir(tmp_path / "w" / "checkpoints")) == ["1", "2"]
+  assert (f"removed {interrupted.parent}, left by a save that was interrupted before it "
+          "completed") in capsys.readouterr().out
   kept = identity.read_identity(str(tmp_path / "w"))
   assert kept["workdir"] == str(tmp_path / "w") and len(kept["id"]) == 12
   for step in (1, 2):
     saved = json.load(open(tmp_path / "w" / "checkpoints" / str(step) / "run" / "metadata"))
     assert saved == kept
   assert identity.run_identity(str(tmp_path / "w")) == (kept, None)
+  os.symlink(tmp_path / "w", tmp_path / "link")  # the same workdir through a symlink: same run
+  assert identity.run_identity(str(tmp_path / "link")) == (kept, None)
+  # A step of this version (it has the run item) must have its sums: a missing one is damage.
+  os.remove(tmp_path / "w" / "checkpoints" / "2" / "config" / integrity.SUMS)
+  ckpt = Checkpointer(str(tmp_path / "w" / "checkpoints"), keep=3)
+  assert ckpt.verify(2) == f"config/{integrity.SUMS} is missing (the step was written with " \
+      "checksums)"
+  ckpt.close()
   # A copied workdir is another run: a new identity, said in one line.
   shutil.copytree(tmp_path / "w", tmp_path / "copy")
   new, note = identity.run_identity(str(tmp_path / "copy"))

@@ -4,8 +4,9 @@ of another run is never restored (`run_identity`, `keep_identity`).
 
   {"id": "3f9a1c2b7d4e", "workdir": "/abs/path", "created": "2026-01-01T00:00:00Z"}
 
-A workdir without run.json, or with the run.json of another path (a copied or moved workdir),
-is a new run. The local tier keeps each run's steps in a directory of its own,
+A workdir without run.json, or with the run.json of another path (a copied or moved workdir;
+paths are compared as real paths, so a symlink to the same workdir is the same run), is a new
+run. The local tier keeps each run's steps in a directory of its own,
 `<checkpoint.local_dir>/<id>/` (trainer/checkpoint/local_tier.py). Why:
 docs/reliability.md#a-local-step-belongs-to-its-run.
 """
@@ -43,7 +44,7 @@ def run_identity(workdir: str, timeout_s: float = 300) -> tuple[dict, str | None
   identity, note = None, None
   if jax.process_index() == 0:
     identity = read_identity(workdir)
-    if identity is not None and identity.get("workdir") != workdir:
+    if identity is not None and not _same_dir(identity.get("workdir"), workdir):
       note = (f"{workdir}/{RUN_FILE} names run {identity['id']} of {identity.get('workdir')} "
               "(a copied or moved workdir): this is a new run")
       identity = None
@@ -54,6 +55,12 @@ def run_identity(workdir: str, timeout_s: float = 300) -> tuple[dict, str | None
     lead = exchange({"identity": identity, "note": note}, timeout_s)[0]
     identity, note = lead["identity"], lead["note"]
   return identity, note
+
+
+def _same_dir(saved: str | None, workdir: str) -> bool:
+  """Whether run.json's workdir is this one, however it is reached (a symlink, a mount point
+  named otherwise: the real paths are compared)."""
+  return isinstance(saved, str) and os.path.realpath(saved) == os.path.realpath(workdir)
 
 
 def keep_identity(workdir: str, identity: dict) -> None:
