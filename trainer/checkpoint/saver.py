@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 
 import jax
 from jax.experimental import multihost_utils
@@ -78,10 +79,19 @@ def remove_partial(directory: str) -> list[str]:
 
 
 class _OrbaxErrorLogs(logging.Filter):
-  """Drops Orbax's ERROR records: the failures they describe reach the Saver as exceptions."""
+  """Drops Orbax's ERROR records: the failures they describe reach the Saver as exceptions.
+  Also asyncio's "Task exception was never retrieved" of a task of Orbax's (a write of a failed
+  save whose error Orbax raised once and left in its other tasks, logged with its traceback when
+  the task is collected); asyncio's records about anything else pass."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+    if record.levelno < logging.ERROR:
+      return True
+    if record.name == "asyncio":
+      tb = record.exc_info[2] if record.exc_info else None
+      files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+      return not ("/orbax/" in record.getMessage() or any("/orbax/" in f for f in files))
+    return "orbax" not in record.pathname
 
 
 _FILTER = _OrbaxErrorLogs()
@@ -99,9 +109,9 @@ def _quiet_unraisable(previous):
 
 def silence_orbax_failures() -> None:
   """Install the filters (once per process)."""
-  logger = logging.getLogger("absl")
-  if _FILTER not in logger.filters:
-    logger.addFilter(_FILTER)
+  for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+    if _FILTER not in logger.filters:
+      logger.addFilter(_FILTER)
   if not getattr(sys.unraisablehook, "scaletrain_quiet", False):
     sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
