@@ -308,3 +308,41 @@ def test_elastic_restore_8_to_4_to_1_devices(straight, tmp_path):
   got, want = losses(tmp_path), straight["small"]
   np.testing.assert_allclose([got[s] for s in range(5, 13)], [want[s] for s in range(5, 13)],
                              rtol=1e-5)
+
+
+def test_the_host_queues_at_most_one_step_behind_the_running_one(tmp_path, monkeypatch):
+  """Steps slower than the host's work for one (no row read back before the last): the host
+  raced 3-4 steps ahead on CPU, and a stop signal acted only after those. Now every step
+  before the one just dispatched has finished once the dispatch returns."""
+  from conftest import tiny_config  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
+  queued, dispatch = [], Run._dispatch
+
+  def recording(self, *args):
+    state, metrics = dispatch(self, *args)
+    queued.append(metrics)
+    unfinished = [i + 1 for i, m in enumerate(queued[:-1]) if not m["loss"].is_ready()]
+    assert not unfinished, (f"step {len(queued)} dispatched while steps {unfinished} had not "
+                            "finished")
+    return state, metrics
+
+  monkeypatch.setattr(Run, "_dispatch", recording)
+  cfg = tiny_config(**{"steps": 4, "log_every": 4, "model.d_model": 64, "model.mlp_dim": 256,
+                       "data.seq_len": 64, "data.global_batch_size": 16})
+  assert Run(cfg, str(tmp_path)).train().status == "done" and len(queued) == 4
+
+
+@pytest.mark.slow  # a real SIGINT into a run of slow steps; the default run keeps the test above
+def test_ctrl_c_stops_after_the_running_step_or_the_one_queued_behind_it(tmp_path):
+  """Steps long enough that the host could queue many (a log row every 10 steps: nothing is
+  read back in between). SIGINT as step 10's row appears, while step 11 runs: the run stops
+  after step 11 or 12 (the one queued behind it), not several steps later."""
+  proc = start(tmp_path, 100000, "--config.log_every=10", "--config.checkpoint.every_steps=0",
+               "--config.model.d_model=256", "--config.model.mlp_dim=1024",
+               "--config.data.seq_len=128", "--config.data.global_batch_size=32")
+  wait_for_line(proc, "step 10:")
+  proc.send_signal(signal.SIGINT)
+  rest = proc.communicate(timeout=300)[0]
+  assert proc.returncode == 75, rest[-3000:]
+  stopped = int(rest.split("SIGINT received: stopped after step ")[1].split(";")[0])
+  assert stopped in (11, 12), rest[-3000:]

@@ -295,6 +295,7 @@ class Run:
     deferred = None  # a log step whose row is read while the next step runs
     step = start
     self._stage = None  # the batch ramp's stage of the last step dispatched
+    self._running = None  # the metrics of the step dispatched last (it runs or is queued)
     profile = ProfileWindow(cfg.trainer.profile_steps, self.workdir, log=self.log)
     with jax.set_mesh(self.mesh), contextlib.closing(profile):
       while step < cfg.steps:
@@ -400,6 +401,11 @@ class Run:
     with self.timer.waiting_for_data():
       batch = self.feed.global_batch([next(train_iter) for _ in range(num_micro)])
     state, metrics = train_step(state, batch)
+    # At most one step queued behind the running one (the host raced 3-4 ahead on CPU, up to a
+    # log step on an accelerator), so a stop signal acts after the running step or the next.
+    if self._running is not None:
+      jax.block_until_ready(self._running)
+    self._running = metrics
     self.timer.step_dispatched()
     self.writer.advance(1)
     return state, metrics
