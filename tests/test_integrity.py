@@ -315,3 +315,36 @@ def test_a_warm_start_and_the_tools_read_only_verified_finite_steps(tmp_path, ca
   with pytest.raises(CheckpointError, match=r"is unreadable \(it holds NaN or inf \(its "
                                             r"parameters hold NaN or inf\)\); nothing was loaded"):
     load_params(str(tmp_path / "nan"), spec.abstract_params)
+
+
+def test_processes_restore_only_steps_every_one_lists_and_verify_the_same_step(tmp_path,
+                                                                                monkeypatch):
+  """Two processes, one of which does not list step 6 yet (an NFS or FUSE listing cache): the
+  restore iterates their intersection; the checksum agreement carries the step, and processes
+  verifying different steps (a restore mixing two steps) is a bug raised at once."""
+  import jax  # noqa: PLC0415
+  from trainer.checkpoint import persistent  # noqa: PLC0415
+  ckpt = Checkpointer(str(tmp_path / "c"), keep=5)
+  for step in (2, 4, 6):
+    (tmp_path / "c" / str(step)).mkdir(parents=True)
+  ckpt.manager.reload()
+  assert ckpt.all_steps() == [2, 4, 6]
+  sent = []
+
+  def exchange(payload, timeout_s):  # process 1 lists steps 2 and 4, and verifies `other`
+    sent.append(payload)
+    if "steps" in payload:
+      return [payload, {"steps": [2, 4]}]
+    return [payload, {"problem": None, "step": other}]
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(persistent, "exchange", exchange)
+  monkeypatch.setattr(integrity, "exchange", exchange)
+  assert ckpt.agreed_steps() == [2, 4]
+  other = 4
+  assert ckpt.verify(4) is None and sent[-1] == {"problem": None, "step": 4}
+  other = 6
+  with pytest.raises(AssertionError, match=r"processes verify different checkpoint steps \[4, 6\]"):
+    ckpt.verify(4)
+  monkeypatch.undo()
+  ckpt.close()
