@@ -61,14 +61,15 @@ def at_budget(base, batch: int, examples: int, *, micro: int, evals: int,
 
 
 def crossings(workdir: str, start_batch: int, seq_len: int, targets: list[float],
-              smooth_examples: float) -> list[dict]:
+              smooth_examples: float, key: str = "eval_loss") -> list[dict]:
   """Per target, where a run's smoothed eval curve crossed it: steps, examples and tokens through
   the run's own record (its batch changes), the batch it had then and the B_simple the meter
   logged there (all None where it never did); `first`: at the smoothed curve's first point, so
-  the run may have crossed earlier (an upper bound, not a crossing)."""
+  the run may have crossed earlier (an upper bound, not a crossing). `key`: the curve read
+  (`eval_loss_ema`: the parameter EMA's)."""
   rows = read_rows(workdir)
   ramp = ramp_from_rows(rows, start_batch, seq_len)
-  curve, noise = eval_curve(rows, ramp), noise_curve(rows)
+  curve, noise = eval_curve(rows, ramp, key), noise_curve(rows)
   start = smooth(curve, smooth_examples / 2)[:1]
   out = []
   for target in targets:
@@ -83,11 +84,11 @@ def crossings(workdir: str, start_batch: int, seq_len: int, targets: list[float]
 
 
 def loss_at(workdir: str, start_batch: int, seq_len: int, examples: list[float],
-            smooth_examples: float) -> list[float | None]:
+            smooth_examples: float, key: str = "eval_loss") -> list[float | None]:
   """The run's eval loss after each of `examples` sequences, on its curve smoothed as for a
   crossing (`smooth`), linear between evaluations; None outside the smoothed curve."""
   rows = read_rows(workdir)
-  curve = smooth(eval_curve(rows, ramp_from_rows(rows, start_batch, seq_len)),
+  curve = smooth(eval_curve(rows, ramp_from_rows(rows, start_batch, seq_len), key),
                  smooth_examples / 2)
   return [interpolate(curve, x) if curve and curve[0][0] <= x <= curve[-1][0] else None
           for x in examples]

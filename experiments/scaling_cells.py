@@ -1,34 +1,48 @@
-"""The scaling lab's estimates at one (model size N, data budget D) from its runs, with bootstrap
-intervals over seeds (experiments/critical_batch_scaling.py runs them; no jax here).
+"""The scaling lab's estimates at one (model size N, data budget D) from its runs, with paired
+bootstrap intervals over seeds (experiments/critical_batch_scaling.py runs them; no jax here).
 
-From rows of (batch, learning-rate multiplier, seed) with the steps to the target of D, the eval
-loss after D sequences and B_simple at the crossing: per seed and batch the rate with the fewest
-steps counts (`tools.batch_sweep.summarise`, as the sweep does); on the steps averaged over seeds
-McCandlish's S_min, E_min and B_crit (`fit_tradeoff`) and Zhang et al.'s 20%-overhead batch
-(`zhang_batch` from `zhang_b0`, the smallest batch every seed crossed); B_opt, the batch with the
-lowest mean loss after D (a parabola in log B through its neighbours), and eta_opt, the rate with
-the lowest mean loss at that batch (a parabola in log eta), "resolved" only when the minimum (for
-eta_opt both) lies inside the grid; B_simple, the median of the meter's values at the crossings.
-Intervals: percentiles over `draws`, seeds drawn with replacement per batch, the same draws for
-every (N, D). Method: docs/scaling_lab.md
+From rows of (batch, learning-rate multiplier, seed) with the steps to the target of D (an upper
+bound where `censored`: the run was below the target at its first smoothed evaluation), the eval
+loss after D sequences and B_simple at the crossing:
+
+- per seed and batch the rate with the fewest steps counts, and whether it lies *inside* the
+  rates run at that batch (`interior`; the lab grows the grid until it does);
+- the cell's batch set is every batch of the lab (fixed before any outcome is seen: no batch is
+  dropped for where it crossed) and b0 is its smallest batch; a cell where some seed's fastest
+  rate is at its grid's edge, or some seed never reached the target, is *refused*: no B_crit,
+  no Zhang batch (`refused` says which batch and why);
+- on the steps averaged over seeds McCandlish's S_min, E_min and B_crit (`fit_tradeoff`, a
+  censored point kept as its bound, with residuals, local slopes, B_crit on narrower windows and
+  the fit's residual-based interval) and Zhang et al.'s 20%-overhead batch from b0;
+- B_opt, the batch with the lowest mean loss after D (best rate; a parabola in log B through
+  its neighbours) and eta_opt, the rate with the lowest mean loss at that batch, "resolved" only
+  inside the grid; B_simple, the median of the meter's values at the crossings;
+- `lr_opt`: per batch the rate with the fewest mean steps (a parabola in log rate), the learning
+  rate that is actually optimal at each batch (what a rate rule should reproduce).
+
+Intervals: percentiles over `draws`, a *paired* bootstrap: each replicate draws seeds with
+replacement and keeps a drawn seed's runs at every batch together (a seed shares its
+initialisation and data order across batches), the same draws for every (N, D). Method:
+docs/scaling_lab.md
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 
 import numpy as np
 
-from tools.batch_sweep import MIN_MICRO_BATCHES, Result, fit_tradeoff, summarise, zhang_batch
+from tools.batch_sweep import MIN_MICRO_BATCHES
 from tools.scaling_fit import interval
+from tools.tradeoff import fit_tradeoff, local_slopes, window_sensitivity, zhang_batch
 
 QUANTITIES = ("s_min", "e_min", "b_crit", "b_zhang", "b_opt", "eta_opt", "b_simple")
 
 
-def draws(replicates: int, batches: int, seeds: int, seed: int = 0) -> np.ndarray:
-  """[replicate, batch, slot] indices of seeds drawn with replacement (the bootstrap's draws)."""
-  return np.random.default_rng(seed).integers(0, seeds, size=(replicates, batches, seeds))
+def draws(replicates: int, seeds: int, seed: int = 0) -> np.ndarray:
+  """[replicate, slot] indices of seeds drawn with replacement (a paired bootstrap: a drawn
+  seed brings its runs at every batch)."""
+  return np.random.default_rng(seed).integers(0, seeds, size=(replicates, seeds))
 
 
 @dataclasses.dataclass
@@ -36,41 +50,48 @@ class Table:
   """One (N, D)'s runs as arrays over (seed, batch[, rate]); NaN where a value is missing."""
   seeds: list[int]
   batches: list[int]
-  steps: np.ndarray  # [seed, batch]: the fastest rate's steps to the target
+  steps: np.ndarray  # [seed, batch]: the fastest rate's steps to the target (NaN: none reached)
+  censored: np.ndarray  # [seed, batch]: those steps are an upper bound
+  interior: np.ndarray  # [seed, batch]: the fastest rate has a slower one run on each side
   noise: np.ndarray  # [seed, batch]: its B_simple at the crossing (NaN: too few micro-batches)
   loss: np.ndarray  # [seed, batch, rate]: eval loss after D sequences
-  rates: np.ndarray  # [batch, rate]: the learning rates
+  rates: np.ndarray  # [batch, rate]: the learning rates (NaN: not run at that batch)
+  mults: list[float]  # the rate multipliers (the rate axis)
 
 
 def table(rows: list[dict]) -> Table:
   """The arrays of one (N, D)'s rows (keys: seed, batch_size, lr_multiplier, learning_rate,
-  steps, examples, noise_scale, micro_batches, loss_at_budget, below_at_start)."""
+  steps, noise_scale, micro_batches, loss_at_budget, censored)."""
   seeds = sorted({r["seed"] for r in rows})
   batches = sorted({r["batch_size"] for r in rows})
   mults = sorted({r["lr_multiplier"] for r in rows})
-  steps = np.full((len(seeds), len(batches)), np.nan)
-  noise = np.full_like(steps, np.nan)
-  loss = np.full((len(seeds), len(batches), len(mults)), np.nan)
+  shape = (len(seeds), len(batches))
+  steps, noise = np.full(shape, np.nan), np.full(shape, np.nan)
+  censored, inside = np.zeros(shape, bool), np.zeros(shape, bool)
+  loss = np.full(shape + (len(mults),), np.nan)
   rates = np.full((len(batches), len(mults)), np.nan)
+  for r in rows:
+    i, j, k = seeds.index(r["seed"]), batches.index(r["batch_size"]), mults.index(r["lr_multiplier"])
+    rates[j, k] = r["learning_rate"]
+    if r.get("loss_at_budget") is not None:
+      loss[i, j, k] = r["loss_at_budget"]
   for i, s in enumerate(seeds):
-    mine = [r for r in rows if r["seed"] == s]
-    results = [Result(r["batch_size"], r["lr_multiplier"], r["learning_rate"], r["steps"],
-                      r.get("examples"), r.get("tokens"), r.get("noise_scale"),
-                      r.get("micro_batches", 1), None, 0, 0.0, "") for r in mine]
-    chosen, _, _ = summarise(results)  # the fastest rate per batch
-    # a rate already below the target where its curve starts may have been the fastest: unknown
-    early = {r["batch_size"] for r in mine if r.get("below_at_start")}
-    for r in (r for r in chosen if r.batch_size not in early):
-      j = batches.index(r.batch_size)
-      steps[i, j] = r.steps
-      if r.noise_scale is not None and r.micro_batches >= MIN_MICRO_BATCHES:
-        noise[i, j] = r.noise_scale
-    for r in mine:
-      j, k = batches.index(r["batch_size"]), mults.index(r["lr_multiplier"])
-      rates[j, k] = r["learning_rate"]
-      if r.get("loss_at_budget") is not None:
-        loss[i, j, k] = r["loss_at_budget"]
-  return Table(seeds, batches, steps, noise, loss, rates)
+    for j, b in enumerate(batches):
+      mine = [r for r in rows if r["seed"] == s and r["batch_size"] == b]
+      reached = [r for r in mine if r["steps"] is not None]
+      if not reached:
+        continue
+      fastest = min(r["steps"] for r in reached)
+      winners = [r for r in reached if r["steps"] <= fastest * (1 + 1e-9)]
+      run = [r["lr_multiplier"] for r in mine]
+      steps[i, j] = fastest
+      censored[i, j] = any(r.get("censored") for r in winners)
+      # a tie (two rates censored at the same first evaluation) is inside only if all are
+      inside[i, j] = all(min(run) < r["lr_multiplier"] < max(run) for r in winners)
+      w = winners[0]
+      if w.get("noise_scale") is not None and w.get("micro_batches", 1) >= MIN_MICRO_BATCHES:
+        noise[i, j] = w["noise_scale"]
+  return Table(seeds, batches, steps, censored, inside, noise, loss, rates, mults)
 
 
 def vertex(xs, ys, i: int) -> float:
@@ -85,23 +106,42 @@ def vertex(xs, ys, i: int) -> float:
   return float(np.exp(np.clip(-b / (2 * a), x[0], x[2])))
 
 
-def estimate(t: Table, pick: np.ndarray) -> dict:
-  """The quantities with each batch's seeds taken as `pick[batch]` (indices into t.seeds)."""
+def refusal(t: Table, pick: np.ndarray) -> str:
+  """Why the picked seeds' steps cannot be fitted ('' when they can): a seed that never reached
+  the target at some batch, or a fastest rate at the edge of its batch's grid."""
+  for j, b in enumerate(t.batches):
+    for i in pick:
+      if np.isnan(t.steps[i, j]):
+        return f"batch {b}: seed {t.seeds[i]} never reached the target"
+      if not t.interior[i, j]:
+        return f"batch {b}: seed {t.seeds[i]}'s fastest rate is at the edge of the rates run"
+  return ""
+
+
+def estimate(t: Table, pick: np.ndarray, diagnostics: bool = False) -> dict:
+  """The quantities from the seeds `pick` (indices into t.seeds, the same at every batch);
+  `diagnostics`: also the fit's residuals, local slopes, window sensitivity and interval."""
   out = dict.fromkeys(QUANTITIES + ("b_opt_resolved", "eta_opt_resolved", "zhang_b0"))
-  cols = np.arange(len(t.batches))
-  steps = t.steps[pick.T, cols]  # [slot, batch]
-  full = ~np.isnan(steps).any(axis=0)  # batches every picked seed reached
-  b = np.asarray(t.batches, float)[full]
-  mean = steps[:, full].mean(axis=0)
-  if len(b) >= 2:
-    fit = fit_tradeoff(b, mean)
+  out["refused"] = refusal(t, pick)
+  b = np.asarray(t.batches, float)
+  if not out["refused"] and len(b) >= 2:
+    mean = t.steps[pick].mean(axis=0)
+    cens = t.censored[pick].any(axis=0)
+    fit = fit_tradeoff(b, mean, cens)
+    used = np.where(cens, np.minimum(mean, fit.steps(b)), mean)  # a bound at most its fit
     out.update(s_min=fit.s_min, e_min=fit.e_min, b_crit=fit.b_crit,
-               b_zhang=zhang_batch(b, mean), zhang_b0=float(b[0]))
-  loss = np.stack([t.loss[pick[j], j] for j in cols], axis=1)  # [slot, batch, rate]
+               b_zhang=zhang_batch(b, used), zhang_b0=float(b[0]))
+    if diagnostics:
+      out.update(b_crit_fit_lo=fit.b_crit_lo, b_crit_fit_hi=fit.b_crit_hi,
+                 residuals=dict(zip(t.batches, np.round(fit.residuals, 4).tolist())),
+                 local_slopes=dict(zip(t.batches[1:], np.round(local_slopes(b, used), 3).tolist())),
+                 window_b_crit={k: round(v, 2) for k, v in window_sensitivity(b, mean, cens).items()},
+                 censored_batches=[x for x, c in zip(t.batches, cens) if c])
+  loss = t.loss[pick]  # [slot, batch, rate]
   by_batch = _nanmin(loss, axis=2).mean(axis=0)  # the best rate's, averaged over seeds
   ok = ~np.isnan(by_batch)
   if ok.any():
-    bs, ls = np.asarray(t.batches, float)[ok], by_batch[ok]
+    bs, ls = b[ok], by_batch[ok]
     i = int(np.argmin(ls))
     out.update(b_opt=vertex(bs, ls, i), b_opt_resolved=0 < i < len(bs) - 1)
     j = int(np.flatnonzero(ok)[i])
@@ -113,7 +153,7 @@ def estimate(t: Table, pick: np.ndarray) -> dict:
       # the joint minimum: a rate inside its grid at a batch inside its grid
       out.update(eta_opt=vertex(rates, lr_loss, k),
                  eta_opt_resolved=0 < k < len(rates) - 1 and bool(out["b_opt_resolved"]))
-  noise = np.stack([t.noise[pick[j], j] for j in cols], axis=1)
+  noise = t.noise[pick]
   if not np.isnan(noise).all():
     out["b_simple"] = float(np.nanmedian(noise))
   return out
@@ -126,18 +166,47 @@ def _nanmin(a: np.ndarray, axis: int) -> np.ndarray:
     return np.nanmin(a, axis=axis)
 
 
+def lr_opt(rows: list[dict]) -> list[dict]:
+  """Per batch of one (N, D): the learning rate with the fewest steps to the target, averaged
+  over the seeds (rates some seed did not reach with count as never), refined by a parabola in
+  log rate through its neighbours; `interior` when it is inside the rates run."""
+  t = table(rows)
+  steps = np.full((len(t.seeds), len(t.batches), len(t.mults)), np.inf)
+  for r in rows:
+    if r["steps"] is not None:
+      steps[t.seeds.index(r["seed"]), t.batches.index(r["batch_size"]),
+            t.mults.index(r["lr_multiplier"])] = r["steps"]
+  out = []
+  for j, b in enumerate(t.batches):
+    run = ~np.isnan(t.rates[j])
+    mean = steps[:, j, run].mean(axis=0)
+    if not np.isfinite(mean).any():
+      out.append(dict(batch=b, lr_opt=None, interior=False, steps=None))
+      continue
+    k = int(np.argmin(mean))
+    rates = t.rates[j][run]
+    near = mean[max(0, k - 1):k + 2]
+    best = vertex(rates, mean, k) if np.isfinite(near).all() else float(rates[k])
+    out.append(dict(batch=b, lr_opt=best, interior=0 < k < len(rates) - 1,
+                    steps=float(mean[k])))
+  return out
+
+
 def cell(rows: list[dict], boot: np.ndarray, level: float = 0.95) -> tuple[dict, list[dict]]:
-  """(the point estimates with their intervals and each batch's mean steps, the bootstrap
-  replicates) of one (N, D). `boot`: `draws(R, len(batches), len(seeds))`."""
+  """(the point estimates with their intervals, diagnostics and each batch's mean steps, the
+  bootstrap replicates) of one (N, D). `boot`: `draws(R, len(seeds))`."""
   t = table(rows)
   n = len(t.seeds)
-  point = estimate(t, np.tile(np.arange(n), (len(t.batches), 1)))
+  point = estimate(t, np.arange(n), diagnostics=True)
   replicates = [estimate(t, boot[r]) for r in range(len(boot))] if n > 1 else []
   out = dict(point)
   for q in QUANTITIES:
     lo, hi = interval([r[q] for r in replicates], level)
     out[f"{q}_lo"], out[f"{q}_hi"] = lo, hi
   out["seeds"] = n
+  reached = ~np.isnan(t.steps)
+  out["cases"] = int(reached.sum())
+  out["interior_cases"] = int((reached & t.interior).sum())
   out["steps_by_batch"] = {b: (None if np.isnan(t.steps[:, j]).any() else
                                float(t.steps[:, j].mean()))
                            for j, b in enumerate(t.batches)}

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import write_sweep_config
 from tools import batch_sweep
-from tools.batch_sweep import Fit, fit_tradeoff
+from tools.tradeoff import Fit, fit_tradeoff
 from trainer.tracking.record import crossing, smooth
 
 
@@ -113,3 +113,72 @@ def test_sweep_over_seeds(tmp_path, data_dir):
                                                      per_seed[1]["b_crit"]) / 2)
   assert summary["steps"]["16"]["n"] == 2
   assert os.path.getsize(out / "batch_sweep.png") > 10_000
+
+
+def steps_surface(best_mult: float, batch: int = 32):
+  """Steps to a target on a synthetic loss surface: McCandlish's curve at the best rate, growing
+  quadratically in log2 of the rate's distance from `best_mult`; beyond 4x the best the run
+  diverges (never reaches the target)."""
+  def steps(mult):
+    if mult > 4 * best_mult:
+      return None
+    return (40 + 1600 / batch) * (1 + 0.3 * math.log2(mult / best_mult) ** 2)
+  return steps
+
+
+def test_bracketing_finds_an_optimum_outside_the_starting_grid():
+  """The surface's best rate is x8 (x0.1) of the rule's: the grid 0.5, 1, 2 grows to 16 (0.03125)
+  and stops with the best inside; a diverged run brackets; edges that stay edges are reported."""
+  from tools.tradeoff import bracket, interior, next_multipliers  # noqa: PLC0415
+  calls = []
+  run = lambda m: calls.append(m) or steps_surface(8.0)(m)
+  scores = bracket(run, [0.5, 1, 2])
+  assert calls == [0.5, 1, 2, 4, 8, 16] and interior(scores)
+  assert min((v, m) for m, v in scores.items())[1] == 8
+  low = bracket(steps_surface(0.1), [0.5, 1, 2])
+  # every run of the starting grid diverges: the grid grows both ways until one reaches
+  assert sorted(low) == [0.0625, 0.125, 0.25, 0.5, 1, 2, 4] and interior(low)
+  assert min((v, m) for m, v in low.items() if v)[1] == 0.125  # nearest grid point to 0.1
+  # the run above the best diverges: a bracket, not a failure
+  diverge = {1: 100.0, 2: 90.0, 4: None}
+  assert interior(diverge) and next_multipliers(diverge) == []
+  # limited extensions: still at the edge, and said so
+  capped = bracket(steps_surface(64.0), [0.5, 1, 2], max_extensions=2)
+  assert sorted(capped) == [0.5, 1, 2, 4, 8] and interior(capped) is False
+  # several seeds / budgets: the union of what each needs; a grid of one grows both ways
+  assert next_multipliers({0.5: 9.0, 1: 10.0, 2: 11.0}, {0.5: 12.0, 1: 11.0, 2: 10.0}) == [0.25, 4]
+  assert next_multipliers({1: 10.0}) == [0.5, 2] and next_multipliers({1: None, 2: None}) == [0.5, 4]
+
+
+def test_a_censored_point_is_an_upper_bound_in_the_fit():
+  """Steps on S = 40 (1 + 32 / B); batch 4's run was below the target at its first evaluation,
+  so only an upper bound (400 steps, above the true 360) is known: the censored fit recovers
+  B_crit, the plain fit of the bound does not; a bound below the curve is fitted as measured."""
+  b = np.array([4, 8, 16, 32, 64, 128])
+  s = 40 * (1 + 32 / b)
+  bounded = np.where(b == 4, 400.0, s)
+  cens = b == 4
+  assert fit_tradeoff(b, bounded, cens).b_crit == pytest.approx(32, rel=1e-3)
+  assert abs(fit_tradeoff(b, bounded).b_crit - 32) > 2
+  tight = np.where(b == 4, 300.0, s)  # the bound says at most 300: the curve must bend down
+  assert fit_tradeoff(b, tight, cens).b_crit == pytest.approx(fit_tradeoff(b, tight).b_crit)
+
+
+def test_the_fit_reports_its_misfit():
+  """Residuals, local slopes and the residual interval: on McCandlish's curve the residuals are
+  0 and slopes fall from ~1 towards 0; on a slope-0.5 power law (a sqrt rate rule's shape) the
+  residuals are S-shaped, the slopes flat at 0.5, and B_crit moves with the batch window."""
+  from tools.tradeoff import local_slopes, window_sensitivity  # noqa: PLC0415
+  b = np.array([4, 8, 16, 32, 64, 128, 256])
+  clean = fit_tradeoff(b, 50 * (1 + 32 / b))
+  assert max(map(abs, clean.residuals)) < 1e-9 and clean.b_crit_lo == pytest.approx(32)
+  slopes = local_slopes(b, 50 * (1 + 32 / b))
+  assert slopes[0] > 0.8 and slopes[-1] < 0.2 and slopes == sorted(slopes, reverse=True)
+  power = 2000 / np.sqrt(b)
+  fit = fit_tradeoff(b, power)
+  assert local_slopes(b, power) == pytest.approx([0.5] * 6)
+  signs = np.sign(fit.residuals)
+  assert signs[0] == signs[-1] and signs[3] == -signs[0]  # S-shaped: ends one way, middle other
+  windows = window_sensitivity(b, power)
+  assert max(windows.values()) / min(windows.values()) > 1.5
+  assert fit.b_crit_lo < fit.b_crit < fit.b_crit_hi

@@ -2,12 +2,18 @@
 McCandlish et al. 2018, and the measured gradient noise scale beside it.
 
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
-        --target_loss 2.6 [--lr_grid 0.5,1,2] [--out runs/batch_sweep] [--config.KEY=VALUE ...]
+        --target_loss 2.6 [--lr_grid 0.5,1,2] [--max_extensions 4] [--out runs/batch_sweep] \\
+        [--config.KEY=VALUE ...]
 
-One short training per batch size B (and per multiplier of `--lr_grid`, keeping the fastest),
-everything but the batch from the config and its rules, each stopped once its smoothed
-validation loss reaches the target; the fit S(B) = S_min + E_min / B gives B_crit = E_min /
-S_min, reported beside the B_simple the runs measured (`optim/noise_scale.py`). Outputs in
+One short training per batch size B and learning-rate multiplier, everything but the batch and
+the rate from the config and its rules, each stopped once its smoothed validation loss reaches
+the target. The rates are bracketed: per batch the grid `--lr_grid` (multiples of the rule's
+rate) grows by `--bracket_factor` beyond any edge where the fastest run sits (`bracket`), until
+the fastest rate is inside (a run that never reaches the target, diverged ones included, counts
+as a bracket). Only then is the fit S(B) = S_min + E_min / B (B_crit = E_min / S_min, with its
+residuals, local slopes, the fit's residual-based interval and B_crit on narrower batch windows)
+drawn from the fastest runs: with a batch's rate at an edge the sweep says so and does not fit.
+Reported beside the B_simple the runs measured (`optim/noise_scale.py`). Outputs in
 `--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the noise scale),
 `batch_sweep.png` (needs matplotlib, the `tools` extra) and each run's workdir under `runs/`.
 Method (data order, smoothing, the fit, which B_simple): docs/batch_size.md#critical-batch-sweep
@@ -25,67 +31,13 @@ import time
 import numpy as np
 
 from tools import figures
+from tools.tradeoff import Fit, bracket, fit_tradeoff, interior, local_slopes, window_sensitivity
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser, floats, ints, load
 from trainer.multihost import platforms
 from trainer.run.inprocess import train
 from trainer.tracking.record import (eval_curve, interpolate, noise_curve, read_rows, smooth,
                                      target_stop, to_target)
-
-# ------------------------------------------------------------------------------------------------
-# Analysis (no jax: importable and testable on its own)
-
-
-@dataclasses.dataclass
-class Fit:
-  s_min: float  # steps needed at an infinite batch
-  e_min: float  # examples needed at a batch of 1
-  note: str = ""
-
-  @property
-  def b_crit(self) -> float:
-    return self.e_min / self.s_min if self.s_min > 0 else math.inf
-
-  def steps(self, batch):
-    return self.s_min + self.e_min / np.asarray(batch, float)
-
-
-def fit_tradeoff(batch_sizes, steps) -> Fit:
-  """Least-squares fit of S(B) = S_min + E_min / B on relative residuals (each point's error
-  weighted by 1 / S, so small and large batches count alike). A negative S_min means perfect
-  scaling over the whole range (B_crit above the largest batch); a negative E_min means no
-  gain from batch at all: each is then fixed at 0 and the other refitted."""
-  b = np.asarray(batch_sizes, float)
-  s = np.asarray(steps, float)
-  if len(b) < 2:
-    raise ValueError("the fit needs at least two batch sizes that reached the target")
-  w = 1.0 / s
-  a = np.stack([w, w / b], axis=1)
-  (s_min, e_min), *_ = np.linalg.lstsq(a, np.ones_like(s), rcond=None)
-  if s_min <= 0:
-    e_min = float(np.sum(w * w * s / b) / np.sum((w / b) ** 2))
-    return Fit(0.0, e_min, "S_min <= 0: steps halve with every doubling of the batch over the "
-               "whole range (B_crit is above the largest batch)")
-  if e_min <= 0:
-    return Fit(float(np.sum(w * w * s) / np.sum(w * w)), 0.0,
-               "E_min <= 0: a bigger batch saves no steps (B_crit is below the smallest batch)")
-  return Fit(float(s_min), float(e_min))
-
-
-def zhang_batch(batch_sizes, steps, overhead: float = 0.2) -> float | None:
-  """Zhang et al. 2024's critical batch: where the steps to the target exceed linear scaling from
-  the smallest batch b0 (S(b0) b0 / B) by `overhead`, i.e. where E(B) / E(b0) first reaches
-  1 + overhead (E = B S), linear in B between batches (exact on McCandlish's curve, whose E is
-  linear in B: there it is (1 + overhead) b0 + overhead B_crit). None: not within the range."""
-  order = np.argsort(np.asarray(batch_sizes, float))
-  b = np.asarray(batch_sizes, float)[order]
-  ratio = b * np.asarray(steps, float)[order] / (b[0] * np.asarray(steps, float)[order][0])
-  for i in range(1, len(b)):
-    if ratio[i] >= 1 + overhead:
-      return float(b[i - 1] + (1 + overhead - ratio[i - 1]) / (ratio[i] - ratio[i - 1])
-                   * (b[i] - b[i - 1]))
-  return None
-
 
 # ------------------------------------------------------------------------------------------------
 # Running
@@ -107,12 +59,14 @@ class Result:
   workdir: str
   best: bool = False
   final_batch: int = 0  # the batch of the last stage (the start batch unless it grew)
+  lr_interior: bool | None = None  # the best run of its batch: its rate inside the grid run
 
 
 def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
   """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
   grow it), stopped at the target (once `args.min_examples` are seen, if it has that) or after
-  `args.max_examples`; returns what it measured.
+  `args.max_examples`; returns what it measured. `args.curve` "ema" (if it has that): the target
+  is read on the parameter EMA's eval curve (the config must set optim.ema_decay).
   Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
   from optim import derive  # noqa: PLC0415  start-up
   from optim.scaling import stated  # noqa: PLC0415  start-up
@@ -126,17 +80,20 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.steps = max(1, math.ceil(args.max_examples / batch_size))
   cfg.eval_every = max(1, round(args.eval_examples / batch_size))
   cfg.eval_sequences = args.eval_sequences
-  cfg.optim.noise_scale_every = 1  # the meter measures every step (its window: the config's)
+  # the meter measures every step (its window: the config's); a step of one sequence has no
+  # two small batches to measure with
+  cfg.optim.noise_scale_every = 1 if batch_size >= 2 else 0
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
 
   target = args.target_loss
+  key = "eval_loss_ema" if getattr(args, "curve", "raw") == "ema" else "eval_loss"
   stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
-                                 args.max_examples, getattr(args, "min_examples", 0))
+                                 args.max_examples, getattr(args, "min_examples", 0), key)
   trained = train(cfg, workdir, stop=stop)
   rows, ramp = trained.rows, trained.ramp
-  reached = to_target(eval_curve(rows, ramp), ramp, target, args.smooth_examples)
-  first = smooth(eval_curve(rows, ramp), args.smooth_examples / 2)
+  reached = to_target(eval_curve(rows, ramp, key), ramp, target, args.smooth_examples)
+  first = smooth(eval_curve(rows, ramp, key), args.smooth_examples / 2)
   if reached is not None and first and reached.examples == first[0][0]:
     print(f"[sweep] warning: batch {batch_size} was below the target at its first smoothed "
           f"point ({reached.examples:,.0f} examples): the target is too easy to resolve",
@@ -154,9 +111,11 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
 MIN_MICRO_BATCHES = 4  # runs whose noise scale the summary trusts (if there are any)
 
 
-def summarise(results: list[Result]) -> tuple[list[Result], Fit | None, dict]:
-  """Best run per batch (fewest steps), the fit over those that reached the target, and a
-  summary dict."""
+def summarise(results: list[Result], require_interior: bool = False
+              ) -> tuple[list[Result], Fit | None, dict]:
+  """Best run per batch (fewest steps; `lr_interior` set on it), the fit over those that reached
+  the target, and a summary dict. `require_interior`: no fit where a batch's best rate is at
+  the edge of the rates it ran (the summary's `censored` names those batches)."""
   best: dict[int, Result] = {}
   for r in results:
     if r.steps is None:
@@ -165,13 +124,21 @@ def summarise(results: list[Result]) -> tuple[list[Result], Fit | None, dict]:
       best[r.batch_size] = r
   for r in results:
     r.best = best.get(r.batch_size) is r
+  for b, r in best.items():
+    r.lr_interior = interior({x.lr_multiplier: x.steps for x in results if x.batch_size == b})
   chosen = [best[b] for b in sorted(best)]
   fit = None
+  censored = [r.batch_size for r in chosen if not r.lr_interior]
   summary: dict = {"reached": [r.batch_size for r in chosen],
-                   "not_reached": sorted({r.batch_size for r in results} - set(best))}
-  if len(chosen) >= 2:
-    fit = fit_tradeoff([r.batch_size for r in chosen], [r.steps for r in chosen])
-    summary.update(s_min=fit.s_min, e_min=fit.e_min, b_crit=fit.b_crit, fit_note=fit.note)
+                   "not_reached": sorted({r.batch_size for r in results} - set(best)),
+                   "censored": censored}
+  if len(chosen) >= 2 and not (require_interior and censored):
+    b, steps = [r.batch_size for r in chosen], [r.steps for r in chosen]
+    fit = fit_tradeoff(b, steps)
+    summary.update(s_min=fit.s_min, e_min=fit.e_min, b_crit=fit.b_crit, fit_note=fit.note,
+                   b_crit_lo=fit.b_crit_lo, b_crit_hi=fit.b_crit_hi,
+                   residuals=dict(zip(b, fit.residuals)), local_slopes=local_slopes(b, steps),
+                   window_b_crit=window_sensitivity(b, steps))
   # The small-batch squared norm is averaged over a step's micro-batches: with few of them
   # (a single batch split in two halves) the estimate is far noisier, so prefer runs with many.
   measured = [r for r in chosen if r.noise_scale is not None]
@@ -244,8 +211,14 @@ def build_parser():
   p.add_argument("--batch_sizes", type=ints, required=True,
                  help="comma-separated, e.g. 8,16,32,64")
   p.add_argument("--target_loss", type=float, required=True, help="validation loss to reach")
-  p.add_argument("--lr_grid", type=floats, default="1",
-                 help="multipliers of the reference learning rate")
+  p.add_argument("--lr_grid", type=floats, default="0.5,1,2",
+                 help="multipliers of the reference learning rate to start from; a batch whose "
+                      "fastest rate is at an edge runs the next multiplier beyond it")
+  p.add_argument("--bracket_factor", type=float, default=2.0,
+                 help="the step of the rate grid's extension beyond a winning edge")
+  p.add_argument("--max_extensions", type=int, default=4,
+                 help="rounds of extension per batch (0: the grid as given); a batch whose "
+                      "fastest rate is still at an edge after them leaves the sweep unfitted")
   p.add_argument("--out", default="", help="output dir (default runs/batch_sweep/<config>)")
   p.add_argument("--micro_batch_size", type=int, default=0,
                  help="rows per micro-batch for every run (default: the smallest batch)")
@@ -283,7 +256,7 @@ def sweep(cfg, args, out: str, name: str) -> dict:
   results = []
   t0 = time.perf_counter()
   for batch in args.batch_sizes:
-    for mult in args.lr_grid:
+    def run(mult, batch=batch):
       workdir = os.path.join(out, "runs", f"b{batch}_lr{mult:g}")
       try:
         r = run_one(cfg, batch, mult, args, workdir)
@@ -295,10 +268,14 @@ def sweep(cfg, args, out: str, name: str) -> dict:
       print(f"[sweep] batch {batch} lr x{mult:g} (lr {r.learning_rate:.3g}): {reached}; "
             f"B_simple {r.noise_scale if r.noise_scale is None else round(r.noise_scale, 1)}; "
             f"{r.seconds:.0f}s", flush=True)
-  chosen, fit, summary = summarise(results)
+      return r.steps
+    bracket(run, args.lr_grid, factor=args.bracket_factor, max_extensions=args.max_extensions)
+  chosen, fit, summary = summarise(results, require_interior=True)
   summary.update(config=args.config, overrides=getattr(args, "overrides", {}),
                  seed=int(cfg.seed), target_loss=args.target_loss,
                  batch_sizes=args.batch_sizes, lr_grid=args.lr_grid,
+                 rates_run={b: sorted(r.lr_multiplier for r in results if r.batch_size == b)
+                            for b in args.batch_sizes},
                  micro_batch_size=args.micro_batch_size, seconds=time.perf_counter() - t0)
   write_csv(os.path.join(out, "batch_sweep.csv"), results)
   with open(os.path.join(out, "batch_sweep.json"), "w") as f:
@@ -306,14 +283,27 @@ def sweep(cfg, args, out: str, name: str) -> dict:
   plot_path = args.plot if out == args.out else os.path.join(out, "batch_sweep.png")
   plotted = plot(plot_path, results, chosen, fit, summary, args.target_loss,
                  f"{name} (seed {cfg.seed}): eval loss {args.target_loss}")
-  print("[sweep] batch  steps   examples  B_simple")
+  print("[sweep] batch  steps   examples  B_simple  lr (x rule)  inside the rates run  residual")
+  res = dict(zip(fit.batches, fit.residuals)) if fit is not None else {}
   for r in chosen:
     print(f"[sweep] {r.batch_size:5d} {r.steps:7.1f} {r.examples:10,.0f} "
-          f"{r.noise_scale if r.noise_scale is None else f'{r.noise_scale:8.1f}'}")
+          f"{'-' if r.noise_scale is None else f'{r.noise_scale:8.1f}':>9s}  "
+          f"{r.learning_rate:.3g} (x{r.lr_multiplier:g})  {'yes' if r.lr_interior else 'NO':>8s}"
+          + (f"  {res[float(r.batch_size)]:+.1%}" if float(r.batch_size) in res else ""))
   if fit is not None:
+    ci = "" if fit.b_crit_lo is None else f" [{fit.b_crit_lo:.1f}, {fit.b_crit_hi:.1f}] (95%, " \
+        "the fit's residuals)"
     print(f"[sweep] fit S = S_min + E_min/B: S_min={fit.s_min:.1f} steps, E_min={fit.e_min:,.0f} "
-          f"examples, B_crit = E_min/S_min = {fit.b_crit:.1f} sequences"
+          f"examples, B_crit = E_min/S_min = {fit.b_crit:.1f}{ci} sequences"
           + (f" ({fit.note})" if fit.note else ""))
+    print("[sweep] local slopes -dlog S/dlog B between batches: "
+          + ", ".join(f"{x:.2f}" for x in summary["local_slopes"]) + "; B_crit by batch window: "
+          + ", ".join(f"{k}: {v:.1f}" for k, v in summary["window_b_crit"].items()))
+  elif summary["censored"] and len(chosen) >= 2:
+    print(f"[sweep] no fit: the fastest rate of batch {', '.join(map(str, summary['censored']))} "
+          f"is at the edge of the rates run (after {args.max_extensions} extensions of "
+          "--lr_grid): steps to the target there are set by the grid, not the batch; raise "
+          "--max_extensions")
   else:
     print("[sweep] fewer than two batch sizes reached the target: no fit")
   if "b_simple_median" in summary:
@@ -356,6 +346,9 @@ def main(argv: list[str]) -> int:
     args.overrides = dict(overrides)
     if args.seeds < 1:
       raise ConfigError(f"--seeds {args.seeds}: must be at least 1")
+    if args.max_extensions < 0 or args.bracket_factor <= 1:
+      raise ConfigError(f"--max_extensions {args.max_extensions} / --bracket_factor "
+                        f"{args.bracket_factor}: give at least 0 extensions and a factor above 1")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

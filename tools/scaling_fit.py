@@ -6,12 +6,16 @@ the papers' exponents, and a log-log figure.
 
 Reads the lab's CSV (a row per (N, D): `params`, `non_embedding`, `tokens`, each quantity with
 `_lo` and `_hi`) and fits log y = c + a log D + b log N by least squares (N non-embedding unless
---n). Intervals: where the lab's bootstrap replicates exist (`<CSV stem>_boot.csv`, or --boot),
-percentiles of the exponents refitted on every replicate (the lab resampled seeds, the same draws
-for every cell); otherwise the fit's covariance (Student t). A cell enters a fit where its value
-is finite and positive, for B_opt and eta_opt inside the grid, for Zhang's batch at the most
-common reference batch b0; with one D (or N) that exponent is not fitted. Writes STEM.png and
-STEM.json (default `<CSV stem>_fit`). docs/scaling_lab.md
+--n). Two intervals, side by side: the residual-based one (the fit's covariance with Student's t,
+which carries the lack of fit) and, where the lab's bootstrap replicates exist (`<CSV
+stem>_boot.csv`, or --boot), percentiles of the exponents refitted on every replicate (the lab
+resampled seeds: the spread over seeds alone). With them each cell's residual, the local
+exponents between neighbouring budgets at each N, and an F test of the law against a free level
+per budget: a law whose residuals are structured (p below 1 - level) is reported as such. A cell enters a fit where its value is
+finite and positive, the lab did not refuse it, it is not in the transient regime, for B_opt and
+eta_opt inside the grid, for Zhang's batch at the most common reference batch b0; with one D (or
+N) that exponent is not fitted. Writes STEM.png and STEM.json (default `<CSV stem>_fit`).
+docs/scaling_lab.md
 """
 from __future__ import annotations
 
@@ -81,9 +85,12 @@ def fit(tokens, params, y) -> dict:
 
 
 def usable(row: dict, q: str) -> bool:
-  """Whether a cell's value of `q` enters the fit (finite, positive, inside the grid)."""
+  """Whether a cell's value of `q` enters the fit (finite, positive, inside the grid, a cell the
+  lab did not refuse and not in the transient regime)."""
   v = row.get(q)
-  if v is None or not math.isfinite(v) or v <= 0:
+  if v is None or not math.isfinite(v) or v <= 0 or row.get("transient"):
+    return False
+  if row.get("refused") and q in ("s_min", "e_min", "b_crit", "b_zhang"):
     return False
   flag = RESOLVED.get(q)
   return flag is None or bool(row.get(flag))
@@ -114,19 +121,63 @@ def fit_quantity(cells: list[dict], q: str, replicates: list[dict] | None = None
       f = fit([k[1] for k in keys], ns, ys)
       for e in draws:
         draws[e].append(f[e])
+  t = stats.t.ppf((1 + level) / 2, out["dof"]) if out["dof"] > 0 else math.nan
+  for e in ("a", "b"):
+    ok = out[e] is not None and out["cov"] is not None
+    half = t * math.sqrt(out["cov"][e][e]) if ok else None
+    out[f"{e}_fit_ci"] = (out[e] - half, out[e] + half) if ok else (None, None)
   if by_rep:
     out["method"] = f"bootstrap over {len(draws['a'])} of {len(by_rep)} replicates"
     for e in ("a", "b"):
       out[f"{e}_ci"] = interval(draws[e], level) if out[e] is not None else (None, None)
   else:
-    t = stats.t.ppf((1 + level) / 2, out["dof"]) if out["dof"] > 0 else math.nan
     out["method"] = f"fit covariance, t with {out['dof']} degrees of freedom"
     for e in ("a", "b"):
-      ok = out[e] is not None and out["cov"] is not None
-      half = t * math.sqrt(out["cov"][e][e]) if ok else None
-      out[f"{e}_ci"] = (out[e] - half, out[e] + half) if ok else (None, None)
+      out[f"{e}_ci"] = out[f"{e}_fit_ci"]
+  predicted = lambda c: out["c"] + (out["a"] or 0) * math.log(c["tokens"]) + \
+      (out["b"] or 0) * math.log(c[n_key])
+  out["residuals"] = [{"params": c["params"], "tokens": c["tokens"],
+                       "residual": math.log(c[q]) - predicted(c)} for c in use]
+  out["local_a"] = local_exponents(use, q)
+  out["lack_of_fit_p"] = lack_of_fit(use, q, n_key)
+  out["structured"] = out["lack_of_fit_p"] is not None and out["lack_of_fit_p"] < 1 - level
   out["quantity"], out["used"], out["n"] = q, keys, n_key
   return out
+
+
+def local_exponents(cells: list[dict], q: str) -> list[dict]:
+  """d log y / d log D between neighbouring budgets at each N: the exponent each interval of D
+  gives on its own."""
+  out = []
+  for n in sorted({c["params"] for c in cells}):
+    mine = sorted((c for c in cells if c["params"] == n), key=lambda c: c["tokens"])
+    for lo, hi in zip(mine, mine[1:]):
+      out.append({"params": n, "tokens": [lo["tokens"], hi["tokens"]],
+                  "a": math.log(hi[q] / lo[q]) / math.log(hi["tokens"] / lo["tokens"])})
+  return out
+
+
+def lack_of_fit(cells: list[dict], q: str, n_key: str) -> float | None:
+  """p-value of the F test of the power law in D against a free level per budget (same N
+  term): small when the cells bend away from one exponent over the range of D. None with fewer
+  than 3 budgets or no residual degrees of freedom left."""
+  d = np.log([c["tokens"] for c in cells])
+  n = np.log([c[n_key] for c in cells])
+  y = np.log([c[q] for c in cells])
+  levels = sorted(set(d.tolist()))
+  with_n = [n] if np.ptp(n) > 0 else []
+  law = np.stack([np.ones_like(y), d, *with_n], axis=1)
+  free = np.stack([d == v for v in levels] + with_n, axis=1).astype(float)
+  dof = len(y) - free.shape[1]
+  if len(levels) < 3 or dof <= 0:
+    return None
+  rss = lambda x: float(np.sum((y - x @ np.linalg.lstsq(x, y, rcond=None)[0]) ** 2))
+  rss_law, rss_free = rss(law), rss(free)
+  extra = free.shape[1] - law.shape[1]
+  if rss_free <= 0:
+    return 0.0 if rss_law > 0 else 1.0
+  f = (rss_law - rss_free) / extra / (rss_free / dof)
+  return float(stats.f.sf(f, extra, dof))
 
 
 def read_csv(path: str) -> list[dict]:
@@ -145,12 +196,16 @@ def read_csv(path: str) -> list[dict]:
 
 
 def text(f: dict) -> str:
-  """'a = 0.41 [0.22, 0.60], b = ...' of a fit."""
+  """'a = 0.41 [0.22, 0.60] (fit [0.1, 0.7]), b = ...' of a fit: the method's interval, then the
+  residual-based one where the method is the bootstrap."""
   def one(e, var):
     if f[e] is None:
       return f"{e} ({var}) not fitted"
     lo, hi = f[f"{e}_ci"]
     ci = "" if lo is None else f" [{lo:.2f}, {hi:.2f}]"
+    flo, fhi = f.get(f"{e}_fit_ci", (None, None))
+    if flo is not None and f["method"].startswith("bootstrap"):
+      ci += f" (residuals: [{flo:.2f}, {fhi:.2f}])"
     return f"{e} ({var}) = {f[e]:.2f}{ci}"
   return f"{one('a', 'D')}, {one('b', 'N')}"
 
@@ -217,7 +272,13 @@ def main(argv: list[str]) -> int:
       raise ConfigError(f"{args.csv}: no such file (write it with python -m "
                         "experiments.critical_batch_scaling)")
     qs = [q for q in args.quantities.split(",") if q]
-    cells = read_csv(args.csv)
+    if not args.csv.endswith(".csv"):
+      raise ConfigError(f"{args.csv}: give the lab's CSV (OUT.csv of python -m "
+                        "experiments.critical_batch_scaling)")
+    try:
+      cells = read_csv(args.csv)
+    except (UnicodeDecodeError, csv.Error) as e:
+      raise ConfigError(f"{args.csv}: not a CSV ({e})") from None
     n_key = args.n or ("non_embedding" if cells and "non_embedding" in cells[0] else "params")
     missing = [k for k in ("params", n_key, "tokens", *qs) if cells and k not in cells[0]]
     if not cells or missing:
@@ -241,6 +302,17 @@ def main(argv: list[str]) -> int:
       print(f"[scaling_fit] {q}: too few cells inside the grid to fit")
       continue
     print(f"[scaling_fit] {q} ~ D^a N^b: {text(f)}  ({f['cells']} cells; {f['method']})")
+    print(f"[scaling_fit]     residuals (log): " + ", ".join(
+        f"N {r['params']:,.0f} D {r['tokens']:,.0f}: {r['residual']:+.2f}" for r in f["residuals"]))
+    if f["local_a"]:
+      print(f"[scaling_fit]     local exponents in D: " + ", ".join(
+          f"N {x['params']:,.0f} {x['tokens'][0]:,.0f}-{x['tokens'][1]:,.0f}: {x['a']:+.2f}"
+          for x in f["local_a"]))
+    if f["lack_of_fit_p"] is not None:
+      print(f"[scaling_fit]     lack of fit in D (F test against a level per budget): p = "
+            f"{f['lack_of_fit_p']:.2g}" + ("  STRUCTURED: one power law does not describe this "
+                                          "range; read the local exponents" if f["structured"]
+                                          else ""))
     for paper, a, b, how in PAPERS.get(q, []):
       said = ", ".join(f"{e} = {v:g}" for e, v in (("a", a), ("b", b)) if v is not None)
       print(f"[scaling_fit]     {paper}: {said or 'no exponent'} ({how})")

@@ -76,23 +76,33 @@ def to_target(curve: list[tuple[float, float]], ramp, target: float,
   return Reached(examples, examples * ramp.seq_len, ramp.step_at_examples(examples))
 
 
+DIVERGED = 1.0  # nats above the first evaluation: a run that far up has diverged (target_stop)
+
+
 def target_stop(target: float, smooth_examples: float, examples_at: Callable[[int], float],
-                max_examples: float = math.inf,
-                min_examples: float = 0) -> Callable[[int, dict], str | None]:
-  """A `Run(stop_when=...)` callback: stop once the smoothed eval curve (examples from
+                max_examples: float = math.inf, min_examples: float = 0,
+                key: str = "eval_loss") -> Callable[[int, dict], str | None]:
+  """A `Run(stop_when=...)` callback: stop once the smoothed eval curve (`key`; examples from
   `examples_at(step)`, the run's ramp) is at or below `target` and `min_examples` are seen (at
-  an evaluation), or once `max_examples` are seen."""
+  an evaluation), or once `max_examples` are seen (a target of -inf: a run of that length), or
+  once it has diverged: an evaluation non-finite or DIVERGED nats above the run's first (it
+  would not reach the target; a sweep counts it as not reached)."""
   evals: list[tuple[float, float]] = []
 
   def stop_when(step: int, row: dict) -> str | None:
     seen = examples_at(step)
-    if "eval_loss" in row:
-      evals.append((seen, row["eval_loss"]))
+    if key in row:
+      value = float(row[key])
+      if not math.isfinite(value) or (evals and value > evals[0][1] + DIVERGED):
+        return f"diverged: {key} {value:.4g} at {seen:,.0f} examples"
+      evals.append((seen, value))
       low = [x for x, y in smooth(evals, smooth_examples / 2) if y <= target]
       if low and seen >= min_examples:
         return f"smoothed eval loss <= {target} at {low[0]:,.0f} examples" + (
             f" ({seen:,.0f} seen, at least {min_examples:,.0f} asked)" if min_examples else "")
     if seen >= max_examples:
+      if target == -math.inf:
+        return f"{max_examples:,.0f} examples seen (the length asked)"
       return f"{max_examples:,.0f} examples seen without reaching eval loss {target}"
     return None
 
