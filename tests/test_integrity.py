@@ -238,29 +238,31 @@ def test_the_run_identity_is_kept_in_the_workdir_and_every_checkpoint(tmp_path, 
                   "(a copied or moved workdir): this is a new run")
 
 
-def test_local_copies_written_without_checksums_are_named_in_one_line_each(straight, tmp_path,
-                                                                           capsys):
-  """Copies of an earlier version (no checksums): garbage in a meta is named (it was skipped in
-  silence), a truncated state is named by its cause (not by a TensorStore spec), and the run
-  resumes from the persistent step on the undamaged run's losses."""
+def test_local_copies_without_checksums_or_with_a_truncated_state_are_named_in_one_line_each(
+    straight, tmp_path, capsys):
+  """Every local copy has its sums (they came before run identities, and so before this
+  layout): a copy without them is refused (it was restored unverified as "an earlier
+  version's"), a truncated state is named by its size, and the run resumes from the persistent
+  step on the undamaged run's losses."""
   root, workdir = tmp_path / "local", tmp_path / "w"
   cfg = tiny_config(**{"checkpoint.every_steps": 3, "checkpoint.local_dir": str(root),
                        "checkpoint.local_every_steps": 1, "checkpoint.local_keep": 2})
   assert Run(cfg, str(workdir)).train().status == "done"
   shutil.rmtree(workdir / "checkpoints" / "6")
-  for sums in glob.glob(os.path.join(root, "**", integrity.SUMS), recursive=True):
+  for sums in glob.glob(os.path.join(local_step_dir(root, 5), "**", integrity.SUMS),
+                        recursive=True):
     os.remove(sums)
-  (pathlib.Path(local_step_dir(root, 5)) / "meta" / "metadata").write_text("{garbage")
   state = largest_file(os.path.join(local_step_dir(root, 4), "state"))
   open(state, "r+b").truncate(os.path.getsize(state) // 2)
   capsys.readouterr()
   assert Run(cfg, str(workdir)).train().status == "done"
   out = capsys.readouterr().out
   five = [l for l in out.splitlines() if "local checkpoint 5" in l]
-  assert len(five) == 1 and "process_0/5/meta is unreadable (JSONDecodeError" in five[0], out
+  assert len(five) == 1 and "process_0/5/meta is damaged (checksums.json is missing (the step " \
+      "was written with checksums))" in five[0], out
   four = [l for l in out.splitlines() if "local checkpoint 4" in l]
-  assert len(four) == 1 and "process_0/state is unreadable" in four[0] and \
-      "OUT_OF_RANGE" in four[0] and "TensorStore" not in four[0], out
+  assert len(four) == 1 and "process_0/state is damaged (" in four[0] and \
+      " bytes, " in four[0] and "TensorStore" not in four[0], out
   assert out.split("resumed from")[1].split()[0].endswith("checkpoints/3"), out
   got = losses(workdir)
   assert [got[s] for s in range(4, 7)] == [straight[s] for s in range(4, 7)]

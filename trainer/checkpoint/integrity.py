@@ -66,13 +66,15 @@ def write_checksums(item_dir: str) -> int:
   return sum(size for size, _ in files.values())
 
 
-def verify_item(item_dir: str, share: tuple[int, int] = (0, 1)) -> str | None:
+def verify_item(item_dir: str, share: tuple[int, int] = (0, 1),
+                required: bool = False) -> str | None:
   """None if every file listed in the item's sums (this process's `share`: (index, count) of a
   round robin over them) has its size and CRC32; else what differs, in a few words. An item
-  without sums (written before they existed) is not checked."""
+  without sums is not checked (written before they existed), unless they are `required` (a
+  step of this version): then their absence is the difference."""
   path = os.path.join(item_dir, SUMS)
   if not os.path.exists(path):
-    return None
+    return f"{SUMS} is missing (the step was written with checksums)" if required else None
   try:
     with open(path) as f:
       files = json.load(f)["files"]
@@ -104,9 +106,7 @@ def verify_step(step_dir: str, share: tuple[int, int] = (0, 1)) -> str | None:
   items = sorted(d for d in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, d)))
   current = MARK_ITEM in items
   for item in items:
-    if current and not os.path.exists(os.path.join(step_dir, item, SUMS)):
-      return f"{item}/{SUMS} is missing (the step was written with checksums)"
-    problem = verify_item(os.path.join(step_dir, item), share)
+    problem = verify_item(os.path.join(step_dir, item), share, required=current)
     if problem:
       return f"{item}/{problem}"
   return None

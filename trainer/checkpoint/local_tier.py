@@ -223,7 +223,7 @@ class LocalTier:
   def _read_meta(self, meta_dir: str, step: int) -> dict | None:
     """A copy's meta, or None (said once per copy) if it is damaged, unreadable or another
     run's."""
-    damaged, meta = verify_item(meta_dir), None
+    damaged, meta = verify_item(meta_dir, required=True), None  # sums came before run ids
     if damaged:
       problem = f"is damaged ({damaged})"
     else:
@@ -347,7 +347,7 @@ class LocalTier:
 
   @staticmethod
   def _restore_item(manager, step: int, item: str, target: dict) -> dict:
-    problem = verify_item(os.path.join(manager.directory, str(step), item))
+    problem = verify_item(os.path.join(manager.directory, str(step), item), required=True)
     if problem:
       raise Damaged(problem)
     return manager.restore(step, args=ocp.args.Composite(**{item: CheckedPyTree.Restore(
