@@ -1,11 +1,11 @@
-"""Batch-size autopilot (`data.batch_ramp = "auto"`): the global batch grows with the measured
-gradient noise scale.
+"""Batch-size autopilot (`data.batch_ramp = "auto"`): the batch grows with the noise scale.
 
 `Autopilot.observe` reads the noise meter in every logged row (`log_every`; the meter measures
 every `optim.noise_scale_every` steps), from replicated metrics only, so every process decides
 the same. Its trigger, `data.batch_auto.trigger`:
 
-  noise_scale   the smoothed B_simple (sequences, `noise_scale`) > `margin` x the batch
+  noise_scale   the smoothed B_simple (sequences) > `margin` x the batch: `signal` names the
+                metric, `noise_scale` or `noise_scale_precond` (Adam's P; optim/noise_scale.py)
   norm_test     tr(Sigma) / (T |g_B|^2) > `eta`^2, the step's own |g_B| (Byrd et al. 2012)
 
 held at `patience` rows in a row multiplies the batch by `factor` (up to `max`; it never shrinks),
@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from optim.noise_scale import PRECONDITIONED
 from optim.ramp import UNITS, BatchRamp
 
 TRIGGERS = ("noise_scale", "norm_test")
+SIGNALS = ("noise_scale", "noise_scale_precond")  # the metrics the noise_scale trigger can read
 DELAY = 2  # the row of step n (1-based) changes the batch from step n + DELAY
 DEFAULT_GROWTHS = 3  # data.batch_auto.max = 0: global_batch_size x factor^3
 DEFAULT_NOISE_SCALE_EVERY = 2  # optim.noise_scale_every = 0 under the autopilot
@@ -82,6 +84,7 @@ class AutoConfig:
   max: int
   factor: int = 2
   trigger: str = "noise_scale"
+  signal: str = "noise_scale"
   margin: float = 2.0
   eta: float = 0.8
   patience: int = 2
@@ -90,7 +93,8 @@ class AutoConfig:
   def from_config(cls, data_cfg) -> "AutoConfig":
     a = data_cfg.batch_auto
     return cls(start=int(data_cfg.global_batch_size), max=int(a.max), factor=int(a.factor),
-               trigger=str(a.trigger), margin=float(a.margin), eta=float(a.eta),
+               trigger=str(a.trigger), signal=str(a.get("signal", "noise_scale")),
+               margin=float(a.margin), eta=float(a.eta),
                patience=int(a.patience))
 
   def sizes(self) -> list[int]:
@@ -101,11 +105,20 @@ class AutoConfig:
     return out
 
 
-def check(data_cfg, micro_rows: int) -> str | None:
-  """Why `data.batch_auto.*` is not usable, in one line naming the key, or None."""
+def check(data_cfg, micro_rows: int, optimizer: str | None = None) -> str | None:
+  """Why `data.batch_auto.*` is not usable, in one line naming the key, or None. `optimizer`
+  (`optim.name`): checked against a preconditioned signal."""
   a, start = data_cfg.batch_auto, int(data_cfg.global_batch_size)
   if a.trigger not in TRIGGERS:
     return f"data.batch_auto.trigger={a.trigger!r}: choose one of {', '.join(TRIGGERS)}"
+  signal = a.get("signal", "noise_scale")
+  if signal not in SIGNALS:
+    return f"data.batch_auto.signal={signal!r}: choose one of {', '.join(SIGNALS)}"
+  if signal == "noise_scale_precond" and optimizer is not None and \
+      optimizer not in PRECONDITIONED:
+    return (f"data.batch_auto.signal='noise_scale_precond' reads the preconditioner of Adam's "
+            f"second moments, which optim.name={optimizer!r} does not keep; use "
+            f"signal='noise_scale' or optim.name in {', '.join(PRECONDITIONED)}")
   if int(a.factor) < 2:
     return f"data.batch_auto.factor={a.factor}: must be an integer >= 2"
   if int(a.max) <= start:
@@ -168,9 +181,11 @@ class Autopilot:
     """(fires, why) for one measuring step's metrics at batch `batch`."""
     c = self.cfg
     if c.trigger == "noise_scale":
-      b = float(row.get("noise_scale", math.nan))
-      fires = b > c.margin * batch  # False for NaN (the meter's |G|^2 not yet positive)
-      return fires, f"B_simple={b:.4g} {'>' if fires else '<='} {c.margin:g} x {batch}"
+      b = float(row.get(c.signal, math.nan))
+      # False for NaN: too few measurements yet, or the meter's |G|^2 not yet positive
+      fires = b > c.margin * batch
+      name = "B_simple" if c.signal == "noise_scale" else "B_simple (preconditioned)"
+      return fires, f"{name}={b:.4g} {'>' if fires else '<='} {c.margin:g} x {batch}"
     trace, tokens = float(row["noise_trace"]), float(row["target_tokens"])
     ratio = trace / (max(tokens, 1.0) * float(row["grad_norm"]) ** 2)
     fires = ratio > c.eta ** 2

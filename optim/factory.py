@@ -196,7 +196,12 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names, clock
   if float(cfg.clip_norm) > 0:
     tx = optax.chain(optax.clip_by_global_norm(float(cfg.clip_norm)), tx)
   if int(cfg.get("noise_scale_every", 0)) > 0:
-    tx = optax.chain(noise_scale.meter(float(cfg.noise_scale_window), clock), tx)
+    tx = optax.chain(noise_scale.meter(
+        float(cfg.noise_scale_window), clock, recency=float(cfg.get("noise_scale_recency", 0)),
+        min_measurements=int(cfg.get("noise_scale_min_measurements", 1)),
+        second_moments=(hp.b2, float(cfg.eps), float(cfg.clip_norm))
+        if name in noise_scale.PRECONDITIONED else None),
+        tx)
   if hp.ema_decay > 0:
     tx = optax.chain(tx, ema_params(hp.ema_decay))
   return tx

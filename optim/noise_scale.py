@@ -1,17 +1,16 @@
 """The gradient noise scale, measured online (McCandlish et al. 2018, Appendix A).
 
-B_simple = tr(Sigma) / |G|^2 predicts the critical batch. As E |G_b|^2 = |G|^2 + tr(Sigma) / b
-for a batch of b, squared gradient norms at two sizes b < B give unbiased estimates (`estimate`):
-
-  |G|^2     ~ (B |G_B|^2 - b |G_b|^2) / (B - b)
-  tr(Sigma) ~ (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
-
-B is the measuring step's batch, b its `optim.noise_scale_pieces` small batches (their
-harmonic-mean size), in target tokens. Both estimates are summed over the measurements of the
-last `optim.noise_scale_window` of the training so far (a fraction of the examples read) before
-the ratio is taken. The meter is an optax
-transformation that changes nothing, first in the chain: it takes the norms as `update(...,
-noise_sample=)` and keeps its averages in the optimizer state. Why and details:
+B_simple = tr(Sigma) / |G|^2 predicts the critical batch. As E |G_b|^2 = |G|^2 + tr(Sigma) / b,
+squared gradient norms at two sizes b < B (a step's `optim.noise_scale_pieces` small batches,
+their harmonic-mean size, and the whole batch, in target tokens) give unbiased estimates of both
+(`estimate`). The meter keeps them over the last `optim.noise_scale_window` of the training so
+far (of the examples read) and reads tr(Sigma) as their mean (it changes slowly and its
+estimates are heavy-tailed), |G|^2 as their mean weighted by exp(-age / (recency x the training
+so far)) (it falls as B_simple rises: an even mean reads the window's early steps). For the Adam
+family also tr(P Sigma) / G^T P G, the same with sqrt(P) g, P = 1 / (sqrt(v_hat) + eps) from the
+second moments before the step's update (`preconditioner`). An optax transformation that changes
+nothing, first in the chain: it takes the norms as `update(..., noise_sample=)` and keeps its
+sums in the optimizer state. Why, and how the choice was measured:
 docs/batch_size.md#gradient-noise-scale
 """
 from __future__ import annotations
@@ -37,35 +36,59 @@ def estimate(sq_norm_small, sq_norm_big, b_small, b_big):
 
 
 class Sample(NamedTuple):
-  """One step's measurement: squared norms and the batch sizes (in target tokens) they had."""
+  """One step's measurement: squared norms and the batch sizes (in target tokens) they had; with
+  a preconditioner P (`preconditioner`), also the squared norms of sqrt(P) g (None: not
+  measured)."""
   sq_norm_small: jax.Array
   sq_norm_big: jax.Array
   b_small: jax.Array
   b_big: jax.Array
+  sq_norm_small_precond: jax.Array | None = None
+  sq_norm_big_precond: jax.Array | None = None
 
 
 BUCKETS = 8  # buckets per window: the window's edge is known to 1 / BUCKETS of its length
 SLOTS = BUCKETS + 2  # ring slots: the window's buckets, the one in progress, one spare
+PRECONDITIONED = ("adamw", "lamb")  # optim.name values whose second moments make P
 
 
 class NoiseScaleState(NamedTuple):
   g_sq: jax.Array  # [SLOTS] sums of the |G|^2 estimates in each slot's bucket
   trace_sigma: jax.Array  # [SLOTS] sums of the tr(Sigma) estimates
   count: jax.Array  # [SLOTS] measurements in each bucket
+  g_sq_precond: jax.Array  # [SLOTS] sums of the G^T P G estimates
+  trace_precond: jax.Array  # [SLOTS] sums of the tr(P Sigma) estimates
+  count_precond: jax.Array  # [SLOTS] preconditioned measurements in each bucket
   bucket: jax.Array  # [SLOTS] int32: the bucket each slot holds (-1: none)
   first: jax.Array  # int32: the window's first bucket at the last measurement
   clock: jax.Array  # the training done through the last measurement (the meter's clock)
+  step: jax.Array  # int32: the last measuring step + 1 (0: none yet)
+  settings: jax.Array  # [3] (window, recency, minimum of measurements) the sums were made with
+  second_moments: jax.Array  # [3] (b2, eps, clip norm) of the Adam moments P is made of; [0]: no P
 
 
-def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1
+def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
+          recency: float = 0.0, min_measurements: int = 1,
+          second_moments: tuple[float, float, float] | None = None
           ) -> optax.GradientTransformationExtraArgs:
   """The identity transformation that sums the estimates of the measurements in the last
   `window` (a fraction in (0, 1]) of the training so far: those after (1 - window) T, T the
   clock of the newest. `clock(step)`: the training done through step `step` (0-based), in any
-  unit that grows with the data read (examples under a batch ramp). The sums are kept in
-  buckets of geometric length (BUCKETS per window, each (1 - window) ** (-1 / BUCKETS) times
-  the last), so the ring of SLOTS slots covers the window at any length of training."""
+  unit that grows with the data read (examples under a batch ramp). The sums are kept in buckets
+  of geometric length (BUCKETS per window, each (1 - window) ** (-1 / BUCKETS) times the last),
+  so the ring of SLOTS slots covers the window at any length of training. `readout` takes
+  tr(Sigma) as the window's mean and |G|^2 as its mean weighted by exp(-age / (`recency` T)),
+  age = T - a bucket's middle (`recency` 0: unweighted; a fraction of the training so far, so
+  the memory is in training, not in measurements), and gives no value (NaN) until the window
+  holds `min_measurements`.
+  `second_moments` (b2, eps, the global-norm clipping before them, 0: none): how the
+  optimizer's Adam-family second moments are made, which `preconditioner` turns into P; the
+  preconditioned estimates are kept beside the plain ones.
+  A state made with other settings, or whose last measurement the clock now places elsewhere
+  (a changed batch ramp on resume), is emptied at the next measurement."""
   log_ratio = -math.log(1.0 - window) / BUCKETS if window < 1 else math.inf
+  settings = jnp.asarray([window, recency, min_measurements], jnp.float32)
+  moments = jnp.asarray(second_moments or (), jnp.float32)
 
   def bucket_of(t):  # the bucket of clock t (all of training is bucket 0 when window = 1)
     if math.isinf(log_ratio):
@@ -75,23 +98,45 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1
   def init(params):
     del params
     zeros = jnp.zeros((SLOTS,), jnp.float32)
-    return NoiseScaleState(zeros, zeros, zeros, jnp.full((SLOTS,), -1, jnp.int32),
-                           jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+    zero = jnp.zeros((), jnp.int32)
+    return NoiseScaleState(zeros, zeros, zeros, zeros, zeros, zeros,
+                           jnp.full((SLOTS,), -1, jnp.int32), zero, jnp.zeros((), jnp.float32),
+                           zero, settings, moments)
 
   def update(updates, state, params=None, *, noise_sample: Sample | None = None, step=None,
              **extra):
     del params, extra
     if noise_sample is None:
       return updates, state
-    g_sq, trace_sigma = estimate(*(jnp.asarray(x, jnp.float32) for x in noise_sample))
-    now = jnp.asarray(clock(step), jnp.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    s = noise_sample
+    g_sq, trace_sigma = estimate(f32(s.sq_norm_small), f32(s.sq_norm_big), f32(s.b_small),
+                                 f32(s.b_big))
+    valid = jnp.isfinite(g_sq) & jnp.isfinite(trace_sigma)  # (a step with < 2 pieces: NaN)
+    if s.sq_norm_small_precond is None:
+      g_p = t_p = jnp.zeros((), jnp.float32)
+      valid_p = jnp.zeros((), bool)
+    else:
+      g_p, t_p = estimate(f32(s.sq_norm_small_precond), f32(s.sq_norm_big_precond),
+                          f32(s.b_small), f32(s.b_big))
+      valid_p = valid & jnp.isfinite(g_p) & jnp.isfinite(t_p)
+    now = f32(clock(step))
+    # Settings changed, or the clock moved the last measurement: the sums are not this window's.
+    stale = jnp.any(state.settings != settings) | (
+        (state.step > 0) & (jnp.abs(f32(clock(state.step - 1)) - state.clock)
+                             > 0.5 + 1e-6 * state.clock))
     b = bucket_of(now)
-    here = jnp.arange(SLOTS) == b % SLOTS
-    fresh = here & (state.bucket != b)  # the slot held an older bucket: start it again
-    add = lambda sums, value: jnp.where(fresh, 0.0, sums) + jnp.where(here, value, 0.0)
+    here = (jnp.arange(SLOTS) == b % SLOTS) & valid
+    old = jnp.where(stale, -1, state.bucket)
+    fresh = here & (old != b)  # the slot held an older bucket: start it again
+    keep = ~(stale | fresh)
+    add = lambda sums, value, ok: jnp.where(keep, sums, 0.0) + jnp.where(here & ok, value, 0.0)
     return updates, NoiseScaleState(
-        add(state.g_sq, g_sq), add(state.trace_sigma, trace_sigma), add(state.count, 1.0),
-        jnp.where(here, b, state.bucket), bucket_of((1.0 - window) * now), now)
+        add(state.g_sq, g_sq, True), add(state.trace_sigma, trace_sigma, True),
+        add(state.count, 1.0, True), add(state.g_sq_precond, g_p, valid_p),
+        add(state.trace_precond, t_p, valid_p), add(state.count_precond, 1.0, valid_p),
+        jnp.where(here, b, old), bucket_of((1.0 - window) * now), now,
+        jnp.asarray(step, jnp.int32) + 1, settings, moments)
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -125,11 +170,85 @@ def _is_state(x) -> bool:
 
 
 def readout(state: NoiseScaleState) -> dict[str, jax.Array]:
-  """The window's mean estimates and B_simple = tr(Sigma) / |G|^2, the ratio of their sums (NaN
-  until the window's |G|^2 sum is positive), and its count of measurements."""
+  """The window's mean tr(Sigma) estimate, its recency-weighted mean |G|^2 estimate (`meter`),
+  and B_simple = their ratio (NaN while the window holds fewer than the minimum of measurements
+  or the |G|^2 mean is not positive); `count` the window's measurements; the same with P for
+  the preconditioned estimates (`*_precond`, `count_precond`)."""
+  window, recency, least = state.settings[0], state.settings[1], state.settings[2]
   inside = (state.bucket >= state.first) & (state.bucket >= 0)
-  count = jnp.sum(jnp.where(inside, state.count, 0.0))
-  g_sq = jnp.sum(jnp.where(inside, state.g_sq, 0.0)) / jnp.maximum(count, 1.0)
-  trace_sigma = jnp.sum(jnp.where(inside, state.trace_sigma, 0.0)) / jnp.maximum(count, 1.0)
-  b_simple = jnp.where(g_sq > 0, trace_sigma / jnp.where(g_sq > 0, g_sq, 1.0), jnp.nan)
-  return {"g_sq": g_sq, "trace_sigma": trace_sigma, "b_simple": b_simple, "count": count}
+  # Each bucket's middle in the clock: bucket b spans [r^b, r^(b + 1)), the newest up to now.
+  log_ratio = -jnp.log1p(-jnp.minimum(window, 1.0 - 1e-7)) / BUCKETS
+  lo = jnp.exp(state.bucket * log_ratio)
+  middle = (lo + jnp.minimum(lo * jnp.exp(log_ratio), state.clock)) / 2
+  age = jnp.maximum(state.clock - middle, 0.0) / jnp.maximum(state.clock, 1e-12)
+  weight = jnp.where(recency > 0, jnp.exp(-age / jnp.where(recency > 0, recency, 1.0)), 1.0)
+  if_in = lambda x: jnp.where(inside, x, 0.0)
+
+  def ratio(g_sums, trace_sums, counts):
+    count = jnp.sum(if_in(counts))
+    trace = jnp.sum(if_in(trace_sums)) / jnp.maximum(count, 1.0)
+    g_sq = jnp.sum(if_in(weight * g_sums)) / jnp.maximum(jnp.sum(if_in(weight * counts)), 1e-30)
+    ok = (g_sq > 0) & (count >= jnp.maximum(least, 1.0))
+    return g_sq, trace, jnp.where(ok, trace / jnp.where(ok, g_sq, 1.0), jnp.nan), count
+
+  out = dict(zip(("g_sq", "trace_sigma", "b_simple", "count"),
+                 ratio(state.g_sq, state.trace_sigma, state.count)))
+  out.update(zip(("g_sq_precond", "trace_precond", "b_simple_precond", "count_precond"),
+                 ratio(state.g_sq_precond, state.trace_precond, state.count_precond)))
+  return out
+
+
+def has_preconditioner(state: NoiseScaleState) -> bool:
+  """Whether the meter keeps preconditioned estimates (static: from the state's shapes)."""
+  return state.second_moments.shape[0] == 3
+
+
+def preconditioner(opt_state: Any, grads: Any = None, *, grad_sq: Any = None) -> Any | None:
+  """P = 1 / (sqrt(v_hat) + eps) per parameter as this step's Adam update divides by it: v_hat
+  = (b2 nu + (1 - b2) g^2) / (1 - b2^(count + 1)) from optax's ScaleByAdamState in `opt_state`
+  (before the update) and the step's gradient `grads` (clipped as the optimizer clips it), or
+  `grad_sq` given in place of g^2; with the (b2, eps, clip) the meter was given. None where
+  the meter keeps no preconditioned estimates."""
+  state = find_state(opt_state)
+  if state is None or not has_preconditioner(state):
+    return None
+  adam = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_adam) if _is_adam(x)]
+  if len(adam) != 1:
+    raise ValueError(f"the preconditioned noise scale needs one Adam state, found {len(adam)}")
+  b2, eps, clip = (state.second_moments[i] for i in range(3))
+  if grad_sq is None:
+    norm = optax.tree.norm(grads)
+    scale = jnp.where((clip > 0) & (norm > clip), clip / jnp.maximum(norm, 1e-30), 1.0)
+    grad_sq = jax.tree.map(lambda g: jnp.square(scale * g.astype(jnp.float32)), grads)
+  correction = 1.0 - b2 ** (adam[0].count.astype(jnp.float32) + 1.0)
+  return jax.tree.map(
+      lambda v, g2: 1.0 / (jnp.sqrt((b2 * v.astype(jnp.float32) + (1 - b2) * g2) / correction)
+                           + eps), adam[0].nu, grad_sq)
+
+
+def _is_adam(x) -> bool:
+  return isinstance(x, optax.ScaleByAdamState)
+
+
+def weighted_sq_norm(tree: Any, weights: Any, *, squared: bool = False) -> jax.Array:
+  """sum_i w_i x_i^2 over the leaves of `tree` (float32): |sqrt(P) g|^2 for P = `weights`;
+  `squared`: the tree holds x^2 already."""
+  square = (lambda x: x) if squared else jnp.square
+  return sum(jnp.sum(w * square(x.astype(jnp.float32)))
+             for x, w in zip(jax.tree.leaves(tree), jax.tree.leaves(weights)))
+
+
+def piece_sums(grads: Any, tokens: jax.Array, squares: bool = False) -> tuple:
+  """One small batch's terms of a measuring step's sums: (|g|^2 / t^2, 1 / t, 1) for its
+  gradient sum `grads` over `tokens` target tokens t, with `squares` also g^2 / t^2 per
+  parameter (a tree: the preconditioned norms take P after the step's gradient is known); all
+  zero for a piece without target tokens (no small batch: its |g|^2 = 0 would read tr(Sigma)
+  as -|G|^2)."""
+  some = tokens > 0
+  t = jnp.maximum(tokens, 1.0)
+  out = (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t, jnp.ones((), jnp.float32))
+  out = tuple(jnp.where(some, x, 0.0) for x in out)
+  if squares:
+    out += (jax.tree.map(lambda g: jnp.where(some, jnp.square(g.astype(jnp.float32) / t), 0.0),
+                         grads),)
+  return out

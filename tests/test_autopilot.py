@@ -45,6 +45,17 @@ def test_rule_grows_after_patience_and_never_past_max():
   assert skipped.observe(5, {"noise_scale": 99, "skipped": 1}) is None
 
 
+def test_the_noise_scale_trigger_follows_its_signal():
+  """signal='noise_scale_precond': the preconditioned B_simple decides (the plain one in the same
+  row does not); a NaN (too few measurements) never fires."""
+  pilot = _pilot(signal="noise_scale_precond", patience=1)
+  row = {"noise_scale": 1.0, "noise_scale_precond": 20.0, "skipped": 0}
+  change = pilot.observe(5, row)
+  assert change is not None and "B_simple (preconditioned)=20 > 2 x 8" in change.describe()
+  assert pilot.observe(10, {**row, "noise_scale_precond": math.nan}) is None
+  assert _pilot(patience=1).observe(5, row) is None  # the plain signal: 1 <= 2 x 8
+
+
 def test_norm_test_trigger():
   """Var[g_B] = tr(Sigma)/T against eta^2 |g_B|^2 (T target tokens of the step)."""
   pilot = _pilot(trigger="norm_test", eta=0.5, patience=1)
@@ -68,6 +79,10 @@ def test_state_round_trip_replays_the_ramp():
     ({"data.batch_auto.max": 48}, "is not data.global_batch_size=16 x factor=2^k"),
     ({"data.batch_auto.max": 16}, "must exceed data.global_batch_size=16"),
     ({"data.batch_auto.trigger": "loss"}, "data.batch_auto.trigger='loss'"),
+    ({"data.batch_auto.signal": "b_noise"}, "data.batch_auto.signal='b_noise': choose one of"),
+    ({"data.batch_auto.signal": "noise_scale_precond", "optim.name": "sgd",
+      "optim.b2_rule": "constant"},
+     "optim.name='sgd' does not keep; use signal='noise_scale'"),
     ({"optim.warmup_tokens": 0, "optim.warmup_steps": 5},
      "optim.warmup_steps=5 would be converted through batches not yet chosen"),
     ({"optim.decay_tokens": 0}, "set the horizon as optim.decay_tokens"),
@@ -126,6 +141,7 @@ def test_defaults_make_auto_one_override():
 AUTO = {"data.micro_batch_size": 8, "data.global_batch_size": 16, "data.batch_ramp": "auto",
         "data.batch_auto.max": 64, "data.batch_auto.margin": 0.01,
         "data.batch_auto.patience": 1, "optim.noise_scale_every": 2,
+        "optim.noise_scale_min_measurements": 1,
         "optim.noise_scale_window": 1.0, "optim.schedule_unit": "tokens", "optim.warmup_steps": 0, "optim.decay_steps": 0,
         "optim.warmup_tokens": 1024, "optim.decay_tokens": 40000, "optim.lr_rule": "sqrt",
         "optim.b2_rule": "half_life", "optim.ema_decay": 0.9, "checkpoint.every_steps": 0}
@@ -203,6 +219,20 @@ def test_norm_test_trigger_in_a_run(tmp_path, data_dir):
                              "(2 rows in a row)")
 
 
+def test_the_preconditioned_signal_in_a_run(tmp_path, data_dir):
+  """signal='noise_scale_precond' with adamw: the rows log it beside the plain noise scale,
+  and the batch follows it (16 -> 32 from step 4, measured at 2); the event says which."""
+  cfg = tiny_config(steps=4, **{**AUTO, "data.batch_auto.signal": "noise_scale_precond"})
+  run = Run(cfg, str(tmp_path))
+  assert run.train().status == "done"
+  rows = metric_rows(tmp_path)
+  assert [rows[s]["batch_size"] for s in range(1, 5)] == [16] * 3 + [32]
+  (event, *_) = [r for r in _all_rows(tmp_path) if r.get("event") == "batch_change"]
+  b = rows[2]["noise_scale_precond"]
+  assert math.isfinite(b) and b != rows[2]["noise_scale"]
+  assert event["reason"] == f"B_simple (preconditioned)={b:.4g} > 0.01 x 16"
+
+
 # ------------------------------------------------------------------------------------------------
 # Two real processes (gloo, 4 CPU devices each) against one process with 8 devices.
 
@@ -222,7 +252,7 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
       "--config.steps=8", "--config.data.micro_batch_size=4", "--config.data.batch_ramp=auto",
       "--config.data.batch_auto.max=32", "--config.data.batch_auto.margin=0.01",
       "--config.data.batch_auto.patience=1", "--config.optim.noise_scale_every=2",
-      "--config.optim.schedule_unit=tokens", "--config.optim.warmup_steps=0",
+      "--config.optim.noise_scale_min_measurements=1", "--config.optim.schedule_unit=tokens", "--config.optim.warmup_steps=0",
       "--config.optim.decay_steps=0", "--config.optim.warmup_tokens=512",
       "--config.optim.decay_tokens=20000", "--config.checkpoint.keep=10"]
   multi, single = tmp_path / "multi", tmp_path / "single"

@@ -126,6 +126,177 @@ def test_meter_is_an_identity_without_a_sample():
   assert noise_scale.find_state(optax.sgd(0.1).init({"w": jnp.ones(3)})) is None
 
 
+def _exact(g_sq, trace, precond=None):
+  """A Sample whose estimates are (g_sq, trace) exactly (b = 1, B = 2); with `precond` (g, t)
+  also the preconditioned ones."""
+  f = np.float32
+  extra = {} if precond is None else dict(sq_norm_small_precond=f(precond[0] + precond[1]),
+                                          sq_norm_big_precond=f(precond[0] + precond[1] / 2))
+  return noise_scale.Sample(f(g_sq + trace), f(g_sq + trace / 2), f(1.0), f(2.0), **extra)
+
+
+def test_the_meter_reads_the_present_when_b_simple_rises():
+  """|G|^2 falling as 1 / t^2, tr(Sigma) constant: B_simple = (t / 400)^2 rises through the
+  window. The ratio of the window's sums (recency 0, the earlier meter) weights the window's
+  early steps (at t = 400: 0.75 against 1); weighting |G|^2 by exp(-age / 0.1 t) reads 0.84.
+  Neither reads anything before the window holds `min_measurements`."""
+  got = {}
+  for recency in (0.0, 0.1):
+    tx = noise_scale.meter(0.25, recency=recency, min_measurements=8)
+    state = tx.init(None)
+    update = jax.jit(lambda st, sample, i, tx=tx: tx.update({}, st, noise_sample=sample,
+                                                           step=i)[1])
+    read = jax.jit(lambda st: noise_scale.readout(st)["b_simple"])
+    seen = []
+    for step in range(400):
+      state = update(state, _exact(1.6e5 / (step + 1) ** 2, 1.0), step)
+      if step < 40:
+        seen.append(float(read(state)))
+    assert np.all(np.isnan(seen[:7])) and np.all(np.isfinite(seen[31:]))
+    assert float(noise_scale.readout(state)["count"]) >= 100
+    got[recency] = float(read(state))
+  assert got[0.0] == pytest.approx(0.75, abs=0.02)
+  assert got[0.1] == pytest.approx(0.84, abs=0.02)
+
+
+def test_too_few_measurements_give_no_value():
+  """min_measurements = 8, measuring every 10th step with window 0.25: the window holds 8
+  measurements first at step ~320; before, the value is NaN (what the autopilot ignores)."""
+  tx = noise_scale.meter(0.25, min_measurements=8)
+  state = tx.init(None)
+  values = {}
+  for step in range(9, 400, 10):
+    _, state = tx.update({}, state, noise_sample=_exact(1.0, 5.0), step=step)
+    out = noise_scale.readout(state)
+    values[step + 1] = (float(out["count"]), float(out["b_simple"]))
+  assert all(np.isnan(b) for c, b in values.values() if c < 8)
+  assert all(b == pytest.approx(5.0) for c, b in values.values() if c >= 8)
+  assert values[400][0] >= 8 and values[100][0] < 8
+
+
+def test_the_preconditioned_estimator_equals_the_truth_from_per_example_gradients():
+  """At fixed parameters, least squares 0.5 (x.w - y)^2 with x ~ N(0, I_d): per-example
+  gradients x (x.delta - eps), G = delta, Sigma = (|delta|^2 + s^2) I + delta delta^T. With a
+  fixed diagonal P the truth is tr(P Sigma) / G^T P G = ((|delta|^2 + s^2) tr P + delta^T P
+  delta) / delta^T P delta. The meter, fed the squared norms of sqrt(P) times the micro-batch
+  and batch gradients, reads it (and the plain B_simple beside it) over 1500 draws."""
+  d, s, num_micro, micro = 16, 0.5, 4, 64
+  rng = np.random.default_rng(3)
+  p = np.exp(np.linspace(-2, 2, d))  # far from a multiple of I; G mostly where P is small
+  delta = rng.standard_normal(d) * np.exp(-np.linspace(0, 3, d))
+  delta /= np.linalg.norm(delta)
+  want = ((1 + s * s) * p.sum() + delta @ (p * delta)) / (delta @ (p * delta))
+  want_plain = (d * (1 + s * s) + 1) / 1.0
+  tx = noise_scale.meter(1.0, second_moments=(0.99, 1e-8, 0.0))
+  state = tx.init(None)
+  update = jax.jit(lambda st, sample, i: tx.update({}, st, noise_sample=sample, step=i)[1])
+  for i in range(1500):
+    x = rng.standard_normal((num_micro, micro, d))
+    g = x * (x @ delta - s * rng.standard_normal((num_micro, micro)))[..., None]
+    small, big = g.mean(axis=1), g.mean(axis=(0, 1))
+    sample = noise_scale.Sample(
+        np.mean(np.sum(small ** 2, -1)), np.sum(big ** 2), float(micro),
+        float(num_micro * micro), np.mean(np.sum(p * small ** 2, -1)), np.sum(p * big ** 2))
+    state = update(state, sample, i)
+  out = noise_scale.readout(state)
+  assert want > 2 * want_plain  # P changes the answer here
+  assert float(out["b_simple_precond"]) == pytest.approx(want, rel=0.1)
+  assert float(out["b_simple"]) == pytest.approx(want_plain, rel=0.1)
+  assert float(out["count_precond"]) == 1500
+
+
+def test_the_preconditioned_estimator_is_exact_in_expectation():
+  """E |sqrt(P) G_b|^2 = G^T P G + tr(P Sigma) / b, so the two-batch estimator on the expected
+  preconditioned norms returns G^T P G and tr(P Sigma) exactly, as for P = I."""
+  g_p, trace_p = 0.7, 90.0
+  sq = lambda b: g_p + trace_p / b
+  tx = noise_scale.meter(1.0, second_moments=(0.99, 1e-8, 0.0))
+  _, state = tx.update({}, tx.init(None), noise_sample=noise_scale.Sample(
+      *(np.float32(v) for v in (3.0, 2.0, 8.0, 64.0, sq(8.0), sq(64.0)))), step=0)
+  out = noise_scale.readout(state)
+  assert float(out["g_sq_precond"]) == pytest.approx(g_p, rel=1e-5)
+  assert float(out["trace_precond"]) == pytest.approx(trace_p, rel=1e-5)
+
+
+def test_the_preconditioner_is_adams_as_its_update_uses_it():
+  """P = 1 / (sqrt(v_hat) + eps) with v_hat = (b2 nu + (1 - b2) g^2) / (1 - b2^(count + 1)):
+  the denominator of this step's Adam update, from the state before it and the step's gradient
+  clipped as the optimizer clips it; inside the factory's chain for adamw and lamb, none for an
+  optimizer without second moments."""
+  params = {"w": jnp.asarray([1.0, -2.0, 3.0])}
+  names = {"w": ("embed",)}
+  grads = {"w": jnp.asarray([0.1, 0.2, -0.3])}
+  big = {"w": jnp.asarray([3.0, 0.0, -4.0])}  # norm 5: clipped to 1 before Adam sees it
+  for name, precond in (("adamw", True), ("lamb", True), ("sgd", False)):
+    cfg = tiny_config(**{"optim.name": name, "optim.noise_scale_every": 1,
+                         "optim.clip_norm": 1.0})
+    tx, _ = build_optimizer(cfg.optim, names, 10, cfg.data)
+    state = tx.init(params)
+    for i in range(2):
+      _, state = tx.update(grads, state, params, step=i)
+    p = noise_scale.preconditioner(state, big)
+    assert (p is not None) == precond, name
+    if not precond:
+      continue
+    b2 = float(noise_scale.find_state(state).second_moments[0])
+    nu = b2 * (1 - b2) * (1 + b2) * np.square(grads["w"]) + (1 - b2) * np.square(big["w"] / 5)
+    want = 1 / (np.sqrt(nu / (1 - b2 ** 3)) + float(cfg.optim.eps))
+    np.testing.assert_allclose(p["w"], want, rtol=1e-4)
+    # the update this step makes divides by exactly that (first moment / (sqrt(v_hat) + eps))
+    adam = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)][0]
+    _, after = tx.update(big, state, params, step=2)
+    nu_after = [x for x in jax.tree.leaves(after, is_leaf=lambda x: isinstance(
+        x, optax.ScaleByAdamState)) if isinstance(x, optax.ScaleByAdamState)][0].nu["w"]
+    np.testing.assert_allclose(nu_after, b2 * adam.nu["w"] + (1 - b2) * np.square(
+        big["w"] / 5), rtol=1e-4)
+
+
+def test_a_changed_window_or_clock_empties_the_ring():
+  """A state written with another window (a resume with optim.noise_scale_window changed), or
+  whose last measurement the clock now places elsewhere (data.batch_ramp changed), holds sums
+  of another window: the next measurement starts it again; the same settings keep it."""
+  old = noise_scale.meter(0.25)
+  state = old.init(None)
+  for step in range(100):
+    _, state = old.update({}, state, noise_sample=_exact(1.0, 4.0), step=step)
+  assert float(noise_scale.readout(state)["count"]) >= 25
+  same = noise_scale.meter(0.25).update({}, state, noise_sample=_exact(1.0, 4.0), step=100)[1]
+  assert float(noise_scale.readout(same)["count"]) >= 26
+  for changed in (noise_scale.meter(0.5), noise_scale.meter(0.25, recency=0.2),
+                  noise_scale.meter(0.25, clock=lambda step: 2 * (step + 1))):
+    _, new = changed.update({}, state, noise_sample=_exact(1.0, 4.0), step=100)
+    assert float(noise_scale.readout(new)["count"]) == 1
+
+
+def test_a_piece_without_target_tokens_is_no_small_batch(step_setup):
+  """Micro-batches of which one has no target tokens: its |g|^2 = 0 would read tr(Sigma) as
+  about -|G|^2. The step's sums hold the other pieces only (their number, their 1 / t), and a
+  step left with one piece measures nothing."""
+  _, batch, mesh, spec = step_setup
+  zero = noise_scale.piece_sums({"w": jnp.ones(3)}, jnp.zeros(()), True)
+  assert all(float(x) == 0 for x in zero[:3]) and np.all(zero[3]["w"] == 0)
+  micro = {k: v.reshape(4, 2, *v.shape[2:]) for k, v in batch.items()}  # [4, 2, S]
+  mask = np.array(micro["loss_mask"])
+  mask[2] = 0
+  empty = dict(micro, loss_mask=mask)
+  sums = jax.jit(lambda p, b: grad_sums(spec, p, b, measure_noise=True)[3])
+  params = init_state(spec, build_optimizer(
+      tiny_config().optim, spec.logical_names, 10, tiny_config().data)[0]).params
+  with jax.set_mesh(mesh):
+    full = [float(x) for x in sums(params, micro)]
+    part = [float(x) for x in sums(params, empty)]
+    three = [float(x) for x in sums(params, {k: v[np.array([0, 1, 3])]
+                                              for k, v in micro.items()})]
+  assert full[2] == 4 and part[2] == 3
+  np.testing.assert_allclose(part, three, rtol=1e-5)
+  tx = noise_scale.meter(1.0)
+  lone = noise_scale.Sample(np.float32(2.0), np.float32(2.0), np.float32(np.nan),
+                            np.float32(100.0))  # one piece: b_small = 1 / 0 -> NaN
+  _, state = tx.update({}, tx.init(None), noise_sample=lone, step=0)
+  assert float(noise_scale.readout(state)["count"]) == 0
+
+
 @pytest.fixture(scope="module")
 def step_setup(data_dir):
   cfg = tiny_config(**{"mesh.data": 2})
@@ -155,7 +326,8 @@ def test_step_without_accumulation_measures_two_halves(step_setup):
   estimate equals the estimator applied to those halves' gradients, and the loss is the one
   of the ordinary step."""
   cfg, batch, mesh, spec = step_setup
-  noise_cfg = tiny_config(**{"mesh.data": 2, "optim.noise_scale_every": 1})
+  noise_cfg = tiny_config(**{"mesh.data": 2, "optim.noise_scale_every": 1,
+                             "optim.noise_scale_min_measurements": 1})
   state, metrics = _one_step(noise_cfg, batch, mesh, spec)
   _, plain = _one_step(cfg, batch, mesh, spec)
   assert metrics["loss"] == pytest.approx(plain["loss"], rel=1e-6)
@@ -310,7 +482,8 @@ def test_a_run_measures_on_the_pieces_asked_and_says_its_window(tmp_path, capsys
   from conftest import metric_rows  # noqa: PLC0415
   from trainer.run.loop import Run  # noqa: PLC0415
   cfg = tiny_config(**{"data.global_batch_size": 32, "steps": 8, "log_every": 1,
-                       "optim.noise_scale_every": 2, "optim.noise_scale_pieces": 4})
+                       "optim.noise_scale_every": 2, "optim.noise_scale_pieces": 4,
+                       "optim.noise_scale_min_measurements": 1})
   Run(cfg, str(tmp_path)).train()
   rows = metric_rows(tmp_path)
   assert [s for s in rows if "noise_pieces" in rows[s]] == [2, 4, 6, 8]
@@ -319,7 +492,9 @@ def test_a_run_measures_on_the_pieces_asked_and_says_its_window(tmp_path, capsys
   assert "noise_pieces" not in rows[5] and rows[4]["noise_measurements"] >= 1
   out = capsys.readouterr().out
   assert ("gradient noise scale: measured every 2 steps on small batches (4 at batch 32), "
-          "averaged over the last 25% of the tokens trained so far (at step 8 its steps 7-8)"
+          "averaged over the last 25% of the tokens trained so far, |G|^2 weighted by "
+          "exp(-age / 0.05 of them) (at step 8 its steps 7-8); a value once the window holds 1 "
+          "measurements; also preconditioned by Adam's second moments (noise_scale_precond)"
           ) in out, out
 
 

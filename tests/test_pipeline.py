@@ -306,7 +306,8 @@ def test_noise_scale_meter_through_the_pipeline(reference, devices, schedule, pi
   when the same 16 rows are one micro-batch, so the noise-scale estimates, like the update, are
   the plain step's."""
   batches, _, _ = reference
-  over = {"optim.noise_scale_every": 1, "optim.noise_scale_pieces": pieces}
+  over = {"optim.noise_scale_every": 1, "optim.noise_scale_pieces": pieces,
+          "optim.noise_scale_min_measurements": 1}
   rows = {}
   for name, cfg, devs in (
       ("plain", _cfg(**over, **{"data.micro_batch_size": 16}), jax.devices()[:1]),

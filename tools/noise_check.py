@@ -5,9 +5,12 @@
 At each step (a checkpoint of the run) the truth is B_simple = tr(Sigma) / |G|^2 in sequences,
 from the per-sequence gradients (of each sequence's mean token loss) of `--sequences`
 independent windows of the run's training data, drawn by an order with a seed of its own, with
-its jackknife standard error over `--groups` groups; with `--window F`, also over the meter's
-window (the checkpoints after (1 - F) of the examples read). Beside them: the `noise_scale` the
-run logged at that step (or the nearest row before it), and the ratios.
+its jackknife standard error over `--groups` groups; for an Adam-family run also the
+preconditioned tr(P Sigma) / G^T P G, P = 1 / (sqrt(v_hat) + eps) from the checkpoint's second
+moments (the gradients times sqrt(P)); with `--window F`, also the plain truth over the meter's
+window (the checkpoints after (1 - F) of the examples read). Beside them: what the run logged at
+that step (or the nearest row before it, `noise_scale` and `noise_scale_precond`), and
+logged / truth.
 Why and how it is used: docs/batch_size.md#gradient-noise-scale.
 """
 from __future__ import annotations
@@ -50,9 +53,12 @@ def _ratio(sums):
 
 def truth_meter(spec, stream_spec, *, sequences: int = 2048, groups: int = 16,
                 chunk: int = 128):
-  """params -> `Truth` at those parameters (module docstring), compiled once for a model:
-  `stream_spec` gives the data, the sequence length and the order's seed (its `rows` is replaced
-  by `chunk`); every call reads the same `sequences` windows."""
+  """(params, precondition=None, batch=1) -> `Truth` at those parameters (module docstring),
+  compiled once for a model: `stream_spec` gives the data, the sequence length and the order's
+  seed (its `rows` is replaced by `chunk`); every call reads the same `sequences` windows. With
+  `precondition` (E[g_B^2] per parameter, flat -> P, flat) -> (plain `Truth`, preconditioned
+  `Truth`): P from the expected squared gradient of a batch of `batch` sequences, the latter
+  of the per-sequence gradients times sqrt(P)."""
   import jax  # noqa: PLC0415  start-up
   import jax.numpy as jnp  # noqa: PLC0415  start-up
 
@@ -69,19 +75,72 @@ def truth_meter(spec, stream_spec, *, sequences: int = 2048, groups: int = 16,
   it = iter(pipeline.dataset(dataclasses.replace(stream_spec, rows=chunk, row_ids=None,
                                                   prefetch=0)))
   batches = [next(it) for _ in range(sequences // groups // chunk * groups)]
+  per_group = len(batches) // groups
 
-  def measure(params) -> Truth:
-    parts = []
-    for batch in batches:
-      g = np.asarray(per_sequence(params, batch), np.float64)
-      parts.append(np.concatenate([g.sum(0), [np.sum(g * g), len(g)]]))
-    sums = np.array(parts).reshape(groups, -1, parts[0].size).sum(1)
+  def truth(sums) -> Truth:
     b_simple, trace, g_sq = _ratio(sums)
     leave_out = np.array([_ratio(np.delete(sums, k, axis=0))[0] for k in range(groups)])
     se = float(np.sqrt((groups - 1) / groups * np.sum((leave_out - leave_out.mean()) ** 2)))
     return Truth(float(b_simple), se, float(trace), float(g_sq), int(sums[:, -1].sum()))
 
+  def measure(params, precondition=None, batch: int = 1):
+    sums, squares = [], []  # per group: [gradient sum, sum of squared norms, count]; sum of g^2
+    for k in range(groups):
+      g_sum = sq = n = 0.0
+      g2_sum = 0.0
+      for b in batches[k * per_group:(k + 1) * per_group]:
+        g = np.asarray(per_sequence(params, b), np.float64)
+        g_sum, sq, n = g_sum + g.sum(0), sq + np.sum(g * g), n + len(g)
+        if precondition is not None:
+          g2_sum = g2_sum + np.sum(g * g, 0)
+      sums.append(np.concatenate([g_sum, [sq, n]]))
+      squares.append(g2_sum)
+    sums = np.array(sums)
+    if precondition is None:
+      return truth(sums)
+    n, g_sum, g2_sum = sums[:, -1].sum(), sums[:, :-2].sum(0), np.sum(squares, 0)
+    mean = g_sum / n
+    var = (g2_sum / n - mean * mean) * n / (n - 1)
+    p = np.asarray(precondition(mean * mean + var / batch), np.float64)
+    scaled = np.concatenate([sums[:, :-2] * np.sqrt(p), (np.array(squares) @ p)[:, None],
+                             sums[:, -1:]], axis=1)
+    return truth(sums), truth(scaled)
+
   return measure
+
+
+def preconditioner_at(step_dir: str, config: dict, mesh):
+  """E[g^2] (flat, the parameters' leaf order) -> P (flat) of a checkpoint: the Adam
+  preconditioner its next update would divide by were its squared gradient E[g^2]
+  (`optim.noise_scale.preconditioner`; no clipping), or None when its optimizer keeps no
+  Adam-family second moments or its meter predates them."""
+  import jax  # noqa: PLC0415  start-up
+  import jax.numpy as jnp  # noqa: PLC0415  start-up
+  import orbax.checkpoint as ocp  # noqa: PLC0415  start-up
+
+  from optim import noise_scale  # noqa: PLC0415  start-up
+  from trainer.config.cli import from_dict  # noqa: PLC0415  start-up
+  from trainer.step.program import Program  # noqa: PLC0415  start-up
+
+  cfg = from_dict(config, step_dir)
+  if cfg.optim.name not in noise_scale.PRECONDITIONED or not cfg.optim.noise_scale_every:
+    return None
+  abstract = Program(cfg, mesh).abstract_state()
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      state = checkpointer.restore(os.path.join(step_dir, "state"), abstract)
+  except (ValueError, KeyError, FileNotFoundError):  # an earlier version's meter state
+    return None
+  leaves, tree = jax.tree.flatten(state.params)
+  cuts = np.cumsum([x.size for x in leaves])[:-1]
+
+  def precondition(grad_sq):
+    parts = [jnp.asarray(x.reshape(leaf.shape), jnp.float32)
+             for x, leaf in zip(np.split(np.asarray(grad_sq), cuts), leaves)]
+    p = noise_scale.preconditioner(state.opt_state, grad_sq=jax.tree.unflatten(tree, parts))
+    return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(p)])
+
+  return precondition
 
 
 def logged_at(rows: list[dict], step: int, key: str = "noise_scale") -> tuple[int, float] | None:
@@ -119,28 +178,41 @@ def check_run(workdir: str, steps: list[int], *, sequences: int, groups: int, se
                                mixture=data if cfg.data.mixture else ())
   measure, cache = None, {}
 
-  def at(step: int) -> Truth:
+  def at(step: int, precond: bool = False) -> tuple[Truth, Truth | None]:
+    """(plain truth, preconditioned truth or None) at a checkpoint."""
     nonlocal measure
-    if step not in cache:
-      spec, params, _, _ = restore_params(os.path.join(workdir, "checkpoints", str(step)), mesh)
+    if (step, True) in cache:  # that one holds the plain truth too
+      return cache[step, True]
+    if (step, precond) not in cache:
+      step_dir = os.path.join(workdir, "checkpoints", str(step))
+      spec, params, config, _ = restore_params(step_dir, mesh)
       measure = measure or truth_meter(spec, stream, sequences=sequences, groups=groups)
       with jax.set_mesh(mesh):
-        cache[step] = measure(params)
-    return cache[step]
+        p = preconditioner_at(step_dir, config, mesh) if precond else None
+        got = measure(params, p, ramp.batch_at(step))
+      cache[step, precond] = got if p is not None else (got, None)
+    return cache[step, precond]
 
   have, out = checkpoints(workdir), []
   for step in steps:
-    t = at(step)
+    t, tp = at(step, precond=True)
     logged = logged_at(rows, step, key)
     row = {"step": step, "truth": t.b_simple, "truth_se": t.se, "sequences": t.sequences,
            "truth_trace": t.trace, "truth_g_sq": t.g_sq,
            "logged_step": logged and logged[0], "logged": logged and logged[1],
-           "ratio": logged and t.b_simple / logged[1]}
+           "logged_over_truth": logged and logged[1] / t.b_simple}
+    if tp is not None:
+      logged_p = logged_at(rows, step, "noise_scale_precond")
+      row.update(truth_precond=tp.b_simple, truth_precond_se=tp.se,
+                 truth_precond_trace=tp.trace, truth_precond_g_sq=tp.g_sq,
+                 logged_precond=logged_p and logged_p[1],
+                 logged_precond_over_truth=logged_p and logged_p[1] / tp.b_simple)
     if window:
       inside = [s for s in have if s <= step and
                 ramp.examples_before(s) > (1 - window) * ramp.examples_before(step)]
-      row.update(window_truth=windowed([at(s) for s in inside]), window_checkpoints=len(inside),
-                 window_ratio=logged and windowed([at(s) for s in inside]) / logged[1])
+      truth_w = windowed([at(s)[0] for s in inside])
+      row.update(window_truth=truth_w, window_checkpoints=len(inside),
+                 logged_over_window_truth=logged and logged[1] / truth_w)
     out.append(row)
   return out
 
@@ -191,15 +263,22 @@ def main(argv: list[str]) -> int:
   if args.json:
     print(json.dumps(rows, indent=1))
     return 0
-  print("step  truth (s.e.)     logged (at step)   truth / logged"
-        + ("   truth over the window (checkpoints)   / logged" if args.window else ""))
+  fmt = lambda x: "" if x is None else f"{x:.2f}"
+  precond = any("truth_precond" in r for r in rows)
+  print("step  truth (s.e.)     logged (at step)   logged / truth"
+        + ("   preconditioned: truth (s.e.)  logged  logged / truth" if precond else "")
+        + ("   truth over the window (checkpoints)  logged / it" if args.window else ""))
   for r in rows:
     logged = "none" if r["logged"] is None else f"{r['logged']:.2f} ({r['logged_step']})"
-    ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-    line = f"{r['step']:5d} {r['truth']:7.2f} ({r['truth_se']:.2f})  {logged:>17s}   {ratio:>5s}"
+    line = (f"{r['step']:5d} {r['truth']:7.2f} ({r['truth_se']:.2f})  {logged:>17s}   "
+            f"{fmt(r['logged_over_truth']):>14s}")
+    if precond:
+      line += (f"   {r['truth_precond']:22.2f} ({r['truth_precond_se']:.2f})  "
+               f"{fmt(r['logged_precond']):>6s}  {fmt(r['logged_precond_over_truth']):>14s}"
+               if "truth_precond" in r else "")
     if args.window:
-      w = "" if r["window_ratio"] is None else f"{r['window_ratio']:.2f}"
-      line += f"   {r['window_truth']:7.2f} ({r['window_checkpoints']})   {w:>20s}"
+      line += (f"   {r['window_truth']:7.2f} ({r['window_checkpoints']})"
+               f"{fmt(r['logged_over_window_truth']):>29s}")
     print(line)
   return 0
 

@@ -61,6 +61,11 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
        "be in (0, 1], the fraction of the tokens trained so far that the meter averages over")
   need(o.noise_scale_pieces >= 2, f"optim.noise_scale_pieces={o.noise_scale_pieces}: must be "
        ">= 2 (small batches per measuring step)")
+  need(o.noise_scale_recency >= 0, f"optim.noise_scale_recency={o.noise_scale_recency}: must "
+       "be >= 0, the memory of |G|^2's recency weight as a fraction of the training so far "
+       "(0: none)")
+  need(o.noise_scale_min_measurements >= 1, f"optim.noise_scale_min_measurements="
+       f"{o.noise_scale_min_measurements}: must be >= 1 (the measurements before a value)")
   micro = d.micro_batch_size or d.global_batch_size
   batches = [d.global_batch_size]
   need(d.max_batch == 0 or d.batch_ramp == "seesaw", f"data.max_batch={d.max_batch} is "
@@ -139,7 +144,7 @@ def check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:
   """data.batch_auto.* (optim/autopilot.py), on the config with the autopilot's defaults filled
   in (`with_defaults`); returns the batches it may choose."""
   o, d = cfg.optim, cfg.data
-  reason = check(d, micro)
+  reason = check(d, micro, o.name)
   need(reason is None, reason or "")
   # Lengths in another unit than the schedule's are converted through the ramp when the
   # optimizer is built, before the autopilot has decided anything: refuse them.

@@ -131,6 +131,9 @@ def default_config() -> ml_collections.ConfigDict:
           max=0,  # the largest batch: global_batch_size x factor^k
           factor=2,
           trigger="noise_scale",  # noise_scale: B_simple > margin x batch | norm_test (eta)
+          # which B_simple the noise_scale trigger reads: noise_scale (tr(Sigma) / |G|^2) |
+          # noise_scale_precond (tr(P Sigma) / G^T P G, Adam's P; adamw and lamb only)
+          signal="noise_scale",
           margin=2.0, eta=0.8,
           patience=2,  # logged rows in a row the trigger must hold
       )),
@@ -172,8 +175,11 @@ def default_config() -> ml_collections.ConfigDict:
       # Gradient noise scale (optim/noise_scale.py): measured and logged every N steps (0 = off;
       # the other steps are the plain step) on `noise_scale_pieces` small batches of the step's
       # batch (at least 2: the accumulation micro-batches, split further where there are fewer),
-      # averaged over the last `noise_scale_window` of the tokens trained so far (in (0, 1]).
+      # averaged over the last `noise_scale_window` of the tokens trained so far (in (0, 1]):
+      # tr(Sigma) evenly, |G|^2 weighted by exp(-age / (noise_scale_recency x the tokens so far))
+      # (0 = evenly); no value until the window holds `noise_scale_min_measurements`.
       noise_scale_every=0, noise_scale_window=0.25, noise_scale_pieces=2,
+      noise_scale_recency=0.05, noise_scale_min_measurements=8,
       # DiLoCo (optim/diloco.py, trainer/step/diloco.py): `replicas` M >= 1 replicas train apart,
       # each on its B/M rows of the global batch with the optimizer above (the inner optimizer)
       # and no communication between replicas (a mesh axis of their own, `replica`, outermost;

@@ -18,17 +18,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from models import pipeline as model_pipeline
 from optim import noise_scale
 from sharding.pipeline import Pipeline, reorder
 
 
-def grad_sums(spec, params, batch, *, measure_noise: bool = False, noise_parts: int = 2):
+def grad_sums(spec, params, batch, *, measure_noise: bool = False, noise_parts: int = 2,
+              squares: bool = False):
   """trainer/step/train_step.py's `grad_sums` for a pipelined model (module docstring): (loss
   sum, target tokens, gradient sum in float32 sharded like the parameters, noise-meter sums
-  (|g_i|^2 / t_i^2 summed, 1 / t_i summed, pieces) or None, MoE sums or None). Measuring the
+  (`noise_scale.piece_sums` summed over the pieces) or None, MoE sums or None). Measuring the
   noise, the pipeline runs once per part of `noise_parts` (`noise_scale.split_rows`): part j of
   every micro-batch is one small batch."""
   pipe, moe = spec.pipeline, spec.cfg.moe
@@ -52,13 +52,14 @@ def grad_sums(spec, params, batch, *, measure_noise: bool = False, noise_parts: 
       objective = lambda p, b=piece: model_pipeline.objective(spec.model(p), pipe, b, **kw)
       (_, (loss_sum, tokens, moe_sums)), grads = jax.value_and_grad(objective, has_aux=True)(
           params)
-    t = jnp.maximum(tokens, 1.0)
-    noise = (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
+    noise = noise_scale.piece_sums(grads, tokens, squares)
+    if squares:
+      noise = (*noise[:3], shard(noise[3]))
     now = (loss_sum, tokens, shard(f32(grads)), noise, moe_sums)
     out = now if out is None else jax.tree.map(jnp.add, out, now)
   loss_sum, tokens, grads, noise, moe_sums = out
   grads = shard(grads)
-  return loss_sum, tokens, grads, (*noise, len(parts)) if measure_noise else None, moe_sums
+  return loss_sum, tokens, grads, noise if measure_noise else None, moe_sums
 
 
 def loss_sums(spec, params, batch):

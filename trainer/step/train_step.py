@@ -91,18 +91,20 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
 
 
 def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
-              noise_parts: int = 2):
+              noise_parts: int = 2, squares: bool = False):
   """Sums over the micro-batches of `batch` [M, B, S] (the noise meter's small batches: the
   micro-batches, with a pipeline `noise_parts` parts of their rows): (loss sum, target tokens, gradient sum
-  in float32 sharded like the parameters, noise-meter sums (|g_i|^2 / t_i^2 and 1 / t_i summed
-  over the pieces i, and their number) or None, MoE sums ({"stats": router statistics, "aux":
-  auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1 a scan
-  (why float32 and sharded: docs/configs.md#the-train-step; MoE: docs/moe.md#auxiliary-losses).
+  in float32 sharded like the parameters, noise-meter sums (`noise_scale.piece_sums` summed
+  over the pieces: |g_i|^2 / t_i^2, 1 / t_i, the pieces with target tokens, and with `squares`
+  g_i^2 / t_i^2 per parameter, sharded like them) or None, MoE sums ({"stats": router statistics,
+  "aux": auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1
+  a scan (why float32 and sharded: docs/configs.md#the-train-step; MoE:
+  docs/moe.md#auxiliary-losses).
   """
 
   if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/step/pipelined.py)
     return pipelined.grad_sums(spec, params, batch, measure_noise=measure_noise,
-                               noise_parts=noise_parts)
+                               noise_parts=noise_parts, squares=squares)
   num_micro = jax.tree.leaves(batch)[0].shape[0]
   moe = spec.cfg.moe
   # The step's target tokens: the MoE auxiliary terms are scaled by it (docs/moe.md).
@@ -135,20 +137,21 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
   def accumulate(carry, micro_batch):
     loss_sum, tokens, grads, moe_sums = grads_of(micro_batch)
     out = (loss_sum, tokens, f32(grads), moe_sums)
-    if measure_noise:  # |mean gradient of this micro-batch|^2 and 1 / its tokens
-      t = jnp.maximum(tokens, 1.0)
-      out += (optax.tree.norm(grads, squared=True) / (t * t), 1.0 / t)
+    if measure_noise:  # |mean gradient of this micro-batch|^2, 1 / its tokens, ...
+      out += noise_scale.piece_sums(grads, tokens, squares)
     carry = jax.tree.map(jnp.add, carry, out)
+    if squares:
+      carry = (*carry[:-1], shard(carry[-1]))
     return (*carry[:2], shard(carry[2]), *carry[3:]), None
 
   zero = jnp.zeros((), jnp.float32)
-  zeros = (zero, zero, shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)),
+  like_params = lambda: shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+  zeros = (zero, zero, like_params(),
            moe_lib.zero_sums(moe, len(moe_layer_ids(spec.cfg))) if moe.enabled else None)
   if measure_noise:
-    zeros += (zero, zero)
+    zeros += (zero,) * 3 + ((like_params(),) if squares else ())
   carry, _ = jax.lax.scan(accumulate, zeros, batch)
-  return (carry[0], carry[1], carry[2], (*carry[4:], num_micro) if measure_noise else None,
-          carry[3])
+  return (carry[0], carry[1], carry[2], tuple(carry[4:]) if measure_noise else None, carry[3])
 
 
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
@@ -164,7 +167,9 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
   (trainer/step/diloco.py), each on B of the replicas x B rows of the global batch; the
   optimizer and schedule are told the global batch."""
   dp = data_parallel_size(spec.mesh.shape)
-  has_meter = noise_scale.find_state(jax.eval_shape(tx.init, spec.abstract_params)) is not None
+  meter = noise_scale.find_state(jax.eval_shape(tx.init, spec.abstract_params))
+  has_meter = meter is not None
+  has_precond = has_meter and noise_scale.has_preconditioner(meter)
   if measure_noise and not has_meter:
     raise ValueError("measure_noise needs the noise-scale meter in the optimizer "
                      "(optim.noise_scale_every > 0)")
@@ -179,8 +184,10 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     if parts > 1 and spec.pipeline is None:  # [M parts, B / parts, S]: each part one micro-batch
       batch = jax.tree.map(lambda x: noise_scale.split_rows(x, parts).reshape(
           num_micro * parts, rows // parts, *x.shape[2:]), batch)
+    precondition = None
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
-        spec, state.params, batch, measure_noise=measure_noise, noise_parts=parts)
+        spec, state.params, batch, measure_noise=measure_noise, noise_parts=parts,
+        squares=measure_noise and has_precond)
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
@@ -196,11 +203,18 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     if isinstance(tx, optax.GradientTransformationExtraArgs):
       # One clock: the schedule is read at the step counter, skipped steps included.
       extra.update(batch_size=batch_size, step=state.step)
-      if measure_noise:
-        sq_small_sum, inv_tokens_sum, pieces = noise_sums
+      if measure_noise:  # fewer than 2 pieces with target tokens: NaN, which the meter skips
+        sq_small_sum, inv_tokens_sum, pieces = noise_sums[:3]
+        two = jnp.where(pieces >= 2, pieces, jnp.nan)
+        precond = {}
+        if has_precond:  # the same with sqrt(P) g, P as this update's (optim/noise_scale.py)
+          precondition = noise_scale.preconditioner(state.opt_state, grads)
+          precond = dict(sq_norm_small_precond=noise_scale.weighted_sq_norm(
+                             noise_sums[3], precondition, squared=True) / two,
+                         sq_norm_big_precond=noise_scale.weighted_sq_norm(grads, precondition))
         extra["noise_sample"] = noise_scale.Sample(
-            sq_norm_small=sq_small_sum / pieces, sq_norm_big=grad_norm * grad_norm,
-            b_small=pieces / inv_tokens_sum, b_big=denom)
+            sq_norm_small=sq_small_sum / two, sq_norm_big=grad_norm * grad_norm,
+            b_small=two / inv_tokens_sum, b_big=denom, **precond)
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     # A bad step changes nothing but the step counter (its batch and its schedule slot are
@@ -226,13 +240,22 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                                      layer_ids=moe_layer_ids(spec.cfg)))
     if has_meter:  # the meter's value (its averages pass through the steps that do not measure)
       noise = noise_scale.readout(noise_scale.find_state(opt_state))
-      metrics.update(noise_scale=noise["b_simple"] * batch_size / denom,
+      per_sequence = batch_size / denom
+      metrics.update(noise_scale=noise["b_simple"] * per_sequence,
                      noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
                      noise_trace=noise["trace_sigma"], noise_measurements=noise["count"])
+      if has_precond:
+        metrics.update(noise_scale_precond=noise["b_simple_precond"] * per_sequence,
+                       noise_g_sq_precond=noise["g_sq_precond"],
+                       noise_trace_precond=noise["trace_precond"])
     if measure_noise:  # this step's own estimates
-      g_sq, trace = noise_scale.estimate(*extra["noise_sample"])
+      sample = extra["noise_sample"]
+      g_sq, trace = noise_scale.estimate(*sample[:4])
       metrics.update(noise_g_sq_step=g_sq, noise_trace_step=trace,
-                     noise_pieces=jnp.asarray(pieces, jnp.int32))
+                     noise_pieces=pieces.astype(jnp.int32))
+      if precondition is not None:
+        metrics.update(zip(("noise_g_sq_precond_step", "noise_trace_precond_step"),
+                           noise_scale.estimate(*sample[4:], *sample[2:4])))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, guard=guard)
     return new_state, metrics
 

@@ -63,7 +63,8 @@ def log_batch_plan(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp: 
   if autopilot is not None:
     a = autopilot.cfg
     writer.log(f"batch autopilot: {' -> '.join(map(str, a.sizes()))} sequences, x{a.factor} "
-               + (f"when B_simple > {a.margin:g} x batch" if a.trigger == "noise_scale" else
+               + (f"when {'B_simple' if a.signal == 'noise_scale' else 'the preconditioned B_simple'}"
+                  f" > {a.margin:g} x batch" if a.trigger == "noise_scale" else
                   f"when the norm test fails (eta={a.eta:g})")
                + f" at {a.patience} logged row(s) in a row (every {cfg.log_every} steps; the "
                f"meter measures every {cfg.optim.noise_scale_every}); decided so far: "
@@ -95,9 +96,14 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
     first = min(ramp.first_step_at((1 - window) * ramp.examples_before(n)), n - 1)
     spans.append(f"at step {n:,} its steps {first + 1:,}-{n:,}")
   every = "every step" if o.noise_scale_every == 1 else f"every {o.noise_scale_every} steps"
+  recency = (f", |G|^2 weighted by exp(-age / {o.noise_scale_recency:g} of them)"
+             if o.noise_scale_recency else "")
+  precond = ("; also preconditioned by Adam's second moments (noise_scale_precond)"
+             if o.name in noise_scale.PRECONDITIONED else "")
   writer.log(f"gradient noise scale: measured {every} on small batches "
              f"({', '.join(pieces)}), averaged over the last {window:.0%} of the tokens trained "
-             f"so far ({'; '.join(spans)})")
+             f"so far{recency} ({'; '.join(spans)}); a value once the window holds "
+             f"{o.noise_scale_min_measurements} measurements{precond}")
 
 
 def log_hyperparameters(writer: MetricsWriter, cfg: ml_collections.ConfigDict, step: int,
