@@ -57,6 +57,10 @@ def test_optimal_rate_is_interior_and_steps_fall_with_batch(problem):
   for b, rate, steps in s:
     assert 1e-3 * top < rate < 0.99 * top, (b, rate)
     assert math.isfinite(steps)
+    around = nqm.curves(problem, [rate / 1.1, rate, min(rate * 1.1, top * 0.999)], [b] * 3,
+                        int(steps * 2) + 10)["loss"]
+    below, at, above = nqm.steps_to(around, target)
+    assert below > at and above > at, (b, rate, below, at, above)  # a minimum, both sides
   steps = [x for _, _, x in s]
   assert all(later <= earlier * (1 + 1e-6) for earlier, later in zip(steps, steps[1:])), steps
   assert steps[0] > 2 * steps[-1]  # the range covers the bend
