@@ -39,11 +39,18 @@ def local_step_dir(root, step):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-  """Losses of an undamaged 6-step run saving persistently every 3 steps."""
+def straight_run(tmp_path_factory):
+  """The workdir of an undamaged 6-step run saving persistently every 3 steps (read only: copy
+  it to damage it)."""
   workdir = tmp_path_factory.mktemp("straight")
   assert Run(tiny_config(**{"checkpoint.every_steps": 3}), str(workdir)).train().status == "done"
-  return losses(workdir)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def straight(straight_run):
+  """Losses of that run."""
+  return losses(straight_run)
 
 
 def test_a_damaged_persistent_checkpoint_is_set_aside_and_the_previous_one_restored(
@@ -271,7 +278,8 @@ def test_local_copies_without_checksums_or_with_a_truncated_state_are_named_in_o
 # --- reads outside a resume: warm starts and the tools --------------------------------------
 
 
-def test_a_warm_start_and_the_tools_read_only_verified_finite_steps(tmp_path, capsys):
+def test_a_warm_start_and_the_tools_read_only_verified_finite_steps(straight_run, tmp_path,
+                                                                      capsys):
   """The issue's reproduction: 4 KiB inverted in the newest step of a run, then a warm start
   (`checkpoint.init_from`) and the tools' `restore_params` from it. Both fall back to the
   previous step with the resume's one line; a damaged step named alone, or weights with NaN
@@ -284,32 +292,30 @@ def test_a_warm_start_and_the_tools_read_only_verified_finite_steps(tmp_path, ca
   from trainer.config import default_config
 
   source = tmp_path / "source"
-  cfg = tiny_config(**{"checkpoint.every_steps": 2, "steps": 4})
-  assert Run(cfg, str(source)).train().status == "done"
-  invert(largest_file(source / "checkpoints" / "4" / "state"))
+  shutil.copytree(straight_run / "checkpoints", source / "checkpoints")
+  invert(largest_file(source / "checkpoints" / "6" / "state"))
   capsys.readouterr()
   warm = tmp_path / "warm"
-  cfg.update(steps=1)
-  cfg.checkpoint.init_from = str(source)
+  cfg = tiny_config(**{"steps": 1, "checkpoint.init_from": str(source)})
   run = Run(cfg, str(warm))
   assert run.train().status == "done"
   out = capsys.readouterr().out
   damaged = [l for l in out.splitlines() if "is damaged" in l]
-  assert damaged == [f"checkpoint {source}/checkpoints/4 is damaged (state/"
+  assert damaged == [f"checkpoint {source}/checkpoints/6 is damaged (state/"
                      + damaged[0].split("(state/")[1]] and damaged[0].endswith(
                          "; trying the previous one") and "does not match its checksum" in \
       damaged[0], out
-  assert f"initialised parameters from {source}/checkpoints/2 " in out, out
+  assert f"initialised parameters from {source}/checkpoints/3 " in out, out
 
   mesh = make_mesh(default_config().mesh, jax.devices()[:1])
   lines = []
   spec, params, _, _ = restore_params(str(source), mesh, log=lines.append)
-  assert len(lines) == 1 and lines[0].startswith(f"checkpoint {source}/checkpoints/4 is damaged")
-  want, _ = load_params(str(source / "checkpoints" / "2"), spec.abstract_params)
+  assert len(lines) == 1 and lines[0].startswith(f"checkpoint {source}/checkpoints/6 is damaged")
+  want, _ = load_params(str(source / "checkpoints" / "3"), spec.abstract_params)
   jax.tree.map(np.testing.assert_array_equal, params, want)
   with pytest.raises(CheckpointError) as e:  # one step named: nothing to fall back to
-    restore_params(str(source / "checkpoints" / "4"), mesh)
-  assert "checkpoints/4 is damaged (state/" in str(e.value) and \
+    restore_params(str(source / "checkpoints" / "6"), mesh)
+  assert "checkpoints/6 is damaged (state/" in str(e.value) and \
       str(e.value).endswith("nothing was loaded") and "\n" not in str(e.value)
 
   nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), want)
