@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from tools import batch_sweep, figures
+from tools import batch_sweep, figures, stats
 from trainer.config import ConfigError
 from trainer.config.cli import floats, ints  # noqa: F401  (the experiments' argparse types)
 from trainer.config.cli import CliParser, load
@@ -151,12 +151,13 @@ def add_to_target_args(p, max_examples: int) -> None:
 
 def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
          keys: tuple[str, ...] = (), metrics: tuple[str, ...] = (),
-         seeds_inside: bool = False) -> int:
+         compare: tuple[str, str] | None = None, seeds_inside: bool = False) -> int:
   """Parse (`parse(argv) -> (args, overrides)`), load the base config, run
   `experiment(args, cfg) -> rows` (once per seed with `--seeds`: `keys` name a result, `metrics`
-  its numbers, summarised over the seeds; `seeds_inside`: the experiment runs its seeds itself)
-  and report the wall time. A mistake in the command line or a config is one line on stderr and
-  exit code 2, before anything compiles."""
+  its numbers, summarised over the seeds; `compare` = (key, baseline): every other value of that
+  key against the baseline's, seed by seed, with t intervals (`paired`); `seeds_inside`: the
+  experiment runs its seeds itself) and report the wall time. A mistake in the command line or a
+  config is one line on stderr and exit code 2, before anything compiles."""
   platforms.choose()
   try:
     args, overrides = parse(argv)
@@ -174,7 +175,7 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
     if seeds_inside or getattr(args, "seeds", 1) == 1:
       experiment(args, cfg)
     else:
-      over_seeds(name, args, cfg, experiment, keys, metrics)
+      over_seeds(name, args, cfg, experiment, keys, metrics, compare)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -182,10 +183,11 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
   return 0
 
 
-def over_seeds(name: str, args, cfg, experiment: Callable, keys, metrics) -> list[dict]:
+def over_seeds(name: str, args, cfg, experiment: Callable, keys, metrics,
+               compare: tuple[str, str] | None = None) -> list[dict]:
   """The experiment at seeds cfg.seed, cfg.seed + 1, ...: each seed's runs, CSV and figure in
-  `--workdir`/seed<s>; OUT.csv every seed's rows, OUT_seeds.csv `summarize`'s, OUT.png the
-  first seed's figure."""
+  `--workdir`/seed<s>; OUT.csv every seed's rows, OUT_seeds.csv `summarize`'s, OUT_paired.csv
+  `paired`'s (with `compare`), OUT.png the first seed's figure."""
   rows = []
   for k in range(args.seeds):
     seeded = cfg.copy_and_resolve_references()
@@ -204,9 +206,40 @@ def over_seeds(name: str, args, cfg, experiment: Callable, keys, metrics) -> lis
   columns = [(k, k, "") for k in keys] + [(f"{m}_text", m, "s") for m in metrics]
   print(f"[{name}] over {args.seeds} seeds (mean +- std, min-max; n: seeds with a value):")
   print(table(summary, columns, name))
-  print(f"[{name}] wrote {args.out}.csv, {args.out}_seeds.csv" +
-        (f", {args.out}.png (seed {cfg.seed})" if os.path.exists(args.out + ".png") else ""))
+  if compare:
+    diffs = paired(rows, keys, metrics, *compare)
+    figures.write_csv(args.out + "_paired.csv", diffs)
+    print(f"[{name}] against {compare[0]}={compare[1]!r}, seed by seed (t intervals, 95%):")
+    for d in diffs:
+      print(f"[{name}]   {d['text']}")
+  print(f"[{name}] wrote {args.out}.csv, {args.out}_seeds.csv"
+        + (f", {args.out}_paired.csv" if compare else "")
+        + (f", {args.out}.png (seed {cfg.seed})" if os.path.exists(args.out + ".png") else ""))
   return rows
+
+
+def paired(rows: list[dict], keys, metrics, arm: str, baseline) -> list[dict]:
+  """Per metric, per value of the other `keys` and per arm (the values of `arm` other than
+  `baseline`): the difference arm - baseline over the seeds both have (`tools.stats.paired`), its
+  t interval, p-value and verdict (no difference claimed where the interval holds 0)."""
+  others = [k for k in keys if k != arm]
+  out = []
+  groups = sorted({tuple(r.get(k) for k in others) for r in rows}, key=str)
+  for m in metrics:
+    for g in groups:
+      where = dict(zip(others, g))
+      mine = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+      base = {r["seed"]: r.get(m) for r in mine if r.get(arm) == baseline}
+      if not base:
+        continue
+      for a in sorted({r.get(arm) for r in mine} - {baseline}, key=str):
+        result = stats.paired({r["seed"]: r.get(m) for r in mine if r.get(arm) == a}, base)
+        label = ", ".join(f"{k}={v}" for k, v in where.items())
+        out.append({"metric": m, **where, "arm": a, "baseline": baseline,
+                    **result.as_dict("diff"),
+                    "text": f"{m}{f' ({label})' if label else ''}: "
+                            + result.verdict(str(a), str(baseline), ".4g")})
+  return out
 
 
 def summarize(rows: list[dict], keys, metrics) -> list[dict]:

@@ -89,6 +89,10 @@ def build_parser():
   p.add_argument("--ema_decay", type=float, default=0.0,
                  help="optim.ema_decay at the reference batch (half-life rule across batches)")
   p.add_argument("--bootstrap", type=int, default=300, help="bootstrap replicates")
+  p.add_argument("--from_runs", default="",
+                 help="train nothing: estimate every cell from a runs CSV (OUT_runs.csv of this "
+                      "or an earlier lab; its widths, budgets, batches and seeds) by this "
+                      "protocol's rules, e.g. to re-read a grid measured before them")
   p.add_argument("--read_only", action="store_true",
                  help="train nothing: summarise if every run's record is complete, else report "
                       "which are pending (safe beside a lab that is running)")
@@ -174,6 +178,8 @@ def experiment(args, cfg) -> list[dict]:
     raise ConfigError(f"--widths: {bad[0]} is not a multiple of model.num_heads="
                       f"{cfg.model.num_heads}")
   seq = cfg.data.seq_len
+  if args.from_runs:
+    return reanalyse(args, cfg)
   seeds = [cfg.seed + k for k in range(args.seeds)]
   ref = cfg.optim.reference_batch_size or cfg.data.global_batch_size
   config = lambda t: width_config(cfg, t.width, t.seed, args)
@@ -232,6 +238,31 @@ def experiment(args, cfg) -> list[dict]:
     print(f"[scaling] after {args.max_extensions} extensions {len(grown)} (width, batch) still "
           "have a fastest rate at the edge: their cells are refused", flush=True)
   return summarize(args, runs, counts, targets, seeds, seq)
+
+
+def reanalyse(args, cfg) -> list[dict]:
+  """`--from_runs`: the cells of a runs CSV by this protocol's rules (an earlier lab's
+  `below_at_start` read as `censored`; its rows carry no bound there, so such a crossing counts
+  as not reached); its warmup is the config's."""
+  from tools.scaling_fit import read_csv  # noqa: PLC0415  only here
+  if not os.path.isfile(args.from_runs):
+    raise ConfigError(f"--from_runs {args.from_runs}: no such file")
+  runs = [{**r, "censored": bool(r.get("censored", r.get("below_at_start")))}
+          for r in read_csv(args.from_runs)]
+  for r in runs:
+    for k in ("width", "seed", "batch_size", "budget"):
+      r[k] = int(r[k])
+  args.widths = sorted({r["width"] for r in runs})
+  args.budgets = sorted({r["budget"] for r in runs})
+  args.batch_sizes = sorted({r["batch_size"] for r in runs})
+  args.warmup = int(cfg.optim.warmup_examples)
+  seeds = sorted({r["seed"] for r in runs})
+  targets = {w: [next(r["target"] for r in runs if (r["width"], r["budget"]) == (w, d))
+                 for d in args.budgets] for w in args.widths}
+  counts = {w: parameters(width_config(cfg, w, seeds[0])) for w in args.widths}
+  print(f"[scaling] {len(runs)} rows of {args.from_runs}: widths {args.widths}, budgets "
+        f"{args.budgets}, batches {args.batch_sizes}, seeds {seeds}; nothing trained", flush=True)
+  return summarize(args, runs, counts, targets, seeds, cfg.data.seq_len)
 
 
 def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]:

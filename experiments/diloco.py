@@ -152,7 +152,8 @@ def plot(path: str, rows: list[dict], args) -> bool:
 
 def main(argv: list[str]) -> int:
   return common.main("diloco", parse, experiment, argv, keys=("arm", "batch_size"),
-                     metrics=("final_eval_loss", "optimal_batch"))
+                     metrics=("final_eval_loss", "optimal_batch"),
+                     compare=("arm", "data parallel"))
 
 
 def host_devices(argv: list[str]) -> None:

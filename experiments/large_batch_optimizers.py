@@ -128,7 +128,7 @@ def plot(path: str, rows: list[dict], curves: dict, batches: list[int], args) ->
 
 def main(argv: list[str]) -> int:
   return common.main("optimizers", parse, experiment, argv, keys=("optimizer", "batch_size"),
-                     metrics=("final_eval_loss",))
+                     metrics=("final_eval_loss",), compare=("optimizer", "adamw"))
 
 
 if __name__ == "__main__":

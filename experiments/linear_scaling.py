@@ -139,7 +139,8 @@ def plot(path: str, rows: list[dict], args) -> bool:
 
 def main(argv: list[str]) -> int:
   return common.main("linear", parse, experiment, argv, keys=("arm", "batch_size"),
-                     metrics=("trained_loss", "diverged_fraction", "final_eval_loss"))
+                     metrics=("trained_loss", "diverged_fraction", "final_eval_loss"),
+                     compare=("arm", "no rule (same lr)"))
 
 
 if __name__ == "__main__":

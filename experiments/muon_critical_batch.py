@@ -189,7 +189,8 @@ def plot(path: str, results: dict, fits: dict, summaries: dict, args) -> bool:
 def main(argv: list[str]) -> int:
   return common.main("muon_critical_batch", parse, experiment, argv,
                      keys=("optimizer", "target", "batch_size", "lr_multiplier"),
-                     metrics=("steps", "examples", "noise_scale", "b_crit"))
+                     metrics=("steps", "examples", "noise_scale", "b_crit"),
+                     compare=("optimizer", "adamw"))
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ def plot(path: str, rows: list[dict], curves: dict, t_stable, seq: int) -> bool:
 
 def main(argv: list[str]) -> int:
   return common.main("schedules", parse, experiment, argv, keys=("run",),
-                     metrics=("final_eval_loss", "loss_minus_cosine"))
+                     metrics=("final_eval_loss", "loss_minus_cosine"), compare=("run", "cosine"))
 
 
 if __name__ == "__main__":

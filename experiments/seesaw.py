@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int:
   return common.main("seesaw", parse, experiment, argv,
                      keys=("part", "run", "at_step", "factor"),
                      metrics=("steps", "final_eval_loss", "loss_minus_cosine", "smoothed_loss",
-                              "critical_batch", "b_simple"))
+                              "critical_batch", "b_simple"), compare=("run", "cosine"))
 
 
 if __name__ == "__main__":

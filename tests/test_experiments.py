@@ -179,6 +179,26 @@ def test_summarize_over_seeds():
   assert got["b"]["noise_n"] == 1 and math.isnan(got["b"]["noise_std"])
 
 
+def test_arms_are_compared_seed_by_seed():
+  """`common.paired`: each arm against the baseline at the same other keys, matched by seed (a
+  seed missing in one arm is left out of both), with the t interval and a verdict that claims no
+  difference where the interval holds 0."""
+  rows = [{"seed": s, "arm": a, "batch_size": b, "loss": base + d}
+          for s, base in ((0, 2.0), (1, 2.5), (2, 3.0))
+          for b in (8, 16)
+          for a, d in (("rule", 0.0), ("sqrt", 0.1 + 0.01 * s), ("noise", 0.3 * (-1) ** s))]
+  rows.append({"seed": 3, "arm": "sqrt", "batch_size": 8, "loss": 9.0})  # no baseline: left out
+  got = {(d["arm"], d["batch_size"]): d for d in common.paired(rows, ("arm", "batch_size"),
+                                                               ("loss",), "arm", "rule")}
+  assert set(got) == {("sqrt", 8), ("sqrt", 16), ("noise", 8), ("noise", 16)}
+  sqrt = got[("sqrt", 8)]
+  assert sqrt["diff"] == pytest.approx(0.11) and sqrt["diff_n"] == 3 and sqrt["diff_significant"]
+  assert sqrt["diff_lo"] == pytest.approx(0.11 - 4.3027 * 0.01 / math.sqrt(3), abs=1e-4)
+  assert "sqrt higher than rule" in sqrt["text"] and "batch_size=8" in sqrt["text"]
+  noise = got[("noise", 16)]
+  assert not noise["diff_significant"] and "no difference" in noise["text"]
+
+
 def test_an_experiment_over_seeds(tmp_path, data_dir):
   """`--seeds 2`: the experiment at seeds 0 and 1, each in its own workdir (other losses), every
   row in OUT.csv with its seed, the spread in OUT_seeds.csv, the first seed's figure."""
@@ -199,6 +219,7 @@ def test_an_experiment_over_seeds(tmp_path, data_dir):
   assert float(summary[16]["final_eval_loss_mean"]) == pytest.approx(
       (loss[("0", "16")] + loss[("1", "16")]) / 2)
   assert os.path.exists(tmp_path / "runs" / "seed1" / "opt.csv")
+  assert os.path.exists(f"{out}_paired.csv")  # against adamw, which this run left out: empty
   assert os.path.getsize(f"{out}.png") > 10_000
   assert large_batch_optimizers.main(["--config", str(config), "--seeds", "0"]) == 2
 

@@ -43,13 +43,13 @@ def test_the_command_pairs_rows_of_a_csv(tmp_path, capsys):
       w.writerow([seed, "linear", 16, a])
       w.writerow([seed, "sqrt", 16, b])
       w.writerow([seed, "sqrt", 32, 99.0])
-  assert stats.main([str(path), "--metric", "loss", "--arm", "rule", "--pair", "linear,sqrt",
-                     "--match", "batch=16"]) == 0
+  assert stats.main([str(path), "--metric", "loss", "--arm", "rule", "--a", "linear", "--b",
+                     "sqrt", "--match", "batch=16"]) == 0
   out = capsys.readouterr().out
   assert "linear - sqrt = 1.333 [-1.252, 3.919] over 3 paired seeds (p = 0.16" in out
-  assert stats.main([str(path), "--metric", "loss", "--arm", "rule", "--pair",
-                     "linear,sqrt"]) == 2  # batch 32 and 16 both under sqrt: ambiguous
+  assert stats.main([str(path), "--metric", "loss", "--arm", "rule", "--a", "linear", "--b",
+                     "sqrt"]) == 2  # batch 32 and 16 both under sqrt: ambiguous
   assert "two rows for seed=0" in capsys.readouterr().err
-  assert stats.main([str(path), "--metric", "nope", "--arm", "rule", "--pair", "a,b"]) == 2
+  assert stats.main([str(path), "--metric", "nope", "--arm", "rule", "--a", "x", "--b", "y"]) == 2
   assert stats.main([str(tmp_path / "missing.csv"), "--metric", "loss", "--arm", "rule",
-                     "--pair", "a,b"]) == 2
+                     "--a", "x", "--b", "y"]) == 2

@@ -7,11 +7,12 @@ mean +- t(1 - alpha/2, n - 1) s / sqrt(n) and the two-sided p-value of "no diffe
 "flip" or an "edge" (`Paired.verdict`). With 3 seeds t(0.975, 2) = 4.30, and the same sign on
 3 of 3 seeds is p = 0.25 (sign test): effects below ~0.02 nats need 5 or more seeds.
 
-    python -m tools.stats CSV --metric final_eval_loss --arm rule --pair linear,sqrt [--by seed]
+    python -m tools.stats CSV --metric final_eval_loss --arm rule --a linear --b sqrt [--by seed] \
+        [--match KEY=VALUE,...]
 
-reads an experiment's per-seed CSV (a row per seed and arm) and prints the paired difference of
-`--metric` between the two arms of column `--arm`, matched on `--by` (and on every other key
-column given with `--match`). No jax here.
+reads an experiment's per-seed CSV (a row per seed and arm) and prints the paired difference
+A - B of `--metric` between the arms `--a` and `--b` of column `--arm`, matched on `--by`,
+among the rows with the `--match` values. No jax here.
 """
 from __future__ import annotations
 
@@ -135,7 +136,8 @@ def build_parser():
   p.add_argument("csv", help="an experiment's CSV with a row per seed and arm")
   p.add_argument("--metric", required=True, help="the column compared")
   p.add_argument("--arm", required=True, help="the column that names the arm")
-  p.add_argument("--pair", required=True, help="the two arms A,B: prints A - B")
+  p.add_argument("--a", required=True, help="arm A (a value of --arm)")
+  p.add_argument("--b", required=True, help="arm B: prints A - B")
   p.add_argument("--by", default="seed", help="the column that pairs rows (default seed)")
   p.add_argument("--match", default="", help="KEY=VALUE,...: only rows with these values")
   p.add_argument("--level", type=float, default=0.95)
@@ -150,9 +152,7 @@ def main(argv: list[str]) -> int:
     if not os.path.isfile(args.csv):
       raise ConfigError(f"{args.csv}: no such file")
     rows = read_csv(args.csv)
-    arms = args.pair.split(",")
-    if len(arms) != 2:
-      raise ConfigError(f"--pair {args.pair!r}: give two arms, e.g. --pair linear,sqrt")
+    arms = [args.a, args.b]
     missing = [k for k in (args.metric, args.arm, args.by) if rows and k not in rows[0]]
     if not rows or missing:
       raise ConfigError(f"{args.csv}: " + (f"no column {missing[0]!r}; columns: "
@@ -160,13 +160,15 @@ def main(argv: list[str]) -> int:
     match = dict(kv.split("=", 1) for kv in args.match.split(",") if kv)
     a, b = (by_seed(rows, args.metric, {args.arm: arm, **match}, args.by) for arm in arms)
     if not a or not b:
-      raise ConfigError(f"--pair: no rows with {args.arm}={arms[0 if not a else 1]!r}")
+      raise ConfigError(f"no rows with {args.arm}={arms[0 if not a else 1]!r}"
+                        + (f" and {args.match}" if args.match else ""))
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   result = paired(a, b, args.level)
+  seeds = [int(s) if isinstance(s, float) and s.is_integer() else s for s in result.seeds]
   print(f"[stats] {args.metric}: {result.verdict(*arms, fmt='.4g')} ({args.level:.0%} t "
-        f"interval; seeds {result.seeds})")
+        f"interval; seeds {seeds})")
   return 0
 
 
