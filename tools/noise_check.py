@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from trainer.config import ConfigError
-from trainer.config.cli import CliParser, ints
+from trainer.config.cli import CliParser, floats, ints
 from trainer.multihost import platforms
 from trainer.run.inprocess import load_run
 from trainer.tracking.record import ramp_from_rows, read_rows
@@ -157,9 +157,11 @@ def checkpoints(workdir: str) -> list[int]:
 
 
 def check_run(workdir: str, steps: list[int], *, sequences: int, groups: int, seed: int,
-              window: float = 0.0, key: str = "noise_scale") -> list[dict]:
+              window: float = 0.0, key: str = "noise_scale",
+              recency: tuple[float, ...] = ()) -> list[dict]:
   """One row per step: the truth at its checkpoint's parameters, the logged value, the ratio;
-  with `window` also the truth over that window ending at the step (`windowed`)."""
+  with `window` also the truth over that window ending at the step (`windowed`); with
+  `recency` also what the meter would have logged at each of those recencies (`replay`)."""
   import jax  # noqa: PLC0415  start-up
 
   from data import pipeline  # noqa: PLC0415  start-up
@@ -194,6 +196,7 @@ def check_run(workdir: str, steps: list[int], *, sequences: int, groups: int, se
     return cache[step, precond]
 
   have, out = checkpoints(workdir), []
+  replayed = {r: replay(rows, cfg, ramp, r) for r in recency}
   for step in steps:
     t, tp = at(step, precond=True)
     logged = logged_at(rows, step, key)
@@ -213,7 +216,36 @@ def check_run(workdir: str, steps: list[int], *, sequences: int, groups: int, se
       truth_w = windowed([at(s)[0] for s in inside])
       row.update(window_truth=truth_w, window_checkpoints=len(inside),
                  logged_over_window_truth=logged and logged[1] / truth_w)
+    if recency:
+      row.update(replayed={r: replayed[r].get(step) for r in recency},
+                 replayed_over_truth={r: replayed[r].get(step) and replayed[r][step] / t.b_simple
+                                      for r in recency})
     out.append(row)
+  return out
+
+
+def replay(rows: list[dict], cfg, ramp, recency: float) -> dict[int, float]:
+  """{step: B_simple in sequences} that the meter of `cfg` (its window, minimum of measurements
+  and clock) with `recency` would have logged, from the per-step estimates the run logged
+  (`noise_g_sq_step`, `noise_trace_step`: a run that logged every measuring step)."""
+  from optim import noise_scale  # noqa: PLC0415  start-up
+
+  o = cfg.optim
+  measured = [r for r in rows if "noise_g_sq_step" in r]
+  if not measured or len(measured) < max(r["step"] for r in rows) // max(o.noise_scale_every, 1):
+    raise ConfigError(f"--recency replays the meter's per-step estimates, which the run logged "
+                      f"at {len(measured)} of its measuring steps; train it with "
+                      "--config.log_every=1 (or a multiple of optim.noise_scale_every)")
+  tx = noise_scale.meter(float(o.noise_scale_window),
+                         lambda step: float(ramp.examples_before(step + 1)), recency=recency,
+                         min_measurements=int(o.noise_scale_min_measurements))
+  state, out = tx.init(None), {}
+  for r in measured:  # a Sample whose estimates are the logged ones exactly (b = 1, B = 2)
+    g, trace = r["noise_g_sq_step"], r["noise_trace_step"]
+    sample = noise_scale.Sample(*(np.float32(x) for x in (g + trace, g + trace / 2, 1, 2)))
+    _, state = tx.update({}, state, noise_sample=sample, step=r["step"] - 1)
+    out[r["step"]] = float(noise_scale.readout(state)["b_simple"]) * \
+        ramp.batch_at(r["step"] - 1) / max(r["target_tokens"], 1.0)
   return out
 
 
@@ -236,6 +268,9 @@ def build_parser():
                       help="also the truth over the meter's window ending at each step (e.g. "
                            "0.25: the checkpoints after 75%% of the examples read then)")
   parser.add_argument("--key", default="noise_scale", help="the logged metric to compare")
+  parser.add_argument("--recency", type=floats, default=(),
+                      help="also what the meter with these optim.noise_scale_recency values "
+                           "would have logged (a run logged every step), e.g. 0,0.05,0.1")
   parser.add_argument("--json", action="store_true", help="print the rows as JSON")
   return parser
 
@@ -256,7 +291,8 @@ def main(argv: list[str]) -> int:
     if not 0 <= args.window <= 1:
       raise ConfigError(f"--window {args.window}: a fraction in (0, 1], or 0 for none")
     rows = check_run(args.workdir, args.steps, sequences=args.sequences, groups=args.groups,
-                     seed=args.seed, window=args.window, key=args.key)
+                     seed=args.seed, window=args.window, key=args.key,
+                     recency=tuple(args.recency))
   except (ConfigError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -279,6 +315,9 @@ def main(argv: list[str]) -> int:
     if args.window:
       line += (f"   {r['window_truth']:7.2f} ({r['window_checkpoints']})"
                f"{fmt(r['logged_over_window_truth']):>29s}")
+    if args.recency:
+      line += "   replayed / truth: " + ", ".join(
+          f"recency {k:g} {fmt(v)}" for k, v in r["replayed_over_truth"].items())
     print(line)
   return 0
 
