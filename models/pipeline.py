@@ -13,12 +13,15 @@ Why and details: docs/pipeline.md#inside-the-tick-loop
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models import moe as moe_lib
 from models import weight_grad
+from models.cross_entropy import chunked_cross_entropy
 from models.llama import Transformer, layer_inputs, run_layers
 from models.params import DTYPES
 from sharding import pipeline_vjp
@@ -40,7 +43,10 @@ def _stage(model: Transformer, pipe: Pipeline, batch):
 
   def stage(w, x_BSE, micro, tape=None):  # with a tape: also what the layers' tapes return
     blocks = nnx.merge(graphdef, w)
-    rope, segments = layer_inputs(cfg, positions[micro], segments_ids[micro])
+    # read after the stage input arrives: on CPU the RoPE tables' choice is an all-reduce over
+    # the batch's devices, which must not run before the tick's earlier collectives
+    after = (0 * x_BSE[..., 0]).astype(jnp.int32)  # [B, S] zeros laid out as the batch
+    rope, segments = layer_inputs(cfg, positions[micro] + after, segments_ids[micro] + after)
     y_BSE, stats, *taped = run_layers(cfg, x_BSE, blocks, rope, segments, tape)
     if stats:  # this micro-batch's balance term per layer (balance_scope="micro_batch")
       stats = {**stats, "balance_mb": _micro_balance(stats, cfg.moe)}
@@ -129,10 +135,8 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
   stage, weights = _stage(model, pipe, batch)
   targets, mask = batch["targets"], batch["loss_mask"]
 
-  def head(rest, y_BSE, micro):
-    m = merged(rest)
-    return m.loss_from_hidden(m.final_norm(y_BSE), targets[micro], mask[micro])
-
+  head = lambda rest, y_BnE, labels: _piece_loss(merged(rest), y_BnE, *labels)
+  labels = lambda micro: (targets[micro], mask[micro])
   embed = lambda rest, micro: merged(rest).embed(batch["inputs"][micro])
   micro, rows, seq = batch["inputs"].shape
   table = pipe.table(micro)
@@ -154,7 +158,7 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
            for k, a in sums_shape.items()}  # the tokens each layer routes in the step
   aux_ct = jax.grad(lambda s: aux_objective(s)[0])(point) if moe.enabled else {}
   split = _split(stage, weights, x_like) if table.split else (None, None)
-  fns = pipeline_vjp.StageFns(embed, lambda w, x, m: stage(w, x, m), head, *split)
+  fns = pipeline_vjp.StageFns(embed, lambda w, x, m: stage(w, x, m), labels, head, *split)
   loss_sum, sums, d_blocks, grads = pipeline_vjp.run(table, fns, weights, rest, aux_ct,
                                                      act_names=ACT, remat=pipe.remat_stage)
   grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), d_blocks)
@@ -167,7 +171,8 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
   """{"F", "B", "W"}: the FLOPs of one stage's forward, backward (zero_bubble: its input-gradient
   part) and weight-gradient part on a micro-batch of `rows` x `seq` tokens, counted in their
   jaxprs (`sharding.schedule.dot_flops`; `params` may be abstract): the costs the schedule
-  table's bubble weighs its slots with. W is 0 unless the schedule splits the backward."""
+  table's bubble weighs its slots with. W is 0 unless the schedule splits the backward. (The
+  head is no slot: sharding/pipeline_vjp.py splits it over all stages, none idle.)"""
   def setup(params):
     model = nnx.merge(graphdef, params)
     ids = jnp.zeros((1, rows, seq), jnp.int32)
@@ -207,6 +212,18 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
     residuals = jax.eval_shape(residuals_of, params)
     out["B"] = dot_flops(jax.make_jaxpr(pullback)(params, residuals))
   return {"W": 0.0, **out}
+
+
+def _piece_loss(model: Transformer, y_BnE, targets_Bn, mask_Bn):
+  """The loss sum of `n` positions of a micro-batch (the explicit schedules' head, a piece per
+  stage: sharding/pipeline_vjp.py): the model's `loss_from_hidden`, its logits chunk cut to
+  divide `n` where it does not (the same sum, fewer positions' logits at a time)."""
+  chunk, n = model.cfg.logits_chunk, y_BnE.shape[1]
+  x_BnE = model.final_norm(y_BnE)
+  if chunk and n % chunk:
+    return chunked_cross_entropy(x_BnE, model.head(), targets_Bn, mask_Bn.astype(jnp.float32),
+                                 chunk=math.gcd(chunk, n), dtype=DTYPES[model.cfg.dtype])
+  return model.loss_from_hidden(x_BnE, targets_Bn, mask_Bn)
 
 
 def aux_losses(stats, balance_mb, moe, *, micro: int, parts: int = 1, fraction=None):

@@ -6,8 +6,10 @@ Each run of ticks whose programs hold the same slots (F, B, W) is one `jax.lax.s
 table's columns for those ticks. Per tick, every stage (vmapped over `stage` like
 sharding/pipeline.py's loop):
   F  runs its layers on its input (stage 0's first repeat: the micro-batch's embedding; else
-     what the previous stage sent), keeps the input in its stash slot and sends the output on;
-     the last stage's last repeat scores it (the head) and starts its cotangent
+     what the previous stage sent), keeps the input in its stash slot and sends the output on
+  H  (ticks where the last stage ran its last repeat's F) the head and loss of that output, its
+     sequence cut in S pieces, one per stage: the head's work once, shared by all stages; the
+     cotangent, joined again, starts the last stage's B of the same tick
   B  recomputes its stage from the stashed input (`pipeline.remat_stage=False`: takes F's VJP
      residuals from the stash instead) and pulls the output cotangent back (from the head, or
      the next stage) through it: the weight gradient is summed, the input's sent back
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sharding.mesh import mesh_platform
 from sharding.rules import STAGE_AXIS, constrain
 from sharding.schedule import Table
 
@@ -32,14 +35,18 @@ P = jax.sharding.PartitionSpec
 @dataclasses.dataclass(frozen=True)
 class StageFns:
   """One stage's work. embed(hw, micro) -> the first stage's input for micro-batch `micro`;
-  forward(w, x, micro) -> (y, aux) as sharding.pipeline.run's `stage_fn`; head(hw, y, micro) ->
-  the loss sum of the micro-batch from the last stage's output `y` (`hw`: the weights outside
-  the layer stack, one copy per stage). With the backward split (zero_bubble):
+  forward(w, x, micro) -> (y, aux) as sharding.pipeline.run's `stage_fn`; labels(micro) -> what
+  the loss reads of micro-batch `micro` (a pytree of [rows, sequence] arrays, zero where padded
+  meaning "no target"); head(hw, y, labels) -> the loss sum of hidden states `y` [rows, n, ...]
+  (a piece of the last stage's output: `n` of its positions) against those positions' labels
+  (`hw`: the weights outside the layer stack, one copy per stage). With the backward split
+  (zero_bubble):
   backward(w, x, dy, aux_ct, micro) -> (dx, the weight gradient it computes, a stash for W) and
   weight(w, stash, micro) -> the rest of the weight gradient; without, B is the VJP of
   `forward`."""
   embed: Callable
   forward: Callable
+  labels: Callable
   head: Callable
   backward: Callable | None = None
   weight: Callable | None = None
@@ -97,14 +104,41 @@ def _stage_constrain(tree):
 
 
 def tie(x, token):
-  """`x` plus zero times `token` [S, *act] (the activation computed last): a data dependency,
-  nothing more. `x` is [S, *act] or a W stash leaf [S, layers, rows x sequence, ...]."""
+  """`x`, for its consumers only after `token` (what the tick computed last: an activation
+  [S, *act] or a tree of per-stage sums [S, ...]): a data dependency, nothing more. `x` is
+  [S, *act], labels [S, rows, n] or a W stash leaf [S, layers, rows x sequence, ...]. On CPU `x`
+  plus zero times `token`: XLA:CPU starts a program's thunks as soon as the buffers they read
+  are written (it drops optimization barriers first), so only data orders them; elsewhere an
+  optimization barrier, which the compiler's schedule keeps and which computes nothing (an
+  addition on the W stash made XLA copy it)."""
   if token is None:
     return x
-  if x.shape != token.shape:  # [S, B, T, E] -> [S, 1, B T, 1, ...]: broadcast, no collective
-    token = token.reshape(token.shape[0], 1, -1, token.shape[-1])[..., :1]
+  if mesh_platform(jax.sharding.get_abstract_mesh()) != "cpu":
+    return jax.lax.optimization_barrier((x, token))[0]
+  if isinstance(token, jax.Array) and token.shape[:x.ndim] == x.shape:
+    token = token[(..., *(0,) * (token.ndim - x.ndim))]  # labels after their hidden states
+  elif isinstance(token, jax.Array) and token.ndim >= 3:  # an activation: broadcast locally
+    token = token.reshape(token.shape[0], 1, -1, token.shape[-1])[..., :1]  # [S, 1, B T, 1]
     token = token.reshape(*token.shape, *(1,) * (x.ndim - token.ndim))
+  else:  # sums (all-reduced: the same on every device of a stage): one entry per stage
+    token = sum(a.reshape(a.shape[0], -1)[:, 0].astype(jnp.float32)
+                for a in jax.tree.leaves(token))
+    token = token.reshape(-1, *(1,) * (x.ndim - 1))
   return x + (0 * token).astype(x.dtype)
+
+
+def pieces(a, parts: int):
+  """[rows, T, ...] -> [parts, rows, ceil(T / parts), ...]: the sequence cut in `parts` pieces,
+  the last padded with zeros (`joined` undoes it)."""
+  n = -(-a.shape[1] // parts)
+  a = jnp.pad(a, [(0, 0), (0, n * parts - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+  return jnp.moveaxis(a.reshape(a.shape[0], parts, n, *a.shape[2:]), 1, 0)
+
+
+def joined(p, length: int):
+  """`pieces` undone: [parts, rows, n, ...] -> [rows, length, ...]."""
+  a = jnp.moveaxis(p, 0, 1)
+  return a.reshape(a.shape[0], -1, *a.shape[3:])[:, :length]
 
 
 def _columns(table: Table, start: int, stop: int) -> dict:
@@ -118,6 +152,7 @@ def _columns(table: Table, start: int, stop: int) -> dict:
          "f_ok": cut(f[..., 0] >= 0), "f_slot": cut(np.maximum(stash[..., 0], 0)),
          "embed": cut((f[..., 0] >= 0) & (f[..., 1] == 0) & first),
          "head": cut((f[..., 0] >= 0) & (f[..., 1] == R - 1) & last),
+         "h_micro": cut(np.maximum(f[:, -1, 0], 0)),  # one per tick: no stage's column
          "b_micro": cut(np.maximum(b[..., 0], 0)), "b_repeat": cut(np.maximum(b[..., 1], 0)),
          "b_ok": cut(b[..., 0] >= 0), "b_slot": cut(np.maximum(stash[..., 1], 0)),
          "b_embed": cut((b[..., 0] >= 0) & (b[..., 1] == 0) & first),
@@ -189,10 +224,10 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
   get = lambda buffer, slot: jax.tree.map(lambda b: vmap(lambda b, i: b[i])(b, slot), buffer)
   add = lambda acc, g: jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, g)
 
-  def head_vjp(hw, y, micro, on):
-    loss, pull = jax.vjp(lambda hw, y: fns.head(hw, y, micro), hw, y)
-    dhw, dy = pull(jnp.where(on, 1.0, 0.0).astype(loss.dtype))
-    return jnp.where(on, loss, 0.0), dhw, dy
+  def head_vjp(hw, y, labels):  # one stage's piece of the head
+    loss, pull = jax.vjp(lambda hw, y: fns.head(hw, y, labels), hw, y)
+    dhw, dy = pull(jnp.ones_like(loss))
+    return loss, dhw, dy
 
   def embed_vjp(hw, micro, dx, on):
     _, pull = jax.vjp(lambda hw: fns.embed(hw, micro), hw)
@@ -223,15 +258,23 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
       y = constrain(y, act)
       c["stash"] = put(c["stash"], x["f_slot"], x["f_ok"], xin)
       c["aux"] = add_at(c["aux"], x["f_repeat"], x["f_ok"], aux)
-      loss, dhw, dy_head = vmap(head_vjp)(copies, y, x["f_micro"], x["head"])
+      token = y
+    if "H" in slots:  # the last stage's output, scored by all stages, a piece each
+      assert "B" in slots, "the last stage's B follows its head in the same tick"
+      length = y.shape[2]
+      ys = constrain(pieces(y[S - 1], S), act)
+      labels = jax.tree.map(lambda a: tie(constrain(pieces(a, S), (
+          "act_stage", *act_names[:2])), ys), fns.labels(x["h_micro"]))
+      loss, dhw, dys = vmap(head_vjp)(copies, ys, labels)
       c["loss"] = c["loss"] + loss
       c["head"] = add(c["head"], dhw)
-      token = dy_head = constrain(dy_head, act)
+      # after the sums' all-reduces over the batch's devices, like everything that follows
+      dy_head = joined(constrain(tie(dys, (c["loss"], c["head"])), act), length)
     if "B" in slots:
-      dy = c["dshift"] if token is None else jnp.where(per_stage(x["b_head"], dy_head), dy_head,
-                                                       c["dshift"])
+      dy = c["dshift"] if "H" not in slots else jnp.where(
+          per_stage(x["b_head"], c["dshift"]), dy_head[None], c["dshift"])
       ct = jax.tree.map(lambda a: vmap(lambda a, r: a[r])(a, x["b_repeat"]), aux_ct)
-      dy = tie(constrain(dy, act), token)
+      token = dy = tie(constrain(dy, act), token)
       if keep is None:
         dx, dw, wst = vmap(lambda w, xs, dy, ct, r, m: backward(pick(w, r), xs, dy, ct, m))(
             weights, tie(get(c["stash"], x["b_slot"]), token), dy, ct, x["b_repeat"],
@@ -244,6 +287,7 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
       if wst is not None:
         c["wstash"] = put(c["wstash"], x["bw_slot"], x["b_ok"], wst)
       c["head"] = add(c["head"], vmap(embed_vjp)(copies, x["b_micro"], dx, x["b_embed"]))
+      token = dx = tie(dx, c["head"])  # the hand-overs after the sums' all-reduces
     if "F" in slots:  # the hand-overs: the ring forward, then back
       c["shift"] = token = constrain(jnp.roll(tie(y, token), 1, axis=0), act)
     if "B" in slots:

@@ -48,10 +48,18 @@ class Table:
     """{op: [T] bool}: the op's slot is in the tick's program (some stage runs it)."""
     return {op: self.busy(op).any(axis=1) for op in SLOTS}
 
+  def head(self) -> np.ndarray:
+    """[T] bool: the tick's program holds the head (the last stage's forward of its last repeat
+    ends there: its output is scored, its cotangent started), its work shared by all stages."""
+    f = self.cells["F"][:, -1]
+    return (f[:, 0] >= 0) & (f[:, 1] == self.repeats - 1)
+
   def phases(self) -> list[tuple[int, int, tuple[str, ...]]]:
-    """(first tick, end tick, slots): the runs of ticks whose programs hold the same slots."""
-    present = self.present()
-    keys = [tuple(op for op in SLOTS if present[op][t]) for t in range(self.ticks)]
+    """(first tick, end tick, slots): the runs of ticks whose programs hold the same slots, "H"
+    for the head."""
+    present, head = self.present(), self.head()
+    keys = [tuple(op for op in SLOTS if present[op][t]) + (("H",) if head[t] else ())
+            for t in range(self.ticks)]
     out = []
     for t, key in enumerate(keys):
       if out and out[-1][2] == key:
@@ -62,7 +70,8 @@ class Table:
 
   def bubble(self, weights: dict) -> float:
     """Idle slot work over all slot work: every present slot counts on every stage, weighted by
-    its op's cost (`weights` {"F", "B", "W"}: e.g. the FLOPs of one stage's F, B, W)."""
+    its op's cost (`weights` {"F", "B", "W"}: e.g. the FLOPs of one stage's F, B, W). The head
+    has no idle share: its ticks split it over all stages."""
     present = self.present()
     total = sum(weights[op] * present[op].sum() * self.stages for op in SLOTS if op in weights)
     busy = sum(weights[op] * self.busy(op).sum() for op in SLOTS if op in weights)

@@ -2,7 +2,12 @@
 stages that pass activations and cotangents one stage per tick and run each op as soon as what it
 needs has arrived, in each schedule's order. The table the loop runs must be the simulation's,
 and its bubble, stash and phases what the simulation counts. Also the compiled explicit loops:
-their tick loops run the table's phases (sharding/pipeline_vjp.py)."""
+their tick loops run the table's phases, and every device runs their collectives one at a time
+in one order (sharding/pipeline_vjp.py)."""
+import itertools
+import re
+
+import jax
 import numpy as np
 import pytest
 
@@ -11,8 +16,11 @@ from models.sizes import flops_per_token
 from sharding.collectives import collectives, crossing
 from sharding.pipeline import count, stage_labels
 from sharding.schedule import SLOTS, build
-from test_pipeline import _cfg
+from test_pipeline import _batches, _cfg
+from tools.hlo import Module
+from trainer.step.pipelined import grad_sums as pipelined_grad_sums
 from trainer.step.program import Program, run_mesh
+from trainer.step.train_step import grad_sums
 
 CASES = [(schedule, S, R, M) for schedule in ("gpipe", "circular", "1f1b", "zero_bubble")
          for S in (2, 3, 4) for R in ((1,) if schedule == "gpipe" else (1, 2, 3))
@@ -135,7 +143,7 @@ def test_the_table_prints():
       "stage 1  .  F0 F1 F2 F3 .",
       "         .  B0 B1 B2 B3 ."]
   assert table.rows() == ["stage 0: F×2 FB×2 B×2", "stage 1: ·×1 FB×4 ·×1"]
-  assert table.phases() == [(0, 1, ("F",)), (1, 5, ("F", "B")), (5, 6, ("B",))]
+  assert table.phases() == [(0, 1, ("F",)), (1, 5, ("F", "B", "H")), (5, 6, ("B",))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -185,3 +193,64 @@ def test_slot_costs_are_the_stage_flops(devices):
   assert ones["B"] == pytest.approx(3 * ones["F"]) and ones["W"] == 0  # remat + backward
   assert zero["B"] + zero["W"] == pytest.approx(ones["B"])
   assert 0 < zero["W"] < ones["F"]  # the weight-gradient matmuls: 2/3 of them on F's share
+
+
+# ------------------------------------------------------------------------------------------------
+# The order of the collectives
+
+
+def unordered(hlo_text: str) -> list[tuple[str, str]]:
+  """Pairs of collectives of a compiled program, or loops and calls that hold some, in one
+  computation where neither reads what the other wrote (through any chain of instructions):
+  what XLA:CPU may run at once on a device, each blocking a thread of the pool all devices
+  share until the other devices join it."""
+  module = Module(hlo_text)
+  kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+  holds = {}
+
+  def has(name):  # the computation runs a collective, at any depth
+    if name not in holds:
+      holds[name] = False
+      holds[name] = any(i.opcode.removesuffix("-start") in kinds or any(map(has, i.called))
+                        for i in module.computations.get(name, []))
+    return holds[name]
+
+  out = []
+  for insts in module.computations.values():
+    before, names = {}, {i.name for i in insts}
+    for i in insts:  # in the text's order, a topological one
+      control = re.search(r"control-predecessors=\{([^}]*)\}", i.line)
+      deps = set(i.operands) | set(re.findall(r"%([\w.\-]+)", control.group(1) if control else ""))
+      before[i.name] = set().union(*({d} | before[d] for d in deps & names))
+    nodes = [i.name for i in insts if i.opcode.removesuffix("-start") in kinds
+             or (i.opcode in ("while", "call", "conditional") and any(map(has, i.called)))]
+    out += [(a, b) for a, b in itertools.combinations(nodes, 2)
+            if a not in before[b] and b not in before[a]]
+  return out
+
+
+def test_zero_bubble_one_layer_per_stage_runs_its_collectives_in_order(data_dir, devices):
+  """4 stages of one layer, data 2, M = 4: the shape whose program hung XLA:CPU (issue 49; its
+  one-tick phase, inlined between two tick loops, had the RoPE tables' all-reduce, which read
+  nothing of the loop before it, and each tick's head gradients' all-reduce ran beside the
+  hand-overs). No two collectives of a computation may run at once, and the step's gradient
+  sum equals the plain accumulation scan's."""
+  cfg = _cfg(**{"mesh.stage": 4, "mesh.data": 2, "model.num_layers": 4,
+                "pipeline.schedule": "zero_bubble"})
+  batch = _batches(data_dir, cfg, steps=1)[0]
+  out = {}
+  for name, c, devs, fn in (("piped", cfg, None, pipelined_grad_sums),
+                            ("plain", _cfg(**{"model.num_layers": 4}), devices[:1], grad_sums)):
+    program = Program(c, run_mesh(c, devs))
+    params = program.init_state().params
+    with jax.set_mesh(program.mesh):
+      b = {k: jax.device_put(v, program.batch_sharding) for k, v in batch.items()}
+      compiled = jax.jit(lambda p, b, fn=fn, s=program.spec: fn(s, p, b)).lower(params, b).compile()
+      if name == "piped":
+        assert unordered(compiled.as_text()) == []
+      loss, _, grads, _, _ = compiled(params, b)
+    out[name] = jax.device_get((loss, grads))
+  np.testing.assert_allclose(out["piped"][0], out["plain"][0], rtol=1e-6)
+  worst = jax.tree.map(lambda a, b: np.max(np.abs(a - b)) / np.max(np.abs(b)), out["piped"][1],
+                       out["plain"][1])  # 1 layer per stage: the stored order is the plain one
+  assert max(jax.tree.leaves(worst)) < 5e-6, worst

@@ -277,13 +277,9 @@ def compile_report(cfg, target: Target, config_name: str = "config") -> Report:
     found = pipeline_count(pipe, program.num_micro, text, mesh, weights)
     report.pipeline = {"line": found.line(), **found.row(),
                        "table": found.table.rows() if found.table is not None else []}
-    if found.table is not None:  # idle slots, and the head every stage runs in every F tick
-      m = program.model_cfg
-      f_ticks = int(found.table.present()["F"].sum())
-      per_micro = report.tokens_per_step / program.num_micro
-      report.idle_flops = idle_flops(m, cfg.data.seq_len, report.tokens_per_step,
-                                     found.bubble, 1 - found.bubble, pipe.remat_stage) + (
-          6.0 * m.d_model * m.vocab_size * per_micro * (pipe.stages * f_ticks - program.num_micro))
+    if found.table is not None:  # idle slots (the head, a piece on every stage, has none)
+      report.idle_flops = idle_flops(program.model_cfg, cfg.data.seq_len, report.tokens_per_step,
+                                     found.bubble, 1 - found.bubble, pipe.remat_stage)
     elif found.ticks is not None:
       report.idle_flops = idle_flops(program.model_cfg, cfg.data.seq_len,
                                      report.tokens_per_step, found.idle, found.busy,
