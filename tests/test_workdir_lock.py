@@ -75,3 +75,21 @@ def test_a_second_train_on_a_live_workdir_exits_2_in_one_line(tmp_path):
     first.wait()
   third = train(tmp_path, 2)
   assert f"was left by process {first.pid} on host" in third.stdout
+
+
+def test_a_filesystem_without_locks_is_said_in_one_line_and_nothing_is_held(tmp_path,
+                                                                           monkeypatch):
+  import errno  # noqa: PLC0415
+  import fcntl  # noqa: PLC0415
+
+  def no_locks(fd, op):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+  monkeypatch.setattr(fcntl, "flock", no_locks)
+  lines = []
+  lock = WorkdirLock(str(tmp_path), log=lines.append)
+  lock.acquire()
+  assert not lock.held and lines == [
+      f"{tmp_path}/{LOCK_FILE}: this filesystem cannot lock files (No locks available); the run "
+      "goes on without guarding its workdir against a second run"]
+  lock.release()
