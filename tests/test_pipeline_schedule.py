@@ -5,6 +5,7 @@ and its bubble, stash and phases what the simulation counts. Also the compiled e
 their tick loops run the table's phases, and every device runs their collectives one at a time
 in one order (sharding/pipeline_vjp.py)."""
 import itertools
+import math
 import re
 
 import jax
@@ -15,7 +16,7 @@ from models.config import ModelConfig
 from models.sizes import flops_per_token
 from sharding.collectives import collectives, crossing
 from sharding.pipeline import count, stage_labels
-from sharding.schedule import SLOTS, build
+from sharding.schedule import SLOTS, build, dot_flops
 from test_pipeline import _batches, _cfg
 from tools.hlo import Module
 from trainer.step.pipelined import grad_sums as pipelined_grad_sums
@@ -193,6 +194,26 @@ def test_slot_costs_are_the_stage_flops(devices):
   assert ones["B"] == pytest.approx(3 * ones["F"]) and ones["W"] == 0  # remat + backward
   assert zero["B"] + zero["W"] == pytest.approx(ones["B"])
   assert 0 < zero["W"] < ones["F"]  # the weight-gradient matmuls: 2/3 of them on F's share
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "1f1b"])
+def test_the_head_runs_once_per_micro_batch(schedule, devices):
+  """The matmul FLOPs of the explicit schedules' traced gradient step are their table's slots
+  (every present slot on every stage, at its counted cost) plus one head per micro-batch (its
+  forward and backward, 6 E V per token, the sequence cut in S pieces), nothing more: before,
+  every stage ran the whole head in every tick with a forward slot."""
+  cfg = _cfg(**{"mesh.stage": 2, "mesh.data": 4, "pipeline.schedule": schedule})
+  program = Program(cfg, run_mesh(cfg))
+  S, M, rows, T = 2, 4, cfg.data.micro_batch_size, cfg.data.seq_len
+  params = jax.eval_shape(lambda: program.init_state().params)
+  batch = {k: jax.ShapeDtypeStruct((M, rows, T), bool if k == "loss_mask" else np.int32)
+           for k in ("inputs", "targets", "positions", "segment_ids", "loss_mask")}
+  with jax.set_mesh(program.mesh):
+    traced = jax.make_jaxpr(lambda p, b: pipelined_grad_sums(program.spec, p, b))(params, batch)
+  cost, present = program.slot_flops(), program.pipeline.table(M).present()
+  slots = sum(cost[op] * present[op].sum() * S for op in SLOTS)
+  head = 6.0 * cfg.model.d_model * cfg.model.vocab_size * rows * math.ceil(T / S) * S * M
+  assert dot_flops(traced) == pytest.approx(slots + head)
 
 
 # ------------------------------------------------------------------------------------------------
