@@ -1,8 +1,10 @@
 """Gradient noise scale (McCandlish et al. 2018): the two-batch estimator, its windowed average on
-a problem whose answer is known, the window's memory in training (not in measurements), the train
-step's wiring of the small and big batches, and the plain (non-measuring) step of a run with the
-meter being exactly the step of a run without it. The meter as a run logs it, against per-sequence
-gradients at the run's parameters: tests/test_noise_meter.py."""
+a problem whose answer is known, the window's memory in training (not in measurements), the
+recency weight of |G|^2, the minimum of measurements, the preconditioned estimator against
+per-example gradients and Adam's P, the ring emptied by changed settings, pieces without target
+tokens, the train step's wiring of the small and big batches, and the plain (non-measuring) step
+of a run with the meter being exactly the step of a run without it. The meter as a run logs it,
+against per-sequence gradients at the run's parameters: tests/test_noise_meter.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
