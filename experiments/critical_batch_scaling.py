@@ -188,7 +188,7 @@ def experiment(args, cfg) -> list[dict]:
     print(f"[scaling] width {w}: {n['total'] / 1e6:.3f}M parameters "
           f"({n['non_embedding'] / 1e6:.3f}M non-embedding)", flush=True)
   smallest = counts[min(args.widths)]["non_embedding"]
-  print(f"[scaling] budgets D = " + ", ".join(f"{d:,} sequences ({d * seq:,} tokens)"
+  print("[scaling] budgets D = " + ", ".join(f"{d:,} sequences ({d * seq:,} tokens)"
                                               for d in args.budgets)
         + f"; the largest is {args.budgets[-1] * seq / smallest:.1f} tokens per non-embedding "
         f"parameter at width {min(args.widths)} (Chinchilla's ratio: 20); batches "
@@ -244,11 +244,10 @@ def reanalyse(args, cfg) -> list[dict]:
   """`--from_runs`: the cells of a runs CSV by this protocol's rules (an earlier lab's
   `below_at_start` read as `censored`; its rows carry no bound there, so such a crossing counts
   as not reached); its warmup is the config's."""
-  from tools.scaling_fit import read_csv  # noqa: PLC0415  only here
-  if not os.path.isfile(args.from_runs):
-    raise ConfigError(f"--from_runs {args.from_runs}: no such file")
-  runs = [{**r, "censored": bool(r.get("censored", r.get("below_at_start")))}
-          for r in read_csv(args.from_runs)]
+  need = ("width", "seed", "batch_size", "lr_multiplier", "learning_rate", "budget", "target",
+          "steps")
+  runs = [{**r, "censored": bool(r.get("censored", r.get("below_at_start")))} for r in
+          figures.read_table(args.from_runs, need, "--from_runs: a lab's OUT_runs.csv")]
   for r in runs:
     for k in ("width", "seed", "batch_size", "budget"):
       r[k] = int(r[k])

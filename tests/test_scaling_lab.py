@@ -232,7 +232,7 @@ def test_scaling_fit_command(tmp_path, capsys):
   assert scaling_fit.main([str(path), "--level", "95"]) == 2
   (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
   assert scaling_fit.main([str(tmp_path / "metrics.jsonl")]) == 2
-  assert "give the lab's CSV" in capsys.readouterr().err
+  assert "metrics.jsonl: not a .csv; give the lab's OUT.csv" in capsys.readouterr().err
 
 
 def test_a_run_is_read_only_when_its_record_covers_the_stop_rule(tmp_path):

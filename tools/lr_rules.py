@@ -24,7 +24,7 @@ import sys
 import numpy as np
 from scipy import optimize, stats
 
-from tools.scaling_fit import read_csv
+from tools import figures
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser
 
@@ -104,12 +104,8 @@ def main(argv: list[str]) -> int:
     args, overrides = build_parser().parse(argv)
     if overrides:
       raise ConfigError(f"{overrides[0][0]}: tools.lr_rules takes no config overrides")
-    if not os.path.isfile(args.csv):
-      raise ConfigError(f"{args.csv}: no such file (the scaling lab writes OUT_lr.csv)")
-    rows = read_csv(args.csv)
-    need = ("width", "budget", "batch", "lr_opt", "interior")
-    if not rows or any(k not in rows[0] for k in need):
-      raise ConfigError(f"{args.csv}: needs the columns {', '.join(need)}")
+    rows = figures.read_table(args.csv, ("width", "budget", "batch", "lr_opt", "interior"),
+                              "the scaling lab's OUT_lr.csv")
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

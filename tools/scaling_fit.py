@@ -19,7 +19,6 @@ docs/scaling_lab.md
 """
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -36,6 +35,7 @@ QUANTITIES = ("b_crit", "b_zhang", "b_opt", "eta_opt", "b_simple")
 LABELS = {"b_crit": "B_crit (McCandlish fit)", "b_zhang": "B_crit (Zhang: +20% steps)",
           "b_opt": "B_opt (lowest loss at D)", "eta_opt": "eta_opt (at B_opt)",
           "b_simple": "B_simple at the crossing"}
+LAB_CSV = "the lab's OUT.csv (python -m experiments.critical_batch_scaling)"
 RESOLVED = {"b_opt": "b_opt_resolved", "eta_opt": "eta_opt_resolved"}
 # (paper, exponent of D, exponent of N, how it is stated): None where the paper gives none.
 PAPERS = {
@@ -180,21 +180,6 @@ def lack_of_fit(cells: list[dict], q: str, n_key: str) -> float | None:
   return float(stats.f.sf(f, extra, dof))
 
 
-def read_csv(path: str) -> list[dict]:
-  """Rows with numbers as floats, booleans as bool and empty cells as None."""
-  def value(v: str):
-    if v in ("", "None"):
-      return None
-    if v in ("True", "False"):
-      return v == "True"
-    try:
-      return float(v)
-    except ValueError:
-      return v
-  with open(path, newline="") as f:
-    return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
 def text(f: dict) -> str:
   """'a = 0.41 [0.22, 0.60] (fit [0.1, 0.7]), b = ...' of a fit: the method's interval, then the
   residual-based one where the method is the bootstrap."""
@@ -268,22 +253,10 @@ def main(argv: list[str]) -> int:
     args, overrides = build_parser().parse(argv)
     if overrides:
       raise ConfigError(f"{overrides[0][0]}: tools.scaling_fit takes no config overrides")
-    if not os.path.isfile(args.csv):
-      raise ConfigError(f"{args.csv}: no such file (write it with python -m "
-                        "experiments.critical_batch_scaling)")
     qs = [q for q in args.quantities.split(",") if q]
-    if not args.csv.endswith(".csv"):
-      raise ConfigError(f"{args.csv}: give the lab's CSV (OUT.csv of python -m "
-                        "experiments.critical_batch_scaling)")
-    try:
-      cells = read_csv(args.csv)
-    except (UnicodeDecodeError, csv.Error) as e:
-      raise ConfigError(f"{args.csv}: not a CSV ({e})") from None
-    n_key = args.n or ("non_embedding" if cells and "non_embedding" in cells[0] else "params")
-    missing = [k for k in ("params", n_key, "tokens", *qs) if cells and k not in cells[0]]
-    if not cells or missing:
-      raise ConfigError(f"{args.csv}: " + (f"no column {missing[0]!r}" if cells else "no rows")
-                        + f"; columns: params, tokens and {', '.join(QUANTITIES)}")
+    cells = figures.read_table(args.csv, ("params", "tokens", *qs), LAB_CSV)
+    n_key = args.n or ("non_embedding" if "non_embedding" in cells[0] else "params")
+    figures.read_table(args.csv, (n_key,), LAB_CSV)
     if not 0 < args.level < 1:
       raise ConfigError(f"--level {args.level}: give a coverage between 0 and 1, e.g. 0.95")
   except ConfigError as e:
@@ -291,7 +264,7 @@ def main(argv: list[str]) -> int:
     return 2
   stem = os.path.splitext(args.csv)[0]
   boot = args.boot or stem + "_boot.csv"
-  replicates = read_csv(boot) if boot != "none" and os.path.isfile(boot) else None
+  replicates = figures.read_csv(boot) if boot != "none" and os.path.isfile(boot) else None
   out = args.out or stem + "_fit"
   fits = {q: fit_quantity(cells, q, replicates, args.level, n_key) for q in qs}
   span = lambda k: f"{min(c[k] for c in cells):,.0f}-{max(c[k] for c in cells):,.0f}"
@@ -302,10 +275,10 @@ def main(argv: list[str]) -> int:
       print(f"[scaling_fit] {q}: too few cells inside the grid to fit")
       continue
     print(f"[scaling_fit] {q} ~ D^a N^b: {text(f)}  ({f['cells']} cells; {f['method']})")
-    print(f"[scaling_fit]     residuals (log): " + ", ".join(
+    print("[scaling_fit]     residuals (log): " + ", ".join(
         f"N {r['params']:,.0f} D {r['tokens']:,.0f}: {r['residual']:+.2f}" for r in f["residuals"]))
     if f["local_a"]:
-      print(f"[scaling_fit]     local exponents in D: " + ", ".join(
+      print("[scaling_fit]     local exponents in D: " + ", ".join(
           f"N {x['params']:,.0f} {x['tokens'][0]:,.0f}-{x['tokens'][1]:,.0f}: {x['a']:+.2f}"
           for x in f["local_a"]))
     if f["lack_of_fit_p"] is not None:

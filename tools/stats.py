@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 
 import numpy as np
 from scipy import stats as sps
 
-from tools.scaling_fit import read_csv
+from tools import figures
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser
 
@@ -149,14 +148,9 @@ def main(argv: list[str]) -> int:
     args, overrides = build_parser().parse(argv)
     if overrides:
       raise ConfigError(f"{overrides[0][0]}: tools.stats takes no config overrides")
-    if not os.path.isfile(args.csv):
-      raise ConfigError(f"{args.csv}: no such file")
-    rows = read_csv(args.csv)
+    rows = figures.read_table(args.csv, (args.metric, args.arm, args.by),
+                              "an experiment's CSV with a row per seed and arm")
     arms = [args.a, args.b]
-    missing = [k for k in (args.metric, args.arm, args.by) if rows and k not in rows[0]]
-    if not rows or missing:
-      raise ConfigError(f"{args.csv}: " + (f"no column {missing[0]!r}; columns: "
-                                           f"{', '.join(rows[0])}" if rows else "no rows"))
     match = dict(kv.split("=", 1) for kv in args.match.split(",") if kv)
     a, b = (by_seed(rows, args.metric, {args.arm: arm, **match}, args.by) for arm in arms)
     if not a or not b:
