@@ -8,7 +8,8 @@ agree -- and silently compute something else, so both refuse it, reading this on
 field that is in neither list fails tests/test_checkpoint.py: a new model key must be classified
 when it is added.
 
-Parametrization ("sp" / "mup", `base_width`): models/llama.py's module docstring.
+Parametrization ("sp" / "mup", `base_width`; `depth_parametrization`, `base_depth`):
+models/llama.py's module docstring.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from models.moe import MoEConfig
 from models.rope import RopeScaling
 
 PARAMETRIZATIONS = ("sp", "mup")
+# depth parametrization -> alpha, the exponent of the residual branches' (L_base / L)^alpha
+# (Bordelon et al. 2023 and Yang et al. 2023: 1/2; CompleteP, Dey et al. 2025: 1)
+DEPTH_PARAMETRIZATIONS = {"standard": None, "depth_mup": 0.5, "completep": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +48,8 @@ class ModelConfig:
   init_std: float = 0.02
   parametrization: str = "sp"  # "sp" or "mup" (models/llama.py's module docstring)
   base_width: int = 0  # muP's base d_model (0: d_model itself, m = 1)
+  depth_parametrization: str = "standard"  # "standard", "depth_mup" or "completep"
+  base_depth: int = 0  # their base num_layers (0: num_layers itself, L / L_base = 1)
   rope_scaling: RopeScaling = RopeScaling()
   moe: MoEConfig = MoEConfig()  # mixture of experts (models/moe.py); num_experts 0 = dense
 
@@ -74,6 +80,31 @@ class ModelConfig:
     """Init std of hidden matrices: init_std, divided by sqrt(m) under muP."""
     m = self.width_multiplier
     return self.init_std if m == 1.0 else self.init_std / m ** 0.5
+
+  @property
+  def depth_scaling(self) -> tuple[float, float] | None:
+    """(L / L_base, alpha) under a depth parametrization ("depth_mup", "completep"), None
+    under "standard" (the optimizer's per-group rules, optim/factory.py)."""
+    alpha = DEPTH_PARAMETRIZATIONS[self.depth_parametrization]
+    if alpha is None:
+      return None
+    return (self.num_layers / self.base_depth if self.base_depth else 1.0), alpha
+
+  @property
+  def residual_multiplier(self) -> float:
+    """Each residual branch's factor (L_base / L)^alpha; 1.0 under "standard" and at L_base."""
+    scaling = self.depth_scaling
+    if scaling is None or scaling[0] == 1.0:
+      return 1.0
+    return scaling[0] ** -scaling[1]
+
+  @property
+  def out_init_std(self) -> float:
+    """Init std of the residual-output projections (wo, w_down): hidden_init_std /
+    sqrt(2 L), with L the base depth under a depth parametrization (its init does not depend
+    on depth: the branch multiplier does)."""
+    depth = self.base_depth if self.depth_scaling and self.base_depth else self.num_layers
+    return self.hidden_init_std / (2 * depth) ** 0.5
 
   @property
   def query_multiplier(self) -> float:
@@ -110,6 +141,8 @@ FUNCTIONAL = (
     # muP multiplies the LM head by 1/m and the queries by sqrt(D_base / D) (and sets the
     # learning rates of a resumed run's optimizer)
     "parametrization", "base_width",
+    # the residual branches' (L_base / L)^alpha
+    "depth_parametrization", "base_depth",
     # the experts and how tokens are routed to them
     "moe.num_experts", "moe.top_k", "moe.mlp_dim", "moe.every", "moe.shared_expert",
 )
@@ -162,6 +195,8 @@ def functional_values(cfg: ModelConfig) -> dict[str, Any]:
   values["head_dim"] = cfg.dim_per_head
   if cfg.width_multiplier == 1.0:
     values.update(parametrization="sp", base_width=None)
+  if cfg.residual_multiplier == 1.0:
+    values.update(depth_parametrization="standard", base_depth=None)
   if cfg.rope_scaling.type == "none":
     values.update({k: None for k in values if k.startswith("rope_scaling.") and
                    k != "rope_scaling.type"})

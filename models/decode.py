@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.llama import DTYPES, ModelConfig, Transformer
+from models.llama import DTYPES, ModelConfig, Transformer, branch
 from sharding.rules import BATCH_AXES
 
 
@@ -66,8 +66,8 @@ def forward_with_cache(model: Transformer, tokens_BT, positions_BT, cache):
     out_BTHD = jax.nn.dot_product_attention(q_BTHD, k_BSKD.astype(q_BTHD.dtype),
                                             v_BSKD.astype(q_BTHD.dtype), mask=mask_B1TS,
                                             implementation="xla")
-    x_BTE = x_BTE + block.attn.out(out_BTHD)
-    x_BTE = x_BTE + block.mlp(block.mlp_norm(x_BTE))
+    x_BTE = x_BTE + branch(model.cfg, block.attn.out(out_BTHD))
+    x_BTE = x_BTE + branch(model.cfg, block.mlp(block.mlp_norm(x_BTE)))
     return x_BTE, (k_BSKD, v_BSKD)
 
   x_BTE = model.embed(tokens_BT)

@@ -12,7 +12,11 @@ V vocab, L layers.
 
 Parametrization: "sp" (every weight N(0, init_std^2), wo and w_down N(0, init_std^2 / 2L)) or
 "mup" relative to `base_width`, m = d_model / base_width (hidden init / sqrt(m), Adam lr / m, the
-head x 1/m, attention 1/D); at m = 1 muP is SP bit for bit. Why and details: docs/mup.md
+head x 1/m, attention 1/D); at m = 1 muP is SP bit for bit. Depth (`depth_parametrization`
+"depth_mup" or "completep", relative to `base_depth`): every residual branch (attention, MLP or
+MoE) is multiplied by (L_base / L)^alpha, alpha 1/2 or 1 (`branch`), and wo / w_down start at
+the base depth's std; the optimizer takes CompleteP's per-group rules (optim/factory.py). At
+L = L_base the depth parametrizations are "standard" bit for bit. Why and details: docs/mup.md
 """
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ class Attention(nnx.Module):
     E, H, K, D = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head
     pdt = DTYPES[cfg.param_dtype]
     init = nnx.initializers.normal(cfg.hidden_init_std)
-    out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
+    out_init = nnx.initializers.normal(cfg.out_init_std)
     self.wq_EHD = param(rngs, init, (E, H, D), ("embed", "heads", "head_dim"), pdt)
     self.wk_EKD = param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
     self.wv_EKD = param(rngs, init, (E, K, D), ("embed", "kv_heads", "head_dim"), pdt)
@@ -123,7 +127,7 @@ class MLP(nnx.Module):
     E, F = cfg.d_model, cfg.mlp_dim
     pdt = DTYPES[cfg.param_dtype]
     init = nnx.initializers.normal(cfg.hidden_init_std)
-    out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
+    out_init = nnx.initializers.normal(cfg.out_init_std)
     self.w_gate_EF = param(rngs, init, (E, F), ("embed", "mlp"), pdt)
     self.w_up_EF = param(rngs, init, (E, F), ("embed", "mlp"), pdt)
     self.w_down_FE = param(rngs, out_init, (F, E), ("mlp", "embed"), pdt)
@@ -137,17 +141,26 @@ class MLP(nnx.Module):
     return dense(h_BSF, self.w_down_FE[...].astype(dt), 1, fp8)
 
 
+def branch(cfg: ModelConfig, y_BSE):
+  """A residual branch's output as added to the stream: times the depth parametrization's
+  (L_base / L)^alpha (`ModelConfig.residual_multiplier`), untouched when that is 1."""
+  r = cfg.residual_multiplier
+  return y_BSE if r == 1.0 else y_BSE * jnp.asarray(r, y_BSE.dtype)
+
+
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
     self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
-    x_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS)
-    x_BSE = x_BSE + self.mlp(self.mlp_norm(x_BSE))
+    cfg = self.cfg
+    x_BSE = x_BSE + branch(cfg, self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS))
+    x_BSE = x_BSE + branch(cfg, self.mlp(self.mlp_norm(x_BSE)))
     return constrain(x_BSE, ("act_batch", "act_seq", "act_embed"))
 
 
@@ -156,6 +169,7 @@ class MoEBlock(nnx.Module):
   (a dense SwiGLU every token goes through). Returns (x, router statistics)."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
     self.attn_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
     self.attn = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg, rngs=rngs)
@@ -164,12 +178,14 @@ class MoEBlock(nnx.Module):
     self.shared_mlp = MLP(dataclasses.replace(cfg, mlp_dim=shared), rngs=rngs) if shared else None
 
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
-    x_BSE = x_BSE + self.attn(self.attn_norm(x_BSE), positions_BS, segment_ids_BS)
+    x_BSE = x_BSE + branch(self.cfg, self.attn(self.attn_norm(x_BSE), positions_BS,
+                                               segment_ids_BS))
     h_BSE = self.mlp_norm(x_BSE)
     y_BSE, stats = self.moe(h_BSE)
     if self.shared_mlp is not None:
       y_BSE = y_BSE + self.shared_mlp(h_BSE)
-    return constrain(x_BSE + y_BSE, ("act_batch", "act_seq", "act_embed")), stats
+    x_BSE = x_BSE + branch(self.cfg, y_BSE)
+    return constrain(x_BSE, ("act_batch", "act_seq", "act_embed")), stats
 
 
 class MoEGroup(nnx.Module):

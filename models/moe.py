@@ -69,7 +69,7 @@ class MoE(nnx.Module):
     pdt = DTYPES[cfg.param_dtype]
     self.compute_dtype = DTYPES[cfg.dtype]
     init = nnx.initializers.normal(cfg.hidden_init_std)
-    out_init = nnx.initializers.normal(cfg.hidden_init_std / (2 * cfg.num_layers) ** 0.5)
+    out_init = nnx.initializers.normal(cfg.out_init_std)
     self.w_router_EN = param(rngs, init, (E, N), ("embed", None), jnp.float32)
     self.w_gate_NEF = param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)
     self.w_up_NEF = param(rngs, init, (N, E, F), ("experts", "embed", "expert_mlp"), pdt)

@@ -2,7 +2,9 @@
 
 Each matrix keeps a Nesterov momentum M of its gradient and steps along its orthogonalisation
 (five quintic Newton-Schulz iterations on M / ||M||_F, optax's), times `optim.muon.rms` x
-sqrt(max(fan_in, fan_out)) (rms 0: Jordan's sqrt(max(1, fan_out / fan_in))). Which weights
+sqrt(max(fan_in, fan_out)) (rms 0: Jordan's sqrt(max(1, fan_out / fan_in))); under muP
+(`width_multiplier` m != 1) times sqrt(fan_out / fan_in) instead, relative to the same matrix at
+the base width (`mup_shape_scale`). Which weights
 are matrices, and their input and output axes, come from the logical axis names:
 
   [layers|experts, ..., core axes]   stack axes: each slice its own matrix (vmapped)
@@ -69,6 +71,29 @@ def fan_in_out(shape, dims: MuonDimensionNumbers) -> tuple[int, int]:
           math.prod(shape[a] for a in dims.output_axis))
 
 
+def base_scale(fan_in: float, fan_out: float, rms: float) -> float:
+  """The shape factor of an orthogonalised update: rms x sqrt(max(fan_in, fan_out)) (its RMS
+  is then `rms`, AdamW's), or for rms 0 Jordan's sqrt(max(1, fan_out / fan_in)) (optax's
+  `scale_by_shape`)."""
+  return rms * math.sqrt(max(fan_in, fan_out)) if rms > 0 else math.sqrt(max(1.0, fan_out / fan_in))
+
+
+def mup_shape_scale(names: tuple, dims: MuonDimensionNumbers, shape, rms: float,
+                    width_multiplier: float) -> float:
+  """muP's factor for Muon (the spectral condition of Yang, Simon and Bernstein 2023, as
+  Megatron-LM #3715 and MaxText's `muon_consistent_rms`): the orthogonalised update (spectral
+  norm 1) times sqrt(fan_out / fan_in), so the step's spectral norm keeps its ratio to the
+  weight's at every width; the constant is the one that gives `base_scale` at the base width,
+  where every fan-in or fan-out that has an axis other than `experts` or an unnamed one (the
+  router's expert axis) is 1/m of this one. A hidden matrix whose both sides scale with width
+  keeps its base-width factor: rms x sqrt(max) / sqrt(m) against its SP step."""
+  fan_in, fan_out = fan_in_out(shape, dims)
+  scales = lambda axes: any(names[a] not in (None, "experts") for a in axes)
+  base_in = fan_in / width_multiplier if scales(dims.reduction_axis) else fan_in
+  base_out = fan_out / width_multiplier if scales(dims.output_axis) else fan_out
+  return base_scale(base_in, base_out, rms) * math.sqrt((fan_out / fan_in) / (base_out / base_in))
+
+
 def ns_path(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> list[P]:
   """The layouts a parameter's momentum passes through on its way to the one it is
   orthogonalised in (the last; module docstring), one mesh axis moved per layout. The mesh axes
@@ -106,10 +131,11 @@ def ns_spec(names: tuple, dims: MuonDimensionNumbers, shape, mesh) -> P:
 
 
 def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
-                  nesterov: bool = True, rms: float = 0.2, eps: float = 1e-8
-                  ) -> optax.GradientTransformation:
+                  nesterov: bool = True, rms: float = 0.2, eps: float = 1e-8,
+                  width_multiplier: float = 1.0) -> optax.GradientTransformation:
   """Muon's direction for the matrices of `param_names` (a tree of logical axis names): momentum,
-  Newton-Schulz in its own layout (`ns_path`), the shape scaling; no learning rate. The other
+  Newton-Schulz in its own layout (`ns_path`), the shape scaling (muP's, `mup_shape_scale`,
+  when `width_multiplier` != 1); no learning rate. The other
   parameters must be masked out (`muon` below does so with `optax.partition`, which leaves a
   `MaskedNode` where they were).
 
@@ -152,9 +178,19 @@ def scale_by_muon(param_names: Any, *, beta: float = 0.95, ns_steps: int = 5,
         mu_hat, param_names, is_leaf=lambda x: isinstance(x, (MuonDimensionNumbers, MaskedNode)))
     return out, MuonState(count=count, mu=mu, ns_coeffs=state.ns_coeffs)
 
-  return optax.chain(
-      optax.GradientTransformation(init, update),
-      scale_by_shape(weight_dimension_numbers=dims, consistent_rms=rms if rms > 0 else None))
+  if width_multiplier == 1.0:
+    shape_scaling = scale_by_shape(weight_dimension_numbers=dims,
+                                   consistent_rms=rms if rms > 0 else None)
+  else:
+    def mup_update(updates, state, params=None):
+      del params
+      scale = lambda d, x, n: x if masked(d) else x * jnp.asarray(
+          mup_shape_scale(n, d, x.shape, rms, width_multiplier), x.dtype)
+      return jax.tree.map(scale, dims, updates, param_names, is_leaf=lambda x: isinstance(
+          x, (MuonDimensionNumbers, MaskedNode))), state
+
+    shape_scaling = optax.GradientTransformation(optax.init_empty_state, mup_update)
+  return optax.chain(optax.GradientTransformation(init, update), shape_scaling)
 
 
 def muon(param_names: Any, fallback: optax.GradientTransformation, **muon_args

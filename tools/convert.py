@@ -80,6 +80,11 @@ def to_hf(src: str, out_dir: str, *, dtype: str | None = None, max_shard_bytes: 
     raise ConvertError(f"{src}: a muP model at width multiplier {spec.cfg.width_multiplier:g} "
                        "(model.parametrization='mup', d_model != base_width) cannot be exported "
                        "to the Hugging Face Llama layout; export a model at its base width")
+  if spec.cfg.residual_multiplier != 1.0:  # nor a residual-branch multiplier
+    raise ConvertError(f"{src}: a model with residual branches x {spec.cfg.residual_multiplier:g}"
+                       f" (model.depth_parametrization={spec.cfg.depth_parametrization!r}, "
+                       "num_layers != base_depth) cannot be exported to the Hugging Face Llama "
+                       "layout; export a model at its base depth")
   hf_meta = config.get("hf", {})
   special = {"bos_id": hf_meta.get("bos_token_id"), "eos_id": hf_meta.get("eos_token_id"),
              "pad_id": hf_meta.get("pad_token_id")}

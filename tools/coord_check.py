@@ -1,8 +1,11 @@
 """muP coordinate check (Tensor Programs V, Sec. 5 / Fig. 5): activation size per layer after a
-few Adam steps, across widths, under SP and muP.
+few Adam (or Muon) steps, across widths, under SP and muP; or across depth (`--axis depth`,
+tools/coord_depth.py) under the depth parametrizations.
 
     python -m tools.coord_check [--widths 32,64,128,256] [--base_width 32] [--steps 8] \\
-        [--lr 0.01] [--out runs/coord_check]
+        [--lr 0.01] [--optim adamw|muon] [--out runs/coord_check]
+    python -m tools.coord_check --axis depth [--depths 2,4,8,16,32] [--base_depth 2] \\
+        [--width 64] [--steps 10] [--lr 0.01]
 
 Per parametrization and width d_model, the same Llama model (same seed, same batches) trains
 `--steps` AdamW steps, and after every step the mean absolute coordinate of each layer's output
@@ -33,6 +36,7 @@ from trainer.multihost import platforms
 class Setup:
   """The shared setting of every run of a width sweep."""
   base_width: int = 32
+  base_depth: int = 2  # the depth parametrizations' L_base (--axis depth)
   num_layers: int = 2
   num_heads: int = 4
   seq_len: int = 64
@@ -53,17 +57,20 @@ def batches(setup: Setup, steps: int) -> dict[str, np.ndarray]:
   return {k: np.stack([b[k] for b in drawn]) for k in pipeline.BATCH_KEYS}
 
 
-def model_config(setup: Setup, width: int, parametrization: str):
+def model_config(setup: Setup, width: int, parametrization: str, layers: int | None = None,
+                 depth_parametrization: str = "standard"):
   from models.llama import ModelConfig  # noqa: PLC0415  start-up
-  return ModelConfig(vocab_size=VOCAB_SIZE, d_model=width, num_layers=setup.num_layers,
-                     num_heads=setup.num_heads, num_kv_heads=setup.num_heads,
-                     mlp_dim=3 * width, init_std=setup.init_std,
-                     parametrization=parametrization, base_width=setup.base_width)
+  return ModelConfig(vocab_size=VOCAB_SIZE, d_model=width,
+                     num_layers=layers or setup.num_layers, num_heads=setup.num_heads,
+                     num_kv_heads=setup.num_heads, mlp_dim=3 * width, init_std=setup.init_std,
+                     parametrization=parametrization, base_width=setup.base_width,
+                     depth_parametrization=depth_parametrization, base_depth=setup.base_depth)
 
 
-def optim_config(setup: Setup, lr: float):
+def optim_config(setup: Setup, lr: float, name: str = "adamw"):
+  """AdamW (or Muon, with its AdamW fallback) at rate `lr`, constant, no decay or clipping."""
   o = default_config().optim
-  o.update(name="adamw", learning_rate=lr, b2=setup.b2, schedule="constant", warmup_steps=0,
+  o.update(name=name, learning_rate=lr, b2=setup.b2, schedule="constant", warmup_steps=0,
            weight_decay=0.0, clip_norm=0.0)
   return o
 
@@ -88,17 +95,19 @@ def activations(model, batch) -> dict[str, "jax.Array"]:  # noqa: F821
   return out
 
 
-def train(setup: Setup, width: int, parametrization: str, lrs, data: dict[str, np.ndarray], *,
-          probe: bool = True) -> list[dict]:
-  """Trains one model per learning rate in `lrs` on the batches of `data` but its last (one
-  batch per step, [steps + 1, B, S] arrays) and returns per rate {"loss": [per step], "acts": [at
-  init, then after every step: {layer: mean |x|} on the probe batch, the last]} (acts empty
-  without `probe`).
+def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
+          optim: str = "adamw") -> list[dict]:
+  """Trains one model of config `mcfg` per learning rate in `lrs` on the batches of `data` but
+  its last (one batch per step, [steps + 1, B, S] arrays) and returns per rate {"loss": [per
+  step], "acts": [at init, then after every step: probe(model at init, model now, the probe
+  batch, the last), a dict of scalars]} (acts empty without `probe`; `activations` measures
+  each layer's mean |x|).
 
-  The optimizer is the project's (`build_optimizer` with muP's width multiplier), built once at
-  learning rate 1 with a constant schedule and no weight decay; each run multiplies its update
-  by its rate, which is exactly AdamW at that rate in this setting and lets all rates share one
-  compiled step."""
+  The optimizer is the project's (`build_optimizer` with muP's width multiplier and the depth
+  parametrization's rules), AdamW or Muon (`optim`), built once at learning rate 1 with a
+  constant schedule and no weight decay; each run multiplies its update by its rate, which is
+  exactly the optimizer at that rate in this setting and lets all rates share one compiled
+  step."""
   import jax  # noqa: PLC0415  start-up
   import jax.numpy as jnp  # noqa: PLC0415  start-up
   from flax import nnx  # noqa: PLC0415  start-up
@@ -106,10 +115,10 @@ def train(setup: Setup, width: int, parametrization: str, lrs, data: dict[str, n
   from optim import build_optimizer  # noqa: PLC0415  start-up
   from trainer.step.state import _logical_names  # noqa: PLC0415  start-up
 
-  mcfg = model_config(setup, width, parametrization)
   graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(setup.seed)))
-  tx, _ = build_optimizer(optim_config(setup, 1.0), _logical_names(state), len(data["inputs"]) - 1,
-                          width_multiplier=mcfg.width_multiplier)
+  tx, _ = build_optimizer(optim_config(setup, 1.0, optim), _logical_names(state),
+                          len(data["inputs"]) - 1, width_multiplier=mcfg.width_multiplier,
+                          depth=mcfg.depth_scaling)
 
   def loss_fn(params, batch):
     m = nnx.merge(graphdef, params)
@@ -124,23 +133,23 @@ def train(setup: Setup, width: int, parametrization: str, lrs, data: dict[str, n
     return jax.tree.map(lambda p, u: p + lr * u, params, updates), opt_state, loss
 
   @jax.jit
-  def measure(params, batch):
-    return activations(nnx.merge(graphdef, params), batch)
+  def measure(params0, params, batch):
+    return probe(nnx.merge(graphdef, params0), nnx.merge(graphdef, params), batch)
 
   steps = len(data["inputs"]) - 1
   at = lambda n: {k: v[n] for k, v in data.items()}
   results = []
   for lr in lrs:
-    params = nnx.to_pure_dict(state)
+    params0 = params = nnx.to_pure_dict(state)
     opt_state = tx.init(params)
     losses, acts = [], []
     if probe:
-      acts.append({k: float(v) for k, v in measure(params, at(steps)).items()})
+      acts.append({k: float(v) for k, v in measure(params0, params, at(steps)).items()})
     for n in range(steps):
       params, opt_state, loss = step(params, opt_state, at(n), jnp.int32(n), jnp.float32(lr))
       losses.append(float(loss))
       if probe:
-        acts.append({k: float(v) for k, v in measure(params, at(steps)).items()})
+        acts.append({k: float(v) for k, v in measure(params0, params, at(steps)).items()})
     results.append({"loss": losses, "acts": acts})
   return results
 
@@ -151,13 +160,14 @@ def slope(widths, values) -> float:
 
 
 def coord_check(setup: Setup, widths, steps: int, lr: float,
-                parametrizations=("sp", "mup")) -> list[dict]:
+                parametrizations=("sp", "mup"), optim: str = "adamw") -> list[dict]:
   """Rows {parametrization, width, step, layer, value} (step 0 = at init)."""
   data = batches(setup, steps)
   rows = []
   for par in parametrizations:
     for width in widths:
-      result, = train(setup, width, par, [lr], data)
+      result, = train(setup, model_config(setup, width, par), [lr], data,
+                      probe=lambda m0, m, b: activations(m, b), optim=optim)
       for t, acts in enumerate(result["acts"]):
         rows.extend({"parametrization": par, "width": width, "step": t, "layer": k, "value": v}
                     for k, v in acts.items())
@@ -196,7 +206,7 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("width d_model")
-    ax.set_title(f"{par.upper()}: after {last} Adam steps")
+    ax.set_title(f"{par.upper()}: after {last} steps")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
   axes[0].set_ylabel("mean |activation|")
@@ -205,35 +215,53 @@ def plot(path: str, rows: list[dict], title: str) -> bool:
 
 
 def sweep_parser(prog: str, doc: str, *, steps: int, out: str):
-  """The options of every width sweep (this tool and tools.lr_transfer)."""
+  """The options of every sweep (this tool and tools.lr_transfer)."""
   p = CliParser(prog, doc, config=False)
+  p.add_argument("--axis", default="width", choices=("width", "depth"),
+                 help="width: --widths at --layers; depth: --depths at --width")
   p.add_argument("--widths", default="32,64,128,256")
   p.add_argument("--base_width", type=int, default=32)
+  p.add_argument("--depths", default="2,4,8,16,32")
+  p.add_argument("--base_depth", type=int, default=2)
+  p.add_argument("--width", type=int, default=64, help="d_model of --axis depth")
+  p.add_argument("--optim", default="adamw", choices=("adamw", "muon"),
+                 help="muon: --axis width only (CompleteP's rules are Adam's)")
   p.add_argument("--steps", type=int, default=steps)
   p.add_argument("--layers", type=int, default=2)
   p.add_argument("--out", default=out)
   return p
 
 
+def _ints(p, flag: str, text: str) -> list[int]:
+  try:
+    return sorted({int(w) for w in text.split(",") if w})
+  except ValueError:
+    p.error(f"{flag} takes comma-separated integers, not {text!r}")
+
+
 def parse_sweep_args(p, argv):
   """Parse; --widths becomes a sorted list of at least two multiples of num_heads=4 (and
-  --base_width one), --steps >= 1, and no --config.* overrides. A mistake is one ConfigError."""
+  --base_width and --width one), --depths a sorted list of at least two depths >= 1 (and
+  --base_depth one), --steps >= 1, and no --config.* overrides. A mistake is one ConfigError."""
   args, overrides = p.parse(argv)
   if overrides:
     p.error("this tool takes no --config.* overrides")
-  try:
-    args.widths = sorted({int(w) for w in args.widths.split(",") if w})
-  except ValueError:
-    p.error(f"--widths takes comma-separated integers, not {args.widths!r}")
-  bad = [w for w in args.widths + [args.base_width] if w < 4 or w % 4]
+  args.widths = _ints(p, "--widths", args.widths)
+  args.depths = _ints(p, "--depths", args.depths)
+  bad = [w for w in args.widths + [args.base_width, args.width] if w < 4 or w % 4]
   if bad or args.steps < 1 or len(args.widths) < 2:
-    p.error("--widths needs at least two multiples of num_heads=4 (and --base_width one), "
-            "--steps >= 1")
+    p.error("--widths needs at least two multiples of num_heads=4 (and --base_width and "
+            "--width one), --steps >= 1")
+  if len(args.depths) < 2 or min(args.depths + [args.base_depth]) < 1:
+    p.error("--depths needs at least two depths >= 1 (and --base_depth >= 1)")
+  if args.axis == "depth" and args.optim != "adamw":
+    p.error(f"--axis depth --optim {args.optim}: the depth parametrizations' rules are "
+            "CompleteP's for Adam; use --optim adamw")
   return args
 
 
 def start(parse_args, argv):
-  """(args, Setup, start time) of a width sweep, its --out created; None after printing a
+  """(args, Setup, start time) of a sweep, its --out created; None after printing a
   command-line mistake in one line (the caller exits with 2)."""
   platforms.choose()
   try:
@@ -242,7 +270,8 @@ def start(parse_args, argv):
     print(f"error: {e}", file=sys.stderr)
     return None
   os.makedirs(args.out, exist_ok=True)
-  return args, Setup(base_width=args.base_width, num_layers=args.layers), time.perf_counter()
+  return args, Setup(base_width=args.base_width, base_depth=args.base_depth,
+                     num_layers=args.layers), time.perf_counter()
 
 
 def build_parser():
@@ -256,23 +285,46 @@ def parse_args(argv):
   return parse_sweep_args(build_parser(), argv)
 
 
+def main_depth(args, setup: Setup, t0: float) -> int:
+  from tools import coord_depth  # noqa: PLC0415  it imports this module
+  rows = coord_depth.depth_check(setup, args.width, args.depths, args.steps, args.lr)
+  figures.write_csv(os.path.join(args.out, "coord_check_depth.csv"), rows)
+  png = os.path.join(args.out, "coord_check_depth.png")
+  plotted = coord_depth.plot_depth(
+      png, rows, f"depth coordinate check: AdamW lr {args.lr:g}, width {args.width}, base "
+      f"depth {args.base_depth}, batch {setup.batch_size}x{setup.seq_len} tokens")
+  s = coord_depth.depth_slopes(rows)
+  pars = coord_depth.DEPTH_PARAMETRIZATIONS
+  print(f"[coord_check] mean |change| slope vs depth (log-log) after {args.steps} steps:")
+  print(f"[coord_check] {'row':8s} " + " ".join(f"{p:>10s}" for p in pars))
+  for layer in coord_depth.SUMMARY:
+    print(f"[coord_check] {layer:8s} " + " ".join(f"{s[(p, layer)]:+10.2f}" for p in pars))
+  print(f"[coord_check] {time.perf_counter() - t0:.0f}s; wrote {args.out}/coord_check_depth.csv"
+        + (f", {png}" if plotted else figures.NO_PLOT))
+  return 0
+
+
 def main(argv: list[str]) -> int:
   started = start(parse_args, argv)
   if started is None:
     return 2
   args, setup, t0 = started
-  rows = coord_check(setup, args.widths, args.steps, args.lr)
-  figures.write_csv(os.path.join(args.out, "coord_check.csv"), rows)
-  png = os.path.join(args.out, "coord_check.png")
-  plotted = plot(png, rows, f"coordinate check: AdamW lr {args.lr:g}, base width "
+  if args.axis == "depth":
+    return main_depth(args, setup, t0)
+  rows = coord_check(setup, args.widths, args.steps, args.lr, optim=args.optim)
+  name = "coord_check" if args.optim == "adamw" else f"coord_check_{args.optim}"
+  figures.write_csv(os.path.join(args.out, f"{name}.csv"), rows)
+  png = os.path.join(args.out, f"{name}.png")
+  plotted = plot(png, rows, f"coordinate check: {args.optim} lr {args.lr:g}, base width "
                  f"{args.base_width}, {args.layers} layers, batch {setup.batch_size}x"
                  f"{setup.seq_len} tokens of the embedded corpus")
-  print(f"[coord_check] mean |x| slope vs width (log-log) after {args.steps} steps:")
+  print(f"[coord_check] mean |x| slope vs width (log-log) after {args.steps} {args.optim} "
+        "steps:")
   print(f"[coord_check] {'layer':8s} {'sp':>7s} {'mup':>7s}")
   s = slopes(rows)
   for layer in dict.fromkeys(r["layer"] for r in rows):
     print(f"[coord_check] {layer:8s} {s[('sp', layer)]:+7.2f} {s[('mup', layer)]:+7.2f}")
-  print(f"[coord_check] {time.perf_counter() - t0:.0f}s; wrote {args.out}/coord_check.csv"
+  print(f"[coord_check] {time.perf_counter() - t0:.0f}s; wrote {args.out}/{name}.csv"
         + (f", {png}" if plotted else figures.NO_PLOT))
   return 0
 

@@ -20,10 +20,11 @@ import sys
 import ml_collections
 
 from data import meta, mixture, pipeline, tokenizer
-from models.config import PARAMETRIZATIONS
+from models.config import DEPTH_PARAMETRIZATIONS, PARAMETRIZATIONS
 from models.llama import ATTENTION_IMPLS, DTYPES, REMAT_POLICIES
 from models.rope import ROPE_SCALING_TYPES
 from optim import OPTIMIZERS, SCHEDULES, WSD_SHAPES
+from optim.factory import MUP_OPTIMIZERS
 from optim.scaling import SCALE_INVARIANT_OPTIMIZERS
 from sharding.mesh import MeshError, data_parallel_size, num_slices, resolve_mesh_shape
 from trainer.config.batch_checks import check_batch_science, check_muon, resolved
@@ -182,14 +183,19 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
     _need(m.head_dim or m.base_width % m.num_heads == 0,
           f"model.base_width={m.base_width} is not divisible by model.num_heads={m.num_heads} "
           "(muP's base head dim); use a multiple of it or set model.head_dim")
-    _need(m.base_width == m.d_model or cfg.optim.name != "muon",
-          "model.parametrization='mup' with optim.name='muon': refused, Muon's shape scaling "
-          "already sets each matrix's spectral step (optim/factory.py), so muP's 1/m Adam rule "
-          "would be wrong and its replacement is untested; use model.parametrization='sp'")
-    _need(m.base_width == m.d_model or cfg.optim.name in SCALE_INVARIANT_OPTIMIZERS,
-          f"model.parametrization='mup' sets learning rates for Adam-type optimizers "
-          f"({', '.join(SCALE_INVARIANT_OPTIMIZERS)}), not optim.name={cfg.optim.name!r}; "
+    _need(m.base_width == m.d_model or cfg.optim.name in MUP_OPTIMIZERS,
+          f"model.parametrization='mup' sets learning rates for "
+          f"{', '.join(MUP_OPTIMIZERS)}, not optim.name={cfg.optim.name!r}; "
           "use one of them or model.parametrization='sp'")
+  _choice(cfg, "model.depth_parametrization", DEPTH_PARAMETRIZATIONS)
+  _need(m.base_depth >= 0, f"model.base_depth={m.base_depth}: must be >= 0 (0 = num_layers)")
+  if m.depth_parametrization != "standard":
+    base_size = m.base_depth in (0, m.num_layers) and (
+        m.parametrization != "mup" or m.base_width in (0, m.d_model))
+    _need(base_size or cfg.optim.name in SCALE_INVARIANT_OPTIMIZERS,
+          f"model.depth_parametrization={m.depth_parametrization!r} sets CompleteP's rules for "
+          f"{', '.join(SCALE_INVARIANT_OPTIMIZERS)}, not optim.name={cfg.optim.name!r}; use "
+          "one of them or model.depth_parametrization='standard'")
   data_vocab, data_name = _data_vocab(cfg)
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
     m.vocab_size = -(-data_vocab // 128) * 128

@@ -89,6 +89,12 @@ def default_config() -> ml_collections.ConfigDict:
       # init, multipliers and per-parameter learning rates relative to base_width, the d_model
       # at which muP equals SP; 0 = d_model itself; models/llama.py)
       parametrization="sp", base_width=0,
+      # depth transfer: "standard", "depth_mup" or "completep" (each residual branch times
+      # (base_depth / num_layers)^alpha, alpha 1/2 or 1, with CompleteP's per-group learning
+      # rates, Adam epsilons and weight decay; composes with parametrization="mup"; docs/mup.md)
+      depth_parametrization="standard",
+      # the num_layers at which a depth parametrization is "standard" exactly; 0 = num_layers
+      base_depth=0,
       # RoPE frequency scaling: "none" or "llama3" (Llama 3.1 context extension; the other
       # fields are its parameters, as in a Hugging Face config's `rope_scaling`)
       rope_scaling=ml_collections.ConfigDict(dict(

@@ -84,7 +84,8 @@ class Program:
     self.ramp = planned_ramp(d, cfg.optim, cfg.steps)
     self.tx, self.schedule = build_optimizer(
         cfg.optim, self.spec.logical_names, cfg.steps, cfg.data,
-        width_multiplier=self.model_cfg.width_multiplier, ramp=self.ramp)
+        width_multiplier=self.model_cfg.width_multiplier, depth=self.model_cfg.depth_scaling,
+        ramp=self.ramp)
     self.diloco = DiLoCoConfig.from_config(cfg.optim)
     if self.diloco is None:
       self.shardings = state_shardings(self.spec, self.tx)
