@@ -109,12 +109,14 @@ def tie(x, token):
   [S, *act], labels [S, rows, n] or a W stash leaf [S, layers, rows x sequence, ...]. On CPU `x`
   plus zero times `token`: XLA:CPU starts a program's thunks as soon as the buffers they read
   are written (it drops optimization barriers first), so only data orders them; elsewhere an
-  optimization barrier, which the compiler's schedule keeps and which computes nothing (an
-  addition on the W stash made XLA copy it)."""
+  optimization barrier after an activation, which the compiler's schedule keeps and which
+  computes nothing (an addition on the W stash made XLA copy it), and nothing after sums (only
+  XLA:CPU's concurrent runtime needs that order: a scheduled program runs its collectives in
+  one order on every device)."""
   if token is None:
     return x
-  if mesh_platform(jax.sharding.get_abstract_mesh()) != "cpu":
-    return jax.lax.optimization_barrier((x, token))[0]
+  if mesh_platform(jax.sharding.get_abstract_mesh()) != "cpu":  # sums: only XLA:CPU's order
+    return jax.lax.optimization_barrier((x, token))[0] if isinstance(token, jax.Array) else x
   if isinstance(token, jax.Array) and token.shape[:x.ndim] == x.shape:
     token = token[(..., *(0,) * (token.ndim - x.ndim))]  # labels after their hidden states
   elif isinstance(token, jax.Array) and token.ndim >= 3:  # an activation: broadcast locally
