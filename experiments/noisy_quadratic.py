@@ -205,24 +205,32 @@ def crossing(losses, batch: int, target: float) -> float:
 
 def meter(problem, sw: dict) -> dict:
   """Logged B_simple over the analytic one at the expected state (and over B_noise, and over the
-  truth at each run's own iterate) at every step up to the target, every seed."""
-  per_batch, pooled = {}, {"b_simple": [], "b_noise": [], "at_iterate": []}
+  truth at each run's own iterate, tr(C) / |G(theta_t)|^2) at every step up to the target,
+  every seed; `iterate_spread`: that truth over the expected state's (how far one run's own
+  noise scale strays from the mean's, which no meter can remove)."""
+  per_batch = {}
+  pooled = {"b_simple": [], "b_noise": [], "at_iterate": [], "iterate_spread": []}
   for b, r in sw["best"].items():
     rows = r["rows"]
     n = min(len(rows["loss"]), math.ceil(r["steps"]))
     cur = nqm.curves(problem, [r["rate"]], [b], n)
     logged = rows["noise_scale"][:n]
+    truth = rows["b_simple_true"][:n]
     ratios = {"b_simple": logged / cur["b_simple"][1:n + 1], "b_noise":
-              logged / cur["b_noise"][1:n + 1], "at_iterate": logged / rows["b_simple_true"][:n]}
+              logged / cur["b_noise"][1:n + 1], "at_iterate": logged / truth,
+              "iterate_spread": truth / cur["b_simple"][1:n + 1]}
     per_batch[b] = {k: quantiles(v) for k, v in ratios.items()}
     per_batch[b]["with_value"] = float(np.isfinite(logged).mean())
     r["analytic_b_simple"] = cur["b_simple"][1:n + 1, 0]
     for k, v in ratios.items():
       pooled[k].append(v.ravel())
     q = per_batch[b]["b_simple"]
+    i = per_batch[b]["at_iterate"]
     print(f"[nqm] meter batch {b}: logged / analytic B_simple median {q['median']:.3g} "
           f"(p10 {q['p10']:.3g}, p90 {q['p90']:.3g}; {q['n']} readings, "
-          f"{per_batch[b]['with_value']:.0%} of steps with a value)", flush=True)
+          f"{per_batch[b]['with_value']:.0%} of steps with a value); logged / the run's own "
+          f"tr(C) / |G|^2 median {i['median']:.3g} (p10 {i['p10']:.3g}, p90 {i['p90']:.3g})",
+          flush=True)
   return {"per_batch": per_batch, **{k: quantiles(np.concatenate(v)) for k, v in pooled.items()}}
 
 
@@ -276,14 +284,15 @@ def probe(problem, base, args) -> dict:
   (`--probe_factors`) train the same examples (`--probe_seeds` continuations each), scored by
   tools.batch_probe's `smoothed` mean loss at 4 equal-example points and `critical_factor`
   (tolerance: `--probe_tolerance` x the loss at the point). The analytic critical batch: the
-  same rule on the expected losses from the checkpoint (closed form)."""
+  same rule on the expected losses from the checkpoint (closed form). Beside them B_simple and
+  B_noise at the base run's expected state there (and B_simple at the checkpoint itself)."""
   b0, a0, evals = args.batch_sizes[0], args.probe_rate, 4
   factors = [1] + sorted(args.probe_factors)
   examples = b0 * factors[-1] * evals * 4
   start = problem.loss(problem.theta0 ** 2)
   levels = [0.3, 0.15, 0.08, 0.05][:args.probe_points]  # of the starting loss
-  curve = nqm.curves(problem, [a0], [b0], 32768)["loss"][:, 0]
-  at = [int(np.argmax(curve <= f * start)) for f in levels]
+  base_run = {k: v[:, 0] for k, v in nqm.curves(problem, [a0], [b0], 32768).items()}
+  at = [int(np.argmax(base_run["loss"] <= f * start)) for f in levels]
   config = lambda k, t: nqm.run_config(base, "sgd", a0, k * b0, lr_rule="linear",
                                        reference_batch=b0,
                                        ramp=f"{b0}:0,{k * b0}:{t * b0}" if k > 1 else "")
@@ -311,9 +320,10 @@ def probe(problem, base, args) -> dict:
     points.append({"step": t, "loss": loss0, "critical_batch": k_m * b0,
                    "critical_batch_analytic": k_e * b0, "ratio": k_m / k_e,
                    "censored": ">=" if k_m == factors[-1] else "",
-                   "b_simple": float(here.b_simple(theta ** 2)),
-                   "b_noise": float(here.b_noise(theta ** 2)), "measured": measured,
-                   "analytic": exact})
+                   "b_simple": float(base_run["b_simple"][t]),
+                   "b_noise": float(base_run["b_noise"][t]),
+                   "b_simple_checkpoint": float(here.b_simple(theta ** 2)),
+                   "measured": measured, "analytic": exact})
     print(f"[nqm] probe at step {t} (loss {loss0:.3f}): critical batch {k_m * b0} vs analytic "
           f"{k_e * b0} (B_simple there {points[-1]['b_simple']:.0f}, B_noise "
           f"{points[-1]['b_noise']:.0f})", flush=True)
@@ -391,6 +401,7 @@ def experiment(args, cfg) -> list[dict]:
       "meter_ratio_p90": me["b_simple"]["p90"],
       "meter_ratio_per_batch": {str(b): q for b, q in me["per_batch"].items()},
       "meter_ratio_b_noise": me["b_noise"], "meter_ratio_at_iterate": me["at_iterate"],
+      "iterate_over_expected": me["iterate_spread"],
       "autopilot_ratio_median": ap["ratio"]["median"], "autopilot_ratio": ap["ratio"],
       "autopilot_within_2x": ap["within_2x"],
       "autopilot_changes": [r["changes"] for r in ap["runs"]],

@@ -54,7 +54,9 @@ def _meter(plt, path, exact, sw, me, ap, pr, ad, args):
     n = len(r["analytic_b_simple"])
     x = np.arange(1, n + 1) * b
     ax1.plot(x, r["analytic_b_simple"], "-", c=f"C{i % 10}", lw=1, label=f"B={b}")
-    ax1.plot(x, np.nanmedian(r["rows"]["noise_scale"][:n], axis=1), ":", c=f"C{i % 10}", lw=1)
+    logged = r["rows"]["noise_scale"][:n]
+    shown = np.isfinite(logged).any(axis=1)  # steps where some seed's meter has a value
+    ax1.plot(x[shown], np.nanmedian(logged[shown], axis=1), ":", c=f"C{i % 10}", lw=1)
   ax1.set(xscale="log", yscale="log", xlabel="examples", ylabel="B_simple",
           title="analytic (solid) and logged (dotted, median of seeds)")
   ax1.legend(fontsize=7, ncol=2)
@@ -101,22 +103,26 @@ def _probe(plt, path, exact, sw, me, ap, pr, ad, args):
   ax1.plot(loss, [p["critical_batch"] for p in pts], "o-", label="branching probe")
   ax1.plot(loss, [p["critical_batch_analytic"] for p in pts], "s--", label="the rule on the "
            "expected losses")
-  ax1.plot(loss, [p["b_simple"] for p in pts], ":", c="C2", label="B_simple at the checkpoint")
-  ax1.plot(loss, [p["b_noise"] for p in pts], ":", c="C3", label="B_noise at the checkpoint")
+  ax1.plot(loss, [p["b_simple"] for p in pts], ":", c="C2", label="B_simple (expected state)")
+  ax1.plot(loss, [p["b_noise"] for p in pts], ":", c="C3", label="B_noise (expected state)")
   ax1.set(xscale="log", yscale="log", xlabel="loss at the branch point", ylabel="batch",
           title="critical batch by branching")
   ax1.invert_xaxis()
   ax1.legend(fontsize=7)
+  top = 6 * pr["tolerance"]  # branches beyond it (diverged ones) drawn at the edge
+  clip = lambda y: min(y, top) if np.isfinite(y) else top
   for i, p in enumerate(pts):
     ks = sorted(p["measured"])
     base_m, base_a = p["measured"][1], p["analytic"][1]
-    ax2.plot([k * args.batch_sizes[0] for k in ks], [p["measured"][k] / base_m - 1 for k in ks],
-             "o-", c=f"C{i}", ms=3, label=f"step {p['step']}")
-    ax2.plot([k * args.batch_sizes[0] for k in ks], [p["analytic"][k] / base_a - 1 for k in ks],
-             "--", c=f"C{i}", lw=1)
+    ax2.plot([k * args.batch_sizes[0] for k in ks],
+             [clip(p["measured"][k] / base_m - 1) for k in ks], "o-", c=f"C{i}", ms=3,
+             label=f"step {p['step']}")
+    ax2.plot([k * args.batch_sizes[0] for k in ks],
+             [clip(p["analytic"][k] / base_a - 1) for k in ks], "--", c=f"C{i}", lw=1)
   ax2.axhline(pr["tolerance"], c="0.5", ls=":", lw=1, label=f"tolerance {pr['tolerance']:g}")
+  ax2.set_ylim(-top / 3, top * 1.05)
   ax2.set(xscale="log", xlabel="branch batch", ylabel="smoothed loss / k = 1's - 1",
-          title=f"after {pr['examples']:,} examples (dashed: expected)")
+          title=f"after {pr['examples']:,} examples (dashed: expected; top edge: beyond)")
   ax2.legend(fontsize=7)
   figures.save(fig, path, "NQM: the branching probe (tools/batch_probe.py's rule)")
 
