@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -87,8 +88,10 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
   A state made with other settings, or whose last measurement the clock now places elsewhere
   (a changed batch ramp on resume), is emptied at the next measurement."""
   log_ratio = -math.log(1.0 - window) / BUCKETS if window < 1 else math.inf
-  settings = jnp.asarray([window, recency, min_measurements], jnp.float32)
-  moments = jnp.asarray(second_moments or (), jnp.float32)
+  # numpy, not jax arrays: constants a jitted step embeds (a closed-over jax array becomes an
+  # argument of the compiled step, which the ahead-of-time compiled variants do not all share)
+  settings = np.asarray([window, recency, min_measurements], np.float32)
+  moments = np.asarray(second_moments or (), np.float32)
 
   def bucket_of(t):  # the bucket of clock t (all of training is bucket 0 when window = 1)
     if math.isinf(log_ratio):
@@ -101,7 +104,7 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
     zero = jnp.zeros((), jnp.int32)
     return NoiseScaleState(zeros, zeros, zeros, zeros, zeros, zeros,
                            jnp.full((SLOTS,), -1, jnp.int32), zero, jnp.zeros((), jnp.float32),
-                           zero, settings, moments)
+                           zero, jnp.asarray(settings), jnp.asarray(moments))
 
   def update(updates, state, params=None, *, noise_sample: Sample | None = None, step=None,
              **extra):
@@ -136,7 +139,7 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
         add(state.count, 1.0, True), add(state.g_sq_precond, g_p, valid_p),
         add(state.trace_precond, t_p, valid_p), add(state.count_precond, 1.0, valid_p),
         jnp.where(here, b, old), bucket_of((1.0 - window) * now), now,
-        jnp.asarray(step, jnp.int32) + 1, settings, moments)
+        jnp.asarray(step, jnp.int32) + 1, jnp.asarray(settings), jnp.asarray(moments))
 
   return optax.GradientTransformationExtraArgs(init, update)
 

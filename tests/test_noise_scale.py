@@ -353,6 +353,16 @@ def test_step_without_accumulation_measures_two_halves(step_setup):
   assert metrics["noise_trace"] == pytest.approx(trace, rel=1e-3)
   assert metrics["noise_scale_tokens"] == pytest.approx(trace / g_sq, rel=1e-3)
   assert metrics["noise_scale"] == pytest.approx(trace / g_sq * 8 / total, rel=1e-3)
+  # preconditioned (adamw): P of this step's update, from the state before it and G_B
+  big_grads = jax.tree.map(lambda a, b: (a + b) / total, *sums)
+  p = noise_scale.preconditioner(state.opt_state, big_grads)
+  weighted = lambda tree: float(noise_scale.weighted_sq_norm(tree, p))
+  small_p = np.mean([weighted(g) / t ** 2 for g, t in zip(sums, tokens)])
+  g_p, trace_p = noise_scale.estimate(small_p, weighted(big_grads), harmonic, total)
+  assert abs(trace_p / g_p / (trace / g_sq) - 1) > 0.05  # P is not a multiple of I here
+  assert metrics["noise_g_sq_precond_step"] == pytest.approx(g_p, rel=1e-3)
+  assert metrics["noise_trace_precond_step"] == pytest.approx(trace_p, rel=1e-3)
+  assert np.isnan(metrics["noise_scale_precond"]) == (g_p <= 0)  # one measurement: as noisy
 
 
 def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
