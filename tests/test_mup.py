@@ -10,6 +10,8 @@ from conftest import tiny_config
 from models.llama import Attention, ModelConfig, Transformer
 from optim import build_optimizer
 from optim.factory import lr_multipliers
+from optim.muon import base_scale, mup_shape_scale
+from optim.muon import dimension_numbers as muon_dimension_numbers
 from sharding import make_mesh
 from tools import coord_check
 from trainer.config import ConfigError, default_config
@@ -111,6 +113,44 @@ def test_config_keys_reach_model_and_optimizer():
   np.testing.assert_allclose(updates["mup"]["embed_VE"], updates["sp"]["embed_VE"], rtol=1e-6)
 
 
+def _muon_update(d_model, base_width, rms=0.2):
+  """Muon's first update of a random gradient for a muP model (base width `base_width`)."""
+  model = _model("mup", d_model, base_width)
+  names, params = _logical_names(nnx.state(model)), _params(model)
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
+  o = _adamw()
+  o.update(name="muon", weight_decay=0.0, learning_rate=1.0, b2=0.95)
+  o.muon.rms = rms
+  tx, _ = build_optimizer(o, names, 10, width_multiplier=model.cfg.width_multiplier)
+  return jax.jit(tx.update)(grads, tx.init(params), params)[0]
+
+
+@pytest.mark.parametrize("rms", [0.2, pytest.param(0.0, marks=pytest.mark.slow)])
+def test_muon_under_mup_keeps_the_spectral_step_of_the_base_width(rms):
+  """muP for Muon: a hidden matrix's orthogonalised update (spectral norm ~1) is scaled by
+  sqrt(fan_out / fan_in), so its spectral norm is the base width's at every width; under SP
+  (rms 0.2) it is rms x sqrt(max(fan_in, fan_out)) and grows as sqrt(m). The AdamW fallback
+  (embedding, head, norms) keeps muP's Adam rules: unchanged by width."""
+  spec = lambda u: float(np.linalg.norm(np.asarray(u["blocks"]["mlp"]["w_up_EF"][0]), ord=2))
+  base, wide, wide_sp = _muon_update(32, 32, rms), _muon_update(64, 32, rms), \
+      _muon_update(64, 64, rms)
+  assert spec(wide) == pytest.approx(spec(base), rel=0.05)
+  if rms:
+    assert spec(wide_sp) == pytest.approx(np.sqrt(2) * spec(base), rel=0.05)
+  # muP's factor against SP's shape scaling at the same width: 1/sqrt(m) for rms > 0, 1 for
+  # Jordan's sqrt(max(1, fan_out / fan_in)), which is already width-independent.
+  dims = muon_dimension_numbers(("layers", "embed", "mlp"))
+  got = mup_shape_scale(("layers", "embed", "mlp"), dims, (2, 128, 256), rms, 4.0)
+  assert got == pytest.approx(base_scale(128, 256, rms) / (2.0 if rms else 1.0))
+  # The router reads the stream (fan-in scales) into a fixed number of experts.
+  router = ("layers", "embed", None)
+  r = mup_shape_scale(router, muon_dimension_numbers(router), (2, 128, 8), rms, 4.0)
+  assert r == pytest.approx(base_scale(32, 8, rms) * 0.5)
+  # The embedding is the fallback's, on muP's Adam rule (lr x 1): its step does not change.
+  np.testing.assert_allclose(np.abs(wide["embed_VE"]).mean(), np.abs(base["embed_VE"]).mean(),
+                             rtol=0.05)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"model.parametrization": "ntk"}, "model.parametrization='ntk'"),
     ({"model.parametrization": "mup", "model.base_width": -8}, "model.base_width=-8"),
@@ -121,9 +161,11 @@ def test_config_keys_reach_model_and_optimizer():
 def test_config_validation(overrides, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
     validate(tiny_config(**overrides), 1)
-  # At its own base width muP is SP, so any optimizer is fine.
+  # At its own base width muP is SP, so any optimizer is fine; Muon has muP's rules at any.
   validate(tiny_config(**{"model.parametrization": "mup", "model.base_width": 32,
                           "optim.name": "lamb"}), 1)
+  validate(tiny_config(**{"model.parametrization": "mup", "model.base_width": 16,
+                          "optim.name": "muon"}), 1)
 
 
 def test_coordinate_check_flat_under_mup_growing_under_sp():

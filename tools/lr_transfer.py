@@ -1,20 +1,25 @@
 """muP learning-rate transfer (Tensor Programs V, Fig. 1): training loss over a learning-rate x
-width grid under SP and muP; where is the best learning rate at each width?
+width grid under SP and muP (AdamW, or Muon with `--optim muon`), or over a learning-rate x depth
+grid under the depth parametrizations (`--axis depth`: standard, depth_mup, completep); where is
+the best learning rate at each size?
 
     python -m tools.lr_transfer [--widths 32,64,128,256] [--lrs 2^-12,...,2^-5] \\
-        [--base_width 32] [--steps 100] [--out runs/lr_transfer]
+        [--base_width 32] [--steps 100] [--optim adamw|muon] [--seeds 1] [--out runs/lr_transfer]
+    python -m tools.lr_transfer --axis depth [--depths 2,4,8,16] [--base_depth 2] [--width 64]
 
 Every run is the setting of tools/coord_check.py trained `--steps` steps at a constant rate and
-scored by its mean training loss over the last `--tail` steps; a width's best rate is the grid
-minimum refined by a parabola in log(lr) (reported only inside the grid). Under SP the best rate
-should fall as the width grows; under muP it should stay put. Outputs in `--out`:
-`lr_transfer.csv` (parametrization, width, lr, score, final loss, seconds per run),
-`lr_transfer.png` (score vs lr per parametrization, one line per width; needs matplotlib, the
-`tools` extra). Deterministic on a given machine.
+scored by its mean training loss over the last `--tail` steps (with `--seeds` S > 1, the mean
+over data and init seeds 0..S-1); a size's best rate is the grid minimum refined by a parabola
+in log(lr) (reported only inside the grid). Under SP the best rate should fall as the width
+grows; under muP it should stay put; across depth likewise under standard and CompleteP.
+Outputs in `--out`: `lr_transfer[_depth|_muon].csv` (parametrization, width, depth, seed, lr,
+score, final loss, seconds per run), `.png` (score vs lr per parametrization, one line per size;
+needs matplotlib, the `tools` extra). Deterministic on a given machine.
 Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -23,7 +28,9 @@ import time
 import numpy as np
 
 from tools import figures
-from tools.coord_check import Setup, batches, parse_sweep_args, start, sweep_parser, train
+from tools.coord_check import (Setup, batches, model_config, parse_sweep_args, start,
+                               sweep_parser, train)
+from tools.coord_depth import DEPTH_PARAMETRIZATIONS
 
 
 def parse_lr(text: str) -> float:
@@ -49,61 +56,85 @@ def best_lr(lrs, scores) -> tuple[float, bool]:
   return float(np.exp(np.clip(-b / (2 * a), x[0], x[2]))), True
 
 
-def sweep(setup: Setup, widths, lrs, steps: int, tail: int,
-          parametrizations=("sp", "mup"), log=print) -> list[dict]:
-  data = batches(setup, steps)  # the last batch (coord_check's probe batch) goes unused
+def sweep(setup: Setup, sizes, lrs, steps: int, tail: int, parametrizations=("sp", "mup"),
+          log=print, *, axis: str = "width", width: int = 64, optim: str = "adamw",
+          seeds: int = 1) -> list[dict]:
+  """Rows {parametrization, width, depth, seed, lr, score, final_loss, seconds}: `sizes` are
+  widths (`parametrizations` "sp" / "mup", `setup.num_layers` layers) or depths (`axis`
+  "depth": "standard" / "depth_mup" / "completep" at d_model `width`)."""
   rows = []
-  for par in parametrizations:
-    for width in widths:
-      t0 = time.perf_counter()
-      results = train(setup, width, par, lrs, data, probe=False)
-      seconds = round((time.perf_counter() - t0) / len(lrs), 2)
-      for lr, result in zip(lrs, results):
-        losses = np.asarray(result["loss"])
-        score = float(np.mean(losses[-tail:]))
-        rows.append({"parametrization": par, "width": width, "lr": lr,
-                     "score": score if math.isfinite(score) else float("nan"),
-                     "final_loss": float(losses[-1]), "seconds": seconds})
-        log(f"[lr_transfer] {par:3s} width {width:4d} lr {lr:.3g}: loss {score:.4f}")
-      log(f"[lr_transfer] {par:3s} width {width:4d}: {seconds * len(lrs):.0f}s")
+  for seed in range(seeds):
+    run_setup = dataclasses.replace(setup, seed=seed)
+    data = batches(run_setup, steps)  # the last batch (coord_check's probe batch) goes unused
+    for par in parametrizations:
+      for size in sizes:
+        if axis == "width":
+          mcfg = model_config(run_setup, size, par)
+        else:
+          mcfg = model_config(run_setup, width, "sp", layers=size, depth_parametrization=par)
+        t0 = time.perf_counter()
+        results = train(run_setup, mcfg, lrs, data, optim=optim)
+        seconds = round((time.perf_counter() - t0) / len(lrs), 2)
+        for lr, result in zip(lrs, results):
+          losses = np.asarray(result["loss"])
+          score = float(np.mean(losses[-tail:]))
+          rows.append({"parametrization": par, "width": mcfg.d_model, "depth": mcfg.num_layers,
+                       "seed": seed, "lr": lr,
+                       "score": score if math.isfinite(score) else float("nan"),
+                       "final_loss": float(losses[-1]), "seconds": seconds})
+          log(f"[lr_transfer] {par:9s} {axis} {size:4d} seed {seed} lr {lr:.3g}: "
+              f"loss {score:.4f}")
+        log(f"[lr_transfer] {par:9s} {axis} {size:4d} seed {seed}: "
+            f"{seconds * len(lrs):.0f}s")
   return rows
 
 
-def optima(rows: list[dict]) -> dict[tuple[str, int], tuple[float, bool]]:
+def _curve(rows, par, axis, size, seed=None):
+  """[(lr, score)] of one parametrization and size: one seed's, or the mean over seeds."""
+  by_lr = {}
+  for r in rows:
+    if r["parametrization"] == par and r[axis] == size and seed in (None, r["seed"]):
+      by_lr.setdefault(r["lr"], []).append(r["score"])
+  return sorted((lr, float(np.mean(v))) for lr, v in by_lr.items())
+
+
+def optima(rows: list[dict], axis: str = "width", seed: int | None = None
+           ) -> dict[tuple[str, int], tuple[float, bool]]:
+  """{(parametrization, size): (best lr, inside the grid?)} of the seed-mean scores (or of one
+  `seed`'s)."""
   out = {}
   for par in dict.fromkeys(r["parametrization"] for r in rows):
-    for width in sorted({r["width"] for r in rows}):
-      pts = sorted((r["lr"], r["score"]) for r in rows
-                   if r["parametrization"] == par and r["width"] == width)
-      out[(par, width)] = best_lr([p[0] for p in pts], [p[1] for p in pts])
+    for size in sorted({r[axis] for r in rows}):
+      pts = _curve(rows, par, axis, size, seed)
+      out[(par, size)] = best_lr([p[0] for p in pts], [p[1] for p in pts])
   return out
 
 
-def plot(path: str, rows: list[dict], title: str) -> bool:
+def plot(path: str, rows: list[dict], title: str, axis: str = "width",
+         optim: str = "adamw") -> bool:
   plt = figures.pyplot()
   if plt is None:
     return False
   pars = list(dict.fromkeys(r["parametrization"] for r in rows))
-  widths = sorted({r["width"] for r in rows})
-  best = optima(rows)
+  sizes = sorted({r[axis] for r in rows})
+  best = optima(rows, axis)
   finite = [r["score"] for r in rows if math.isfinite(r["score"])]
   lo = min(finite)
   hi = min(max(finite), lo + 2.0)
   fig, axes = plt.subplots(1, len(pars), figsize=(5.5 * len(pars), 4.2), sharey=True)
   axes = np.atleast_1d(axes)
-  colors = plt.cm.viridis(np.linspace(0, 0.9, len(widths)))
+  colors = plt.cm.viridis(np.linspace(0, 0.9, len(sizes)))
   for ax, par in zip(axes, pars):
-    for color, width in zip(colors, widths):
-      pts = sorted((r["lr"], r["score"]) for r in rows
-                   if r["parametrization"] == par and r["width"] == width)
+    for color, size in zip(colors, sizes):
+      pts = _curve(rows, par, axis, size)
       ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, ms=4,
-              label=f"width {width}")
-      lr, inside = best[(par, width)]
+              label=f"{axis} {size}")
+      lr, inside = best[(par, size)]
       ax.axvline(lr, color=color, ls="--" if inside else ":", lw=1)
     ax.set_xscale("log", base=2)
     ax.set_ylim(lo - 0.05, hi)
-    ax.set_xlabel("learning rate (AdamW)")
-    ax.set_title(f"{par.upper()} (dashed: best lr per width)")
+    ax.set_xlabel(f"learning rate ({optim})")
+    ax.set_title(f"{par} (dashed: best lr per {axis})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   axes[0].set_ylabel("training loss (mean of the last steps)")
@@ -117,6 +148,8 @@ def build_parser():
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
                  help="comma-separated learning rates (3e-3 or 2^-8)")
   p.add_argument("--tail", type=int, default=20, help="score = mean loss of the last steps")
+  p.add_argument("--seeds", type=int, default=1, help="data and init seeds 0..S-1, scores "
+                 "averaged")
   return p
 
 
@@ -127,8 +160,8 @@ def parse_args(argv):
     args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})
   except ValueError as e:
     p.error(f"--lrs takes comma-separated numbers ({e})")
-  if len(args.lrs) < 3 or not 1 <= args.tail <= args.steps:
-    p.error("--lrs needs at least three rates, and 1 <= --tail <= --steps")
+  if len(args.lrs) < 3 or not 1 <= args.tail <= args.steps or args.seeds < 1:
+    p.error("--lrs needs at least three rates, 1 <= --tail <= --steps, --seeds >= 1")
   return args
 
 
@@ -137,24 +170,40 @@ def main(argv: list[str]) -> int:
   if started is None:
     return 2
   args, setup, t0 = started
-  rows = sweep(setup, args.widths, args.lrs, args.steps, args.tail)
-  figures.write_csv(os.path.join(args.out, "lr_transfer.csv"), rows)
-  png = os.path.join(args.out, "lr_transfer.png")
-  plotted = plot(png, rows, f"lr transfer: {args.steps} AdamW steps, base width "
-                 f"{args.base_width}, {args.layers} layers, batch {setup.batch_size}x"
-                 f"{setup.seq_len} tokens of the embedded corpus")
-  best = optima(rows)
-  print("[lr_transfer] width  best lr SP  best lr muP  (loss at it SP / muP)")
-  for width in args.widths:
-    cells = []
-    for par in ("sp", "mup"):
-      lr, inside = best[(par, width)]
+  axis = args.axis
+  if axis == "depth":
+    pars, sizes = DEPTH_PARAMETRIZATIONS, args.depths
+    where = f"width {args.width}, base depth {args.base_depth}"
+  else:
+    pars, sizes = ("sp", "mup"), args.widths
+    where = f"base width {args.base_width}, {args.layers} layers"
+  rows = sweep(setup, sizes, args.lrs, args.steps, args.tail, pars, axis=axis,
+               width=args.width, optim=args.optim, seeds=args.seeds)
+  name = "lr_transfer" + ("_depth" if axis == "depth" else "") + \
+      ("" if args.optim == "adamw" else f"_{args.optim}")
+  figures.write_csv(os.path.join(args.out, f"{name}.csv"), rows)
+  png = os.path.join(args.out, f"{name}.png")
+  plotted = plot(png, rows, f"lr transfer: {args.steps} {args.optim} steps, {where}, "
+                 f"{args.seeds} seed(s), batch {setup.batch_size}x{setup.seq_len} tokens of "
+                 "the embedded corpus", axis, args.optim)
+  best = optima(rows, axis)
+  per_seed = [optima(rows, axis, seed) for seed in range(args.seeds)]
+  print(f"[lr_transfer] {axis:5s}  " + "  ".join(f"{'best lr ' + p:>20s}" for p in pars)
+        + "  (seed-mean loss at the best grid point; per-seed best lrs in brackets)")
+  for size in sizes:
+    cells, low = [], []
+    for par in pars:
+      lr, inside = best[(par, size)]
       cells.append(f"{lr:.3g}{'' if inside else ' (edge)'}")
-    low = [min(r["score"] for r in rows if r["parametrization"] == par and r["width"] == width)
-           for par in ("sp", "mup")]
-    print(f"[lr_transfer] {width:5d}  {cells[0]:>10s}  {cells[1]:>11s}  "
-          f"({low[0]:.4f} / {low[1]:.4f})")
-  print(f"[lr_transfer] {time.perf_counter() - t0:.0f}s; wrote {args.out}/lr_transfer.csv"
+      low.append(min(s for _, s in _curve(rows, par, axis, size)))
+    seeds_txt = " ".join("[" + ",".join(f"{o[(p, size)][0]:.3g}" for o in per_seed) + "]"
+                         for p in pars) if args.seeds > 1 else ""
+    print(f"[lr_transfer] {size:5d}  " + "  ".join(f"{c:>20s}" for c in cells) + "  ("
+          + " / ".join(f"{x:.4f}" for x in low) + f") {seeds_txt}")
+  for par in pars:
+    lrs = [best[(par, size)][0] for size in sizes]
+    print(f"[lr_transfer] {par}: best lr spread over {axis}s {max(lrs) / min(lrs):.2f}x")
+  print(f"[lr_transfer] {time.perf_counter() - t0:.0f}s; wrote {args.out}/{name}.csv"
         + (f", {png}" if plotted else figures.NO_PLOT))
   return 0
 
