@@ -96,16 +96,11 @@ def analytic(problem, args) -> dict:
     arms.update({"momentum 0.9": (0.9, None), "preconditioner h^-1/2": (0.0, problem.h ** -0.5)})
   out = {}
   for name, (mu, p) in arms.items():
-    s = nqm.tradeoff(problem, args.batch_sizes, args.target, momentum=mu, precond=p)
-    fit = batch_sweep.fit_tradeoff([b for b, _, _ in s], [x for _, _, x in s])
-    s_min, e_min = nqm.limits(problem, args.target, momentum=mu, precond=p)
-    out[name] = {"batches": [b for b, _, _ in s], "rates": [a for _, a, _ in s],
-                 "steps": [x for _, _, x in s], "b_crit_fit": fit.b_crit, "s_min_fit": fit.s_min,
-                 "e_min_fit": fit.e_min, "s_min": s_min, "e_min": e_min,
-                 "b_crit_limits": e_min / s_min}
-    print(f"[nqm] analytic {name}: B_crit {fit.b_crit:.1f} (fit of the exact S(B) over "
-          f"{args.batch_sizes[0]}-{args.batch_sizes[-1]}); limits S_min {s_min:.1f}, E_min "
-          f"{e_min:,.0f}, E_min/S_min {e_min / s_min:.1f}", flush=True)
+    out[name] = e = nqm.critical_batch(problem, args.batch_sizes, args.target, momentum=mu,
+                                       precond=p)
+    print(f"[nqm] analytic {name}: B_crit {e['b_crit_fit']:.1f} (fit of the exact S(B) over "
+          f"{args.batch_sizes[0]}-{args.batch_sizes[-1]}); limits S_min {e['s_min']:.1f}, E_min "
+          f"{e['e_min']:,.0f}, E_min/S_min {e['b_crit_limits']:.1f}", flush=True)
   return out
 
 
@@ -414,8 +409,7 @@ def experiment(args, cfg) -> list[dict]:
       "settings": {k: getattr(args, k) for k in (
           "quick", "dim", "power", "target", "seeds", "batch_sizes", "bootstrap", "auto_rate",
           "auto_seeds", "probe_rate", "probe_factors", "probe_tolerance", "probe_seeds",
-          "probe_points",
-          "adam_batches")},
+          "probe_points", "adam_batches")},
       "meter_settings": {k: cfg.optim.get(k) for k in cfg.optim if k.startswith("noise_scale")},
       "command": "python -m experiments.noisy_quadratic " + " ".join(args.argv)}
   with open(args.json, "w") as f:

@@ -13,7 +13,8 @@ recursion (`step_moments`); a fixed diagonal preconditioner p (theta' = theta - 
 same recursion for h -> p h, c -> p^2 c (`Problem.preconditioned` is that problem in the
 coordinates phi = theta / sqrt(p), where it is plain SGD). From the recursion: the expected loss
 at every step (`curves`), steps to a target (`steps_to`), the best rate per batch (`best_rate`),
-S(B) and its limits S_min, E_min (`limits`). Derivation and results: docs/noisy_quadratic.md
+S(B) and its limits S_min, E_min (`limits`), B_crit (`critical_batch`). Derivation and results:
+docs/noisy_quadratic.md
 """
 from __future__ import annotations
 
@@ -181,6 +182,20 @@ def tradeoff(problem: Problem, batches, target: float, *, momentum: float = 0.0,
   """[(batch, best rate, expected steps to target)]: the exact S(B)."""
   return [(float(b), *best_rate(problem, b, target, momentum=momentum, precond=precond,
                                 max_steps=max_steps)) for b in batches]
+
+
+def critical_batch(problem: Problem, batches, target: float, *, momentum: float = 0.0,
+                   precond=None) -> dict:
+  """The exact S(B) over `batches` (best rates, steps), McCandlish's fit to it
+  (`tools.batch_sweep.fit_tradeoff`, as a sweep fits its measurements: b_crit_fit, s_min_fit,
+  e_min_fit) and the limits (s_min, e_min, b_crit_limits = e_min / s_min)."""
+  from tools.batch_sweep import fit_tradeoff  # noqa: PLC0415  start-up
+  s = tradeoff(problem, batches, target, momentum=momentum, precond=precond)
+  fit = fit_tradeoff([b for b, _, _ in s], [x for _, _, x in s])
+  s_min, e_min = limits(problem, target, momentum=momentum, precond=precond)
+  return {"batches": [b for b, _, _ in s], "rates": [a for _, a, _ in s],
+          "steps": [x for _, _, x in s], "b_crit_fit": fit.b_crit, "s_min_fit": fit.s_min,
+          "e_min_fit": fit.e_min, "s_min": s_min, "e_min": e_min, "b_crit_limits": e_min / s_min}
 
 
 def limits(problem: Problem, target: float, *, momentum: float = 0.0, precond=None,
