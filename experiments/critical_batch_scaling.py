@@ -243,7 +243,7 @@ def experiment(args, cfg) -> list[dict]:
 def reanalyse(args, cfg) -> list[dict]:
   """`--from_runs`: the cells of a runs CSV by this protocol's rules (an earlier lab's
   `below_at_start` read as `censored`; its rows carry no bound there, so such a crossing counts
-  as not reached); its warmup is the config's."""
+  as not reached); its warmup is the CSV's `warmup` column, or the config's where it has none."""
   need = ("width", "seed", "batch_size", "lr_multiplier", "learning_rate", "budget", "target",
           "steps")
   runs = [{**r, "censored": bool(r.get("censored", r.get("below_at_start")))} for r in
@@ -254,7 +254,7 @@ def reanalyse(args, cfg) -> list[dict]:
   args.widths = sorted({r["width"] for r in runs})
   args.budgets = sorted({r["budget"] for r in runs})
   args.batch_sizes = sorted({r["batch_size"] for r in runs})
-  args.warmup = int(cfg.optim.warmup_examples)
+  args.warmup = int(runs[0].get("warmup") or cfg.optim.warmup_examples)
   seeds = sorted({r["seed"] for r in runs})
   targets = {w: [next(r["target"] for r in runs if (r["width"], r["budget"]) == (w, d))
                  for d in args.budgets] for w in args.widths}
@@ -278,7 +278,7 @@ def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]
                     learning_rate=r["learning_rate"], budget=d, budget_tokens=d * seq,
                     target=target, steps=hit["steps"], examples=hit["examples"],
                     tokens=hit["tokens"], noise_scale=hit["noise_scale"], censored=hit["first"],
-                    micro_batches=r["micro_batches"], loss_at_budget=loss,
+                    micro_batches=r["micro_batches"], loss_at_budget=loss, warmup=args.warmup,
                     steps_run=r["steps_run"], seconds=r["seconds"]))
   return out
 

@@ -37,6 +37,7 @@ from tools.scaling_fit import interval
 from tools.tradeoff import fit_tradeoff, local_slopes, window_sensitivity, zhang_batch
 
 QUANTITIES = ("s_min", "e_min", "b_crit", "b_zhang", "b_opt", "eta_opt", "b_simple")
+FIT_QUANTITIES = ("s_min", "e_min", "b_crit", "b_zhang")  # what a refused cell does not have
 
 
 def draws(replicates: int, seeds: int, seed: int = 0) -> np.ndarray:
@@ -201,7 +202,10 @@ def cell(rows: list[dict], boot: np.ndarray, level: float = 0.95) -> tuple[dict,
   replicates = [estimate(t, boot[r]) for r in range(len(boot))] if n > 1 else []
   out = dict(point)
   for q in QUANTITIES:
-    lo, hi = interval([r[q] for r in replicates], level)
+    # a refused cell has no B_crit: a replicate that happens to skip the censored seed does
+    # not give it an interval
+    fitted = not (point["refused"] and q in FIT_QUANTITIES)
+    lo, hi = interval([r[q] for r in replicates], level) if fitted else (None, None)
     out[f"{q}_lo"], out[f"{q}_hi"] = lo, hi
   out["seeds"] = n
   reached = ~np.isnan(t.steps)

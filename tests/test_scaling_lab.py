@@ -103,6 +103,7 @@ def test_a_cell_whose_fastest_rate_is_censored_is_refused():
   est, reps = scaling_cells.cell(edge, scaling_cells.draws(20, 3))
   assert est["refused"] == "batch 8: seed 1's fastest rate is at the edge of the rates run"
   assert est["b_crit"] is None and est["b_zhang"] is None and est["b_opt"] is not None
+  assert est["b_crit_lo"] is None and est["b_zhang_hi"] is None and est["b_opt_lo"] is not None
   assert est["interior_cases"] == est["cases"] - 1
   lost = [dict(r, steps=None) if (r["seed"], r["batch_size"]) == (2, 64) else r for r in rows]
   assert scaling_cells.cell(lost, scaling_cells.draws(20, 3))[0]["refused"] == \
