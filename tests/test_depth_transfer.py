@@ -53,7 +53,8 @@ def _train(mcfg, optim_name="adamw", steps=3):
 
 
 @pytest.mark.parametrize("depth_par, width_par, optim_name", [
-    ("depth_mup", "mup", "adamw"), ("completep", "mup", "adamw"), ("completep", "sp", "lion")])
+    ("depth_mup", "mup", "adamw"), ("completep", "mup", "adamw"),
+    pytest.param("completep", "sp", "lion", marks=pytest.mark.slow)])
 def test_base_width_and_depth_is_todays_model_and_optimizer(depth_par, width_par, optim_name):
   """At base width and depth a config naming them trains exactly as one that does not."""
   today = _cfg(layers=2)
