@@ -24,7 +24,7 @@ import sys
 import numpy as np
 
 from trainer.config import ConfigError
-from trainer.config.cli import CliParser, floats, ints
+from trainer.config.cli import CliParser, floats, from_dict, ints
 from trainer.multihost import platforms
 from trainer.run.inprocess import load_run
 from trainer.tracking.record import ramp_from_rows, read_rows
@@ -119,7 +119,6 @@ def preconditioner_at(step_dir: str, config: dict, mesh):
   import orbax.checkpoint as ocp  # noqa: PLC0415  start-up
 
   from optim import noise_scale  # noqa: PLC0415  start-up
-  from trainer.config.cli import from_dict  # noqa: PLC0415  start-up
   from trainer.step.program import Program  # noqa: PLC0415  start-up
 
   cfg = from_dict(config, step_dir)
