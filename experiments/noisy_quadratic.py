@@ -1,22 +1,15 @@
-"""The batch-size instruments against a known answer: the noisy quadratic model (NQM, Zhang G.
-et al. 2019, arXiv 1907.04164; experiments/nqm.py), whose S(B), B_crit and noise scale are
-closed forms, trained by the stack's own optimizer factory, meter and autopilot.
+"""The batch-size instruments against a known answer: the noisy quadratic model (experiments/nqm.py)
+trained by the stack's own optimizer factory, meter and autopilot, against its closed forms.
 
     python -m experiments.noisy_quadratic [--quick] [--json PATH] [--out docs/noisy_quadratic]
         [--seeds 8] [--dim 1000] [--power 1] [--target 0.1] [--config.optim.KEY=VALUE ...]
 
-1. sweep: SGD at batches 8..1024, rates bracketed per batch (tools.batch_sweep's `bracket`),
-   steps to the target from the mean loss over --seeds runs, McCandlish's fit
-   (`fit_tradeoff`) with a bootstrap over seeds, against the exact S(B) and its fit (also for
-   momentum 0.9 and a fixed preconditioner h^-1/2, analytic only).
-2. meter: the logged noise_scale along the sweep's best runs over the analytic B_simple (and
-   B_noise) at the expected state, per batch and pooled.
-3. autopilot: its batch over training against the batch its rule (margin x batch >= B_simple)
-   prescribes from the analytic B_simple along its own batches.
-4. probe: tools.batch_probe's rule (`smoothed`, `critical_factor`) on k x batch branches from
-   checkpoints of a run, against the same rule on the closed-form expected losses.
-5. Adam: adamw runs against the fixed-preconditioner prediction (an approximation).
-
+1. sweep: SGD at batches 8..1024, rates bracketed (tools.tradeoff), steps to the target from the
+   mean over seeds, McCandlish's fit bootstrapped over seeds, against the exact S(B) and B_crit.
+2. meter: the logged noise_scale over the analytic B_simple (and B_noise) along those runs.
+3. autopilot: its batch over the one its rule prescribes from the analytic B_simple.
+4. probe: tools.batch_probe's rule on branches from checkpoints, against it on expected losses.
+5. Adam against the fixed-preconditioner prediction (an approximation).
 Outputs: OUT.csv (the sweep's runs), OUT.json (or --json), OUT_{sweep,meter,autopilot,probe,
 adam}.png. Results: docs/noisy_quadratic.md
 """
@@ -25,14 +18,15 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 
 import jax
 import numpy as np
 
 from experiments import common, nqm
 from experiments import noisy_quadratic_plots as plots
+from optim.autopilot import AutoConfig
 from tools import batch_probe, batch_sweep
+from tools.tradeoff import next_multipliers
 
 QUICK = dict(dim=100, seeds=5, batch_sizes=[8, 64, 512], bootstrap=50, auto_seeds=1,
              probe_seeds=8, probe_factors=[2, 4, 8, 16], probe_points=2, adam_batches=[64])
@@ -105,7 +99,6 @@ def analytic(problem, args) -> dict:
 
 
 COARSE, FINE = 2.0, 2 ** 0.25  # the rate grid: bracketed by doubling, then refined in between
-EVAL_EXAMPLES, SMOOTH_EXAMPLES = 256, 1024  # tools.batch_sweep's defaults
 
 
 def sweep(problem, base, args, exact: dict) -> dict:
@@ -115,9 +108,8 @@ def sweep(problem, base, args, exact: dict) -> dict:
   then refined by 2^(1/4) between its neighbours and by 2^(1/8) beside the best (the optimum
   sits at the edge where the noise floor meets the target: steps rise ~8% one 2^(1/4) below
   it); every round of every batch one program. Steps
-  to the target from the mean loss over the seeds (`crossing`); the fit and its bootstrap over
+  to the target from the mean loss over the seeds (`nqm.crossing`); the fit and its bootstrap over
   seeds (the best rate chosen again each time, among those within 30% of the best)."""
-  from tools.tradeoff import next_multipliers  # noqa: PLC0415  the lead's bracketing
   batches = args.batch_sizes
   budget = {b: int(2 * s) + 50 for b, s in zip(batches, exact["steps"])}
   center = {b: 0.25 * math.sqrt(b / batches[0]) for b in batches}
@@ -129,7 +121,7 @@ def sweep(problem, base, args, exact: dict) -> dict:
             for b, m in keys]
     for (b, m), (rows, _) in zip(keys, nqm.run_many(problem, jobs)):
       pool[b][m] = {"batch": b, "rate": center[b] * m, "rows": rows,
-                    "steps": crossing(rows["loss"], b, args.target)}
+                    "steps": nqm.crossing(rows["loss"], b, args.target)}
 
   scores = lambda b: {m: r["steps"] if math.isfinite(r["steps"]) else None
                       for m, r in pool[b].items()}
@@ -170,7 +162,7 @@ def sweep(problem, base, args, exact: dict) -> dict:
     s = []
     for b in batches:
       pick = rng.integers(0, args.seeds, args.seeds)
-      s.append(min(crossing(r["rows"]["loss"][:, pick], b, args.target) for r in near[b]))
+      s.append(min(nqm.crossing(r["rows"]["loss"][:, pick], b, args.target) for r in near[b]))
     if all(math.isfinite(x) for x in s):
       boot.append(batch_sweep.fit_tradeoff(batches, s).b_crit)
   lo, hi = (float(np.percentile(boot, q)) for q in (2.5, 97.5))
@@ -179,19 +171,6 @@ def sweep(problem, base, args, exact: dict) -> dict:
         flush=True)
   return {"pool": pool, "best": best, "b_crit": fit.b_crit, "lo": lo, "hi": hi,
           "s_min": fit.s_min, "e_min": fit.e_min, "steps": [best[b]["steps"] for b in batches]}
-
-
-def crossing(losses, batch: int, target: float) -> float:
-  """Steps to `target` as tools.batch_sweep reads them: the mean loss over the seeds of
-  `losses` [steps, seeds] (row t: after step t + 1) every EVAL_EXAMPLES examples, averaged
-  over SMOOTH_EXAMPLES (`trainer.tracking.record.to_target`); inf: not reached."""
-  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
-  from trainer.tracking.record import to_target  # noqa: PLC0415  start-up
-  every = max(1, round(EVAL_EXAMPLES / batch))
-  mean = losses.mean(1)
-  curve = [((t + 1) * batch, float(mean[t])) for t in range(every - 1, len(mean), every)]
-  hit = to_target(curve, BatchRamp.constant(batch, 1), target, SMOOTH_EXAMPLES)
-  return math.inf if hit is None else hit.steps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,7 +216,6 @@ def autopilot(problem, base, args) -> dict:
   """SGD at a constant `--auto_rate` from the smallest batch under data.batch_ramp = "auto"
   (up to the largest), to the target; its batch over the one its rule prescribes from the
   analytic B_simple along its own batches, after its first growth."""
-  from optim.autopilot import AutoConfig  # noqa: PLC0415  start-up
   cfg = nqm.run_config(base, "sgd", args.auto_rate, args.batch_sizes[0], ramp="auto")
   cfg.data.batch_auto.update(max=args.batch_sizes[-1], factor=2)
   auto = AutoConfig.from_config(cfg.data)
@@ -348,7 +326,7 @@ def adam(problem, base, args) -> dict:
   out = []
   for b, (rows, _) in zip(args.adam_batches, runs):
     pred = predicted(b, steps[b])
-    s_adam = crossing(rows["loss"], b, args.target)
+    s_adam = nqm.crossing(rows["loss"], b, args.target)
     s_pred = float(nqm.steps_to(pred["loss"], args.target)[0])
     n = min(steps[b], math.ceil(s_adam) if math.isfinite(s_adam) else steps[b])
     row = {"batch": b, "rate": rate[b], "steps_adam": s_adam, "steps_predicted": s_pred,
@@ -374,21 +352,12 @@ def experiment(args, cfg) -> list[dict]:
   problem = nqm.Problem.power_law(args.dim, args.power)
   print(f"[nqm] {args.dim} coordinates, h_i = i^-{args.power:g}, c = h, theta0 = 1: loss "
         f"{problem.loss(problem.theta0 ** 2):.3f} -> target {args.target:g}", flush=True)
-  clock = time.perf_counter()
-
-  def timed(name, fn, *a):
-    nonlocal clock
-    out = fn(*a)
-    print(f"[nqm] {name}: {time.perf_counter() - clock:.1f}s", flush=True)
-    clock = time.perf_counter()
-    return out
-
-  exact = timed("analytic", analytic, problem, args)
-  sw = timed("sweep", sweep, problem, cfg, args, exact["sgd"])
-  me = timed("meter", meter, problem, sw)
-  ap = timed("autopilot", autopilot, problem, cfg, args)
-  pr = timed("probe", probe, problem, cfg, args)
-  ad = timed("adam", adam, problem, cfg, args)
+  exact = analytic(problem, args)
+  sw = sweep(problem, cfg, args, exact["sgd"])
+  me = meter(problem, sw)
+  ap = autopilot(problem, cfg, args)
+  pr = probe(problem, cfg, args)
+  ad = adam(problem, cfg, args)
   numbers = {
       "b_crit_analytic": exact["sgd"]["b_crit_fit"], "b_crit_fitted": sw["b_crit"],
       "b_crit_fitted_lo": sw["lo"], "b_crit_fitted_hi": sw["hi"],

@@ -1,19 +1,16 @@
-"""The noisy quadratic model (NQM; Zhang G. et al. 2019, arXiv 1907.04164): a workload whose
-expected loss, critical batch and gradient noise scale are known in closed form, and the thin
-harness that trains it with the stack's own optimizer factory, noise meter and batch autopilot.
+"""The noisy quadratic model (NQM; Zhang G. et al. 2019, arXiv 1907.04164), its closed forms,
+and the thin harness that trains it with the stack's optimizer factory, meter and autopilot.
 
   per example  l(theta) = 1/2 sum_i h_i (theta_i - x_i)^2,  x_i ~ N(0, c_i / h_i^2)
-  gradient     h_i theta_i - h_i x_i: mean G_i = h_i theta_i, covariance diag(c)
-  loss         L(theta) = 1/2 sum_i h_i theta_i^2 (the expected loss less its constant
-               1/2 sum_i c_i / h_i, the part no theta removes): the loss reported everywhere
+  gradient     mean G_i = h_i theta_i, covariance diag(c)
+  loss         L(theta) = 1/2 sum_i h_i theta_i^2 (the expected loss less 1/2 sum_i c_i / h_i)
 
-Under heavy-ball SGD (v' = mu v + g, theta' = theta - a v'; mu = 0 plain SGD) at batch B the
-second moments (E theta^2, E theta v, E v^2) of each coordinate follow an exact linear
-recursion (`step_moments`); a fixed diagonal preconditioner p (theta' = theta - a p g) is the
-same recursion for h -> p h, c -> p^2 c (`Problem.preconditioned` is that problem in the
-coordinates phi = theta / sqrt(p), where it is plain SGD). From the recursion: the expected loss
-at every step (`curves`), steps to a target (`steps_to`), the best rate per batch (`best_rate`),
-S(B) and its limits S_min, E_min (`limits`), B_crit (`critical_batch`). Derivation and results:
+Under heavy-ball SGD (mu = 0: plain) at batch B the moments (E theta^2, E theta v, E v^2) of
+each coordinate follow an exact linear recursion (`step_moments`); a fixed diagonal
+preconditioner p is h -> p h, c -> p^2 c (`Problem.preconditioned`: the same problem in
+theta / sqrt(p)). From it: the expected loss (`curves`), steps to a target (`steps_to`), the
+best rate (`best_rate`), S(B) (`tradeoff`), S_min and E_min (`limits`), B_crit
+(`critical_batch`); `crossing` reads stochastic runs as the sweep does. Derivation and results:
 docs/noisy_quadratic.md
 """
 from __future__ import annotations
@@ -26,6 +23,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from optim import noise_scale
+from optim.autopilot import AutoConfig, Autopilot
+from optim.factory import build_optimizer
+from optim.ramp import BatchRamp
+from tools.batch_sweep import fit_tradeoff
+from trainer.tracking.record import to_target
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -151,6 +156,20 @@ def steps_to(losses, target: float, every: int = 1):
   return out
 
 
+EVAL_EXAMPLES, SMOOTH_EXAMPLES = 256, 1024  # tools.batch_sweep's defaults
+
+
+def crossing(losses, batch: int, target: float) -> float:
+  """Steps to `target` as tools.batch_sweep reads them: the mean loss over the seeds of
+  `losses` [steps, seeds] (row t: after step t + 1) every EVAL_EXAMPLES examples, averaged
+  over SMOOTH_EXAMPLES (`trainer.tracking.record.to_target`); inf: not reached."""
+  every = max(1, round(EVAL_EXAMPLES / batch))
+  mean = losses.mean(1)
+  curve = [((t + 1) * batch, float(mean[t])) for t in range(every - 1, len(mean), every)]
+  hit = to_target(curve, BatchRamp.constant(batch, 1), target, SMOOTH_EXAMPLES)
+  return math.inf if hit is None else hit.steps
+
+
 def best_rate(problem: Problem, batch: float, target: float, *, momentum: float = 0.0,
               precond=None, max_steps: int = 32768, grid: int = 32, lowest: float = 1e-4):
   """(rate, steps): the rate in (lowest x the stable rate, the stable rate) that reaches
@@ -189,7 +208,6 @@ def critical_batch(problem: Problem, batches, target: float, *, momentum: float 
   """The exact S(B) over `batches` (best rates, steps), McCandlish's fit to it
   (`tools.batch_sweep.fit_tradeoff`, as a sweep fits its measurements: b_crit_fit, s_min_fit,
   e_min_fit) and the limits (s_min, e_min, b_crit_limits = e_min / s_min)."""
-  from tools.batch_sweep import fit_tradeoff  # noqa: PLC0415  start-up
   s = tradeoff(problem, batches, target, momentum=momentum, precond=precond)
   fit = fit_tradeoff([b for b, _, _ in s], [x for _, _, x in s])
   s_min, e_min = limits(problem, target, momentum=momentum, precond=precond)
@@ -258,14 +276,12 @@ def run_config(base, name: str, rate: float, batch: int, *, momentum: float = 0.
 
 def build(cfg, steps: int, ramp=None):
   """(tx, schedule) from `optim.factory.build_optimizer`, as the trainer builds them."""
-  from optim.factory import build_optimizer  # noqa: PLC0415  start-up
   return build_optimizer(cfg.optim, PARAM_NAMES, steps, cfg.data, ramp=ramp)
 
 
 def pieces_of(batch: int) -> int:
   """The meter's small batches in a step of `batch`: its micro-batches of MICRO, or
   `noise_scale.splits` parts of a single one (as trainer/step/train_step.py splits it)."""
-  from optim import noise_scale  # noqa: PLC0415  start-up
   if batch > MICRO:
     return batch // MICRO
   return noise_scale.splits(1, 2, batch)
@@ -279,8 +295,6 @@ def make_step(problem: Problem, tx, batch: int):
   and B_simple at the new iterate (the truth there: tr(C) / |G|^2), the meter's readout
   (noise_scale: B_simple in examples; noise_<key>: the others); with P, noise_scale_precond and
   the truth tr(P C) / G^T P G at the step's iterate with the step's P."""
-  import optax  # noqa: PLC0415  start-up
-  from optim import noise_scale  # noqa: PLC0415  start-up
   h, c = jnp.asarray(problem.h, jnp.float32), jnp.asarray(problem.c, jnp.float32)
   pieces = pieces_of(batch)
   small = batch / pieces
@@ -364,8 +378,6 @@ def autopilot_run(problem: Problem, cfg, steps: int, seed: int = 0, stop_loss: f
   growing BatchRamp, the optimizer's clock on it), each step's row fed to `Autopilot.observe`
   as trainer/run/readback.py feeds it (every row of a measuring step). Stops after `steps` or
   at `stop_loss`. Returns (rows: list of dicts with the step's `batch` and `rate`, autopilot)."""
-  from optim.autopilot import AutoConfig, Autopilot  # noqa: PLC0415  start-up
-  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
   ramp = BatchRamp.constant(int(cfg.data.global_batch_size), 1)
   pilot = Autopilot(AutoConfig.from_config(cfg.data), ramp)
   tx, schedule = build(cfg, steps, ramp=ramp)
