@@ -196,7 +196,8 @@ class Count:
   repeats: int
   ticks: int | None  # ticks per step: the run count of the stage hand-over collective-permutes
   activation_bytes: float | None  # collective-permutes between stages, per step
-  other_bytes: float | None  # other collectives joining stages (stage-replicated weights' grads)
+  other_bytes: float | None  # other collectives joining stages: the stage-replicated weights'
+  # gradients; 1f1b, zero_bubble: also the head's pieces (sharding/pipeline_vjp.py)
   permutes: int  # collective-permute instructions between stages
   runs: tuple = ()  # the distinct run counts of those collective-permutes
   table: Table | None = None  # explicit schedules: the table the loop runs
@@ -248,7 +249,7 @@ class Count:
               + ("micro-batches' VJP residuals" if self.residuals else "stage input(s)")
               + (f" and {t.held('B', 'W').max()} weight-gradient stash(es)" if t.split else "")
               + f"; {between} run {'/'.join(map(str, self.runs))} times, stage-replicated "
-              f"weights' gradients {size(self.other_bytes)})")
+              f"weights' gradients and the head's pieces {size(self.other_bytes)})")
     bubble = ("unknown (no hand-over between stages found in the compiled program)"
               if self.ticks is None else
               f"{self.bubble:.1%} ({self.idle} idle of {self.ticks} ticks per stage, counted "
