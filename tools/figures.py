@@ -8,6 +8,8 @@ from __future__ import annotations
 import csv
 import os
 
+from trainer.config import ConfigError
+
 NO_PLOT = " (no plot: pip install -e '.[tools]')"
 
 
@@ -38,7 +40,6 @@ def read_csv(path: str) -> list[dict]:
 def read_table(path: str, columns, what: str) -> list[dict]:
   """`read_csv` of a tool's input, or a ConfigError in one line: no such file, not a .csv (`what`
   says which file the tool wants), unreadable, no rows, or a missing one of `columns`."""
-  from trainer.config import ConfigError  # noqa: PLC0415  (figures has no trainer dependency)
   if not os.path.isfile(path):
     raise ConfigError(f"{path}: no such file; give {what}")
   if not path.endswith(".csv"):
