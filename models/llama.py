@@ -9,14 +9,10 @@ Attention is grouped-query with RoPE. The layers are created stacked (`nnx.vmap`
 names (sharding/rules.py); activations are constrained at block boundaries. Shape suffixes:
 B batch, S sequence, E embed (d_model), H query heads, K kv heads, D head dim, F mlp width,
 V vocab, L layers.
-
-Parametrization: "sp" (every weight N(0, init_std^2), wo and w_down N(0, init_std^2 / 2L)) or
-"mup" relative to `base_width`, m = d_model / base_width (hidden init / sqrt(m), Adam lr / m, the
-head x 1/m, attention 1/D); at m = 1 muP is SP bit for bit. Depth (`depth_parametrization`
-"depth_mup" or "completep", relative to `base_depth`): every residual branch (attention, MLP or
-MoE) is multiplied by (L_base / L)^alpha, alpha 1/2 or 1 (`branch`), and wo / w_down start at
-the base depth's std; the optimizer takes CompleteP's per-group rules (optim/factory.py). At
-L = L_base the depth parametrizations are "standard" bit for bit. Why and details: docs/mup.md
+Parametrization: "sp" (wo, w_down N(0, init_std^2 / 2L), the rest N(0, init_std^2)) or "mup"
+(m = d_model / base_width: hidden init / sqrt(m), Adam lr / m, head x 1/m, attention 1/D); depth
+("depth_mup", "completep"): each residual branch x (base_depth / L)^alpha (`branch`), wo / w_down
+at the base depth's init. At the base sizes both are SP bit for bit. Details: docs/mup.md
 """
 from __future__ import annotations
 

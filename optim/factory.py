@@ -6,12 +6,10 @@ hyperparameter the config leaves unset takes the optimizer's default (`OPTIMIZER
 optim/scaling.py). The chain:
 
   noise-scale meter (raw gradient) -> clipping -> optimizer (+ muP 1/m) -> parameter EMA
-
 Masks come from the logical axis names: decay and trust ratio for matrices (two or more axes
-besides `layers`), not for `vocab` embeddings unless `optim.decay_embeddings`. muP
-(`width_multiplier` m) scales hidden matrices' updates by 1/m (adamw, adafactor, lion; Muon's
-matrices by the shape rule of optim/muon.py, its fallback's by 1/m); a depth parametrization
-adds CompleteP's per-group learning-rate, Adam-epsilon and weight-decay multipliers.
+besides `layers`), not for `vocab` embeddings unless `optim.decay_embeddings`. muP and CompleteP
+multiply per-group learning rates, Adam epsilons and weight decay (`lr_multipliers`,
+`depth_multipliers`; Muon's matrices take optim/muon.py's shape rule instead).
 `update(..., batch_size=B, step=n)` applies the optimizer built for B (cached) at schedule
 step n; the schedule beside it takes `.at(B)`. Why and details: docs/batch_size.md#optimizers,
 docs/batch_size.md#batch-size-ramp, docs/mup.md.

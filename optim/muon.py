@@ -3,9 +3,7 @@
 Each matrix keeps a Nesterov momentum M of its gradient and steps along its orthogonalisation
 (five quintic Newton-Schulz iterations on M / ||M||_F, optax's), times `optim.muon.rms` x
 sqrt(max(fan_in, fan_out)) (rms 0: Jordan's sqrt(max(1, fan_out / fan_in))); under muP
-(`width_multiplier` m != 1) times sqrt(fan_out / fan_in) instead, relative to the same matrix at
-the base width (`mup_shape_scale`). Which weights
-are matrices, and their input and output axes, come from the logical axis names:
+`mup_shape_scale`. Matrices and their input and output axes come from the logical axis names:
 
   [layers|experts, ..., core axes]   stack axes: each slice its own matrix (vmapped)
   [embed, *out] reads the residual stream, [*in, embed] writes it, no embed: [in, out]

@@ -9,70 +9,24 @@ tools/coord_depth.py) under the depth parametrizations.
 
 Per parametrization and width d_model, the same Llama model (same seed, same batches) trains
 `--steps` AdamW steps, and after every step the mean absolute coordinate of each layer's output
-(embedding, every block's residual stream, logits) on one fixed batch is recorded. Under muP
-these stay flat in width; under SP the hidden and output activations grow. Prints the slope of
-log(activation) against log(width) at the last step per layer. Outputs in `--out`:
+(embedding, every block's residual stream, logits) on one fixed batch is recorded; the slope
+of log(activation) against log(width) at the last step is printed. Outputs in `--out`:
 `coord_check.csv`, `coord_check.png` (needs matplotlib, the `tools` extra). Deterministic.
 Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 
 import numpy as np
 
-from data.prepare import ensure_default_corpus
-from data.tokenizer import VOCAB_SIZE
-from tools import figures
-from trainer.config import ConfigError, default_config
+from tools import coord_depth, figures
+from tools.sweeps import Setup, batches, model_config, slope, train
+from trainer.config import ConfigError
 from trainer.config.cli import CliParser
 from trainer.multihost import platforms
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-  """The shared setting of every run of a width sweep."""
-  base_width: int = 32
-  base_depth: int = 2  # the depth parametrizations' L_base (--axis depth)
-  num_layers: int = 2
-  num_heads: int = 4
-  seq_len: int = 64
-  batch_size: int = 16
-  init_std: float = 0.02
-  seed: int = 0
-  b2: float = 0.99
-
-
-def batches(setup: Setup, steps: int) -> dict[str, np.ndarray]:
-  """[steps + 1, B, S] batches of the embedded corpus as a training run reads it (the data order
-  of data/pipeline.py with the setup's seed, byte tokens; nothing downloaded): one per training
-  step, then the fixed probe batch."""
-  from data import pipeline  # noqa: PLC0415  start-up
-  it = iter(pipeline.dataset(pipeline.StreamSpec(
-      ensure_default_corpus(), "train", setup.seq_len, setup.batch_size, seed=setup.seed)))
-  drawn = [next(it) for _ in range(steps + 1)]
-  return {k: np.stack([b[k] for b in drawn]) for k in pipeline.BATCH_KEYS}
-
-
-def model_config(setup: Setup, width: int, parametrization: str, layers: int | None = None,
-                 depth_parametrization: str = "standard"):
-  from models.llama import ModelConfig  # noqa: PLC0415  start-up
-  return ModelConfig(vocab_size=VOCAB_SIZE, d_model=width,
-                     num_layers=layers or setup.num_layers, num_heads=setup.num_heads,
-                     num_kv_heads=setup.num_heads, mlp_dim=3 * width, init_std=setup.init_std,
-                     parametrization=parametrization, base_width=setup.base_width,
-                     depth_parametrization=depth_parametrization, base_depth=setup.base_depth)
-
-
-def optim_config(setup: Setup, lr: float, name: str = "adamw"):
-  """AdamW (or Muon, with its AdamW fallback) at rate `lr`, constant, no decay or clipping."""
-  o = default_config().optim
-  o.update(name=name, learning_rate=lr, b2=setup.b2, schedule="constant", warmup_steps=0,
-           weight_decay=0.0, clip_norm=0.0)
-  return o
 
 
 def activations(model, batch) -> dict[str, "jax.Array"]:  # noqa: F821
@@ -93,70 +47,6 @@ def activations(model, batch) -> dict[str, "jax.Array"]:  # noqa: F821
     out[f"block{i}"] = jnp.mean(jnp.abs(x_BSE))
   out["logits"] = jnp.mean(jnp.abs(model.logits(model.final_norm(x_BSE))))
   return out
-
-
-def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
-          optim: str = "adamw") -> list[dict]:
-  """Trains one model of config `mcfg` per learning rate in `lrs` on the batches of `data` but
-  its last (one batch per step, [steps + 1, B, S] arrays) and returns per rate {"loss": [per
-  step], "acts": [at init, then after every step: probe(model at init, model now, the probe
-  batch, the last), a dict of scalars]} (acts empty without `probe`; `activations` measures
-  each layer's mean |x|).
-
-  The optimizer is the project's (`build_optimizer` with muP's width multiplier and the depth
-  parametrization's rules), AdamW or Muon (`optim`), built once at learning rate 1 with a
-  constant schedule and no weight decay; each run multiplies its update by its rate, which is
-  exactly the optimizer at that rate in this setting and lets all rates share one compiled
-  step."""
-  import jax  # noqa: PLC0415  start-up
-  import jax.numpy as jnp  # noqa: PLC0415  start-up
-  from flax import nnx  # noqa: PLC0415  start-up
-  from models.llama import Transformer  # noqa: PLC0415  start-up
-  from optim import build_optimizer  # noqa: PLC0415  start-up
-  from trainer.step.state import _logical_names  # noqa: PLC0415  start-up
-
-  graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(setup.seed)))
-  tx, _ = build_optimizer(optim_config(setup, 1.0, optim), _logical_names(state),
-                          len(data["inputs"]) - 1, width_multiplier=mcfg.width_multiplier,
-                          depth=mcfg.depth_scaling)
-
-  def loss_fn(params, batch):
-    m = nnx.merge(graphdef, params)
-    total, count = m.loss_sums(batch["inputs"], batch["positions"], batch["segment_ids"],
-                               batch["targets"], batch["loss_mask"])
-    return total / count
-
-  @jax.jit
-  def step(params, opt_state, batch, n, lr):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params, step=n)
-    return jax.tree.map(lambda p, u: p + lr * u, params, updates), opt_state, loss
-
-  @jax.jit
-  def measure(params0, params, batch):
-    return probe(nnx.merge(graphdef, params0), nnx.merge(graphdef, params), batch)
-
-  steps = len(data["inputs"]) - 1
-  at = lambda n: {k: v[n] for k, v in data.items()}
-  results = []
-  for lr in lrs:
-    params0 = params = nnx.to_pure_dict(state)
-    opt_state = tx.init(params)
-    losses, acts = [], []
-    if probe:
-      acts.append({k: float(v) for k, v in measure(params0, params, at(steps)).items()})
-    for n in range(steps):
-      params, opt_state, loss = step(params, opt_state, at(n), jnp.int32(n), jnp.float32(lr))
-      losses.append(float(loss))
-      if probe:
-        acts.append({k: float(v) for k, v in measure(params0, params, at(steps)).items()})
-    results.append({"loss": losses, "acts": acts})
-  return results
-
-
-def slope(widths, values) -> float:
-  """Least-squares slope of log(value) against log(width): 0 is flat, 1 is linear growth."""
-  return float(np.polyfit(np.log(widths), np.log(values), 1)[0])
 
 
 def coord_check(setup: Setup, widths, steps: int, lr: float,
@@ -286,7 +176,6 @@ def parse_args(argv):
 
 
 def main_depth(args, setup: Setup, t0: float) -> int:
-  from tools import coord_depth  # noqa: PLC0415  it imports this module
   rows = coord_depth.depth_check(setup, args.width, args.depths, args.steps, args.lr)
   figures.write_csv(os.path.join(args.out, "coord_check_depth.csv"), rows)
   png = os.path.join(args.out, "coord_check_depth.png")

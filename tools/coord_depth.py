@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from tools import figures
-from tools.coord_check import Setup, batches, model_config, slope, train
+from tools.sweeps import Setup, batches, model_config, slope, train
 
 DEPTH_PARAMETRIZATIONS = ("standard", "depth_mup", "completep")
 SUMMARY = ("x(L/4)", "x(L/2)", "x(L)", "logits")

@@ -1,7 +1,6 @@
-"""muP learning-rate transfer (Tensor Programs V, Fig. 1): training loss over a learning-rate x
-width grid under SP and muP (AdamW, or Muon with `--optim muon`), or over a learning-rate x depth
-grid under the depth parametrizations (`--axis depth`: standard, depth_mup, completep); where is
-the best learning rate at each size?
+"""Learning-rate transfer (Tensor Programs V, Fig. 1): training loss over a rate x width grid
+under SP and muP (AdamW, or `--optim muon`), or a rate x depth grid under the depth
+parametrizations (`--axis depth`); where is the best learning rate at each size?
 
     python -m tools.lr_transfer [--widths 32,64,128,256] [--lrs 2^-12,...,2^-5] \\
         [--base_width 32] [--steps 100] [--optim adamw|muon] [--seeds 1] [--out runs/lr_transfer]
@@ -10,9 +9,7 @@ the best learning rate at each size?
 Every run is the setting of tools/coord_check.py trained `--steps` steps at a constant rate and
 scored by its mean training loss over the last `--tail` steps (with `--seeds` S > 1, the mean
 over data and init seeds 0..S-1); a size's best rate is the grid minimum refined by a parabola
-in log(lr) (reported only inside the grid). Under SP the best rate should fall as the width
-grows; under muP it should stay put; across depth likewise under standard and CompleteP.
-Outputs in `--out`: `lr_transfer[_depth|_muon].csv` (parametrization, width, depth, seed, lr,
+in log(lr) (reported only inside the grid). Outputs in `--out`: `lr_transfer[_depth|_muon].csv` (parametrization, width, depth, seed, lr,
 score, final loss, seconds per run), `.png` (score vs lr per parametrization, one line per size;
 needs matplotlib, the `tools` extra). Deterministic on a given machine.
 Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
@@ -28,9 +25,9 @@ import time
 import numpy as np
 
 from tools import figures
-from tools.coord_check import (Setup, batches, model_config, parse_sweep_args, start,
-                               sweep_parser, train)
+from tools.coord_check import parse_sweep_args, start, sweep_parser
 from tools.coord_depth import DEPTH_PARAMETRIZATIONS
+from tools.sweeps import Setup, batches, model_config, train
 
 
 def parse_lr(text: str) -> float:
