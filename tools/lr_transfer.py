@@ -55,12 +55,12 @@ def best_lr(lrs, scores) -> tuple[float, bool]:
 
 def sweep(setup: Setup, sizes, lrs, steps: int, tail: int, parametrizations=("sp", "mup"),
           log=print, *, axis: str = "width", width: int = 64, optim: str = "adamw",
-          seeds: int = 1) -> list[dict]:
+          seeds: int = 1, first_seed: int = 0) -> list[dict]:
   """Rows {parametrization, width, depth, seed, lr, score, final_loss, seconds}: `sizes` are
   widths (`parametrizations` "sp" / "mup", `setup.num_layers` layers) or depths (`axis`
   "depth": "standard" / "depth_mup" / "completep" at d_model `width`)."""
   rows = []
-  for seed in range(seeds):
+  for seed in range(first_seed, first_seed + seeds):
     run_setup = dataclasses.replace(setup, seed=seed)
     data = batches(run_setup, steps)  # the last batch (coord_check's probe batch) goes unused
     for par in parametrizations:
@@ -145,8 +145,9 @@ def build_parser():
   p.add_argument("--lrs", default="2^-12,2^-11,2^-10,2^-9,2^-8,2^-7,2^-6,2^-5",
                  help="comma-separated learning rates (3e-3 or 2^-8)")
   p.add_argument("--tail", type=int, default=20, help="score = mean loss of the last steps")
-  p.add_argument("--seeds", type=int, default=1, help="data and init seeds 0..S-1, scores "
-                 "averaged")
+  p.add_argument("--seeds", type=int, default=1, help="data and init seeds F..F+S-1 (F: "
+                 "--first_seed), scores averaged")
+  p.add_argument("--first_seed", type=int, default=0)
   return p
 
 
@@ -157,8 +158,10 @@ def parse_args(argv):
     args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})
   except ValueError as e:
     p.error(f"--lrs takes comma-separated numbers ({e})")
-  if len(args.lrs) < 3 or not 1 <= args.tail <= args.steps or args.seeds < 1:
-    p.error("--lrs needs at least three rates, 1 <= --tail <= --steps, --seeds >= 1")
+  if len(args.lrs) < 3 or not 1 <= args.tail <= args.steps or args.seeds < 1 or \
+      args.first_seed < 0:
+    p.error("--lrs needs at least three rates, 1 <= --tail <= --steps, --seeds >= 1, "
+            "--first_seed >= 0")
   return args
 
 
@@ -175,7 +178,8 @@ def main(argv: list[str]) -> int:
     pars, sizes = ("sp", "mup"), args.widths
     where = f"base width {args.base_width}, {args.layers} layers"
   rows = sweep(setup, sizes, args.lrs, args.steps, args.tail, pars, axis=axis,
-               width=args.width, optim=args.optim, seeds=args.seeds)
+               width=args.width, optim=args.optim, seeds=args.seeds,
+               first_seed=args.first_seed)
   name = "lr_transfer" + ("_depth" if axis == "depth" else "") + \
       ("" if args.optim == "adamw" else f"_{args.optim}")
   figures.write_csv(os.path.join(args.out, f"{name}.csv"), rows)
@@ -184,7 +188,8 @@ def main(argv: list[str]) -> int:
                  f"{args.seeds} seed(s), batch {setup.batch_size}x{setup.seq_len} tokens of "
                  "the embedded corpus", axis, args.optim)
   best = optima(rows, axis)
-  per_seed = [optima(rows, axis, seed) for seed in range(args.seeds)]
+  per_seed = [optima(rows, axis, seed)
+              for seed in range(args.first_seed, args.first_seed + args.seeds)]
   print(f"[lr_transfer] {axis:5s}  " + "  ".join(f"{'best lr ' + p:>20s}" for p in pars)
         + "  (seed-mean loss at the best grid point; per-seed best lrs in brackets)")
   for size in sizes:
