@@ -314,8 +314,9 @@ def test_resumed_muon_run_equals_uninterrupted_run(tmp_path):
     ({"optim.muon.beta": 1.0}, "optim.muon.beta=1.0: must be in [0, 1)"),
     ({"optim.muon.ns_steps": 0}, "optim.muon.ns_steps=0: must be at least 1"),
     ({"optim.muon.rms": -0.2}, "optim.muon.rms=-0.2: must be >= 0"),
-    ({"model.parametrization": "mup", "model.base_width": 16},
-     "model.parametrization='mup' with optim.name='muon': refused")])
+    # muP has Muon's rule (optim/muon.py:mup_shape_scale); CompleteP's are Adam's
+    ({"model.depth_parametrization": "completep", "model.base_depth": 1},
+     "model.depth_parametrization='completep' sets CompleteP's rules for adamw")])
 def test_config_mistakes_are_one_line(overrides, message):
   with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")
                      .replace(")", r"\)")):
