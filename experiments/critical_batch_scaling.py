@@ -1,24 +1,17 @@
 """How the critical batch scales with model size N and data D: McCandlish's B_crit, Zhang et al.'s
 20%-overhead batch, B_opt, eta_opt and the optimal rate per batch at every (N, D), with paired
-bootstrap and residual-based intervals.
+bootstrap and residual-based intervals, under the protocol of docs/scaling_lab.md.
 
     python -m experiments.critical_batch_scaling [--widths 32,64,128] \\
         [--budgets 2048,4096,8192,16384] [--batch_sizes 1,2,4,...,256] [--lr_grid 0.5,1,2] \\
-        [--seeds 3] [--jobs 2] [--quick]
-    python -m tools.scaling_fit docs/critical_batch_scaling.csv      # the power laws in D and N
+        [--seeds 3] [--jobs 2] [--quick] [--read_only] [--from_runs RUNS.csv]
+    python -m tools.scaling_fit OUT.csv      # the power laws in D and N
 
-The protocol (docs/scaling_lab.md): per width (d_model; mlp in the config's ratio, muP from the
-smallest width unless `--parametrization sp`) a run per seed at the reference batch sets the
-targets, their mean eval loss after each budget D. Every (width, batch, rate, seed) then trains
-once, to the lowest target and past the largest budget; each budget's crossing and loss are read
-from that record, the curve smoothed over `--smooth_fraction` of that budget and evaluated every
-`--eval_fraction` of the smallest. The rates are bracketed: wherever a fastest rate sits at its
-grid's edge (any seed, any budget), the next multiplier beyond it runs at that (width, batch),
-round after round (`--max_extensions`). A batch some seed cannot bring to the lowest target at
-any rate leaves every cell (the same window everywhere). `scaling_cells` turns each (N, D) into
-estimates; a cell whose rates stay censored is refused, not fitted. Outputs: OUT.csv (a row per
-(N, D)), OUT_boot.csv (bootstrap replicates), OUT_runs.csv (a row per run and budget), OUT_lr.csv
-(the optimal rate per batch) and OUT.png; runs in --workdir (experiments/scaling_runs.py).
+Reference runs set each width's targets; every (width, batch, rate, seed) trains once and every
+budget is read from its record; rates grow beyond any winning edge round by round; one batch
+window for every cell; `scaling_cells` turns each (N, D) into estimates and refuses a cell whose
+rates stay censored. Outputs: OUT.csv, OUT_boot.csv, OUT_runs.csv, OUT_lr.csv, OUT.png; runs in
+--workdir (experiments/scaling_runs.py).
 """
 from __future__ import annotations
 

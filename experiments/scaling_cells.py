@@ -1,29 +1,14 @@
-"""The scaling lab's estimates at one (model size N, data budget D) from its runs, with paired
-bootstrap intervals over seeds (experiments/critical_batch_scaling.py runs them; no jax here).
+"""The scaling lab's estimates at one (model size N, data budget D) from its runs (no jax here).
 
-From rows of (batch, learning-rate multiplier, seed) with the steps to the target of D (an upper
-bound where `censored`: the run was below the target at its first smoothed evaluation), the eval
-loss after D sequences and B_simple at the crossing:
-
-- per seed and batch the rate with the fewest steps counts, and whether it lies *inside* the
-  rates run at that batch (`interior`; the lab grows the grid until it does);
-- the cell's batch set is every batch of the lab (fixed before any outcome is seen: no batch is
-  dropped for where it crossed) and b0 is its smallest batch; a cell where some seed's fastest
-  rate is at its grid's edge, or some seed never reached the target, is *refused*: no B_crit,
-  no Zhang batch (`refused` says which batch and why);
-- on the steps averaged over seeds McCandlish's S_min, E_min and B_crit (`fit_tradeoff`, a
-  censored point kept as its bound, with residuals, local slopes, B_crit on narrower windows and
-  the fit's residual-based interval) and Zhang et al.'s 20%-overhead batch from b0;
-- B_opt, the batch with the lowest mean loss after D (best rate; a parabola in log B through
-  its neighbours) and eta_opt, the rate with the lowest mean loss at that batch, "resolved" only
-  inside the grid; B_simple, the median of the meter's values at the crossings;
-- `lr_opt`: per batch the rate with the fewest mean steps (a parabola in log rate), the learning
-  rate that is actually optimal at each batch (what a rate rule should reproduce).
-
-Intervals: percentiles over `draws`, a *paired* bootstrap: each replicate draws seeds with
-replacement and keeps a drawn seed's runs at every batch together (a seed shares its
-initialisation and data order across batches), the same draws for every (N, D). Method:
-docs/scaling_lab.md
+Per seed and batch the fastest rate counts, and whether it lies inside the rates run there; a
+crossing below the target at the first evaluation is an upper bound (`censored`). The cell keeps
+the lab's whole batch window with b0 its smallest batch, and is *refused* (`refused` says why)
+where some seed's fastest rate is at its grid's edge or some seed never reached the target.
+Otherwise: McCandlish's fit on the seeds' mean steps (censored points as bounds) with residuals,
+local slopes, B_crit by window and the residual interval; Zhang's batch from b0; B_opt and eta_opt
+(resolved only inside the grid); B_simple at the crossings; `lr_opt` per batch. Intervals: a
+*paired* bootstrap (`draws`: a drawn seed brings its runs at every batch), the same draws for
+every cell. Method: docs/scaling_lab.md
 """
 from __future__ import annotations
 

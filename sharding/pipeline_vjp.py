@@ -1,10 +1,7 @@
-"""The explicit pipeline schedules (1f1b, interleaved 1f1b, zero_bubble): forward and backward of
-every stage in one SPMD tick loop driven by the schedule table (sharding/schedule.py), with
-per-stage VJPs instead of autodiff through the loop.
-
-Each run of ticks whose programs hold the same slots (F, B, W) is one `jax.lax.scan` over the
-table's columns for those ticks. Per tick, every stage (vmapped over `stage` like
-sharding/pipeline.py's loop):
+"""The explicit pipeline schedules (1f1b, interleaved 1f1b, zero_bubble): every stage's forward
+and backward in one SPMD tick loop driven by the schedule table (sharding/schedule.py), with
+per-stage VJPs. Each run of ticks with the same slots is one `jax.lax.scan`; per tick, every stage
+(vmapped over `stage`):
   F  runs its layers on its input (stage 0's first repeat: the micro-batch's embedding; else
      what the previous stage sent), keeps the input in its stash slot and sends the output on
   H  (ticks where the last stage ran its last repeat's F) the head and loss of that output, its

@@ -17,7 +17,10 @@ PIPE = ["--config.model.num_layers=4", "--config.data.micro_batch_size=2",
         "--config.checkpoint.every_steps=4", "--config.pipeline.schedule=circular",
         "--config.pipeline.repeats=2"]
 STAGES = ["--config.mesh.stage=2", "--config.mesh.data=2", "--config.mesh.tensor=2"]
-ONE_DEVICE = ["--config.mesh.data=1"]
+# one device has no stages: the pipeline settings go back to their defaults (a schedule set
+# without stages is refused, not ignored)
+ONE_DEVICE = ["--config.mesh.data=1", "--config.pipeline.schedule=gpipe",
+              "--config.pipeline.repeats=1"]
 
 
 @pytest.fixture(scope="module")

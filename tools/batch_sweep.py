@@ -5,18 +5,12 @@ McCandlish et al. 2018, and the measured gradient noise scale beside it.
         --target_loss 2.6 [--lr_grid 0.5,1,2] [--max_extensions 4] [--out runs/batch_sweep] \\
         [--config.KEY=VALUE ...]
 
-One short training per batch size B and learning-rate multiplier, everything but the batch and
-the rate from the config and its rules, each stopped once its smoothed validation loss reaches
-the target. The rates are bracketed: per batch the grid `--lr_grid` (multiples of the rule's
-rate) grows by `--bracket_factor` beyond any edge where the fastest run sits (`bracket`), until
-the fastest rate is inside (a run that never reaches the target, diverged ones included, counts
-as a bracket). Only then is the fit S(B) = S_min + E_min / B (B_crit = E_min / S_min, with its
-residuals, local slopes, the fit's residual-based interval and B_crit on narrower batch windows)
-drawn from the fastest runs: with a batch's rate at an edge the sweep says so and does not fit.
-Reported beside the B_simple the runs measured (`optim/noise_scale.py`). Outputs in
-`--out`: `batch_sweep.csv` (one row per run), `batch_sweep.json` (the fit and the noise scale),
-`batch_sweep.png` (needs matplotlib, the `tools` extra) and each run's workdir under `runs/`.
-Method (data order, smoothing, the fit, which B_simple): docs/batch_size.md#critical-batch-sweep
+One training per batch and rate multiplier, stopped at the target. Per batch the rate grid grows
+beyond any winning edge (`tools.tradeoff.bracket`; a run that never reaches the target brackets)
+until the fastest rate is inside; only then S(B) = S_min + E_min / B is fitted, with residuals,
+local slopes, B_crit on narrower windows and the residual interval. Outputs in `--out`:
+batch_sweep.csv (a row per run), batch_sweep.json, batch_sweep.png (matplotlib, the `tools`
+extra) and each run's workdir. Method: docs/batch_size.md#critical-batch-sweep
 """
 from __future__ import annotations
 

@@ -1,21 +1,16 @@
 """Power laws of the scaling lab's estimates in data D and model size N, with intervals, next to
 the papers' exponents, and a log-log figure.
 
-    python -m tools.scaling_fit docs/critical_batch_scaling.csv [--boot FILE] [--out STEM] \\
+    python -m tools.scaling_fit OUT.csv [--boot FILE] [--out STEM] \\
         [--quantities b_crit,b_zhang,b_opt,eta_opt,b_simple] [--level 0.95] [--n params]
 
-Reads the lab's CSV (a row per (N, D): `params`, `non_embedding`, `tokens`, each quantity with
-`_lo` and `_hi`) and fits log y = c + a log D + b log N by least squares (N non-embedding unless
---n). Two intervals, side by side: the residual-based one (the fit's covariance with Student's t,
-which carries the lack of fit) and, where the lab's bootstrap replicates exist (`<CSV
-stem>_boot.csv`, or --boot), percentiles of the exponents refitted on every replicate (the lab
-resampled seeds: the spread over seeds alone). With them each cell's residual, the local
-exponents between neighbouring budgets at each N, and an F test of the law against a free level
-per budget: a law whose residuals are structured (p below 1 - level) is reported as such. A cell enters a fit where its value is
-finite and positive, the lab did not refuse it, it is not in the transient regime, for B_opt and
-eta_opt inside the grid, for Zhang's batch at the most common reference batch b0; with one D (or
-N) that exponent is not fitted. Writes STEM.png and STEM.json (default `<CSV stem>_fit`).
-docs/scaling_lab.md
+Fits log y = c + a log D + b log N (N non-embedding unless --n) over the cells that are finite,
+not refused, not transient and, for B_opt and eta_opt, inside the grid (Zhang's batch at the most
+common b0). Two intervals side by side: the residual-based one (the fit's covariance, Student's
+t: it carries the lack of fit) and the bootstrap over the lab's replicates (`<stem>_boot.csv`:
+the seeds' spread alone). With them each cell's residual, the local exponents between budgets
+and an F test against a free level per budget: a structured misfit is reported as such. Writes
+STEM.png and STEM.json (default `<CSV stem>_fit`). docs/scaling_lab.md
 """
 from __future__ import annotations
 
