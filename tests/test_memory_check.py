@@ -79,6 +79,8 @@ STAGES = {"mesh.stage": 2, "mesh.data": 4, "model.num_layers": 4, "data.micro_ba
           "model.remat": "full", "pipeline.repeats": 2}
 
 
+@pytest.mark.slow  # 42 s; the default run keeps memory_check's phases (the first test here) and
+# the explicit schedules' compiled loops and stash (tests/test_pipeline_schedule.py)
 def test_1f1b_predicts_its_phases_and_stash():
   """Interleaved 1F1B on 2 stages at M = 16 (the 8 CPU devices): tools.memory_check predicts
   its phases (the stage-major layers' checkpoint save included), and tools.aot's report carries
