@@ -20,10 +20,9 @@ import os
 import sys
 import time
 
-import numpy as np
 
 from tools import coord_depth, figures
-from tools.sweeps import Setup, batches, model_config, slope, train
+from tools.sweeps import Setup, batches, model_config, plot_panels, slopes_over, train
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser
 from trainer.multihost import platforms
@@ -66,42 +65,16 @@ def coord_check(setup: Setup, widths, steps: int, lr: float,
 
 def slopes(rows: list[dict], step: int | None = None) -> dict[tuple[str, str], float]:
   """{(parametrization, layer): slope over widths} at `step` (default: the last)."""
-  step = max(r["step"] for r in rows) if step is None else step
-  out = {}
-  for par in sorted({r["parametrization"] for r in rows}):
-    for layer in dict.fromkeys(r["layer"] for r in rows):
-      pts = sorted((r["width"], r["value"]) for r in rows
-                   if r["parametrization"] == par and r["layer"] == layer and r["step"] == step)
-      if pts:
-        out[(par, layer)] = slope([w for w, _ in pts], [v for _, v in pts])
-  return out
+  return slopes_over(rows, "width", "parametrization", dict.fromkeys(r["layer"] for r in rows),
+                     step)
 
 
 def plot(path: str, rows: list[dict], title: str) -> bool:
-  plt = figures.pyplot()
-  if plt is None:
-    return False
-  last = max(r["step"] for r in rows)
-  pars = sorted({r["parametrization"] for r in rows}, reverse=True)  # sp, mup
-  layers = list(dict.fromkeys(r["layer"] for r in rows))
-  fig, axes = plt.subplots(1, len(pars), figsize=(5.5 * len(pars), 4.2), sharey=True)
-  axes = np.atleast_1d(axes)
-  s = slopes(rows)
-  for ax, par in zip(axes, pars):
-    for layer in layers:
-      pts = sorted((r["width"], r["value"]) for r in rows if r["parametrization"] == par
-                   and r["layer"] == layer and r["step"] == last)
-      ax.plot([w for w, _ in pts], [v for _, v in pts], "o-",
-              label=f"{layer} (slope {s[(par, layer)]:+.2f})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("width d_model")
-    ax.set_title(f"{par.upper()}: after {last} steps")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-  axes[0].set_ylabel("mean |activation|")
-  figures.save(fig, path, title)
-  return True
+  return plot_panels(path, rows, "width", "parametrization",
+                     sorted({r["parametrization"] for r in rows}, reverse=True),  # sp, mup
+                     list(dict.fromkeys(r["layer"] for r in rows)), xlabel="width d_model",
+                     ylabel="mean |activation|", title=title, panel_width=5.5,
+                     panel_title=lambda par, last: f"{par.upper()}: after {last} steps")
 
 
 def sweep_parser(prog: str, doc: str, *, steps: int, out: str):

@@ -13,10 +13,8 @@ grows). Setup and results: docs/mup.md#depth-completep-and-depth-mup
 """
 from __future__ import annotations
 
-import numpy as np
 
-from tools import figures
-from tools.sweeps import Setup, batches, model_config, slope, train
+from tools.sweeps import Setup, batches, model_config, plot_panels, slopes_over, train
 
 DEPTH_PARAMETRIZATIONS = ("standard", "depth_mup", "completep")
 SUMMARY = ("x(L/4)", "x(L/2)", "x(L)", "logits")
@@ -79,38 +77,11 @@ def depth_check(setup: Setup, width: int, depths, steps: int, lr: float,
 def depth_slopes(rows: list[dict], step: int | None = None) -> dict[tuple[str, str], float]:
   """{(depth parametrization, SUMMARY row): slope of log(change) against log(L)} at `step`
   (default: the last)."""
-  step = max(r["step"] for r in rows) if step is None else step
-  out = {}
-  for par in dict.fromkeys(r["depth_parametrization"] for r in rows):
-    for layer in SUMMARY:
-      pts = sorted((r["depth"], r["value"]) for r in rows if r["depth_parametrization"] == par
-                   and r["layer"] == layer and r["step"] == step)
-      if pts:
-        out[(par, layer)] = slope([d for d, _ in pts], [v for _, v in pts])
-  return out
+  return slopes_over(rows, "depth", "depth_parametrization", SUMMARY, step)
 
 
 def plot_depth(path: str, rows: list[dict], title: str) -> bool:
-  plt = figures.pyplot()
-  if plt is None:
-    return False
-  last = max(r["step"] for r in rows)
-  pars = list(dict.fromkeys(r["depth_parametrization"] for r in rows))
-  fig, axes = plt.subplots(1, len(pars), figsize=(5.0 * len(pars), 4.2), sharey=True)
-  axes = np.atleast_1d(axes)
-  s = depth_slopes(rows)
-  for ax, par in zip(axes, pars):
-    for layer in SUMMARY:
-      pts = sorted((r["depth"], r["value"]) for r in rows if r["depth_parametrization"] == par
-                   and r["layer"] == layer and r["step"] == last)
-      ax.plot([d for d, _ in pts], [v for _, v in pts], "o-",
-              label=f"{layer} (slope {s[(par, layer)]:+.2f})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("depth L (layers)")
-    ax.set_title(f"{par}: after {last} Adam steps")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-  axes[0].set_ylabel("mean |change since init|")
-  figures.save(fig, path, title)
-  return True
+  return plot_panels(path, rows, "depth", "depth_parametrization",
+                     list(dict.fromkeys(r["depth_parametrization"] for r in rows)), SUMMARY,
+                     xlabel="depth L (layers)", ylabel="mean |change since init|", title=title,
+                     panel_width=5.0, panel_title=lambda par, last: f"{par}: after {last} Adam steps")

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from tools import figures
 from data.prepare import ensure_default_corpus
 from data.tokenizer import VOCAB_SIZE
 from trainer.config import default_config
@@ -117,3 +118,51 @@ def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
 def slope(widths, values) -> float:
   """Least-squares slope of log(value) against log(width): 0 is flat, 1 is linear growth."""
   return float(np.polyfit(np.log(widths), np.log(values), 1)[0])
+
+
+def curve(rows: list[dict], x: str, by: str, par: str, layer: str, step: int):
+  """[(x, value)] of one parametrization's `layer` at `step`, sorted by x (`by`: the rows' key
+  naming the parametrization, `x`: the swept size, width or depth)."""
+  return sorted((r[x], r["value"]) for r in rows
+                if r[by] == par and r["layer"] == layer and r["step"] == step)
+
+
+def slopes_over(rows: list[dict], x: str, by: str, layers, step: int | None = None
+                ) -> dict[tuple[str, str], float]:
+  """{(parametrization, layer): `slope` of the value over the swept size x} at `step` (default:
+  the last)."""
+  step = max(r["step"] for r in rows) if step is None else step
+  out = {}
+  for par in dict.fromkeys(r[by] for r in rows):
+    for layer in layers:
+      pts = curve(rows, x, by, par, layer, step)
+      if pts:
+        out[(par, layer)] = slope([a for a, _ in pts], [v for _, v in pts])
+  return out
+
+
+def plot_panels(path: str, rows: list[dict], x: str, by: str, pars, layers, *, xlabel: str,
+                ylabel: str, panel_title, title: str, panel_width: float) -> bool:
+  """One log-log panel per parametrization: each layer's value at the last step against the swept
+  size, labelled with its slope; False without matplotlib."""
+  plt = figures.pyplot()
+  if plt is None:
+    return False
+  last = max(r["step"] for r in rows)
+  fig, axes = plt.subplots(1, len(pars), figsize=(panel_width * len(pars), 4.2), sharey=True)
+  axes = np.atleast_1d(axes)
+  s = slopes_over(rows, x, by, layers, last)
+  for ax, par in zip(axes, pars):
+    for layer in layers:
+      pts = curve(rows, x, by, par, layer, last)
+      ax.plot([a for a, _ in pts], [v for _, v in pts], "o-",
+              label=f"{layer} (slope {s[(par, layer)]:+.2f})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_title(panel_title(par, last))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+  axes[0].set_ylabel(ylabel)
+  figures.save(fig, path, title)
+  return True
