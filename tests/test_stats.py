@@ -51,5 +51,9 @@ def test_the_command_pairs_rows_of_a_csv(tmp_path, capsys):
                      "sqrt"]) == 2  # batch 32 and 16 both under sqrt: ambiguous
   assert "two rows for seed=0" in capsys.readouterr().err
   assert stats.main([str(path), "--metric", "nope", "--arm", "rule", "--a", "x", "--b", "y"]) == 2
+  capsys.readouterr()
+  assert stats.main([str(path), "--metric", "loss", "--arm", "rule", "--a", "linear", "--b",
+                     "sqrt", "--config.seed=1"]) == 2  # nothing to override: said, not ignored
+  assert "seed: python -m tools.stats takes no config overrides" in capsys.readouterr().err
   assert stats.main([str(tmp_path / "missing.csv"), "--metric", "loss", "--arm", "rule",
                      "--a", "x", "--b", "y"]) == 2

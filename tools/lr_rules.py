@@ -93,7 +93,7 @@ def report(rows: list[dict], path: str) -> list[dict]:
 
 
 def build_parser():
-  p = CliParser("-m tools.lr_rules", __doc__, config=False)
+  p = CliParser("-m tools.lr_rules", __doc__, config=False, overrides=False)
   p.add_argument("csv", help="the scaling lab's OUT_lr.csv")
   p.add_argument("--out", default="", help="the JSON (default <CSV stem>.json)")
   return p
@@ -101,9 +101,7 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   try:
-    args, overrides = build_parser().parse(argv)
-    if overrides:
-      raise ConfigError(f"{overrides[0][0]}: tools.lr_rules takes no config overrides")
+    args, _ = build_parser().parse(argv)
     rows = figures.read_table(args.csv, ("width", "budget", "batch", "lr_opt", "interior"),
                               "the scaling lab's OUT_lr.csv")
   except ConfigError as e:

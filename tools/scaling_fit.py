@@ -230,7 +230,7 @@ def plot(path: str, cells: list[dict], fits: dict, level: float, n_key: str = "p
 
 
 def build_parser():
-  p = CliParser("-m tools.scaling_fit", __doc__, config=False)
+  p = CliParser("-m tools.scaling_fit", __doc__, config=False, overrides=False)
   p.add_argument("csv", help="the scaling lab's CSV (python -m experiments.critical_batch_scaling)")
   p.add_argument("--boot", default="", help="bootstrap replicates (default <CSV stem>_boot.csv "
                  "where it exists; 'none': use the fit's covariance)")
@@ -245,9 +245,7 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   try:
-    args, overrides = build_parser().parse(argv)
-    if overrides:
-      raise ConfigError(f"{overrides[0][0]}: tools.scaling_fit takes no config overrides")
+    args, _ = build_parser().parse(argv)
     qs = [q for q in args.quantities.split(",") if q]
     cells = figures.read_table(args.csv, ("params", "tokens", *qs), LAB_CSV)
     n_key = args.n or ("non_embedding" if "non_embedding" in cells[0] else "params")

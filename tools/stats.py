@@ -131,7 +131,7 @@ def _same(x, y) -> bool:
 
 
 def build_parser():
-  p = CliParser("-m tools.stats", __doc__, config=False)
+  p = CliParser("-m tools.stats", __doc__, config=False, overrides=False)
   p.add_argument("csv", help="an experiment's CSV with a row per seed and arm")
   p.add_argument("--metric", required=True, help="the column compared")
   p.add_argument("--arm", required=True, help="the column that names the arm")
@@ -145,9 +145,7 @@ def build_parser():
 
 def main(argv: list[str]) -> int:
   try:
-    args, overrides = build_parser().parse(argv)
-    if overrides:
-      raise ConfigError(f"{overrides[0][0]}: tools.stats takes no config overrides")
+    args, _ = build_parser().parse(argv)
     rows = figures.read_table(args.csv, (args.metric, args.arm, args.by),
                               "an experiment's CSV with a row per seed and arm")
     arms = [args.a, args.b]

@@ -196,11 +196,14 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
 class CliParser(argparse.ArgumentParser):
   """argparse for the project's command lines: `--config FILE.py` (when `config`), the CLI's own
   options, and `--config.KEY=VALUE` overrides (`parse_overrides`). A mistake is one ConfigError
-  line (argparse would print its usage and exit); the CLI prints it and exits with code 2."""
+  line (argparse would print its usage and exit); the CLI prints it and exits with code 2.
+  `overrides=False`: a CLI with no config to override refuses them (one line)."""
 
-  def __init__(self, prog: str, description: str = "", *, config: bool = True):
+  def __init__(self, prog: str, description: str = "", *, config: bool = True,
+               overrides: bool = True):
     super().__init__(prog=prog, description=description, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    self.overrides = overrides
     if config:
       self.add_argument("--config", required=True, metavar="FILE.py",
                         help="config file; --config.KEY=VALUE overrides any of its keys")
@@ -208,7 +211,10 @@ class CliParser(argparse.ArgumentParser):
   def parse(self, argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
     """(the CLI's own options, the config overrides in order)."""
     args, rest = self.parse_known_args(argv)
-    return args, parse_overrides(rest)
+    pairs = parse_overrides(rest)
+    if pairs and not self.overrides:
+      raise ConfigError(f"{pairs[0][0]}: python {self.prog} takes no config overrides")
+    return args, pairs
 
   def error(self, message: str):
     raise ConfigError(f"{message} (python {self.prog} --help)")
