@@ -255,7 +255,7 @@ def windowed(truths: list[Truth]) -> float:
 
 
 def build_parser():
-  parser = CliParser("-m tools.noise_check", __doc__, config=False)
+  parser = CliParser("-m tools.noise_check", __doc__, config=False, overrides=False)
   parser.add_argument("--workdir", required=True, help="a run with checkpoints at --steps")
   parser.add_argument("--steps", type=ints, required=True, help="checkpoint steps, e.g. 100,300")
   parser.add_argument("--sequences", type=int, default=3072,
