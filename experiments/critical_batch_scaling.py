@@ -51,9 +51,9 @@ def build_parser():
                  help="rounds that grow a batch's rate grid beyond a winning edge")
   p.add_argument("--bracket_factor", type=float, default=2.0, help="each extension's step")
   p.add_argument("--parametrization", default="mup", choices=("mup", "sp"),
-                 help="mup: model.parametrization=mup with base_width the smallest width, so "
-                      "every width starts near its optimal rate; sp: the config's rate at every "
-                      "width")
+                 help="mup: model.parametrization=mup with base_width the config's own d_model "
+                      "(where its rate is stated), so every width starts near its optimal rate; "
+                      "sp: the config's rate at every width")
   p.add_argument("--seeds", type=int, default=3, help="the config's seed, seed + 1, ...")
   p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each a process")
   p.add_argument("--quick", action="store_true",
@@ -148,7 +148,9 @@ def width_config(cfg, width: int, seed: int, args=None):
   c.model.d_model, c.seed = width, seed
   if args is not None:
     if args.parametrization == "mup":
-      c.model.parametrization, c.model.base_width = "mup", min(args.widths)
+      # the base is the width the config's rate was stated at (its base_width if it has one)
+      c.model.parametrization = "mup"
+      c.model.base_width = cfg.model.base_width or cfg.model.d_model
     c.optim.warmup_steps, c.optim.warmup_examples = 0, args.warmup
     if args.ema_decay:
       c.optim.ema_decay, c.optim.ema_rule = args.ema_decay, "half_life"
