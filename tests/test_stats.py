@@ -34,6 +34,18 @@ def test_paired_difference_with_three_seeds():
   assert same.p == 1.0 and not same.significant
 
 
+def test_correlation_with_its_fisher_interval():
+  """x = 1..5, y = (2, 1, 4, 3, 5): r = 0.8; z = atanh(0.8) = 1.0986 -+ 1.95996 / sqrt(2):
+  [-0.2796, 0.9863]; t = 0.8 sqrt(3 / 0.36) = 2.3094 on 3 degrees of freedom: p = 0.1041."""
+  c = stats.correlation([1, 2, 3, 4, 5, None], [2, 1, 4, 3, 5, 7])
+  assert c.n == 5 and c.r == pytest.approx(0.8)
+  assert (c.lo, c.hi) == pytest.approx((-0.27959, 0.98625), abs=1e-4)
+  assert c.p == pytest.approx(0.10408, abs=1e-4)
+  assert "[-0.28, 0.99]" in c.text()
+  three = stats.correlation([1, 2, 3], [1, 3, 2])
+  assert three.r == pytest.approx(0.5) and math.isnan(three.lo) and "no interval" in three.text()
+
+
 def test_the_command_pairs_rows_of_a_csv(tmp_path, capsys):
   path = tmp_path / "seeds.csv"
   with open(path, "w", newline="") as f:

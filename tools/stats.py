@@ -105,6 +105,35 @@ def paired(a: dict, b: dict, level: float = 0.95) -> Paired:
   return Paired(diff, p, int(np.sum(d > 0)), seeds)
 
 
+@dataclasses.dataclass(frozen=True)
+class Correlation:
+  """Pearson's r of `n` pairs with its Fisher-z interval at `level` (NaN for fewer than 4 pairs)
+  and the two-sided p-value of r = 0 (t test with n - 2 degrees of freedom)."""
+  r: float
+  lo: float
+  hi: float
+  p: float
+  n: int
+  level: float
+
+  def text(self, fmt: str = ".2f") -> str:
+    if self.n < 4:
+      return f"r = {self.r:{fmt}} (n = {self.n}: no interval)"
+    return f"r = {self.r:{fmt}} [{self.lo:{fmt}}, {self.hi:{fmt}}] (n = {self.n}, p = {self.p:.2g})"
+
+
+def correlation(x, y, level: float = 0.95) -> Correlation:
+  """Pearson's r of the pairs (x_i, y_i) where both are finite, with the interval
+  tanh(atanh(r) -+ z(1 - alpha/2) / sqrt(n - 3)) (Fisher's transform; scipy's pearsonr)."""
+  pairs = [(float(a), float(b)) for a, b in zip(x, y) if _finite(a) and _finite(b)]
+  n = len(pairs)
+  if n < 3:
+    return Correlation(math.nan, math.nan, math.nan, math.nan, n, level)
+  res = sps.pearsonr(*np.asarray(pairs).T)
+  lo, hi = res.confidence_interval(level) if n >= 4 else (math.nan, math.nan)
+  return Correlation(float(res.statistic), float(lo), float(hi), float(res.pvalue), n, level)
+
+
 def _finite(x) -> bool:
   return x is not None and math.isfinite(float(x))
 
