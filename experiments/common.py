@@ -64,21 +64,24 @@ def crossings(workdir: str, start_batch: int, seq_len: int, targets: list[float]
               smooth_examples: float, key: str = "eval_loss") -> list[dict]:
   """Per target, where a run's smoothed eval curve crossed it: steps, examples and tokens through
   the run's own record (its batch changes), the batch it had then and the B_simple the meter
-  logged there (all None where it never did); `first`: at the smoothed curve's first point, so
+  logged there, plain and preconditioned (all None where it never did); `first`: at the smoothed curve's first point, so
   the run may have crossed earlier (an upper bound, not a crossing). `key`: the curve read
   (`eval_loss_ema`: the parameter EMA's)."""
   rows = read_rows(workdir)
   ramp = ramp_from_rows(rows, start_batch, seq_len)
   curve, noise = eval_curve(rows, ramp, key), noise_curve(rows)
+  noise_precond = noise_curve(rows, "noise_scale_precond")
   start = smooth(curve, smooth_examples / 2)[:1]
   out = []
   for target in targets:
     hit = to_target(curve, ramp, target, smooth_examples)
     out.append({"target": target, "steps": None, "examples": None, "tokens": None,
-                "batch_at_target": None, "noise_scale": None, "first": False} if hit is None else
+                "batch_at_target": None, "noise_scale": None,
+                "noise_scale_precond": None, "first": False} if hit is None else
                {"target": target, "steps": hit.steps, "examples": hit.examples,
                 "tokens": hit.tokens, "batch_at_target": ramp.batch_at(int(hit.steps)),
                 "noise_scale": interpolate(noise, hit.steps),
+                "noise_scale_precond": interpolate(noise_precond, hit.steps),
                 "first": bool(start) and hit.examples == start[0][0]})
   return out
 

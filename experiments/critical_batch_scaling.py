@@ -272,7 +272,8 @@ def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]
                     batch_size=t.batch, lr_multiplier=t.lr_multiplier,
                     learning_rate=r["learning_rate"], budget=d, budget_tokens=d * seq,
                     target=target, steps=hit["steps"], examples=hit["examples"],
-                    tokens=hit["tokens"], noise_scale=hit["noise_scale"], censored=hit["first"],
+                    tokens=hit["tokens"], noise_scale=hit["noise_scale"],
+                    noise_scale_precond=hit["noise_scale_precond"], censored=hit["first"],
                     micro_batches=r["micro_batches"], loss_at_budget=loss, warmup=args.warmup,
                     steps_run=r["steps_run"], seconds=r["seconds"]))
   return out

@@ -147,7 +147,8 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
   return float(np.interp(x, xs, ys))
 
 
-def noise_curve(rows: list[dict]) -> list[tuple[int, float]]:
-  """[(step, logged noise scale)] of the rows that measured it."""
-  return [(r["step"], r["noise_scale"]) for r in rows if "noise_scale" in r]
+def noise_curve(rows: list[dict], key: str = "noise_scale") -> list[tuple[int, float]]:
+  """[(step, logged noise scale)] of the rows that measured it (`key`: `noise_scale_precond`
+  for the preconditioned one)."""
+  return [(r["step"], r[key]) for r in rows if key in r]
 
