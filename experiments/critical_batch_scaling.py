@@ -92,8 +92,10 @@ def build_parser():
   return p
 
 
-def parse(argv):
-  p = build_parser()
+def parse(argv, build=build_parser):
+  """(args, overrides) of the lab's command line (`build`: its parser, or one that adds to it)
+  with the derived settings: evaluation interval, smoothing windows, warmup, stop budgets."""
+  p = build()
   args, overrides = p.parse(argv)
   if args.quick:
     p.set_defaults(**QUICK)

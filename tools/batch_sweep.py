@@ -56,13 +56,11 @@ class Result:
   lr_interior: bool | None = None  # the best run of its batch: its rate inside the grid run
 
 
-def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
-  """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
-  grow it), stopped at the target (once `args.min_examples` are seen, if it has that) or after
-  `args.max_examples`; returns what it measured. `args.curve` "ema" (if it has that): the target
-  is read on the parameter EMA's eval curve (the config must set optim.ema_decay).
-  Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
-  from optim import derive  # noqa: PLC0415  start-up
+def run_config(base_cfg, batch_size: int, lr_multiplier: float, args):
+  """The config `run_one` trains: `base_cfg` at `batch_size` (micro-batches of
+  `args.micro_batch_size`), the stated rate x `lr_multiplier`, `args.max_examples` sequences,
+  evaluated every `args.eval_examples` on `args.eval_sequences`, the meter on every step, no
+  checkpoints."""
   from optim.scaling import stated  # noqa: PLC0415  start-up
 
   cfg = base_cfg.copy_and_resolve_references()
@@ -79,7 +77,18 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   cfg.optim.noise_scale_every = 1 if batch_size >= 2 else 0
   cfg.checkpoint.every_steps = 0
   cfg.trainer.progress_bar = False
+  return cfg
 
+
+def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str) -> Result:
+  """One training starting at `batch_size` (under `data.batch_ramp="auto"` the autopilot may
+  grow it), stopped at the target (once `args.min_examples` are seen, if it has that) or after
+  `args.max_examples`; returns what it measured. `args.curve` "ema" (if it has that): the target
+  is read on the parameter EMA's eval curve (the config must set optim.ema_decay).
+  Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
+  from optim import derive  # noqa: PLC0415  start-up
+
+  cfg = run_config(base_cfg, batch_size, lr_multiplier, args)
   target = args.target_loss
   key = "eval_loss_ema" if getattr(args, "curve", "raw") == "ema" else "eval_loss"
   stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
