@@ -9,8 +9,8 @@ line or the config, down to a step that cannot fit a device's memory by a cheap 
 (docs/multihost.md).
 
 Exit codes: 0 finished, 2 a user error, 3 stopped on a non-finite loss or a spike, 4 checkpoint
-storage failed, 75 preempted (restart to continue), 130 a second Ctrl-C: what each means,
-docs/reliability.md#exit-codes.
+storage failed, 5 hung (no step completed within trainer.hang_timeout_s: restart to continue),
+75 preempted (restart to continue), 130 a second Ctrl-C: docs/reliability.md#exit-codes.
 """
 from __future__ import annotations
 

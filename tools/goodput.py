@@ -115,6 +115,8 @@ def account(events: list[dict], now: float | None = None, alive=process_alive) -
     if k + 1 < len(runs):
       seconds["down"] += max(begin(runs[k + 1]) - run[-1]["time"], 0.0)
   wall = max(end - begin(runs[0]), 1e-9)
+  windows = [e for e in events if e["event"] == "steps" and "lost_to_slowest" in e]
+  slowest = [e["slowest"] for e in windows]
   seconds["other"] = max(wall - sum(seconds.values()), 0.0)
   stops = [run[-1] for run in runs]
   return {
@@ -132,6 +134,9 @@ def account(events: list[dict], now: float | None = None, alive=process_alive) -
                   f"no stop event (running or killed: on host {run[0].get('host', '?')}, "
                   "which this one cannot ask)"} for k, run in enumerate(runs)],
       "running": bool(running),
+      # several processes: step time every process waited for the slowest one (in productive)
+      "lost_to_slowest": sum(e["lost_to_slowest"] for e in windows) if windows else None,
+      "slowest_process": max(set(slowest), key=slowest.count) if slowest else None,
   }
 
 
@@ -144,6 +149,11 @@ def describe(report: dict) -> str:
     value = report["seconds"][name]
     extra = f"  ({report['steps_redone']} steps)" if name == "redone" else ""
     lines.append(f"  {name:<11} {value:9.1f} s {100 * value / wall:6.1f}%{extra}")
+  lost = report.get("lost_to_slowest")
+  if lost is not None:
+    share = lost / max(report["seconds"]["productive"], 1e-9)
+    lines.append(f"  lost to the slowest process: {lost:.1f} s ({100 * share:.1f}% of productive; "
+                 f"process {report['slowest_process']} the slowest in most log windows)")
   for k, start in enumerate(report["starts"]):
     source = f"resumed from step {start['restored_step']} ({start['tier']} tier)" \
         if start["tier"] else "fresh"

@@ -147,7 +147,7 @@ class Saver:
     parameters are, where the loop read it back (else the save computes it). False if it failed."""
     ckpt = self.checkpointer
     t = time.perf_counter()
-    with self.timer.paused():
+    with self.timer.paused("save"):
       failed_step, error = step, None
       try:
         failed_step = self.last_step  # the background write of the previous save may fail
@@ -189,7 +189,7 @@ class Saver:
       except Exception as e:  # noqa: BLE001  storage errors of any kind
         error = e
     if agree_any(error is not None):
-      with self.timer.paused():
+      with self.timer.paused("save"):
         self._failed(self.last_step, error)
       return True
     self.unconfirmed = not agree_all(done)
@@ -232,7 +232,7 @@ class Saver:
     restored)."""
     t = time.perf_counter()
     error = None
-    with self.timer.paused():
+    with self.timer.paused("save"):
       earlier = self.local.finish_previous()  # the previous local step, if it failed
       try:
         meta = {"config": self.config, "autopilot": self._autopilot(),

@@ -28,7 +28,8 @@ from optim.factory import MUP_OPTIMIZERS
 from optim.scaling import SCALE_INVARIANT_OPTIMIZERS
 from sharding.mesh import MeshError, data_parallel_size, num_slices, resolve_mesh_shape
 from trainer.config.batch_checks import check_batch_science, check_muon, resolved
-from trainer.config.defaults import NORM_METRICS, RESIZE_MODES, ConfigError, parse_window
+from trainer.config.defaults import (NORM_METRICS, RESIZE_MODES, ConfigError, parse_fault,
+                                     parse_window)
 from trainer.config.defaults import choice as _choice, need as _need
 from trainer.config.parallel_checks import check_diloco, check_moe, check_pipeline
 
@@ -50,6 +51,23 @@ def _check_local_tier(cfg: ml_collections.ConfigDict) -> None:
   _need(d.on_resize == "keep" or not d.batch_ramp,
         f"data.on_resize='rescale' with data.batch_ramp={d.batch_ramp!r}: the ramp (or the "
         "autopilot) decides the batch; use data.on_resize='keep'")
+
+
+def _check_faults(t: ml_collections.ConfigDict, devices) -> None:
+  """trainer.straggler_factor, hang_timeout_s and fault (its process one of the run's)."""
+  _need(t.straggler_factor == 0 or t.straggler_factor > 1,
+        f"trainer.straggler_factor={t.straggler_factor}: must be > 1 (0 = no straggler report)")
+  _need(t.hang_timeout_s >= 0 or t.hang_timeout_s == -1,
+        f"trainer.hang_timeout_s={t.hang_timeout_s}: seconds > 0, 0 = automatic, -1 = off")
+  try:
+    fault = parse_fault(t.fault)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  processes = 1 if isinstance(devices, int) else len({getattr(d, "process_index", 0)
+                                                      for d in devices})
+  _need(fault is None or fault[1] < processes,
+        f"trainer.fault={t.fault!r}: process {fault and fault[1]} is not one of this run's "
+        f"{processes} process(es) (0..{processes - 1})")
 
 
 def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
@@ -300,6 +318,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _check_logging(cfg)
   _need(t.spike_zscore > 0, f"trainer.spike_zscore={t.spike_zscore}: must be positive")
   _need(t.spike_window >= 1, f"trainer.spike_window={t.spike_window}: must be at least 1")
+  _check_faults(t, devices)
   if ck.init_from:
     _need(os.path.exists(ck.init_from),
           f"checkpoint.init_from={ck.init_from!r}: no such path")

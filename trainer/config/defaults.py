@@ -247,8 +247,37 @@ def default_config() -> ml_collections.ConfigDict:
       # off; mode "offline" logs under <workdir>/wandb with no account or network
       wandb=ml_collections.ConfigDict(dict(project="", mode="online", name="")),
       profile_steps="",  # "A:B": a jax.profiler trace of steps A..B under <workdir>/profile
+      # Faults that do not crash (docs/reliability.md#slow-and-hung-processes). A process whose
+      # median seconds per step of a part (compute, data, save) over the last log rows exceed
+      # straggler_factor x the other processes' is named (0 = no report). The watchdog ends a
+      # run (exit 5) when no step completes for hang_timeout_s seconds, compiles, saves and
+      # evaluations not counted (0 = 20 x the median step time, at least 60 s; 600 s until a
+      # step is measured; -1 = off). fault (drills, tests): "slow:PROCESS:FACTOR" makes that
+      # process's steps FACTOR x slower, "hang:PROCESS:STEP" blocks it before step STEP.
+      straggler_factor=1.3, hang_timeout_s=0.0, fault="",
   ))
   return c
+
+
+FAULTS = {"slow": float, "hang": int}  # trainer.fault: kind -> the type of its third field
+
+
+def parse_fault(spec: str) -> tuple[str, int, float] | None:
+  """"slow:PROCESS:FACTOR" / "hang:PROCESS:STEP" -> (kind, process, factor or step); "" -> None.
+  Raises ValueError naming what works."""
+  if not spec:
+    return None
+  kind, _, rest = spec.partition(":")
+  process, _, value = rest.partition(":")
+  try:
+    parsed = (kind, int(process), FAULTS[kind](value))
+  except (KeyError, ValueError):
+    parsed = None
+  if parsed is None or parsed[1] < 0 or (kind == "slow" and not parsed[2] > 1) or (
+      kind == "hang" and parsed[2] < 1):
+    raise ValueError(f"trainer.fault={spec!r}: use 'slow:PROCESS:FACTOR' (FACTOR > 1) or "
+                     "'hang:PROCESS:STEP' (STEP >= 1), e.g. 'slow:1:2'; '' = none")
+  return parsed
 
 
 def parse_window(spec: str) -> tuple[int, int] | None:

@@ -153,3 +153,13 @@ def agree_any(flag: bool) -> bool:
   if jax.process_count() == 1:
     return bool(flag)
   return bool(np.max(multihost_utils.process_allgather(np.asarray(int(flag), np.int32))))
+
+
+def gather_floats(values: np.ndarray) -> np.ndarray:
+  """Every process's `values` (a small float vector), as [processes, len(values)]: one small
+  all-gather (the straggler report's, trainer/tracking/straggler.py)."""
+  values = np.asarray(values, np.float64)
+  if jax.process_count() == 1:
+    return values[None]
+  return np.asarray(multihost_utils.process_allgather(values.astype(np.float32)),
+                    np.float64).reshape(jax.process_count(), -1)

@@ -41,9 +41,11 @@ from trainer.checkpoint.saver import Saver
 from trainer.errors import first_line
 from trainer.evaluation.periodic import make_evaluator
 from trainer.run.decisions import Decider, StopSignals
+from trainer.run.faults import Fault
 from trainer.run.feed import Feed, sources
 from trainer.run.readback import Readback
 from trainer.run.steps import CompiledSteps
+from trainer.run.watchdog import EXIT_HUNG, watching
 from trainer.run.workdir_lock import WorkdirLock
 from trainer.step.diloco import reduce_metrics
 from trainer.step.program import Program, run_mesh, setup_compilation_cache
@@ -54,7 +56,7 @@ from trainer.tracking.profiling import ProfileWindow
 from trainer.tracking.report import (bubble_cost, log_batch_plan, log_diloco, log_noise_meter,
                                      log_pipeline_plan, log_setup)
 
-EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "preempted": 75}
+EXIT_CODES = {"done": 0, "nonfinite": 3, "storage": 4, "hung": EXIT_HUNG, "preempted": 75}
 
 
 @dataclasses.dataclass
@@ -167,7 +169,9 @@ class Run:
           with open(os.path.join(self.workdir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f, indent=1)
           keep_identity(self.workdir, self.identity)
-        result = self._train(signals, state, iterator, restored)
+        self.timer, newest = StepTimer(), lambda: (self.checkpointer.all_steps() or [None])[-1]
+        with watching(self.timer, cfg.trainer.hang_timeout_s, self.workdir, newest, self.events):
+          result = self._train(signals, state, iterator, restored)
         status = (result.status, result.step, result.message)
         return result
     except BaseException as e:
@@ -273,20 +277,21 @@ class Run:
     start = int(jax.device_get(state.step))
     self._log_start(start, restored)
     decider = Decider(cfg, signals, start=start, evaluating=bool(cfg.eval_every))
-    outer_step, flops_token = self._compile_first(start, decider)
+    self.fault = Fault(cfg.trainer.fault, jax.process_index(), log=self.log)
+    with self.timer.paused("compile"):  # (the hang watchdog's clock stands still)
+      outer_step, flops_token = self._compile_first(start, decider)
     if start >= cfg.steps:
       self.log(f"already at step {start} >= steps={cfg.steps}; nothing to do")
       return RunResult("done", start, {})
     evaluate = make_evaluator(self.program, self.sources, self.feed.local_rows) \
         if cfg.eval_every else None
-    self.timer = timer = StepTimer()
-    readback = Readback(cfg, self.ramp, self.autopilot, self.writer, timer, self.events,
+    readback = Readback(cfg, self.ramp, self.autopilot, self.writer, self.timer, self.events,
                         flops_token=flops_token, peak=self.peak, start=start,
                         newest_checkpoint=lambda: (self.checkpointer.all_steps() or [None])[-1],
                         stop_when=self.stop_when,
                         reduce=reduce_metrics(self.mesh) if self.program.diloco else None)
     self.saver = save = Saver(
-        self.checkpointer, self.feed.spec, cfg.to_dict(), timer, decider, self.log,
+        self.checkpointer, self.feed.spec, cfg.to_dict(), self.timer, decider, self.log,
         autopilot=self.autopilot, local=self.local, events=self.events, run=self.identity,
         topology=lambda: elastic.topology(self.mesh, cfg, self.ramp),
         to_saved=self.program.layout.to_saved, warn=self.warn)
@@ -348,7 +353,7 @@ class Run:
           save.to_local(step, state, train_iter, finite=finite)
         if decision.evaluate:
           t = time.perf_counter()
-          with timer.paused():
+          with self.timer.paused("eval"):
             row = evaluate(state)
           self.events("eval", step=step, seconds=time.perf_counter() - t)
           readback.evaluated(step, row)
@@ -400,11 +405,15 @@ class Run:
       self.steps.log_pipeline(self.writer, num_micro, step)
     with self.timer.waiting_for_data():
       batch = self.feed.global_batch([next(train_iter) for _ in range(num_micro)])
-    state, metrics = train_step(state, batch)
+    with self.timer.computing():
+      self.fault.before_step(step + 1, self.timer.clock)
+      state, metrics = train_step(state, batch)
     # At most one step queued behind the running one (the host raced 3-4 ahead on CPU, up to a
     # log step on an accelerator), so a stop signal acts after the running step or the next.
     if self._running is not None:
-      jax.block_until_ready(self._running)
+      with self.timer.waiting_for_others():
+        jax.block_until_ready(self._running)
+      self.timer.step_completed(step)
     self._running = metrics
     self.timer.step_dispatched()
     self.writer.advance(1)

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from trainer.tracking.report import log_hyperparameters
+from trainer.tracking.straggler import make_report
 
 
 # What is read back for a step that is not a log step: enough to report a skipped update (and
@@ -38,6 +39,11 @@ class MetricsWindow:
     if self._reduce is not None:
       wanted = self._reduce(wanted)
     self._pending.append((step, wanted, log))
+
+  def wait_running(self) -> None:
+    """Wait for the newest step added (the one running on the devices)."""
+    if self._pending:
+      jax.block_until_ready(self._pending[-1][1])
 
   def read(self, upto: int | None = None) -> list[tuple[int, dict, bool]]:
     """[(step, host metrics, log)] for the pending steps up to `upto` (all by default)."""
@@ -67,6 +73,7 @@ class Readback:
     self.writer, self.timer, self.events = writer, timer, events
     self.flops_token, self.peak = flops_token, peak
     self.newest_checkpoint, self.stop_when = newest_checkpoint, stop_when
+    self.straggler = make_report(cfg, writer.log)  # several processes: who is slow
     self.window = MetricsWindow(reduce)
     self.recorded = self.dispatched = start  # steps in goodput events / dispatched so far
     self.observed = start  # the last step whose row the autopilot saw
@@ -96,9 +103,17 @@ class Readback:
         if not self.ramp.is_constant or self.autopilot is not None:
           host["batch_size"] = batch
         self.timer.annotate(host, batch * cfg.data.seq_len, self.flops_token, self.peak)
-        _, seconds, data_wait = self.timer.window  # the steps dispatched since the last row
+        steps, seconds, data_wait = self.timer.window  # the steps dispatched since the last row
+        lost = {}
+        if self.straggler is not None:  # one small all-gather, the same log step everywhere
+          with self.timer.waiting_for_others():
+            # Its collective would queue behind the running step: waiting for that first
+            # leaves the report's own time in `straggler_ms` (bench/straggler_overhead.py).
+            self.window.wait_running()
+            fields, lost = self.straggler(self.timer.parts, host["step_time"], steps)
+          host.update(fields)
         self.events("steps", first=self.recorded + 1, last=self.dispatched, seconds=seconds,
-                    data_wait=data_wait)
+                    data_wait=data_wait, **lost)
         self.recorded = self.dispatched
       if log or host["skipped"]:
         self.writer.write(step, host)

@@ -5,6 +5,7 @@ partial last line a killed process left in metrics.jsonl.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -16,44 +17,102 @@ class StepTimer:
   part of it the loop spent waiting for input (`data_wait_ms`: taking this step's micro-batches
   from the pipeline and assembling the global arrays). While the device is busy with the
   previous step, that wait is hidden; a `data_wait_ms` close to `step_time` means the input
-  pipeline is the bottleneck."""
+  pipeline is the bottleneck.
+
+  It also keeps what the straggler report (trainer/tracking/straggler.py) and the hang watchdog
+  (trainer/run/watchdog.py) read: the window's seconds per part (`parts`: compute, the host's
+  work on a step before the step's collectives can start on this process; data; save, how long
+  checkpoint saves blocked the loop), the loop's `phase` (data, step, collective, save, eval,
+  compile) and the clock of progress (`idle()`: seconds since the last step completed, less the
+  time paused since)."""
 
   def __init__(self):
     self.start = time.perf_counter()
     self.steps = 0
     self.excluded = 0.0
     self.data_wait = 0.0
+    self.compute = 0.0
+    self.save = 0.0
+    self.phase = "step"
+    self.completed, self.completed_at = 0, time.monotonic()
+    self.step_times = collections.deque(maxlen=50)  # recent steps' idle() at their completion
+    self._paused_total, self._paused_since, self._paused_at_completion = 0.0, None, 0.0
 
   def step_dispatched(self):
     self.steps += 1
 
-  def paused(self):
-    """Time that is not step time (compiling, saving, evaluating)."""
-    return self._adding_to("excluded")
+  def step_completed(self, step: int) -> None:
+    """Step `step` finished on the device (the loop waited for it)."""
+    if self.completed and step > self.completed:
+      self.step_times.append(self.idle() / (step - self.completed))
+    self.completed, self.completed_at = step, time.monotonic()
+    self._paused_at_completion = self._paused_now()
 
-  def waiting_for_data(self):
-    return self._adding_to("data_wait")
+  def idle(self) -> float:
+    """Seconds since the last step completed, not counting paused time (compiles, saves,
+    evaluations)."""
+    return time.monotonic() - self.completed_at - (self._paused_now()
+                                                   - self._paused_at_completion)
+
+  def clock(self) -> float:
+    """A monotonic clock that stands still while paused (compiles, saves, evaluations)."""
+    return time.monotonic() - self._paused_now()
+
+  def _paused_now(self) -> float:
+    since = self._paused_since
+    return self._paused_total + (0.0 if since is None else time.monotonic() - since)
 
   @contextlib.contextmanager
-  def _adding_to(self, total: str):
-    t = time.perf_counter()
+  def paused(self, phase: str = "compile"):
+    """Time that is not step time (`phase`: compile, save, eval); a save's is counted apart."""
+    outer = self._paused_since is None
+    if outer:
+      self._paused_since = time.monotonic()
+    try:
+      with self._adding_to("excluded", phase), self._adding_to("save" if phase == "save" else
+                                                               None, phase):
+        yield
+    finally:
+      if outer:
+        self._paused_total += time.monotonic() - self._paused_since
+        self._paused_since = None
+
+  def waiting_for_data(self):
+    return self._adding_to("data_wait", "data")
+
+  def computing(self):
+    """The host's part of a step: this process's work before the step's collectives can start."""
+    return self._adding_to("compute", "step")
+
+  def waiting_for_others(self):
+    """Waiting on the devices, where every process's part of a collective meets."""
+    return self._adding_to(None, "collective")
+
+  @contextlib.contextmanager
+  def _adding_to(self, total: str | None, phase: str):
+    t, before, self.phase = time.perf_counter(), self.phase, phase
     try:
       yield
     finally:
-      setattr(self, total, getattr(self, total) + time.perf_counter() - t)
+      self.phase = before
+      if total is not None:
+        setattr(self, total, getattr(self, total) + time.perf_counter() - t)
 
   def annotate(self, host: dict, tokens_per_step: int, flops_token: float, peak: float) -> dict:
     """Fill in the timing columns of the window since the last call, and start a new one. The
-    window's totals stay in `window`: (steps, step seconds, of which waiting for data)."""
+    window's totals stay in `window`: (steps, step seconds, of which waiting for data), and its
+    seconds per step by part in `parts` (compute, data, save)."""
     now = time.perf_counter()
     steps = max(self.steps, 1)
     self.window = (self.steps, max(now - self.start - self.excluded, 0.0), self.data_wait)
+    self.parts = (self.compute / steps, self.data_wait / steps, self.save / steps)
     seconds = max(now - self.start - self.excluded, 1e-9) / steps
     host["step_time"] = seconds
     host["data_wait_ms"] = 1e3 * self.data_wait / steps
     host["tokens_per_sec"] = tokens_per_step / seconds
     host["mfu"] = host["tokens_per_sec"] * flops_token / peak
     self.start, self.steps, self.excluded, self.data_wait = now, 0, 0.0, 0.0
+    self.compute = self.save = 0.0
     return host
 
 
