@@ -138,6 +138,7 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
   head = lambda rest, y_BnE, labels: _piece_loss(merged(rest), y_BnE, *labels)
   labels = lambda micro: (targets[micro], mask[micro])
   embed = lambda rest, micro: merged(rest).embed(batch["inputs"][micro])
+  embed_grad = lambda g, micro, dx_BSE: _embed_grad(g, batch["inputs"][micro], dx_BSE)
   micro, rows, seq = batch["inputs"].shape
   table = pipe.table(micro)
   x_like = jax.eval_shape(embed, rest, jax.ShapeDtypeStruct((), jnp.int32))
@@ -158,7 +159,8 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
            for k, a in sums_shape.items()}  # the tokens each layer routes in the step
   aux_ct = jax.grad(lambda s: aux_objective(s)[0])(point) if moe.enabled else {}
   split = _split(stage, weights, x_like) if table.split else (None, None)
-  fns = pipeline_vjp.StageFns(embed, lambda w, x, m: stage(w, x, m), labels, head, *split)
+  fns = pipeline_vjp.StageFns(embed, embed_grad, lambda w, x, m: stage(w, x, m), labels, head,
+                              *split)
   loss_sum, sums, d_blocks, grads = pipeline_vjp.run(table, fns, weights, rest, aux_ct,
                                                      act_names=ACT, remat=pipe.remat_stage)
   grads["blocks"] = jax.tree.map(lambda g: g.reshape(-1, *g.shape[3:]), d_blocks)
@@ -212,6 +214,26 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
     residuals = jax.eval_shape(residuals_of, params)
     out["B"] = dot_flops(jax.make_jaxpr(pullback)(params, residuals))
   return {"W": 0.0, **out}
+
+
+def _embed_grad(g, tokens_BS, dx_BSE):
+  """`g` (the float32 gradient of the weights outside the layer stack) plus the embedding's
+  gradient at `tokens_BS` with cotangent `dx_BSE`: the transpose of `Transformer.embed` (a row
+  gather, cast to the compute dtype) written out as a scatter-add into `g`'s table in place,
+  each device into its own shard of it (the micro-batch's rows gathered, its width split as the
+  table's). Autodiff's transpose scattered into a [V, E] array of zeros on every device and
+  summed it over the batch's devices, per stage, in every tick with a backward slot."""
+  table_VE = constrain(g["embed_VE"], ("vocab", "embed"))
+  # XLA:CPU's chain (sharding/pipeline_vjp.py `tie`): the ids gathered after dx arrives, dx
+  # after them (by their sum: a slice of a gathered array XLA takes from before the gather)
+  batch = ("act_batch", "act_seq")
+  tie = lambda x, token, names: constrain(pipeline_vjp.tie(x, token), names)
+  tokens_BS = constrain(tie(tokens_BS, dx_BSE, batch), (None, None))
+  dx_BSE = tie(dx_BSE, jnp.sum(tokens_BS, keepdims=True), (*batch, "act_embed"))
+  dx_NE = constrain(dx_BSE, (None, None, "embed")).reshape(tokens_BS.size, -1)
+  dx_NE = dx_NE.astype(table_VE.dtype)
+  table_VE = table_VE.at[tokens_BS.reshape(-1)].add(dx_NE)
+  return {**g, "embed_VE": constrain(table_VE, ("vocab", "embed"))}
 
 
 def _piece_loss(model: Transformer, y_BnE, targets_Bn, mask_Bn):

@@ -32,6 +32,9 @@ P = jax.sharding.PartitionSpec
 @dataclasses.dataclass(frozen=True)
 class StageFns:
   """One stage's work. embed(hw, micro) -> the first stage's input for micro-batch `micro`;
+  embed_grad(g, micro, dx) -> `g` (one stage's float32 gradient of `hw`) plus the embedding's
+  gradient at micro-batch `micro` and input cotangent `dx` (the VJP of `embed`, scattered into
+  `g` where its table lives: no [V, E] array of its own per tick);
   forward(w, x, micro) -> (y, aux) as sharding.pipeline.run's `stage_fn`; labels(micro) -> what
   the loss reads of micro-batch `micro` (a pytree of [rows, sequence] arrays, zero where padded
   meaning "no target"); head(hw, y, labels) -> the loss sum of hidden states `y` [rows, n, ...]
@@ -42,6 +45,7 @@ class StageFns:
   weight(w, stash, micro) -> the rest of the weight gradient; without, B is the VJP of
   `forward`."""
   embed: Callable
+  embed_grad: Callable
   forward: Callable
   labels: Callable
   head: Callable
@@ -228,10 +232,6 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
     dhw, dy = pull(jnp.ones_like(loss))
     return loss, dhw, dy
 
-  def embed_vjp(hw, micro, dx, on):
-    _, pull = jax.vjp(lambda hw: fns.embed(hw, micro), hw)
-    return pull(jnp.where(on, dx, jnp.zeros_like(dx)))[0]
-
   def backward(w, x, dy, ct, micro):
     if fns.backward is not None:
       return fns.backward(w, x, dy, ct, micro)
@@ -285,7 +285,9 @@ def run(table: Table, fns: StageFns, weights, head_weights, aux_ct, *, act_names
       c["grads"] = add_at(c["grads"], x["b_repeat"], x["b_ok"], dw)
       if wst is not None:
         c["wstash"] = put(c["wstash"], x["bw_slot"], x["b_ok"], wst)
-      c["head"] = add(c["head"], vmap(embed_vjp)(copies, x["b_micro"], dx, x["b_embed"]))
+      dx_embed = constrain(tie(jnp.where(per_stage(x["b_embed"], dx), dx, jnp.zeros_like(dx)),
+                               c["grads"]), act)  # stage 0's first repeat, after the B's sums
+      c["head"] = vmap(fns.embed_grad)(c["head"], x["b_micro"], dx_embed)
       token = dx = tie(dx, c["head"])  # the hand-overs after the sums' all-reduces
     if "F" in slots:  # the hand-overs: the ring forward, then back
       c["shift"] = token = constrain(jnp.roll(tie(y, token), 1, axis=0), act)

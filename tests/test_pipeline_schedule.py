@@ -158,7 +158,10 @@ def test_compiled_loops_run_the_table(schedule, devices):
   scan per run; one tick XLA inlines), each moves one micro-batch's activations per device, and
   the only other bytes between stages are the stage-replicated weights' gradients and, once per
   micro-batch, the head's pieces: the last stage's output to the stages and their cotangents
-  back (an activation each way)."""
+  back (an activation each way). In the tick loops the only collectives of a [V, E] array are
+  the head's gradient sums, one per micro-batch: the embedding's gradient is scattered into each
+  device's own shard of its table (autodiff's transpose summed a [V, E] array over the batch's
+  devices on every stage in every backward tick)."""
   cfg = _cfg(**{"mesh.stage": 2, "mesh.data": 4, "pipeline.schedule": schedule})
   program = Program(cfg, run_mesh(cfg))
   micro = 4
@@ -178,6 +181,12 @@ def test_compiled_loops_run_the_table(schedule, devices):
   assert weights + pieces <= found.other_bytes <= weights + pieces + 256
   assert found.bubble == pytest.approx(found.table.bubble(program.slot_flops()))
   assert "the compiled step's tick loops run those runs" in found.line()
+  V, E = m.vocab_size, m.d_model  # in the tick loops, [V, E] sums are the head's, one a head
+  table = re.compile(rf"f32\[(1,)?({V},{E}|{E},{V})\]")
+  heads = sum(stop - start for start, stop, slots in found.table.phases()
+              if "H" in slots and stop - start > 1)  # (a one-tick run is inlined)
+  assert sum(op.count for op in collectives(text)
+             if op.count != 1 and table.search(op.line)) == heads
 
 
 def test_slot_costs_are_the_stage_flops(devices):
