@@ -104,15 +104,16 @@ def test_slow_sleeps_factor_minus_one_times_its_own_step_time(monkeypatch):
 # --- the watchdog ---------------------------------------------------------------------------
 
 
-def watch(timer, tmp_path, timeout, processes=1):
+def watch(timer, tmp_path, timeout, process=0, processes=1):
   fired = []
-  dog = HangWatchdog(timer, timeout, str(tmp_path), process=0, processes=processes, host="h",
-                     newest=lambda: 4, exit=fired.append).start()
+  dog = HangWatchdog(timer, timeout, str(tmp_path), process=process, processes=processes,
+                     host="h", newest=lambda: 4, exit=fired.append).start()
   return dog, fired
 
 
 def test_automatic_timeout():
   assert timeout_for(-1, [1.0]) is None and timeout_for(7, []) == 7
+  assert timeout_for(0, [], False) == timeout_for(7, [], False) == 600  # before a first step
   assert timeout_for(0, []) == 600 and timeout_for(0, [0.1] * 5) == 60
   assert timeout_for(0, [10.0, 10.0, 500.0]) == 200
 
@@ -125,7 +126,7 @@ def test_watchdog_fires_naming_every_process_and_leaves_with_its_code(tmp_path, 
     dog, fired = watch(timer, tmp_path, 0.3, processes=2)
     with open(tmp_path / "hang" / "process_1.json", "w") as f:  # the other process, firing too
       json.dump({"process": 1, "host": "h1", "phase": "step", "step": 2, "time": time.time()}, f)
-    time.sleep(1.0)
+    time.sleep(2.0)  # process 0 leaves 1 s after the others
   assert fired == [EXIT_HUNG]
   err = capsys.readouterr().err.strip()
   assert err == ("error: hang: no step completed within 0.3s (trainer.hang_timeout_s): process 0 "
@@ -135,7 +136,8 @@ def test_watchdog_fires_naming_every_process_and_leaves_with_its_code(tmp_path, 
 
 def test_watchdog_does_not_count_compiles_saves_or_evaluations(tmp_path):
   timer = StepTimer()
-  dog, fired = watch(timer, tmp_path, 0.3)
+  timer.step_completed(1)  # past the first step's floor
+  dog, fired = watch(timer, tmp_path, 0.3, process=1)  # (not the lead: leaves at once)
   for phase in ("compile", "save", "eval"):
     with timer.paused(phase):
       time.sleep(0.6)
@@ -147,15 +149,16 @@ def test_watchdog_does_not_count_compiles_saves_or_evaluations(tmp_path):
 
 
 def test_watchdog_in_a_run_with_a_slow_compile_evaluation_and_save(tmp_path, monkeypatch):
-  """A 0.5 s timeout; the first compile, the evaluation and the save take 1 s more: the run
-  ends normally (the watchdog would end it with EXIT_HUNG through os._exit)."""
+  """A 1 s timeout; each compile (the first step's, under the first step's floor, and the log
+  step's at step 3, past it), the evaluation and the save take 1.5 s more: the run ends normally
+  (the watchdog would end it with EXIT_HUNG through os._exit)."""
   from trainer.checkpoint.persistent import Checkpointer  # noqa: PLC0415
   from trainer.run import loop  # noqa: PLC0415
   from trainer.step.program import Program  # noqa: PLC0415
 
   def slowly(fn):
     def wrapper(*args, **kwargs):
-      time.sleep(1.0)
+      time.sleep(1.5)
       return fn(*args, **kwargs)
     return wrapper
 
@@ -165,10 +168,12 @@ def test_watchdog_in_a_run_with_a_slow_compile_evaluation_and_save(tmp_path, mon
   monkeypatch.setattr(Checkpointer, "save", slowly(Checkpointer.save))
   real = loop.make_evaluator
   monkeypatch.setattr(loop, "make_evaluator", lambda *a, **k: slowly(real(*a, **k)))
-  cfg = tiny_config(**{"steps": 2, "eval_every": 2, "checkpoint.every_steps": 2,
-                       "trainer.hang_timeout_s": 0.5})
-  result = loop.Run(cfg, str(tmp_path)).train()
-  assert (result.status, result.step, fired) == ("done", 2, [])
+  cfg = tiny_config(**{"steps": 3, "log_every": 3, "eval_every": 3,
+                       "checkpoint.every_steps": 3, "trainer.hang_timeout_s": 1.0})
+  run = loop.Run(cfg, str(tmp_path))
+  result = run.train()
+  assert (result.status, result.step, fired) == ("done", 3, [])
+  assert run.steps.count == 2  # the log step's variant compiled after step 1 completed
 
 
 # --- two real processes ---------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The hang watchdog (`HangWatchdog`): a thread that ends the run when no step completes within
 `trainer.hang_timeout_s` seconds (0: `AUTO_STEPS` x the median step time, at least
-`AUTO_FLOOR_S`, and `FIRST_S` until this start has measured a step), compiles, saves and
-evaluations not counted (`StepTimer.idle`), so a slow first compile, a long evaluation or a long
-save never trips it.
+`AUTO_FLOOR_S`; at least `FIRST_S` until this start has completed a step), compiles, saves and
+evaluations not counted (`StepTimer.idle`; after a compile, twice its time more), so a slow
+first compile, a long evaluation or a long save never trips it.
 
 When it fires, each process writes where it was (its last phase: data, step, collective, ...,
 and the last step it completed) to `<workdir>/hang/process_N.json` (the workdir is shared by
@@ -31,10 +31,15 @@ AUTO_STEPS, AUTO_FLOOR_S, FIRST_S = 20, 60.0, 600.0
 GATHER_S = 10.0  # the longest a firing process waits for the other processes' phases
 
 
-def timeout_for(configured: float, step_times: list[float]) -> float | None:
-  """Seconds without a completed step before the watchdog fires; None: off."""
+def timeout_for(configured: float, step_times: list[float], started: bool = True
+                ) -> float | None:
+  """Seconds without a completed step before the watchdog fires; None: off. Until this start
+  has completed a step, at least `FIRST_S`: the other processes may still be compiling the
+  first step while this one waits for them in its first collective."""
   if configured < 0:
     return None
+  if not started:
+    return max(configured, FIRST_S)
   if configured > 0:
     return configured
   if not step_times:
@@ -58,7 +63,7 @@ class HangWatchdog:
 
   def start(self) -> "HangWatchdog":
     self.started = time.time()  # phases written before are an earlier start's
-    if timeout_for(self.configured, []) is not None:
+    if self.configured >= 0:
       self._thread.start()
     return self
 
@@ -66,12 +71,13 @@ class HangWatchdog:
     self._stop.set()
 
   def timeout(self) -> float | None:
-    return timeout_for(self.configured, list(self.timer.step_times))
+    return timeout_for(self.configured, list(self.timer.step_times), self.timer.completed > 0)
 
   def _watch(self) -> None:
     while not self._stop.is_set():
       timeout = self.timeout()
-      if self.timer.idle() > timeout:
+      # a compile here since the last step: the others may take as long again for theirs
+      if self.timer.idle() > timeout + 2 * self.timer.compiling:
         self.fire(timeout)
         return
       self._stop.wait(min(0.5, timeout / 10))
@@ -92,6 +98,8 @@ class HangWatchdog:
       if len(found) == self.processes or time.monotonic() > deadline:
         break
       time.sleep(0.1)
+    if self.process == 0:  # the others leave first: the coordinator's exit would abort them
+      time.sleep(1.0)
     where = ", ".join(
         f"process {p} (host {found[p]['host']}) in {found[p]['phase']} after step "
         f"{found[p]['step']}" if p in found else f"process {p}: not known (it wrote no phase)"

@@ -36,6 +36,7 @@ class StepTimer:
     self.phase = "step"
     self.completed, self.completed_at = 0, time.monotonic()
     self.step_times = collections.deque(maxlen=50)  # recent steps' idle() at their completion
+    self.compiling = 0.0  # seconds compiling since the last step completed
     self._paused_total, self._paused_since, self._paused_at_completion = 0.0, None, 0.0
 
   def step_dispatched(self):
@@ -45,7 +46,7 @@ class StepTimer:
     """Step `step` finished on the device (the loop waited for it)."""
     if self.completed and step > self.completed:
       self.step_times.append(self.idle() / (step - self.completed))
-    self.completed, self.completed_at = step, time.monotonic()
+    self.completed, self.completed_at, self.compiling = step, time.monotonic(), 0.0
     self._paused_at_completion = self._paused_now()
 
   def idle(self) -> float:
@@ -74,7 +75,9 @@ class StepTimer:
         yield
     finally:
       if outer:
-        self._paused_total += time.monotonic() - self._paused_since
+        seconds = time.monotonic() - self._paused_since
+        self._paused_total += seconds
+        self.compiling += seconds if phase == "compile" else 0.0
         self._paused_since = None
 
   def waiting_for_data(self):
