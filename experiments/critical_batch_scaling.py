@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from experiments import common, scaling_cells, scaling_runs
+from experiments import common, scaling_b2, scaling_cells, scaling_runs
 from experiments.scaling_runs import Task, grid_stop, job, reference_stop, run_all
 from tools import figures, lr_rules
 from tools.tradeoff import Fit, next_multipliers
@@ -30,7 +30,7 @@ from trainer.config import ConfigError
 
 QUICK = dict(widths=[32, 64], budgets=[512, 1024, 2048], batch_sizes=[4, 8, 16, 32],
              lr_grid=[0.5, 1.0, 2.0], seeds=2, eval_sequences=32, max_extensions=1,
-             max_factor=4.0, bootstrap=200, out=os.path.join("runs", "scaling_lab_quick", "lab"),
+             max_factor=4.0, bootstrap=200, b2_grid=[], out=os.path.join("runs", "scaling_lab_quick", "lab"),
              workdir=os.path.join("runs", "scaling_lab_quick", "runs"))
 
 
@@ -50,6 +50,9 @@ def build_parser():
   p.add_argument("--max_extensions", type=int, default=3,
                  help="rounds that grow a batch's rate grid beyond a winning edge")
   p.add_argument("--bracket_factor", type=float, default=2.0, help="each extension's step")
+  p.add_argument("--b2_grid", type=common.floats, default="0.95,0.99",
+                 help="fixed Adam b2 values run beside the rule's at the smallest and largest "
+                      "batch once the rates are bracketed (experiments/scaling_b2.py); '' for none")
   p.add_argument("--parametrization", default="mup", choices=("mup", "sp"),
                  help="mup: model.parametrization=mup with base_width the config's own d_model "
                       "(where its rate is stated), so every width starts near its optimal rate; "
@@ -111,6 +114,8 @@ def parse(argv, build=build_parser):
   if not (0 < args.eval_fraction <= 1 and 0 <= args.smooth_fraction < 1
           and 0 <= args.warmup_fraction < 1):
     p.error("--eval_fraction in (0, 1], --smooth_fraction and --warmup_fraction in [0, 1)")
+  if any(not 0 < x < 1 for x in args.b2_grid):
+    p.error(f"--b2_grid {args.b2_grid}: Adam's b2 values lie in (0, 1), e.g. 0.95,0.99")
   if args.curve == "ema" and args.ema_decay <= 0:
     p.error("--curve ema reads the parameter EMA's eval loss: give --ema_decay, e.g. 0.99")
   if args.seeds < 1 or args.jobs < 1 or args.bootstrap < 0 or args.max_extensions < 0:
@@ -140,6 +145,14 @@ def parse(argv, build=build_parser):
             "sequences the reference runs train (--reference_factor x the largest budget, at "
             "least that budget and half its smoothing window)")
   return args, overrides
+
+
+def task_config(cfg, t: Task, args):
+  """The config of task `t`: its width's, with `t.b2` fixed at every batch where it has one."""
+  c = width_config(cfg, t.width, t.seed, args)
+  if t.b2:
+    c.optim.b2, c.optim.b2_rule = t.b2, "constant"
+  return c
 
 
 def width_config(cfg, width: int, seed: int, args=None):
@@ -179,7 +192,7 @@ def experiment(args, cfg) -> list[dict]:
     return reanalyse(args, cfg)
   seeds = [cfg.seed + k for k in range(args.seeds)]
   ref = cfg.optim.reference_batch_size or cfg.data.global_batch_size
-  config = lambda t: width_config(cfg, t.width, t.seed, args)
+  config = lambda t: task_config(cfg, t, args)
   counts = {w: parameters(width_config(cfg, w, seeds[0], args)) for w in args.widths}
   for w, n in counts.items():
     print(f"[scaling] width {w}: {n['total'] / 1e6:.3f}M parameters "
@@ -234,6 +247,19 @@ def experiment(args, cfg) -> list[dict]:
   if grown:
     print(f"[scaling] after {args.max_extensions} extensions {len(grown)} (width, batch) still "
           "have a fastest rate at the edge: their cells are refused", flush=True)
+  if args.b2_grid and cfg.optim.name in ("adamw", "adam", "lamb"):
+    lowest = {w: min(targets[w]) for w in args.widths}
+    b2_tasks = scaling_b2.tasks(runs, args.widths, args.batch_sizes, seeds, args.b2_grid, lowest)
+    b2_jobs = {t: job(t, config(t), args, grid_stop(t, lowest[t.width], ref, args))
+               for t in b2_tasks}
+    done = run_all(b2_tasks, b2_jobs, args, seq)
+    b2_runs = [{**row, "b2": t.b2} for t in b2_tasks
+               for row in rows_of(t, done[t], b2_jobs[t], targets, counts, args, seq)]
+    from optim import derive  # noqa: PLC0415  start-up
+    rule_b2 = {(t.width, t.batch): derive(width_config(cfg, t.width, t.seed, args).optim,
+                                          t.batch, t.batch).b2 for t in b2_tasks}
+    figures.write_csv(args.out + "_b2.csv", [compact(r) for r in scaling_b2.report(
+        runs, b2_runs, rule_b2)])
   return summarize(args, runs, counts, targets, seeds, seq)
 
 

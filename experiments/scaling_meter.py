@@ -12,7 +12,7 @@ B_crit and Zhang's batch: those four, and the medians of what the grid's runs lo
 crossings (plain and preconditioned) at each rate multiplier. Across the cells the lab fitted
 (refused and transient ones left out): Pearson's r of log(estimate) against log(B_crit) with its
 Fisher-z interval, and estimate / B_crit's median and range. Writes OUT_meter.csv and
-OUT_meter.json (OUT: the lab's --out). Why: docs/batch_size.md#the-meter-against-the-labs-critical-batch
+OUT_meter.json (OUT: the lab's --out). Why: docs/scaling_lab.md#the-meter-against-the-labs-critical-batch
 """
 from __future__ import annotations
 

@@ -28,10 +28,12 @@ class Task:
   batch: int
   lr_multiplier: float
   seed: int
+  b2: float = 0.0  # a fixed Adam b2 (experiments/scaling_b2.py); 0: the config's rule
 
   @property
   def name(self) -> str:
-    return f"d{self.width}/b{self.batch}_lr{self.lr_multiplier:g}_s{self.seed}"
+    b2 = f"_b2{self.b2:g}" if self.b2 else ""
+    return f"d{self.width}/b{self.batch}_lr{self.lr_multiplier:g}{b2}_s{self.seed}"
 
 
 def job(task: Task, cfg, args, stop: dict) -> dict:

@@ -289,7 +289,8 @@ def test_a_crossing_at_the_first_smoothed_point_is_flagged(tmp_path):
 def lab_args(tmp_path, *more):
   config = tiny_config_file(tmp_path, "lab.py", global_batch_size=16, learning_rate=1e-2,
                             schedule="constant", warmup_steps=0, warmup_examples=16,
-                            reference_batch_size=16, lr_rule="sqrt")
+                            reference_batch_size=16, lr_rule="sqrt", b2=0.99,
+                            b2_rule="half_life")
   return ["--config", str(config), "--quick", "--widths", "16", "--budgets", "96,128",
           "--batch_sizes", "16,32", "--micro_batch_size", "8", "--eval_fraction", "0.125",
           "--eval_sequences", "8", "--max_factor", "3", "--lr_grid", "1", "--max_extensions", "0",
@@ -337,6 +338,9 @@ def fake_train_job(best: float):
   def train(j):
     a, batch, m = j["args"], j["batch"], j["lr_multiplier"]
     q = max(0.05, 1 - 0.02 * math.log2(m / best) ** 2)
+    optim = j["config"]["optim"]
+    if optim["b2_rule"] == "constant" and optim["b2"] == 0.95:
+      q *= 1.05  # a fixed b2 of 0.95 trains faster than the rule's
     every = max(1, round(a["eval_examples"] / batch))
     stop = target_stop(a["target_loss"], a["smooth_examples"], lambda s: s * batch,
                        a["max_examples"], a["min_examples"])
@@ -364,7 +368,8 @@ def test_the_lab_brackets_the_rates(tmp_path, monkeypatch, capsys):
   inside; the cells are fitted, the optimal rate per batch is x4 and inside. (Records written by
   a stand-in trainer: the lab's logic, not training, is what this checks.)"""
   monkeypatch.setattr(scaling_runs, "train_job", fake_train_job(best=4.0))
-  argv = lab_args(tmp_path, "--lr_grid", "0.5,1,2", "--max_extensions", "3")
+  argv = lab_args(tmp_path, "--lr_grid", "0.5,1,2", "--max_extensions", "3",
+                  "--b2_grid", "0.95,0.99")
   assert lab.main(argv) == 0
   out = capsys.readouterr().out
   assert "round 1: a fastest rate at its grid's edge at 2 (width, batch): d16 b16 +x4, " \
@@ -374,6 +379,16 @@ def test_the_lab_brackets_the_rates(tmp_path, monkeypatch, capsys):
       "inside the rates run (100%)" in out and "refused" not in out
   runs = list(csv.DictReader(open(tmp_path / "out" / "lab_runs.csv")))
   assert {float(r["lr_multiplier"]) for r in runs} == {0.5, 1.0, 2.0, 4.0, 8.0}
+  # b2 bracketed at the smallest and largest batch, at the fastest multiplier (x4): 0.95 is
+  # faster than the rule's (the stand-in makes it so), 0.99 the same as the rule's there
+  b2 = list(csv.DictReader(open(tmp_path / "out" / "lab_b2.csv")))
+  assert {(int(r["batch_size"]), float(r["lr_multiplier"]), r["b2"]) for r in b2} == {
+      (b, 4.0, x) for b in (16, 32) for x in ("rule", "0.95", "0.99")}
+  fast = {(int(r["batch_size"]), int(r["budget"])) for r in b2 if r["faster_than_rule"] == "True"}
+  assert fast == {(b, d) for b in (16, 32) for d in (96, 128)}, b2
+  assert "[scaling] b2 at d16 b16 (x4; the rule's b2 0.9900)" in out
+  assert "[scaling] b2 at d16 b32 (x4; the rule's b2 0.9801)" in out
+  assert "a fixed b2 is faster than the rule's at d16 b16, d16 b32" in out
   cells = list(csv.DictReader(open(tmp_path / "out" / "lab.csv")))
   assert all(c["refused"] == "" and float(c["b_crit"]) > 0 for c in cells), cells
   lr = list(csv.DictReader(open(tmp_path / "out" / "lab_lr.csv")))

@@ -89,7 +89,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   from optim import derive  # noqa: PLC0415  start-up
 
   cfg = run_config(base_cfg, batch_size, lr_multiplier, args)
-  target = args.target_loss
+  micro, target = args.micro_batch_size, args.target_loss
   key = "eval_loss_ema" if getattr(args, "curve", "raw") == "ema" else "eval_loss"
   stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
                                  args.max_examples, getattr(args, "min_examples", 0), key)
