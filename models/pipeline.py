@@ -137,7 +137,8 @@ def value_and_grad(model: Transformer, pipe: Pipeline, batch, *, step_tokens, pa
 
   head = lambda rest, y_BnE, labels: _piece_loss(merged(rest), y_BnE, *labels)
   labels = lambda micro: (targets[micro], mask[micro])
-  embed = lambda rest, micro: merged(rest).embed(batch["inputs"][micro])
+  dtype = DTYPES[cfg.dtype]
+  embed = lambda rest, micro: _embed(rest, batch["inputs"][micro], dtype)
   embed_grad = lambda g, micro, dx_BSE: _embed_grad(g, batch["inputs"][micro], dx_BSE)
   micro, rows, seq = batch["inputs"].shape
   table = pipe.table(micro)
@@ -174,7 +175,9 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
   part) and weight-gradient part on a micro-batch of `rows` x `seq` tokens, counted in their
   jaxprs (`sharding.schedule.dot_flops`; `params` may be abstract): the costs the schedule
   table's bubble weighs its slots with. W is 0 unless the schedule splits the backward. (The
-  head is no slot: sharding/pipeline_vjp.py splits it over all stages, none idle.)"""
+  head is no slot: sharding/pipeline_vjp.py splits it over all stages, none idle. The
+  embedding's gather in F and its gradient's scatter in B, which every stage runs in those
+  slots and stage 0's first repeat uses, hold no matrix product: they weigh nothing here.)"""
   def setup(params):
     model = nnx.merge(graphdef, params)
     ids = jnp.zeros((1, rows, seq), jnp.int32)
@@ -214,6 +217,18 @@ def slot_flops(graphdef, params, pipe: Pipeline, rows: int, seq: int) -> dict:
     residuals = jax.eval_shape(residuals_of, params)
     out["B"] = dot_flops(jax.make_jaxpr(pullback)(params, residuals))
   return {"W": 0.0, **out}
+
+
+def _embed(weights, tokens_BS, dtype):
+  """`Transformer.embed` (a row gather, cast to `dtype`) of one micro-batch, each device reading
+  its own shard of the table (the micro-batch's ids gathered within the stage, its width split
+  as the table's, then the rows split over the batch's devices): a micro-batch's tokens x E
+  between them, where gathering the table is V x E per tick (the plain step's micro-batches are
+  large enough that the table's gather is the cheaper one)."""
+  table_VE = constrain(weights["embed_VE"], ("vocab", "embed"))
+  tokens_BS = constrain(tokens_BS, (None, None))
+  x_BSE = jnp.take(table_VE, tokens_BS, axis=0).astype(dtype)
+  return constrain(constrain(x_BSE, (None, None, "embed")), ACT)
 
 
 def _embed_grad(g, tokens_BS, dx_BSE):

@@ -71,7 +71,8 @@ class Table:
   def bubble(self, weights: dict) -> float:
     """Idle slot work over all slot work: every present slot counts on every stage, weighted by
     its op's cost (`weights` {"F", "B", "W"}: e.g. the FLOPs of one stage's F, B, W). The head
-    has no idle share: its ticks split it over all stages."""
+    has no idle share: its ticks split it over all stages. The embedding's gather and scatter
+    ride in F and B (no FLOPs: by FLOPs they add nothing)."""
     present = self.present()
     total = sum(weights[op] * present[op].sum() * self.stages for op in SLOTS if op in weights)
     busy = sum(weights[op] * self.busy(op).sum() for op in SLOTS if op in weights)

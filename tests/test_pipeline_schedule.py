@@ -315,3 +315,38 @@ def test_the_chain_computes_nothing_off_cpu(platform, devices):
     assert after == {"optimization_barrier"} and summed == set()
   else:
     assert "add" in after and "mul" in after and "add" in summed
+
+
+# ------------------------------------------------------------------------------------------------
+# The explicit schedules' embedding
+
+
+def test_the_embedding_reads_and_writes_each_devices_own_shard(devices):
+  """The explicit schedules' embedding (models/pipeline.py `_embed`, `_embed_grad`) on fsdp 4 x
+  tensor 2: the table's rows and their scatter-add, and no collective of the compiled lookup or
+  gradient moves a quarter of the table (the micro-batch's ids and rows move; gathering the
+  table over fsdp, and autodiff's transpose, a [V, E] sum over the batch's devices, moved it
+  all, in every tick)."""
+  from models import pipeline as model_pipeline  # noqa: PLC0415
+  from sharding.rules import logical_to_spec  # noqa: PLC0415
+  cfg = _cfg(**{"mesh.fsdp": 4, "mesh.tensor": 2})
+  mesh = run_mesh(cfg)
+  V, E, rows, T = cfg.model.vocab_size, cfg.model.d_model, 4, cfg.data.seq_len
+  rng = np.random.default_rng(0)
+  table = rng.standard_normal((V, E)).astype(np.float32)
+  ids = rng.integers(0, V, (rows, T)).astype(np.int32)
+  dx = rng.standard_normal((rows, T, E)).astype(np.float32)
+  want = np.zeros((V, E), np.float32)
+  np.add.at(want, ids.ravel(), dx.reshape(-1, E))
+  put = lambda a, names: jax.device_put(a, jax.sharding.NamedSharding(mesh, logical_to_spec(names)))
+  with jax.set_mesh(mesh):
+    args = (put(table, ("vocab", "embed")), put(ids, ("act_batch", "act_seq")),
+            put(dx, ("act_batch", "act_seq", "act_embed")))
+    lookup = jax.jit(lambda t, i, _: model_pipeline._embed({"embed_VE": t}, i, np.float32))
+    grad = jax.jit(lambda t, i, dx: model_pipeline._embed_grad({"embed_VE": 0 * t}, i, dx))
+    texts = [f.lower(*args).compile().as_text() for f in (lookup, grad)]
+    got = (lookup(*args), grad(*args)["embed_VE"])
+  np.testing.assert_array_equal(got[0], table[ids])
+  np.testing.assert_allclose(got[1], want, rtol=1e-5, atol=1e-5)
+  moved = [op.line for text in texts for op in collectives(text) if op.bytes >= V * E * 4 / 4]
+  assert moved == []
