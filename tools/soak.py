@@ -5,9 +5,10 @@ where an uninterrupted run of the same command ends, bit for bit.
         [--seed 0] [--max_seconds 1800] [--hang_timeout_s 5] [--config.KEY=VALUE ...]
 
 Trains the config straight (WORKDIR/straight), then in WORKDIR/faulted where each of `--faults`
-starts meets one fault at a random moment of the steps it has left: SIGKILL, SIGTERM (save, exit
-75) or a hang (`trainer.fault=hang:0:STEP`, ended by the watchdog: exit 5), shuffled evenly; the
-tool restarts it after each, and a last start runs to the end. A fault is recovered when its
+starts meets one fault at a random moment (within twice its even share of the steps left, at the
+straight run's pace): SIGKILL, SIGTERM (save, exit 75) or a hang (`trainer.fault=hang:0:STEP`,
+ended by the watchdog: exit 5), shuffled evenly; it restarts the run after each, and a last
+start runs to the end. A fault is recovered when its
 start ended as that fault ends one and the next resumed from the newest complete checkpoint.
 Prints recoveries attempted and recovered, steps redone, goodput (`tools.goodput`), and whether
 every loss and parameter equals the straight run's exactly (exit 0 only if all do). Bounded: no
@@ -29,6 +30,7 @@ from tools.convert import mesh_from_overrides
 from tools.goodput import account, read_events
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser, load
+from trainer.multihost import platforms
 from trainer.tracking.record import read_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,6 +70,7 @@ def last_losses(workdir: str) -> dict[int, float]:
 def same_parameters(a: str, b: str) -> tuple[bool, int]:
   """(whether the newest checkpoints of workdirs `a` and `b` hold bit-identical parameters,
   the number of arrays compared)."""
+  platforms.choose()  # before jax starts, as train.py: no TPU probing without TPUs
   import jax  # noqa: PLC0415  start-up
   from trainer.checkpoint.model_dirs import restore_params  # noqa: PLC0415  start-up
   mesh = mesh_from_overrides([])
@@ -130,10 +133,14 @@ class Soak:
         self.log(f"soak: --max_seconds {self.args.max_seconds:g} passed: no more faults")
         return
       done = self._progress()
-      left = self.steps - done
+      if done >= self.steps:
+        self.log(f"soak: the run finished before fault {number}; none left to fault")
+        return
+      # within twice the even share of the steps left, so that every fault finds steps to do
+      share = 2 * (self.steps - done) / (len(self.kinds) - number + 2)
       extra = ()
       if kind == "hang":
-        at = self.rng.randint(min(done + 3, self.steps), self.steps)  # a step completed first
+        at = min(done + 3 + self.rng.randint(0, int(share)), self.steps)  # a step done first
         extra = (f"--config.trainer.fault=hang:0:{at}",
                  f"--config.trainer.hang_timeout_s={self.args.hang_timeout_s:g}")
       proc, seen = self._start(*extra)
@@ -141,7 +148,7 @@ class Soak:
       restore = self._resumed(seen, proc, limit)
       self._note_recovery(restore, done)
       if kind != "hang" and proc.poll() is None:
-        time.sleep(self.rng.uniform(0, 0.9 * left * self.pace))
+        time.sleep(self.rng.uniform(0, share * self.pace))
         if proc.poll() is None:
           os.killpg(proc.pid, signal.SIGKILL) if kind == "kill" else proc.send_signal(
               signal.SIGTERM)
@@ -214,9 +221,9 @@ def main(argv: list[str]) -> int:
   identical = same_losses and same_params
   print(f"soak: recoveries attempted {soak.attempted}, recovered {soak.recovered}; steps redone "
         f"{report['steps_redone']}; goodput {100 * report['goodput']:.1f}% over "
-        f"{report['restarts']} restart(s); the losses of {len(want)} logged steps "
-        + ("are" if same_losses else "are NOT") + f" and the {arrays} parameter arrays "
-        + ("are" if same_params else "are NOT") + " bit-identical to the straight run's")
+        f"{report['restarts']} restart(s); against the straight run, the losses of {len(want)} "
+        f"logged steps: {'identical' if same_losses else 'NOT identical'}, the {arrays} "
+        f"parameter arrays: {'identical' if same_params else 'NOT identical'} (bit for bit)")
   print(json.dumps({"attempted": soak.attempted, "recovered": soak.recovered,
                     "steps_redone": report["steps_redone"], "goodput": report["goodput"],
                     "identical": identical, "seconds": time.time() - began}))
