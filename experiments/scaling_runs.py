@@ -73,7 +73,7 @@ def covered(j: dict, seq_len: int) -> bool:
     return False
   with open(path) as f:
     saved = json.load(f)
-  if saved["fingerprint"] != j["fingerprint"]:
+  if not same_fingerprint(saved["fingerprint"], j["fingerprint"]):
     return False
   a, r = j["args"], saved["result"]
   seen = common.ramp_from_rows(common.read_rows(j["workdir"]), r["batch_size"],
@@ -83,6 +83,37 @@ def covered(j: dict, seq_len: int) -> bool:
   hit = common.crossings(j["workdir"], r["batch_size"], seq_len, [a["target_loss"]],
                          a["smooth_examples"], curve_key(a.get("curve", "raw")))[0]
   return hit["steps"] is not None and seen >= a["min_examples"]
+
+
+def same_fingerprint(saved: str, now: str) -> bool:
+  """Whether a record's fingerprint is the job's: equal, up to config options that one of them
+  lacks while the other holds that option's default (an option added to the stack since the
+  record was written, at its default, which leaves training as it was)."""
+  if saved == now:
+    return True
+  from trainer.config.defaults import default_config  # noqa: PLC0415  start-up
+  a, b = flat(json.loads(saved)), flat(json.loads(now))
+  defaults = flat({"config": default_config().to_dict()})
+  missing = object()
+  for key in set(a) | set(b):
+    x, y = a.get(key, missing), b.get(key, missing)
+    if x == y:
+      continue
+    present = y if x is missing else x if y is missing else missing
+    if present is missing or key not in defaults or defaults[key] != present:
+      return False
+  return True
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+  """{"a.b": leaf} of nested dicts."""
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict) and v:
+      out.update(flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
 
 
 def curve_key(curve: str) -> str:

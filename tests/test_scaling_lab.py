@@ -270,6 +270,23 @@ def test_a_run_is_read_only_when_its_record_covers_the_stop_rule(tmp_path):
       ref["max_examples"] > args.min_examples
 
 
+def test_a_record_survives_an_option_added_at_its_default():
+  """A record written before an option existed matches a job that holds the option at its
+  default (training is as it was), not one that sets it otherwise or changes another value."""
+  from trainer.config.defaults import default_config
+  cfg = default_config().to_dict()
+  now = dict(config=cfg, batch=8)
+  old = dict(config={**cfg, "trainer": {k: v for k, v in cfg["trainer"].items()
+                                        if k != "straggler_factor"}}, batch=8)
+  same = lambda a, b: scaling_runs.same_fingerprint(json.dumps(a), json.dumps(b))
+  assert same(old, now) and same(now, old) and same(now, now)
+  changed = {**cfg, "trainer": {**cfg["trainer"], "straggler_factor": 2.5}}
+  assert not same(old, dict(config=changed, batch=8))
+  assert not same(old, dict(config={**cfg, "seed": cfg["seed"] + 1}, batch=8))
+  assert not same(now, dict(config=cfg, batch=16))
+  assert not same(dict(now, extra=1), now)  # a job setting that is not a config option
+
+
 def test_a_crossing_at_the_first_smoothed_point_is_flagged(tmp_path):
   """`common.crossings(...)["first"]`: the curve is already below the target where its smoothed
   part starts, so the run may have crossed earlier: its steps are an upper bound."""
