@@ -6,7 +6,8 @@ step (no sync of its own between log steps). A process whose median over the las
 of a part exceeds `trainer.straggler_factor` x the other processes' median of it, by at least
 `MIN_SHARE` of the median step time, is named in one line and in the row (`straggler`). The time
 lost to the slowest process (every process waits for it at the step's collectives) goes into the
-goodput events, for `tools.goodput`. Why and the limits: docs/reliability.md#slow-and-hung-processes.
+goodput events, for `tools.goodput`. Why, and the limits (it times the host, not the devices):
+docs/reliability.md#slow-and-hung-processes.
 """
 from __future__ import annotations
 
