@@ -127,7 +127,9 @@ def preconditioner_at(step_dir: str, config: dict, mesh):
   abstract = Program(cfg, mesh).abstract_state()
   try:
     with ocp.StandardCheckpointer() as checkpointer:
-      state = checkpointer.restore(os.path.join(step_dir, "state"), abstract)
+      # orbax wants an absolute path (a relative one raises ValueError, read below as "no
+      # second moments", which dropped the preconditioned truth of every relative --workdir)
+      state = checkpointer.restore(os.path.abspath(os.path.join(step_dir, "state")), abstract)
   except (ValueError, KeyError, FileNotFoundError):  # an earlier version's meter state
     return None
   leaves, tree = jax.tree.flatten(state.params)
