@@ -6,8 +6,9 @@ each, the tiny model of tests/test_multihost.py): the straggler report and the h
 clean  STEPS steps, a log row every step: rows that name a process (false positives), and the
        report's overhead on step time as a same-run ratio: median `straggler_ms` (its all-gather
        and decision, timed after the running step finished) over the median `step_time`
-slow   `trainer.fault=slow:1:2`: the first row that names a process, what it names, and the
-       first slowed step (3: the fault measures two steps first)
+slow   `trainer.fault=slow:1:2`: the first row that names a process, what it names, the first
+       slowed step (3: the fault measures two steps first), and tools.goodput's time lost to
+       the slowest process
 hang   `trainer.fault=hang:1:8`, `trainer.hang_timeout_s=TIMEOUT`: both exit codes, seconds from
        the last metrics row to the later exit (over the timeout), the watchdog's line; then the
        restart, and whether its losses equal a straight run's bit for bit
@@ -26,6 +27,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from tools.goodput import account, describe, read_events  # noqa: E402
 from trainer.config import ConfigError  # noqa: E402
 from trainer.config.cli import CliParser  # noqa: E402
 
@@ -98,6 +100,9 @@ def slow(tmp: str, steps: int) -> None:
         f"process: step {first and first['step']} ({first and first['straggler']}); rows naming "
         f"process 1: {sum('process 1' in x.get('straggler', '') for x in r)}/{len(r)}, process "
         f"0: {sum('process 0' in x.get('straggler', '') for x in r)}; line: {lines[:1]}")
+  report = account(read_events(os.path.join(d, "goodput.jsonl")))
+  lost = [ln for ln in describe(report).splitlines() if "lost to the slowest" in ln]
+  print(f"  tools.goodput: {lost[0].strip() if lost else None}")
 
 
 def hang(tmp: str, timeout: float) -> None:

@@ -61,7 +61,7 @@ def test_the_report_says_it_once_in_the_row_and_counts_the_time_lost():
   assert "straggler" not in rows[1][0] and rows[2][0]["straggler"] == "process 1 compute 2.50x"
   assert len(lines) == 1 and lines[0].startswith("straggler: process 1 (host b) is slow in "
                                                  "compute: 250.0 ms per step, 2.50x")
-  assert rows[3][1] == {"slowest": 1, "lost_to_slowest": pytest.approx(0.75)}  # (0.251-0.176)x10
+  assert rows[3][1] == {"slowest": 1, "lost_to_slowest": pytest.approx(1.5)}  # (0.251-0.101)x10
 
 
 # --- faults ---------------------------------------------------------------------------------

@@ -68,8 +68,8 @@ class StragglerReport:
     named = slow_processes(np.stack(self.history), float(np.median(self.step_times)), self.factor)
     totals = table.sum(axis=1)
     slowest = int(np.argmax(totals))
-    event = {"slowest": slowest,
-             "lost_to_slowest": float((totals[slowest] - np.median(totals)) * steps)}
+    others = np.median(np.delete(totals, slowest))  # what a step would take without it
+    event = {"slowest": slowest, "lost_to_slowest": float((totals[slowest] - others) * steps)}
     row = {}
     if named:
       row["straggler"] = "; ".join(f"process {p} {kind} {ratio:.2f}x"
