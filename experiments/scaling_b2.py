@@ -74,12 +74,14 @@ def report(rule_runs: list[dict], b2_runs: list[dict], rule_b2: dict) -> list[di
           said.append(f"b2 {x:g}: {p.diff.text('+.3f')} ({verdict})")
     print(f"[scaling] b2 at d{w} b{b} (x{m:g}; the rule's b2 {rule_b2[w, b]:.4f}), log steps "
           "to the lowest target against the rule's: " + "; ".join(said), flush=True)
-  flagged = sorted({(r["width"], r["batch_size"]) for r in rows if r.get("faster_than_rule")})
-  print("[scaling] b2: " + ("the rule's b2 is no slower than any fixed one at every edge batch"
-                            if not flagged else "a fixed b2 is faster than the rule's at "
-                            + ", ".join(f"d{w} b{b}" for w, b in flagged)
-                            + ": those batches' rates were bracketed at a b2 that is not the "
-                            "best"), flush=True)
+  flagged = sorted({(r["width"], r["batch_size"], r["budget"], r["b2"]) for r in rows
+                    if r.get("faster_than_rule")})
+  print("[scaling] b2: " + ("the rule's b2 is no slower than any fixed one at every edge batch "
+                            "and budget" if not flagged else "a fixed b2 is faster than the "
+                            "rule's at " + ", ".join(f"d{w} b{b} D {d:,} (b2 {x:g})"
+                                                     for w, b, d, x in flagged)
+                            + ": there the rates were bracketed at a b2 that is not the best"),
+        flush=True)
   return rows
 
 

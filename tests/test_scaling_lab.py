@@ -405,7 +405,8 @@ def test_the_lab_brackets_the_rates(tmp_path, monkeypatch, capsys):
   assert fast == {(b, d) for b in (16, 32) for d in (96, 128)}, b2
   assert "[scaling] b2 at d16 b16 (x4; the rule's b2 0.9900)" in out
   assert "[scaling] b2 at d16 b32 (x4; the rule's b2 0.9801)" in out
-  assert "a fixed b2 is faster than the rule's at d16 b16, d16 b32" in out
+  assert "a fixed b2 is faster than the rule's at d16 b16 D 96 (b2 0.95), d16 b16 D 128 (b2 " \
+      "0.95), d16 b32 D 96 (b2 0.95), d16 b32 D 128 (b2 0.95)" in out
   cells = list(csv.DictReader(open(tmp_path / "out" / "lab.csv")))
   assert all(c["refused"] == "" and float(c["b_crit"]) > 0 for c in cells), cells
   lr = list(csv.DictReader(open(tmp_path / "out" / "lab_lr.csv")))
