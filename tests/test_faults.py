@@ -151,7 +151,7 @@ def test_watchdog_does_not_count_compiles_saves_or_evaluations(tmp_path):
 def test_watchdog_in_a_run_with_a_slow_compile_evaluation_and_save(tmp_path, monkeypatch):
   """A 1 s timeout; each compile (the first step's, under the first step's floor, and the log
   step's at step 3, past it), the evaluation and the save take 1.5 s more: the run ends normally
-  (the watchdog would end it with EXIT_HUNG through os._exit)."""
+  (the watchdog's `fire`, which would end it with EXIT_HUNG, is recorded instead)."""
   from trainer.checkpoint.persistent import Checkpointer  # noqa: PLC0415
   from trainer.run import loop  # noqa: PLC0415
   from trainer.step.program import Program  # noqa: PLC0415
@@ -163,7 +163,7 @@ def test_watchdog_in_a_run_with_a_slow_compile_evaluation_and_save(tmp_path, mon
     return wrapper
 
   fired = []
-  monkeypatch.setattr(os, "_exit", fired.append)
+  monkeypatch.setattr(HangWatchdog, "fire", lambda self, timeout: fired.append(timeout))
   monkeypatch.setattr(Program, "compile", slowly(Program.compile))
   monkeypatch.setattr(Checkpointer, "save", slowly(Checkpointer.save))
   real = loop.make_evaluator
