@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from experiments import common, scaling_b2, scaling_cells, scaling_runs
-from experiments.scaling_runs import Task, grid_stop, job, reference_stop, run_all
+from experiments.scaling_runs import Task, grid_stop, job, reference_stop, rows_of, run_all
 from tools import figures, lr_rules
 from tools.tradeoff import Fit, next_multipliers
 from trainer.config import ConfigError
@@ -248,18 +248,9 @@ def experiment(args, cfg) -> list[dict]:
     print(f"[scaling] after {args.max_extensions} extensions {len(grown)} (width, batch) still "
           "have a fastest rate at the edge: their cells are refused", flush=True)
   if args.b2_grid and cfg.optim.name in ("adamw", "adam", "lamb"):
-    lowest = {w: min(targets[w]) for w in args.widths}
-    b2_tasks = scaling_b2.tasks(runs, args.widths, args.batch_sizes, seeds, args.b2_grid, lowest)
-    b2_jobs = {t: job(t, config(t), args, grid_stop(t, lowest[t.width], ref, args))
-               for t in b2_tasks}
-    done = run_all(b2_tasks, b2_jobs, args, seq)
-    b2_runs = [{**row, "b2": t.b2} for t in b2_tasks
-               for row in rows_of(t, done[t], b2_jobs[t], targets, counts, args, seq)]
-    from optim import derive  # noqa: PLC0415  start-up
-    rule_b2 = {(t.width, t.batch): derive(width_config(cfg, t.width, t.seed, args).optim,
-                                          t.batch, t.batch).b2 for t in b2_tasks}
-    figures.write_csv(args.out + "_b2.csv", [compact(r) for r in scaling_b2.report(
-        runs, b2_runs, rule_b2)])
+    b2 = scaling_b2.run(args, runs, targets, counts, seeds, ref, seq, config,
+                        lambda t: width_config(cfg, t.width, t.seed, args).optim)
+    figures.write_csv(args.out + "_b2.csv", [compact(r) for r in b2])
   return summarize(args, runs, counts, targets, seeds, seq)
 
 
@@ -285,26 +276,6 @@ def reanalyse(args, cfg) -> list[dict]:
   print(f"[scaling] {len(runs)} rows of {args.from_runs}: widths {args.widths}, budgets "
         f"{args.budgets}, batches {args.batch_sizes}, seeds {seeds}; nothing trained", flush=True)
   return summarize(args, runs, counts, targets, seeds, cfg.data.seq_len)
-
-
-def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]:
-  """A run's row per budget: the crossing of that budget's target on the curve smoothed over
-  its own window (steps an upper bound, `censored`, where the curve starts below it) and the
-  loss after D."""
-  key = scaling_runs.curve_key(args.curve)
-  out = []
-  for d, target in zip(args.budgets, targets[t.width]):
-    hit = common.crossings(j["workdir"], t.batch, seq, [target], args.smooth[d], key)[0]
-    loss = common.loss_at(j["workdir"], t.batch, seq, [d], args.smooth[d], key)[0]
-    out.append(dict(width=t.width, params=counts[t.width]["total"], seed=t.seed,
-                    batch_size=t.batch, lr_multiplier=t.lr_multiplier,
-                    learning_rate=r["learning_rate"], budget=d, budget_tokens=d * seq,
-                    target=target, steps=hit["steps"], examples=hit["examples"],
-                    tokens=hit["tokens"], noise_scale=hit["noise_scale"],
-                    noise_scale_precond=hit["noise_scale_precond"], censored=hit["first"],
-                    micro_batches=r["micro_batches"], loss_at_budget=loss, warmup=args.warmup,
-                    steps_run=r["steps_run"], seconds=r["seconds"]))
-  return out
 
 
 def summarize(args, runs: list[dict], counts, targets, seeds, seq) -> list[dict]:

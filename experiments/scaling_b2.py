@@ -1,5 +1,5 @@
 """The scaling lab's beta2 bracket: is the rule's Adam b2 no worse than fixed values at the edges
-of the batch window? (No jax here.)
+of the batch window?
 
 Once the rates are bracketed, at each width's smallest and largest batch the rate multiplier
 with the fewest mean steps to the lowest target runs again, every seed, at each fixed b2 of
@@ -16,8 +16,24 @@ import math
 
 import numpy as np
 
-from experiments.scaling_runs import Task
+from experiments.scaling_runs import Task, grid_stop, job, rows_of, run_all
 from tools import stats
+
+
+def run(args, runs: list[dict], targets, counts, seeds, ref: int, seq: int, config,
+        rule_optim) -> list[dict]:
+  """Train the b2 runs (`config(task)` their configs, `rule_optim(task)` the optim block whose
+  rule sets b2 at the task's batch) and return `report`'s rows."""
+  from optim import derive  # noqa: PLC0415  start-up
+
+  lowest = {w: min(targets[w]) for w in args.widths}
+  todo = tasks(runs, args.widths, args.batch_sizes, seeds, args.b2_grid, lowest)
+  jobs = {t: job(t, config(t), args, grid_stop(t, lowest[t.width], ref, args)) for t in todo}
+  done = run_all(todo, jobs, args, seq)
+  b2_runs = [{**row, "b2": t.b2} for t in todo
+             for row in rows_of(t, done[t], jobs[t], targets, counts, args, seq)]
+  rule_b2 = {(t.width, t.batch): derive(rule_optim(t), t.batch, t.batch).b2 for t in todo}
+  return report(runs, b2_runs, rule_b2)
 
 
 def tasks(runs: list[dict], widths, batches, seeds, b2_grid, lowest: dict) -> list[Task]:

@@ -27,7 +27,10 @@ import numpy as np
 from experiments import common, critical_batch_scaling as lab
 from experiments.scaling_runs import Task, job, reference_stop
 from tools import figures, stats
+from tools.batch_sweep import run_config
+from tools.noise_check import check_run
 from trainer.config import ConfigError
+from trainer.run.inprocess import train
 
 ESTIMATES = ("truth", "truth_precond", "logged", "logged_precond", "crossing", "crossing_precond")
 
@@ -50,9 +53,6 @@ def parse(argv):
 def reference_checkpoints(args, cfg, width: int, seq: int) -> str:
   """Train width's reference run (the config's seed) with a checkpoint at every budget; its
   workdir (`--workdir`/meter/d<width>)."""
-  from tools.batch_sweep import run_config  # noqa: PLC0415  start-up
-  from trainer.run.inprocess import train  # noqa: PLC0415  start-up
-
   ref = cfg.optim.reference_batch_size or cfg.data.global_batch_size
   if any(d % ref for d in args.budgets):
     raise ConfigError(f"--budgets {args.budgets}: each must be a multiple of the "
@@ -70,8 +70,6 @@ def reference_checkpoints(args, cfg, width: int, seq: int) -> str:
 
 
 def experiment(args, cfg) -> list[dict]:
-  from tools.noise_check import check_run  # noqa: PLC0415  start-up
-
   seq = cfg.data.seq_len
   ref = cfg.optim.reference_batch_size or cfg.data.global_batch_size
   cells = figures.read_table(args.out + ".csv", ("width", "budget", "b_crit"),

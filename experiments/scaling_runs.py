@@ -19,6 +19,7 @@ import os
 from experiments import common
 from tools import batch_sweep
 from trainer.config.cli import from_dict
+from trainer.config.defaults import default_config
 from trainer.multihost import platforms
 
 
@@ -91,8 +92,10 @@ def same_fingerprint(saved: str, now: str) -> bool:
   record was written, at its default, which leaves training as it was)."""
   if saved == now:
     return True
-  from trainer.config.defaults import default_config  # noqa: PLC0415  start-up
-  a, b = flat(json.loads(saved)), flat(json.loads(now))
+  try:
+    a, b = flat(json.loads(saved)), flat(json.loads(now))
+  except (json.JSONDecodeError, AttributeError):  # not a job's JSON object: unequal strings differ
+    return False
   defaults = flat({"config": default_config().to_dict()})
   missing = object()
   for key in set(a) | set(b):
@@ -114,6 +117,27 @@ def flat(tree: dict, prefix: str = "") -> dict:
     else:
       out[f"{prefix}{k}"] = v
   return out
+
+
+def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]:
+  """A run's row per budget: the crossing of that budget's target on the curve smoothed over
+  its own window (steps an upper bound, `censored`, where the curve starts below it) and the
+  loss after D."""
+  key = curve_key(args.curve)
+  out = []
+  for d, target in zip(args.budgets, targets[t.width]):
+    hit = common.crossings(j["workdir"], t.batch, seq, [target], args.smooth[d], key)[0]
+    loss = common.loss_at(j["workdir"], t.batch, seq, [d], args.smooth[d], key)[0]
+    out.append(dict(width=t.width, params=counts[t.width]["total"], seed=t.seed,
+                    batch_size=t.batch, lr_multiplier=t.lr_multiplier,
+                    learning_rate=r["learning_rate"], budget=d, budget_tokens=d * seq,
+                    target=target, steps=hit["steps"], examples=hit["examples"],
+                    tokens=hit["tokens"], noise_scale=hit["noise_scale"],
+                    noise_scale_precond=hit["noise_scale_precond"], censored=hit["first"],
+                    micro_batches=r["micro_batches"], loss_at_budget=loss, warmup=args.warmup,
+                    steps_run=r["steps_run"], seconds=r["seconds"]))
+  return out
+
 
 
 def curve_key(curve: str) -> str:
