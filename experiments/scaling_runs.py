@@ -92,11 +92,13 @@ def same_fingerprint(saved: str, now: str) -> bool:
   record was written, at its default, which leaves training as it was)."""
   if saved == now:
     return True
+  from trainer.multihost.agreement import flatten  # noqa: PLC0415  start-up
+
   try:
-    a, b = flat(json.loads(saved)), flat(json.loads(now))
+    a, b = flatten(json.loads(saved)), flatten(json.loads(now))
   except (json.JSONDecodeError, AttributeError):  # not a job's JSON object: unequal strings differ
     return False
-  defaults = flat({"config": default_config().to_dict()})
+  defaults = flatten({"config": default_config().to_dict()})
   missing = object()
   for key in set(a) | set(b):
     x, y = a.get(key, missing), b.get(key, missing)
@@ -106,17 +108,6 @@ def same_fingerprint(saved: str, now: str) -> bool:
     if present is missing or key not in defaults or defaults[key] != present:
       return False
   return True
-
-
-def flat(tree: dict, prefix: str = "") -> dict:
-  """{"a.b": leaf} of nested dicts."""
-  out = {}
-  for k, v in tree.items():
-    if isinstance(v, dict) and v:
-      out.update(flat(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
 
 
 def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]:
@@ -137,7 +128,6 @@ def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]
                     micro_batches=r["micro_batches"], loss_at_budget=loss, warmup=args.warmup,
                     steps_run=r["steps_run"], seconds=r["seconds"]))
   return out
-
 
 
 def curve_key(curve: str) -> str:

@@ -63,12 +63,13 @@ def fingerprint(cfg, workdir: str) -> dict[str, Any]:
   }
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+  """{"a.b": leaf} of nested dicts, keys sorted."""
   if not isinstance(tree, dict):
     return {prefix.rstrip("."): tree}
   out = {}
   for key in sorted(tree):
-    out.update(_flatten(tree[key], f"{prefix}{key}."))
+    out.update(flatten(tree[key], f"{prefix}{key}."))
   return out
 
 
@@ -83,7 +84,7 @@ HINTS = {
 
 def first_difference(reference: dict, other: dict) -> tuple[str, Any, Any] | None:
   """(dotted key, reference value, other value) of the first difference, or None."""
-  a, b = _flatten(reference), _flatten(other)
+  a, b = flatten(reference), flatten(other)
   for key in sorted(set(a) | set(b)):
     if a.get(key, "<missing>") != b.get(key, "<missing>"):
       return key, a.get(key, "<missing>"), b.get(key, "<missing>")
