@@ -64,9 +64,9 @@ def crossings(workdir: str, start_batch: int, seq_len: int, targets: list[float]
               smooth_examples: float, key: str = "eval_loss") -> list[dict]:
   """Per target, where a run's smoothed eval curve crossed it: steps, examples and tokens through
   the run's own record (its batch changes), the batch it had then and the B_simple the meter
-  logged there, plain and preconditioned (all None where it never did); `first`: at the smoothed curve's first point, so
-  the run may have crossed earlier (an upper bound, not a crossing). `key`: the curve read
-  (`eval_loss_ema`: the parameter EMA's)."""
+  logged there, plain and preconditioned (all None where it never did); `first`: at the
+  smoothed curve's first point, so the run may have crossed earlier (an upper bound, not a
+  crossing). `key`: the curve read (`eval_loss_ema`: the parameter EMA's)."""
   rows = read_rows(workdir)
   ramp = ramp_from_rows(rows, start_batch, seq_len)
   curve, noise = eval_curve(rows, ramp, key), noise_curve(rows)

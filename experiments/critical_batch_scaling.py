@@ -23,15 +23,15 @@ import sys
 import numpy as np
 
 from experiments import common, scaling_b2, scaling_cells, scaling_runs
-from experiments.scaling_runs import Task, grid_stop, job, reference_stop, rows_of, run_all
+from experiments.scaling_runs import Task, grid_rows, job, reference_stop, run_all
 from tools import figures, lr_rules
 from tools.tradeoff import Fit, next_multipliers
 from trainer.config import ConfigError
 
 QUICK = dict(widths=[32, 64], budgets=[512, 1024, 2048], batch_sizes=[4, 8, 16, 32],
              lr_grid=[0.5, 1.0, 2.0], seeds=2, eval_sequences=32, max_extensions=1,
-             max_factor=4.0, bootstrap=200, b2_grid=[], out=os.path.join("runs", "scaling_lab_quick", "lab"),
-             workdir=os.path.join("runs", "scaling_lab_quick", "runs"))
+             max_factor=4.0, bootstrap=200, b2_grid=[],
+             out=os.path.join("runs", "scaling_lab_quick", "lab"), workdir=os.path.join("runs", "scaling_lab_quick", "runs"))
 
 
 def build_parser():
@@ -224,11 +224,8 @@ def experiment(args, cfg) -> list[dict]:
     # Smallest width first, all its seeds: a lab cut short has whole widths done.
     tasks = [Task(w, b, m, s) for w in sorted(args.widths) for s in seeds
              for b in sorted(args.batch_sizes, reverse=True) for m in sorted(mults[w, b])]
-    jobs = {t: job(t, config(t), args, grid_stop(t, min(targets[t.width]), ref, args))
-            for t in tasks}
-    results = run_all(tasks, jobs, args, seq)
-    runs = [row for t in tasks for row in rows_of(t, results[t], jobs[t], targets, counts, args,
-                                                   seq)]
+    runs = [row for rows in grid_rows(tasks, config, targets, counts, ref, args, seq).values()
+            for row in rows]
     grown = {}
     for (w, b), ms in mults.items():
       scores = [{r["lr_multiplier"]: r["steps"] for r in runs if (r["width"], r["batch_size"],

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from experiments.scaling_runs import Task, grid_stop, job, rows_of, run_all
+from experiments.scaling_runs import Task, grid_rows
 from tools import stats
 
 
@@ -28,10 +28,8 @@ def run(args, runs: list[dict], targets, counts, seeds, ref: int, seq: int, conf
 
   lowest = {w: min(targets[w]) for w in args.widths}
   todo = tasks(runs, args.widths, args.batch_sizes, seeds, args.b2_grid, lowest)
-  jobs = {t: job(t, config(t), args, grid_stop(t, lowest[t.width], ref, args)) for t in todo}
-  done = run_all(todo, jobs, args, seq)
-  b2_runs = [{**row, "b2": t.b2} for t in todo
-             for row in rows_of(t, done[t], jobs[t], targets, counts, args, seq)]
+  b2_runs = [{**row, "b2": t.b2} for t, rows in grid_rows(todo, config, targets, counts, ref,
+                                                             args, seq).items() for row in rows]
   rule_b2 = {(t.width, t.batch): derive(rule_optim(t), t.batch, t.batch).b2 for t in todo}
   return report(runs, b2_runs, rule_b2)
 

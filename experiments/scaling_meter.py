@@ -50,17 +50,16 @@ def parse(argv):
   return lab.parse(argv, build_parser)
 
 
-def reference_checkpoints(args, cfg, width: int, seq: int) -> str:
-  """Train width's reference run (the config's seed) with a checkpoint at every budget; its
-  workdir (`--workdir`/meter/d<width>)."""
-  ref = cfg.optim.reference_batch_size or cfg.data.global_batch_size
+def reference_checkpoints(args, cfg, width: int, ref: int) -> str:
+  """Train width's reference run (the config's seed, at the reference batch `ref`) with a
+  checkpoint at every budget; its workdir (`--workdir`/meter/d<width>)."""
   if any(d % ref for d in args.budgets):
-    raise ConfigError(f"--budgets {args.budgets}: each must be a multiple of the "
-                             f"reference batch {ref} (a checkpoint at every budget)")
+    raise ConfigError(f"--budgets {args.budgets}: each must be a multiple of the reference "
+                      f"batch {ref} (a checkpoint at every budget)")
   task = Task(width, ref, 1.0, cfg.seed)
-  j = job(task, lab.width_config(cfg, width, cfg.seed, args), args, reference_stop(args))
-  run_cfg = run_config(lab.width_config(cfg, width, cfg.seed, args), ref, 1.0,
-                       argparse.Namespace(**j["args"]))
+  task_cfg = lab.task_config(cfg, task, args)
+  j = job(task, task_cfg, args, reference_stop(args))
+  run_cfg = run_config(task_cfg, ref, 1.0, argparse.Namespace(**j["args"]))
   run_cfg.steps = args.budgets[-1] // ref
   run_cfg.checkpoint.every_steps = math.gcd(*[d // ref for d in args.budgets])
   run_cfg.checkpoint.keep = len(args.budgets) * 64
@@ -79,14 +78,14 @@ def experiment(args, cfg) -> list[dict]:
                             "the lab's OUT_runs.csv")
   rows = []
   for w in args.widths:
-    workdir = reference_checkpoints(args, cfg, w, seq)
+    workdir = reference_checkpoints(args, cfg, w, ref)
     checks = check_run(workdir, [d // ref for d in args.budgets], sequences=args.sequences,
                        groups=16, seed=args.truth_seed)
     for d, c in zip(args.budgets, checks):
       cell = next((x for x in cells if (x["width"], x["budget"]) == (w, d)), None)
       if cell is None:
-        raise ConfigError(f"{args.out}.csv has no cell d{w} D {d}: run the lab with "
-                                 "the same --widths and --budgets first")
+        raise ConfigError(f"{args.out}.csv has no cell d{w} D {d}: run the lab with the same "
+                          "--widths and --budgets first")
       mine = [r for r in runs if (r["width"], r["budget"]) == (w, d) and r["steps"] is not None]
       row = dict(width=w, budget=d, tokens=d * seq, params=cell.get("params"),
                  b_crit=cell.get("b_crit"), b_crit_lo=cell.get("b_crit_lo"),

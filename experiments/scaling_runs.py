@@ -130,6 +130,16 @@ def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]
   return out
 
 
+def grid_rows(tasks: list[Task], config, targets, counts, ref: int, args, seq: int
+              ) -> dict[Task, list[dict]]:
+  """Each grid task (`config(task)` its config) trained to its width's lowest target, or read
+  from its record; its rows per budget (`rows_of`)."""
+  jobs = {t: job(t, config(t), args, grid_stop(t, min(targets[t.width]), ref, args))
+          for t in tasks}
+  results = run_all(tasks, jobs, args, seq)
+  return {t: rows_of(t, results[t], jobs[t], targets, counts, args, seq) for t in tasks}
+
+
 def curve_key(curve: str) -> str:
   """The metric a crossing reads: the raw parameters' eval loss, or their EMA's."""
   return "eval_loss_ema" if curve == "ema" else "eval_loss"
