@@ -189,10 +189,10 @@ def _gpu_capability(mesh) -> float | None:
   return float(capability) if capability else None
 
 
-def sequence_layout(impl: str, mesh=None) -> str:
-  """"zigzag" when `impl` runs as ring attention (the model then keeps its sequence in zig-zag
-  order between input and output), else "contiguous"."""
-  return "zigzag" if resolve_impl(impl, mesh) == "ring" else "contiguous"
+def sequence_layout(impl: str, mesh=None, *, causal: bool = True) -> str:
+  """"zigzag" when `impl` runs as causal ring attention (the model then keeps its sequence in
+  zig-zag order between input and output; it balances causal work only), else "contiguous"."""
+  return "zigzag" if causal and resolve_impl(impl, mesh) == "ring" else "contiguous"
 
 
 def _shard_over_batch_and_heads(fn, mesh, q_BSHD, k_BSKD):

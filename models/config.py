@@ -43,6 +43,7 @@ class ModelConfig:
   remat: str = "none"
   scan_unroll: int = 1  # layers per iteration of the layer scan (num_layers: fully unrolled)
   attention: str = "xla"
+  causal: bool = True  # False: bidirectional attention (the masked-LM encoder, docs/mlm.md)
   ring_head_chunks: int = 1  # ring attention: one ring per chunk of kv heads (less in flight)
   logits_chunk: int = 0  # loss over this many positions at a time (0: the whole [B, S, V])
   init_std: float = 0.02
@@ -135,6 +136,8 @@ FUNCTIONAL = (
     # the shapes, and what the weights mean
     "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
     "tie_embeddings", "norm_eps",
+    # which keys a query sees (a causal decoder or a bidirectional encoder)
+    "causal",
     # positions: RoPE frequencies
     "rope_theta", "rope_scaling.type", "rope_scaling.factor", "rope_scaling.low_freq_factor",
     "rope_scaling.high_freq_factor", "rope_scaling.original_max_position_embeddings",

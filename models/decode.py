@@ -99,6 +99,9 @@ class Generator:
 
   def __init__(self, spec, params, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0):
+    if not spec.cfg.causal:
+      raise ValueError("model.causal=False: a bidirectional (masked-LM) encoder does not "
+                       "generate text token by token")
     self.spec, self.params, self.mesh = spec, params, spec.mesh
     sampler = functools.partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
 

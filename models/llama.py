@@ -109,8 +109,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BSE, positions_BS, segment_ids_BS):
     cfg = self.cfg
     q_BSHD, k_BSKD, v_BSKD = self.qkv(x_BSE, positions_BS)
-    out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=True,
-                         impl=cfg.attention, layout=sequence_layout(cfg.attention),
+    out_BSHD = attention(q_BSHD, k_BSKD, v_BSKD, segment_ids=segment_ids_BS, causal=cfg.causal,
+                         impl=cfg.attention,
+                         layout=sequence_layout(cfg.attention, causal=cfg.causal),
                          ring_head_chunks=cfg.ring_head_chunks)
     return self.out(out_BSHD)
 
@@ -243,7 +244,7 @@ class Transformer(nnx.Module):
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     # Ring attention balances causal work with the sequence in zig-zag order: reorder the
     # inputs once here and the hidden states back once below, not q/k/v in every layer.
-    reorder = sequence_layout(cfg.attention) == "zigzag"
+    reorder = sequence_layout(cfg.attention, causal=cfg.causal) == "zigzag"
     if reorder:
       tokens_BS, positions_BS = zigzag(tokens_BS), zigzag(positions_BS)
       segment_ids_BS = None if segment_ids_BS is None else zigzag(segment_ids_BS)
@@ -291,6 +292,16 @@ class Transformer(nnx.Module):
     total = self.loss_from_hidden(x_BSE, targets_BS, mask_BS)
     return total, jnp.sum(mask_BS.astype(jnp.float32)), stats
 
+  def masked_sums(self, tokens_BS, positions_BS, segment_ids_BS, targets_BS, mask_BS):
+    """(loss sum, number of tokens, number of them predicted right) where `mask_BS`, fp32: the
+    evaluation of a masked LM (docs/mlm.md); right = the most likely token is the target. The
+    whole [B, S, V] logits, also with `logits_chunk`."""
+    x_BSE = self.hidden(tokens_BS, positions_BS, segment_ids_BS)
+    mask_BS = mask_BS.astype(jnp.float32)
+    hit_BS = jnp.argmax(self.logits(x_BSE), axis=-1) == targets_BS
+    return (self.loss_from_hidden(x_BSE, targets_BS, mask_BS), jnp.sum(mask_BS),
+            jnp.sum(hit_BS * mask_BS))
+
   def loss_from_hidden(self, x_BSE, targets_BS, mask_BS):
     """The sum of token cross-entropies where `mask_BS` (fp32) from final-normed hidden states:
     the full logits, or `logits_chunk` positions at a time."""
@@ -310,7 +321,7 @@ def layer_inputs(cfg: ModelConfig, positions_BS, segment_ids_BS):
   rope = rope_tables(positions_BS, cfg.dim_per_head, cfg.rope_theta, cfg.rope_scaling,
                      buffer=mesh_platform(jax.sharding.get_abstract_mesh()) == "cpu")
   segments = layer_segments(segment_ids_BS, cfg.attention, dtype=DTYPES[cfg.dtype],
-                            head_dim=cfg.dim_per_head)
+                            head_dim=cfg.dim_per_head, causal=cfg.causal)
   return rope, segments
 
 
