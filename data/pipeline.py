@@ -6,6 +6,8 @@ the micro-batch that starts at window g holds window g + r, and a step of batch 
 place a step's sequences; each process reads only its devices' rows (`row_ids`, from
 `sharding.process_rows`); the iterator state is one number (`{"windows": g}`), and a restore
 onto another mesh continues exactly. With `mixture` (data/mixture.py) all of it holds too.
+With `masking` (data/masking.py, the masked LM) each row is corrupted by draws keyed by the
+order's seed and its global window, so that holds for masked-LM batches as well.
 
 Batches are dicts of [rows_on_this_process, seq_len] numpy arrays:
   inputs, targets (next token), positions (within the document piece), segment_ids (1, 2, ...
@@ -21,6 +23,7 @@ import grain
 import numpy as np
 
 from data import mixture as mixture_lib
+from data.masking import Masking
 from data.meta import DataError, read_meta
 from data.tokens import SplitTokens
 from data.windows import WindowOrder
@@ -40,6 +43,7 @@ class StreamSpec:
   row_ids: tuple[int, ...] | None = None  # the rows this process reads; None = all of them
   prefetch: int = 0  # micro-batches prepared ahead in a background thread (0 = none)
   mixture: tuple[mixture_lib.Source, ...] = ()  # when set, read these instead of data_dir
+  masking: Masking | None = None  # masked-LM rows instead of next-token ones (data/masking.py)
 
   @property
   def local_rows(self) -> tuple[int, ...]:
@@ -68,6 +72,7 @@ class Windows:
       whats = [f"data.dir={spec.data_dir!r}"]
       metas = [read_meta(spec.data_dir, whats[0])]
     self.width = spec.seq_len + 1
+    self.seed, self.masking = spec.seed, spec.masking
     self.metas = metas
     self.tokens = [SplitTokens(s.dir, spec.split, what, meta)
                    for s, what, meta in zip(sources, whats, metas)]
@@ -103,7 +108,8 @@ class Windows:
     indices = np.asarray(indices, np.int64)
     real = indices >= 0
     pieces = iter(self.pieces(indices[real]))
-    return _batch([next(pieces) if r else [] for r in real], self.width)
+    rows = _batch([next(pieces) if r else [] for r in real], self.width)
+    return rows if self.masking is None else self.masking.apply(rows, indices, self.seed)
 
 
 def _batch(pieces: list[list[np.ndarray]], length: int) -> dict[str, np.ndarray]:
@@ -187,13 +193,16 @@ def dataset(spec: StreamSpec) -> grain.IterDataset:
 
 
 def validation_batches(source: mixture_lib.Source, seq_len: int, sequences: int, rows: int,
-                       row_ids=None) -> list[dict[str, np.ndarray]]:
+                       row_ids=None, masking: Masking | None = None
+                       ) -> list[dict[str, np.ndarray]]:
   """The fixed evaluation set of a source: the first `sequences` windows of its validation split
   (documents in stored order, windows permuted with `EVAL_SEED`: a uniform sample of the split's
   windows; all of them, the last and shorter one included, when it has fewer), in micro-batches
   of `rows` rows of which this process reads `row_ids`; rows past the set are padding (no loss).
-  Independent of the run's seed, micro-batch size, devices and processes."""
-  spec = StreamSpec(source.dir, "validation", seq_len, rows, seed=EVAL_SEED, row_ids=row_ids)
+  Independent of the run's seed, micro-batch size, devices and processes; with `masking`, masked
+  by draws keyed by `EVAL_SEED` (the same masks in every run)."""
+  spec = StreamSpec(source.dir, "validation", seq_len, rows, seed=EVAL_SEED, row_ids=row_ids,
+                    masking=masking)
   windows = Windows(spec, evaluation=True)
   count = min(sequences, windows.orders[0].per_epoch)
   local = np.asarray(spec.local_rows, np.int64)
