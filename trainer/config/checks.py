@@ -96,6 +96,23 @@ def _data_vocab(cfg: ml_collections.ConfigDict) -> tuple[int, str]:
   return vocab
 
 
+def _check_masking(cfg: ml_collections.ConfigDict, sizes: dict, data_vocab: int) -> None:
+  """data.mask_rate and model.causal: the masked LM (data/masking.py) and its encoder."""
+  rate, causal = cfg.data.mask_rate, cfg.model.causal
+  _need(0 <= rate < 1, f"data.mask_rate={rate}: must be in [0, 1) (BERT: 0.15; 0 = the causal "
+        "LM)")
+  _need(not (rate and causal), f"data.mask_rate={rate} with model.causal=True: a masked LM "
+        "predicts tokens from both sides; use model.causal=False")
+  _need(rate or causal, "model.causal=False with data.mask_rate=0: a bidirectional model sees "
+        "its next-token targets; use data.mask_rate=0.15 (the masked LM) or model.causal=True")
+  if rate:
+    _need(cfg.model.vocab_size > data_vocab,
+          f"model.vocab_size={cfg.model.vocab_size} leaves no id for [MASK] past the data's "
+          f"{data_vocab} token ids; use model.vocab_size={data_vocab + 1} or more")
+    _need(sizes["stage"] == 1, f"data.mask_rate={rate} with mesh.stage={sizes['stage']}: the "
+          "masked LM's evaluation does not run through pipeline stages; use mesh.stage=1")
+
+
 def _check_logging(cfg: ml_collections.ConfigDict) -> None:
   """trainer.wandb (the package installed when a project is named) and trainer.profile_steps."""
   trainer = cfg.trainer
@@ -216,7 +233,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           "one of them or model.depth_parametrization='standard'")
   data_vocab, data_name = _data_vocab(cfg)
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
-    m.vocab_size = -(-data_vocab // 128) * 128
+    m.vocab_size = -(-(data_vocab + bool(cfg.data.mask_rate)) // 128) * 128  # (+ [MASK])
   for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
               "scan_unroll"):
     _need(m[key] >= 1, f"model.{key}={m[key]}: must be positive")
@@ -230,6 +247,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
   _need(m.vocab_size >= data_vocab,
         f"model.vocab_size={m.vocab_size} is smaller than the {data_vocab} token ids of "
         f"{data_name}; use model.vocab_size=0 to take the vocabulary from the data")
+  _check_masking(cfg, sizes, data_vocab)
 
   tensor, fsdp = sizes["tensor"], sizes["fsdp"]
   for key in ("num_heads", "num_kv_heads", "mlp_dim", "vocab_size"):

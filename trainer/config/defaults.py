@@ -71,6 +71,8 @@ def default_config() -> ml_collections.ConfigDict:
       vocab_size=512, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=0,
       mlp_dim=384, rope_theta=10_000.0, norm_eps=1e-5, tie_embeddings=False,
       param_dtype="float32", dtype="float32", remat="none", attention="xla", init_std=0.02,
+      # False: bidirectional attention, the masked-LM encoder (needs data.mask_rate; docs/mlm.md)
+      causal=True,
       # ring attention: one ring per chunk of a device's kv heads, for less memory in flight
       # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
       ring_head_chunks=1,
@@ -122,6 +124,11 @@ def default_config() -> ml_collections.ConfigDict:
       global_batch_size=16,  # sequences per optimizer step
       micro_batch_size=0,  # sequences per accumulation micro-batch; 0 = no accumulation
       seq_len=128,
+      # the masked LM (data/masking.py, docs/mlm.md): the fraction of tokens selected for
+      # prediction (BERT: 0.15; 80% shown as [MASK], 10% a random token, 10% unchanged) in rows
+      # whose targets are the original tokens at the selected positions; needs
+      # model.causal=False. 0 = the causal LM's next-token rows
+      mask_rate=0.0,
       prefetch=2,  # micro-batches prepared ahead in a background thread
       # Batch-size ramp: "BATCH:START_TOKENS,..." e.g. "64:0,256:2000000,1024:8000000"; the last
       # stage is global_batch_size; needs micro_batch_size (optim/ramp.py). "" = no ramp.

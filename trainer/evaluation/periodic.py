@@ -6,8 +6,11 @@ once and scored the same way every time, whatever the run's seed, micro-batch si
 processes. Windows are packed as training sequences, so `eval_loss` is the training loss's
 counterpart on unseen text, not a whole-split score (that is trainer/evaluation/split.py).
 Scores: `eval_loss` and `eval_bpb`, per source too with a mixture (`eval_loss/NAME`), of the EMA
-parameters too (`eval_loss_ema`); a DiLoCo run scores its anchor. Why and details:
-docs/tracking.md#evaluation-during-training.
+parameters too (`eval_loss_ema`); a DiLoCo run scores its anchor. A masked LM (`data.mask_rate`,
+data/masking.py) scores its fixed masked positions: `eval_loss` and `eval_masked_accuracy`, beside
+`eval_unigram_accuracy`, the same set's accuracy of always predicting its most frequent masked
+token (no bits per byte: the targets are not the text's next tokens). Why and details:
+docs/tracking.md#evaluation-during-training, docs/mlm.md.
 """
 from __future__ import annotations
 
@@ -15,8 +18,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from data import mixture, pipeline
+from data.masking import Masking
 from data.prepare import read_meta
 from optim.ema import find_ema
 from sharding.batch import assemble
@@ -24,14 +29,26 @@ from sharding.mesh import replicated
 from trainer.step.program import Program
 
 
-def jitted_eval_step(program: Program):
+def jitted_eval_step(program: Program, *, masked: bool = False):
   """(the jitted eval step `(params, micro-batch) -> (loss sum, tokens)` of the run `program`
-  compiles, the sharding of one micro-batch [B, S])."""
+  compiles, the sharding of one micro-batch [B, S]). `masked`: the masked LM's, `(loss sum,
+  tokens, tokens predicted right)` (`Transformer.masked_sums`)."""
   flat = jax.sharding.NamedSharding(program.mesh, jax.sharding.PartitionSpec(
       *program.batch_sharding.spec[1:]))
-  fn = jax.jit(program.eval_step(), in_shardings=(program.model_param_shardings(), flat),
+  step = program.eval_step()
+  if masked:
+    step = lambda params, b: program.spec.model(params).masked_sums(
+        b["inputs"], b["positions"], b["segment_ids"], b["targets"], b["loss_mask"])
+  fn = jax.jit(step, in_shardings=(program.model_param_shardings(), flat),
                out_shardings=replicated(program.mesh))
   return fn, flat
+
+
+def unigram_accuracy(batches) -> float:
+  """The accuracy of always predicting the most frequent target at the masked positions of
+  `batches` (all rows of a validation set): the masked LM's unigram baseline on that set."""
+  targets = np.concatenate([b["targets"][b["loss_mask"]] for b in batches])
+  return float(np.bincount(targets).max() / len(targets)) if len(targets) else math.nan
 
 
 def make_evaluator(program: Program, sources: Sequence[mixture.Source],
@@ -39,30 +56,42 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
   """`evaluate(state) -> row` for the run `program` compiles, on `sources` (one, or a mixture's),
   this process reading the batch rows `local_rows`."""
   mesh, micro_rows, cfg = program.mesh, program.micro_rows, program.cfg
-  fn, flat = jitted_eval_step(program)
-  hosts = [pipeline.validation_batches(src, cfg.data.seq_len, cfg.eval_sequences, micro_rows,
-                                       local_rows) for src in sources]
+  masking = Masking.of(cfg.data.mask_rate, read_meta(sources[0].dir))
+  fn, flat = jitted_eval_step(program, masked=masking is not None)
+  read = lambda src, rows: pipeline.validation_batches(
+      src, cfg.data.seq_len, cfg.eval_sequences, micro_rows, rows, masking=masking)
+  hosts = [read(src, local_rows) for src in sources]
+  # every process the same baseline, from all rows of the set
+  unigram = [unigram_accuracy(read(src, None)) for src in sources] if masking else None
   # Bits per byte = nats per predicted token / ln 2 x predicted tokens / UTF-8 bytes of the
   # validation split (counted at preparation): comparable across tokenizers.
   bits = [(lambda v: v["targets"] / v["bytes"] / math.log(2))(
       read_meta(src.dir)["splits"]["validation"]) for src in sources]
 
   def score(params) -> dict[str, float]:
-    """eval_loss and eval_bpb (token-weighted over mixture sources), and per source
-    eval_loss/NAME and eval_bpb/NAME when there are several."""
-    row, total, total_bpb = {}, 0.0, 0.0
+    """eval_loss and eval_bpb (masked LM: eval_masked_accuracy and eval_unigram_accuracy),
+    weighted over mixture sources, and per source eval_loss/NAME and eval_bpb/NAME (or
+    eval_masked_accuracy/NAME) when there are several."""
+    row, total, total_bpb, total_acc = {}, 0.0, 0.0, 0.0
     with jax.set_mesh(mesh):
       for src, host, to_bits in zip(sources, hosts, bits):
-        loss_sum, tokens = 0.0, 0.0
+        sums = [0.0] * (3 if masking else 2)  # loss, tokens (, right: the masked LM's)
         for mb in host:
           batch = {k: assemble(mb[k], local_rows, flat, (micro_rows, mb[k].shape[1]))
                    for k in pipeline.BATCH_KEYS}
-          s, n = jax.device_get(fn(params, batch))
-          loss_sum, tokens = loss_sum + float(s), tokens + float(n)
-        loss = loss_sum / tokens if tokens else math.nan  # nothing scored: no score, not 0
+          sums = [a + float(b) for a, b in zip(sums, jax.device_get(fn(params, batch)))]
+        tokens = sums[1]  # nothing scored: no score, not 0
+        loss = sums[0] / tokens if tokens else math.nan
+        acc = sums[2] / tokens if masking and tokens else math.nan
         if len(sources) > 1:
-          row[f"eval_loss/{src.name}"], row[f"eval_bpb/{src.name}"] = loss, loss * to_bits
+          row[f"eval_loss/{src.name}"] = loss
+          row[f"eval_masked_accuracy/{src.name}" if masking else f"eval_bpb/{src.name}"] = (
+              acc if masking else loss * to_bits)
         total, total_bpb = total + src.weight * loss, total_bpb + src.weight * loss * to_bits
+        total_acc += src.weight * acc
+    if masking:
+      return {"eval_loss": total, "eval_masked_accuracy": total_acc,
+              "eval_unigram_accuracy": sum(s.weight * u for s, u in zip(sources, unigram)), **row}
     return {"eval_loss": total, "eval_bpb": total_bpb, **row}
 
   def evaluate(state) -> dict[str, float]:

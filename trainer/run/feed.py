@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from data import mixture, pipeline
+from data.masking import Masking
 from data.prepare import ensure_default_corpus, read_meta
 from sharding.batch import assemble, process_rows
 
@@ -32,7 +33,8 @@ class Feed:
     self.local_rows = process_rows(self.batch_sharding, (1, self.micro_rows, d.seq_len), 1)
     self.spec = pipeline.StreamSpec(
         self.dir, "train", d.seq_len, self.micro_rows, seed=cfg.seed, row_ids=self.local_rows,
-        prefetch=d.prefetch, mixture=data_sources if d.mixture else ())
+        prefetch=d.prefetch, mixture=data_sources if d.mixture else (),
+        masking=Masking.of(d.mask_rate, self.meta))
 
   def iterator(self):
     """A fresh iterator over this process's micro-batches, from the start of the data order."""
