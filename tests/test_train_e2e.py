@@ -29,3 +29,16 @@ def test_train_py_learns_and_writes_outputs(tmp_path):
   assert json.load(open(workdir / "config.json"))["steps"] == 40
   assert sorted(os.listdir(workdir / "checkpoints")) == ["20", "40"]
   assert "fingerprint" in proc.stdout
+
+
+def test_metrics_writer_does_not_import_torch(tmp_path):
+  """tensorboardX imports torch where it is installed (~2 s of every start): the writer hides
+  it, writes its events, and torch stays importable afterwards."""
+  code = ("import sys; from trainer.tracking.metrics import MetricsWriter; "
+          f"w = MetricsWriter({str(tmp_path)!r}, progress_bar=False); w.write(1, {{'loss': 1.0}}); "
+          "w.close(); print('torch' in sys.modules); import torch; print(torch.__name__)")
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split()[-2:] == ["False", "torch"]
+  assert glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))

@@ -19,6 +19,23 @@ from tqdm import tqdm
 _NOT_ON_CONSOLE = re.compile(r"^moe/L\d+/")
 
 
+def _summary_writer_class():
+  """tensorboardX's SummaryWriter. Its writer module imports torch where torch is installed
+  (the `hf` and `test` extras install it) only to accept torch tensors; we write floats, and
+  torch costs every run's start 1.5-2 s, so unless torch is already loaded it is imported with
+  torch hidden (`sys.modules["torch"] = None` makes `import torch` raise ImportError, which
+  tensorboardX handles; torch stays importable afterwards)."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415  start-up
+    return SummaryWriter
+  sys.modules["torch"] = None
+  try:
+    from tensorboardX import SummaryWriter  # noqa: PLC0415  start-up
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 def _jsonable(value):
   if isinstance(value, (np.generic, np.ndarray)):
     return value.item()
@@ -45,8 +62,7 @@ class MetricsWriter:
     os.makedirs(workdir, exist_ok=True)
     self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
     try:
-      from tensorboardX import SummaryWriter  # noqa: PLC0415  start-up
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._tb = _summary_writer_class()(os.path.join(workdir, "tensorboard"))
     except ImportError:  # TensorBoard output is optional
       self._tb = None
     if progress_bar and sys.stderr.isatty():
