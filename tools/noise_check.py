@@ -70,8 +70,14 @@ def truth_meter(spec, stream_spec, *, sequences: int = 2048, groups: int = 16,
                                        jax.tree.leaves(tree)])
   mean_loss = lambda p, row: (lambda s, n: s / jnp.maximum(n, 1.0))(*loss_sums(
       spec, p, jax.tree.map(lambda x: x[None], row)))
-  per_sequence = jax.jit(lambda p, rows: jax.vmap(
-      lambda r: flat(jax.grad(mean_loss)(p, r)))(rows))
+
+  @jax.jit
+  def chunk_sums(p, rows):
+    """Of the chunk's per-sequence gradients g (reduced on the device, not copied out at
+    [chunk, parameters] in float64): the sum of g and the sum of g^2, per parameter."""
+    g = jax.vmap(lambda r: flat(jax.grad(mean_loss)(p, r)))(rows)
+    return g.sum(0), (g * g).sum(0)
+
   it = iter(pipeline.dataset(dataclasses.replace(stream_spec, rows=chunk, row_ids=None,
                                                   prefetch=0)))
   batches = [next(it) for _ in range(sequences // groups // chunk * groups)]
@@ -89,10 +95,8 @@ def truth_meter(spec, stream_spec, *, sequences: int = 2048, groups: int = 16,
       g_sum = sq = n = 0.0
       g2_sum = 0.0
       for b in batches[k * per_group:(k + 1) * per_group]:
-        g = np.asarray(per_sequence(params, b), np.float64)
-        g_sum, sq, n = g_sum + g.sum(0), sq + np.sum(g * g), n + len(g)
-        if precondition is not None:
-          g2_sum = g2_sum + np.sum(g * g, 0)
+        g, g2 = (np.asarray(x, np.float64) for x in chunk_sums(params, b))
+        g_sum, sq, n, g2_sum = g_sum + g, sq + g2.sum(), n + chunk, g2_sum + g2
       sums.append(np.concatenate([g_sum, [sq, n]]))
       squares.append(g2_sum)
     sums = np.array(sums)
