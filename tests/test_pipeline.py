@@ -178,7 +178,8 @@ MOE = {"model.moe.num_experts": 4, "model.moe.top_k": 2, "model.num_layers": 2}
 
 
 @pytest.mark.parametrize("scope,mesh", [
-    ("global", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2}),
+    pytest.param("global", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2},
+                 marks=pytest.mark.slow),  # the default run keeps global-1f1b
     pytest.param("micro_batch", {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.expert": 2,
                                  "pipeline.schedule": "circular", "pipeline.repeats": 2,
                                  "model.num_layers": 4}, marks=pytest.mark.slow),
