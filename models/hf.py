@@ -149,6 +149,9 @@ def hf_config_from_model(cfg: ModelConfig, *, dtype: str, max_position_embedding
                          pad_id: int | None = None) -> dict:
   """A `config.json` that transformers' LlamaForCausalLM loads (legacy keys, read by 4.x and
   5.x alike)."""
+  if not cfg.causal:
+    raise ConvertError("a bidirectional encoder (model.causal=False, the masked LM) has no "
+                       "Llama form: LlamaForCausalLM would run it causally")
   scaling = None
   if cfg.rope_scaling.type == "llama3":
     s = cfg.rope_scaling

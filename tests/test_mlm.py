@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,10 @@ from test_multihost import ROOT, child_env
 import train
 from data.masking import Masking
 from models.config import ModelConfig
+from models.decode import Generator
+from models.hf import ConvertError, hf_config_from_model
 from models.llama import Transformer
+from sharding import make_mesh
 from trainer.evaluation.periodic import unigram_accuracy
 
 MASKING = Masking(rate=0.15, mask_id=259, vocab=259)
@@ -162,8 +166,6 @@ def test_every_attention_implementation_computes_the_same_encoder():
   """The encoder's forward over two packed documents under each implementation this CPU runs
   (flash and splash interpreted, ring over mesh.sequence = 4; cudnn stands for xla off GPU)
   equals xla's: non-causal everywhere, documents still apart."""
-  from sharding import make_mesh  # noqa: PLC0415  only this test builds meshes
-
   cfg = ModelConfig(vocab_size=64, d_model=64, num_layers=1, num_heads=4, num_kv_heads=2,
                     mlp_dim=64, causal=False)
   tokens = jax.random.randint(jax.random.key(0), (2, 128), 0, 64)
@@ -181,3 +183,11 @@ def test_every_attention_implementation_computes_the_same_encoder():
   for impl, mesh in (("flash_triton", {"data": 2}), ("splash", {"data": 2}),
                      ("ring", {"data": 2, "sequence": 4}), ("cudnn", {"data": 1})):
     np.testing.assert_allclose(forward(impl, mesh), want, atol=1e-5, err_msg=impl)
+
+
+def test_an_encoder_is_neither_exported_as_llama_nor_decoded():
+  encoder = ModelConfig(causal=False)
+  with pytest.raises(ConvertError, match="bidirectional encoder"):
+    hf_config_from_model(encoder, dtype="float32", max_position_embeddings=128)
+  with pytest.raises(ValueError, match="does not generate"):
+    Generator(types.SimpleNamespace(cfg=encoder), None)
