@@ -12,6 +12,11 @@ trained by the stack's own optimizer factory, meter and autopilot, against its c
 5. Adam against the fixed-preconditioner prediction (an approximation).
 Outputs: OUT.csv (the sweep's runs), OUT.json (or --json), OUT_{sweep,meter,autopilot,probe,
 adam}.png. Results: docs/noisy_quadratic.md
+
+JSON: `meter_ratio_*` (logged / analytic B_simple) = `meter_estimator_ratio` (logged / a
+noise-free meter, same window and weights, on the run's own trajectory) x `meter_trajectory_ratio`
+(that / analytic: the run's swings as the window smooths them); `meter_lag_ratio`: the noise-free
+meter on the expected trajectory / analytic. Each {median, p10, p90, n}, `_per_batch` by batch.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import sys
 import jax
 import numpy as np
 
-from experiments import common, nqm
+from experiments import common, nqm, nqm_meter
 from experiments import noisy_quadratic_plots as plots
 from optim.autopilot import AutoConfig
 from tools import batch_probe, batch_sweep
@@ -177,34 +182,38 @@ def sweep(problem, base, args, exact: dict) -> dict:
 # 2. The meter along the sweep's best runs
 
 
-def meter(problem, sw: dict) -> dict:
+def meter(problem, sw: dict, base) -> dict:
   """Logged B_simple over the analytic one at the expected state (and over B_noise, and over the
   truth at each run's own iterate, tr(C) / |G(theta_t)|^2) at every step up to the target,
   every seed; `iterate_spread`: that truth over the expected state's (how far one run's own
-  noise scale strays from the mean's, which no meter can remove)."""
+  noise scale strays from the mean's); `estimator`, `trajectory`, `lag`: `nqm_meter.parts`."""
   per_batch = {}
-  pooled = {"b_simple": [], "b_noise": [], "at_iterate": [], "iterate_spread": []}
+  pooled = {k: [] for k in ("b_simple", "b_noise", "at_iterate", "iterate_spread", "estimator",
+                            "trajectory", "lag")}
   for b, r in sw["best"].items():
     rows = r["rows"]
     n = min(len(rows["loss"]), math.ceil(r["steps"]))
     cur = nqm.curves(problem, [r["rate"]], [b], n)
     logged = rows["noise_scale"][:n]
     truth = rows["b_simple_true"][:n]
+    split = nqm_meter.parts(problem, nqm.run_config(base, "sgd", r["rate"], b), rows,
+                            cur["b_simple"][:, 0], n)
     ratios = {"b_simple": logged / cur["b_simple"][1:n + 1], "b_noise":
               logged / cur["b_noise"][1:n + 1], "at_iterate": logged / truth,
-              "iterate_spread": truth / cur["b_simple"][1:n + 1]}
+              "iterate_spread": truth / cur["b_simple"][1:n + 1],
+              **{k: split[k] for k in ("estimator", "trajectory", "lag")}}
     per_batch[b] = {k: quantiles(v) for k, v in ratios.items()}
     per_batch[b]["with_value"] = float(np.isfinite(logged).mean())
+    per_batch[b]["g_sq_not_positive"] = float(split["g_sq_not_positive"].mean())
     r["analytic_b_simple"] = cur["b_simple"][1:n + 1, 0]
     for k, v in ratios.items():
       pooled[k].append(v.ravel())
-    q = per_batch[b]["b_simple"]
-    i = per_batch[b]["at_iterate"]
-    print(f"[nqm] meter batch {b}: logged / analytic B_simple median {q['median']:.3g} "
-          f"(p10 {q['p10']:.3g}, p90 {q['p90']:.3g}; {q['n']} readings, "
-          f"{per_batch[b]['with_value']:.0%} of steps with a value); logged / the run's own "
-          f"tr(C) / |G|^2 median {i['median']:.3g} (p10 {i['p10']:.3g}, p90 {i['p90']:.3g})",
-          flush=True)
+    print(f"[nqm] meter batch {b}: " + "; ".join(
+        f"{what} {q['median']:.3g} ({q['p10']:.3g}-{q['p90']:.3g})" for what, q in (
+            (k, per_batch[b][k]) for k in ("b_simple", "at_iterate", "estimator", "trajectory")))
+          + f" (median (p10-p90) over analytic, the run's iterate, noise-free, analytic); "
+          f"{per_batch[b]['with_value']:.0%} of steps with a value, "
+          f"{per_batch[b]['g_sq_not_positive']:.1%} none as |G|^2 <= 0", flush=True)
   return {"per_batch": per_batch, **{k: quantiles(np.concatenate(v)) for k, v in pooled.items()}}
 
 
@@ -354,7 +363,7 @@ def experiment(args, cfg) -> list[dict]:
         f"{problem.loss(problem.theta0 ** 2):.3f} -> target {args.target:g}", flush=True)
   exact = analytic(problem, args)
   sw = sweep(problem, cfg, args, exact["sgd"])
-  me = meter(problem, sw)
+  me = meter(problem, sw, cfg)
   ap = autopilot(problem, cfg, args)
   pr = probe(problem, cfg, args)
   ad = adam(problem, cfg, args)
@@ -366,6 +375,8 @@ def experiment(args, cfg) -> list[dict]:
       "meter_ratio_per_batch": {str(b): q for b, q in me["per_batch"].items()},
       "meter_ratio_b_noise": me["b_noise"], "meter_ratio_at_iterate": me["at_iterate"],
       "iterate_over_expected": me["iterate_spread"],
+      **{f"meter_{k}_ratio{s}": v for k in ("estimator", "trajectory", "lag") for s, v in (
+          ("", me[k]), ("_per_batch", {str(b): q[k] for b, q in me["per_batch"].items()}))},
       "autopilot_ratio_median": ap["ratio"]["median"], "autopilot_ratio": ap["ratio"],
       "autopilot_within_2x": ap["within_2x"],
       "autopilot_changes": [r["changes"] for r in ap["runs"]],

@@ -62,12 +62,21 @@ def _meter(plt, path, exact, sw, me, ap, pr, ad, args):
   ax1.legend(fontsize=7, ncol=2)
   per = me["per_batch"]
   bs = sorted(per)
-  q = lambda k: np.array([[per[b]["b_simple"][k] or np.nan] for b in bs]).ravel()
-  ax2.errorbar(bs, q("median"), yerr=[q("median") - q("p10"), q("p90") - q("median")], fmt="o",
-               capsize=3, label="logged / analytic B_simple (median, p10-p90)")
+  for j, (key, what) in enumerate((
+      ("b_simple", "logged / analytic B_simple"),
+      ("estimator", "its estimator part: logged / noise-free meter on the run"),
+      ("trajectory", "its trajectory part: noise-free meter on the run / analytic"))):
+    if key not in per[bs[0]]:
+      continue
+    q = lambda k: np.array([per[b][key][k] or np.nan for b in bs], float)
+    ax2.errorbar(np.array(bs) * 1.12 ** (j - 1), q("median"), capsize=3, c=f"C{[0, 1, 4][j]}",
+                 yerr=[q("median") - q("p10"), q("p90") - q("median")], fmt="o",
+                 ms=5 if j == 0 else 3, label=f"{what} (median, p10-p90)")
   ax2.plot(bs, [per[b]["b_noise"]["median"] or np.nan for b in bs], "s", c="C2", ms=4,
            label="logged / analytic B_noise (median)")
   ax2.axhspan(0.8, 1.25, color="0.85", zorder=0, label="[0.8, 1.25]")
+  for y in (0.5, 2):
+    ax2.axhline(y, c="0.6", ls=":", lw=0.8)
   ax2.axhline(1, c="0.5", lw=0.8)
   ax2.set(xscale="log", yscale="log", xlabel="batch", ylabel="ratio",
           title="the meter against the analytic noise scale")

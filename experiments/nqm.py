@@ -287,14 +287,18 @@ def pieces_of(batch: int) -> int:
   return noise_scale.splits(1, 2, batch)
 
 
-def make_step(problem: Problem, tx, batch: int):
+def make_step(problem: Problem, tx, batch: int, exact_meter: bool = False):
   """step((params, opt_state, count), key) -> (state, row): one optimizer step at `batch` on
   sampled gradients, the meter fed as trainer/step/train_step.py feeds it (mean of the pieces'
   |mean gradient|^2, |whole batch's mean gradient|^2, their sizes; with the optimizer's
   preconditioner P the same of sqrt(P) g) and read by `noise_scale.readout`. The row: the loss
   and B_simple at the new iterate (the truth there: tr(C) / |G|^2), the meter's readout
-  (noise_scale: B_simple in examples; noise_<key>: the others); with P, noise_scale_precond and
-  the truth tr(P C) / G^T P G at the step's iterate with the step's P."""
+  (noise_scale: B_simple in examples; noise_<key>: the others); the sample the meter was fed
+  (meter_sq_small, meter_sq_big) and the |G|^2 it estimates, at the iterate the step's gradient
+  was taken at (g_sq_true, before the update; for `nqm_meter.replay`); with P,
+  noise_scale_precond and the truth tr(P C) / G^T P G at the step's iterate with the step's P.
+  `exact_meter`: the meter is fed the squared norms' expectations |G|^2 + tr(C) / b instead
+  (its estimates exact; the update still takes the sampled gradient)."""
   h, c = jnp.asarray(problem.h, jnp.float32), jnp.asarray(problem.c, jnp.float32)
   pieces = pieces_of(batch)
   small = batch / pieces
@@ -321,6 +325,12 @@ def make_step(problem: Problem, tx, batch: int):
     sample = noise_scale.Sample(sq_norm_small=jnp.mean(jnp.sum(g_pieces ** 2, -1)),
                                 sq_norm_big=grad_norm * grad_norm, b_small=jnp.float32(small),
                                 b_big=jnp.float32(batch), **precond)
+    g_sq = jnp.sum((h * params["theta"]) ** 2)
+    if exact_meter:
+      sample = sample._replace(sq_norm_small=g_sq + jnp.sum(c) / small,
+                               sq_norm_big=g_sq + jnp.sum(c) / batch)
+    row.update(meter_sq_small=sample.sq_norm_small, meter_sq_big=sample.sq_norm_big,
+               g_sq_true=g_sq)
     updates, opt_state = tx.update(grads, opt_state, params, batch_size=batch, step=count,
                                    noise_sample=sample)
     params = optax.apply_updates(params, updates)

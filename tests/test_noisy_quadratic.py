@@ -3,10 +3,11 @@ the stack's own optimizer and meter, the exact S(B), and the experiment end to e
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
-from experiments import nqm
+from experiments import nqm, nqm_meter
 from trainer.config.defaults import default_config
 
 
@@ -86,6 +87,33 @@ def test_meter_at_fixed_parameters_reads_the_truth(problem):
                              np.median(rows[1]["b_precond_true"][-400:]), rtol=0.05)
 
 
+def test_noise_free_meter_is_the_meter_fed_exact_values(problem):
+  """`nqm_meter.noise_free`, rebuilt after the run from its |G(theta)|^2 at each step's iterate,
+  is what the run's own meter reads on the same trajectory when each step's squared norms are
+  their expectations (`make_step(exact_meter=True)`: its estimates exact); replaying the samples
+  the meter was fed gives the logged reading; estimator x trajectory = logged / analytic."""
+  cfg, batch, steps = nqm.run_config(default_config(), "sgd", 0.5, 16), 16, 120
+  tx, _ = nqm.build(cfg, steps)
+  plain, exact = (nqm.make_step(problem, tx, batch, exact_meter=e) for e in (False, True))
+  keys = jax.random.split(jax.random.key(5), 2 * steps).reshape(2, steps)
+  scan = lambda step: jax.vmap(lambda k: jax.lax.scan(step, nqm.init_state(problem, tx), k)[1],
+                               out_axes=1)(keys)
+  rows, fed = (jax.tree.map(lambda x: np.asarray(x, np.float64), r)
+               for r in jax.jit(lambda: (scan(plain), scan(exact)))())
+  np.testing.assert_allclose(fed["loss"], rows["loss"], rtol=1e-5)  # the same trajectory
+  expected = nqm.curves(problem, [0.5], [batch], steps)["b_simple"][:, 0]
+  split = nqm_meter.parts(problem, cfg, rows, expected, steps)
+  free = split["noise_free"]
+  assert np.isfinite(free[-60:]).all() and not np.isfinite(free[:7]).any()  # 8 measurements
+  np.testing.assert_allclose(free, fed["noise_scale"], rtol=1e-4)
+  replayed = nqm_meter.replay(problem, cfg, rows["meter_sq_small"], rows["meter_sq_big"])
+  np.testing.assert_allclose(replayed["b_simple"], rows["noise_scale"], rtol=1e-6)
+  ok = np.isfinite(split["total"])
+  np.testing.assert_allclose((split["estimator"] * split["trajectory"])[ok], split["total"][ok],
+                             rtol=1e-9)
+  assert np.nanmax(np.abs(split["lag"] - 1)) < 0.5 and np.nanstd(np.log(split["estimator"])) > 0.05
+
+
 @pytest.mark.slow
 def test_experiment_quick_writes_its_numbers(tmp_path):
   from experiments import noisy_quadratic
@@ -100,6 +128,9 @@ def test_experiment_quick_writes_its_numbers(tmp_path):
   assert numbers["b_crit_fitted_lo"] <= numbers["b_crit_fitted"] <= numbers["b_crit_fitted_hi"]
   assert 0.5 < numbers["b_crit_fitted"] / numbers["b_crit_analytic"] < 2
   assert (tmp_path / "nqm.csv").exists()
+  for key in ("meter_estimator_ratio", "meter_trajectory_ratio", "meter_lag_ratio"):
+    assert math.isfinite(numbers[key]["median"]), key
+    assert set(numbers[key + "_per_batch"]) == {"8", "64", "512"}, key
 
 
 def test_experiment_refuses_a_bad_flag(capsys):
