@@ -191,3 +191,14 @@ def test_an_encoder_is_neither_exported_as_llama_nor_decoded():
     hf_config_from_model(encoder, dtype="float32", max_position_embeddings=128)
   with pytest.raises(ValueError, match="does not generate"):
     Generator(types.SimpleNamespace(cfg=encoder), None)
+
+
+@pytest.mark.slow  # two runs' compiles (~20 s on busy cores)
+def test_a_diloco_masked_lm_scores_its_anchor_as_the_plain_run_scores_its_parameters(tmp_path):
+  """DiLoCo with one replica and one inner step per outer step is the plain run (Nesterov SGD at
+  rate 1 and momentum 0 copies the replica): the masked evaluation of its anchor equals it."""
+  diloco = {"optim.diloco.replicas": 1, "optim.diloco.inner_steps": 1,
+            "optim.diloco.outer_lr": 1.0, "optim.diloco.outer_momentum": 0.0}
+  want = _run(tmp_path / "plain", 8, {"data": 8}, steps=2, **MLM)
+  got = _run(tmp_path / "diloco", 8, {"data": 8}, steps=2, **MLM, **diloco)
+  _same(got, want, keys=("loss", "eval_loss", "eval_masked_accuracy"), rtol=1e-5)
