@@ -12,7 +12,7 @@ B_crit and Zhang's batch: those four, and the medians of what the grid's runs lo
 crossings (plain and preconditioned) at each rate multiplier. Across the cells the lab fitted
 (refused and transient ones left out): Pearson's r of log(estimate) against log(B_crit) with its
 Fisher-z interval, and estimate / B_crit's median and range. Writes OUT_meter.csv and
-OUT_meter.json (OUT: the lab's --out). `--from_meter A_meter.csv,B_meter.csv` trains and measures
+OUT_meter.json (OUT: the lab's --out). `--from_meter A_meter.csv B_meter.csv` trains and measures
 nothing: it pools the cells of several such files (e.g. one per width, as the lab runs one width
 per command) and writes the same summary over all of them to OUT_meter.{csv,json}.
 Why: docs/scaling_lab.md#the-meter-against-the-labs-critical-batch
@@ -46,9 +46,9 @@ def build_parser():
                  help="windows whose per-sequence gradients make each checkpoint's truth")
   p.add_argument("--truth_seed", type=int, default=12345,
                  help="the seed of the truth's data order (not the run's)")
-  p.add_argument("--from_meter", default="",
-                 help="train nothing: pool the cells of these OUT_meter.csv files (commas), e.g. "
-                      "one per width, and summarise them together")
+  p.add_argument("--from_meter", nargs="+", default=[], metavar="METER_CSV",
+                 help="train nothing: pool the cells of these OUT_meter.csv files, e.g. one per "
+                      "width, and summarise them together")
   return p
 
 
@@ -76,12 +76,12 @@ def reference_checkpoints(args, cfg, width: int, ref: int) -> str:
 
 def pooled(args) -> list[dict]:
   """`--from_meter`: the cells of several meter CSVs, summarised together."""
-  rows = [r for path in args.from_meter.split(",") if path for r in figures.read_table(
+  rows = [r for path in args.from_meter for r in figures.read_table(
       path, ("width", "budget", "b_crit", "refused", "transient", *ESTIMATES),
       "an OUT_meter.csv of experiments.scaling_meter")]
   for r in rows:
     r["refused"], r["transient"] = r["refused"] or None, bool(r["transient"])
-  print(f"[meter] {len(rows)} cells of {args.from_meter}: widths "
+  print(f"[meter] {len(rows)} cells of {' '.join(args.from_meter)}: widths "
         f"{sorted({int(r['width']) for r in rows})}; nothing trained or measured", flush=True)
   write(args, rows)
   return rows

@@ -46,7 +46,7 @@ def test_from_meter_pools_the_cells_of_several_files(tmp_path):
     figures.write_csv(path, [compact({**r, "width": w}) for r in rows])
     files.append(path)
   out = str(tmp_path / "pooled")
-  assert scaling_meter.main(["--from_meter", ",".join(files), "--out", out]) == 0
+  assert scaling_meter.main(["--from_meter", *files, "--out", out]) == 0
   got = json.load(open(out + "_meter.json"))
   assert (got["cells"], got["of"]) == (4, 6)
   assert got["truth"]["r"] == pytest.approx(1.0) and got["truth"]["n"] == 4
