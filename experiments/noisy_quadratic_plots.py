@@ -80,7 +80,8 @@ def _meter(plt, path, exact, sw, me, ap, pr, ad, args):
   ax2.axhline(1, c="0.5", lw=0.8)
   ax2.set(xscale="log", yscale="log", xlabel="batch", ylabel="ratio",
           title="the meter against the analytic noise scale")
-  ax2.legend(fontsize=7)
+  ax2.set_ylim(0.12, 8)
+  ax2.legend(fontsize=6, loc="lower center")
   figures.save(fig, path, "NQM: the gradient-noise meter (optim/noise_scale.py)")
 
 
