@@ -10,13 +10,9 @@ trained by the stack's own optimizer factory, meter and autopilot, against its c
 3. autopilot: its batch over the one its rule prescribes from the analytic B_simple.
 4. probe: tools.batch_probe's rule on branches from checkpoints, against it on expected losses.
 5. Adam against the fixed-preconditioner prediction (an approximation).
-Outputs: OUT.csv (the sweep's runs), OUT.json (or --json), OUT_{sweep,meter,autopilot,probe,
+Outputs: OUT.csv (the sweep's runs), OUT.json (or --json; `meter_ratio_*` = `meter_estimator_
+ratio` x `meter_trajectory_ratio`, experiments/nqm_meter.py), OUT_{sweep,meter,autopilot,probe,
 adam}.png. Results: docs/noisy_quadratic.md
-
-JSON: `meter_ratio_*` (logged / analytic B_simple) = `meter_estimator_ratio` (logged / a
-noise-free meter, same window and weights, on the run's own trajectory) x `meter_trajectory_ratio`
-(that / analytic: the run's swings as the window smooths them); `meter_lag_ratio`: the noise-free
-meter on the expected trajectory / analytic. Each {median, p10, p90, n}, `_per_batch` by batch.
 """
 from __future__ import annotations
 

@@ -6,14 +6,13 @@ minimum and clock, fed at every step the exact tr(C) and |G(theta)|^2 at the ite
 gradient was taken at (`exact_sample`), reads what the meter would read on that run's own
 trajectory if its estimates carried no sampling noise (`replay`). So, per reading,
 
-  logged / analytic (expected state) = logged / noise-free  x  noise-free / analytic
-                                     = the estimator's error  x  the run's swings, as the window
-                                                                 smooths them (and its lag)
+  logged / analytic = logged / noise-free (the estimator's error) x noise-free / analytic (the
+  run's swings as the window smooths them, and its lag)
 
-`replay` runs the meter built by `nqm.build` exactly as the run built it (optim.factory) over a
-run's recorded samples: fed the samples the run's meter was fed it reproduces the logged values,
-fed `exact_sample` it is the noise-free meter; fed either with other settings (a config
-override) it reads what those settings would have read on the same runs.
+`replay` runs the meter `nqm.build` builds (optim.factory) over a run's recorded samples: fed
+the run's samples it reproduces the logged values, fed `exact_sample` it is the noise-free meter
+(JSON `meter_estimator_ratio`: logged / noise-free; `meter_trajectory_ratio`: noise-free /
+analytic; `meter_lag_ratio`: noise-free on the expected trajectory / analytic).
 """
 from __future__ import annotations
 

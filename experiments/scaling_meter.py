@@ -1,21 +1,17 @@
 """The gradient noise scale against the scaling lab's critical batch, cell by cell.
 
     python -m experiments.scaling_meter [the lab's flags] [--sequences 2048]
+    python -m experiments.scaling_meter --from_meter A_meter.csv B_meter.csv --out OUT
 
-After a lab (`experiments.critical_batch_scaling` with the same flags: its OUT.csv and
-OUT_runs.csv), per width the reference run of the config's seed trains again with a checkpoint
-at every budget: the same config, initialisation and data order as the lab's, so the same
-iterates. At each checkpoint `tools.noise_check` measures the truth there, B_simple =
-tr(Sigma) / |G|^2 and the preconditioned tr(P Sigma) / G^T P G from the per-sequence gradients of
-`--sequences` windows, beside what the meter logged at that step. Per (N, D) cell, beside its
-B_crit and Zhang's batch: those four, and the medians of what the grid's runs logged at their
-crossings (plain and preconditioned) at each rate multiplier. Across the cells the lab fitted
-(refused and transient ones left out): Pearson's r of log(estimate) against log(B_crit) with its
-Fisher-z interval, and estimate / B_crit's median and range. Writes OUT_meter.csv and
-OUT_meter.json (OUT: the lab's --out). `--from_meter A_meter.csv B_meter.csv` trains and measures
-nothing: it pools the cells of several such files (e.g. one per width, as the lab runs one width
-per command) and writes the same summary over all of them to OUT_meter.{csv,json}.
-Why: docs/scaling_lab.md#the-meter-against-the-labs-critical-batch
+After a lab (the same flags: its OUT.csv and OUT_runs.csv), per width the reference run of the
+config's seed trains again (the lab's iterates) with a checkpoint at every budget, where
+`tools.noise_check` measures the truth, tr(Sigma) / |G|^2 and the preconditioned
+tr(P Sigma) / G^T P G, from the per-sequence gradients of `--sequences` windows, beside what the
+meter logged there and the medians the grid's runs logged at their crossings per rate. Over the
+cells the lab fitted (refused and transient ones out): Pearson's r of the logs against B_crit
+with its Fisher-z interval, and estimate / B_crit's median and range -> OUT_meter.{csv,json}.
+`--from_meter` trains nothing: it pools several such files (one per width: the lab runs a width
+per command) into one summary. Why: docs/scaling_lab.md#the-meter-against-the-labs-critical-batch
 """
 from __future__ import annotations
 
