@@ -290,6 +290,8 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
   assert [(c["step"], c["batch"]) for c in decisions[0]["changes"]] == [(4, 16), (6, 32)]
 
 
+@pytest.mark.slow  # compiles sweep_tiny at 4 batch sizes; test_defaults_make_auto_one_override
+# checks the same defaults and the run tests above the autopilot in training
 def test_train_py_with_auto_alone_runs_and_prints_its_defaults(tmp_path, capsys):
   """`python train.py --config configs/sweep_tiny.py --config.data.batch_ramp=auto` (a few
   steps): runs to the end, and says which defaults it filled in and what it will do."""

@@ -3,7 +3,7 @@
 The report's and the watchdog's logic on made-up timings and a real `StepTimer`; the watchdog
 inside a real run whose compile, evaluation and save are each longer than its timeout; two real
 processes (gloo on CPU) with `slow:1:2` and a clean run, and with `hang:1:STEP` and its restart
-(slow); `tools.soak` (3 faults on the test model, 10 on lm_tiny: slow, see the marks).
+(slow); `tools.soak` (3 faults on the test model in the default run, 10 on lm_tiny slow).
 """
 import json
 import os
@@ -239,7 +239,6 @@ def soak(workdir, faults: int, *overrides: str) -> subprocess.CompletedProcess:
       cwd=ROOT, capture_output=True, text=True, timeout=3000)
 
 
-@pytest.mark.slow  # 5 starts of train.py: 52-94 s on 2 busy cores, over the default run's budget
 def test_soak_three_faults_recovers_all_bit_identical(tmp_path):
   tiny = ["--config.model.d_model=32", "--config.model.mlp_dim=64", "--config.data.seq_len=32",
           "--config.data.global_batch_size=8", "--config.steps=24", "--config.log_every=2",

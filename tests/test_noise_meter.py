@@ -1,7 +1,7 @@
 """The noise meter as a run logs it, against the truth at the run's own parameters.
 
 A run of configs/sweep_tiny.py (train.py, one CPU device) keeps checkpoints at the check steps;
-at a check step n the truth is tr(Sigma) / |G|^2 from the per-sequence gradients of 3,072
+at a check step n the truth is tr(Sigma) / |G|^2 from the per-sequence gradients of 2,048
 independent windows at that step's parameters (tools/noise_check.py), and the logged
 `noise_scale` must be within MAX_RATIO of it, either way. The truth at one iterate of this
 constant-rate run swings up to 10x between checkpoints 5 steps apart, so no average reads it
@@ -21,7 +21,7 @@ from conftest import ROOT
 from tools.noise_check import check_run
 
 MAX_RATIO = 1.6
-SEQUENCES = 3072
+SEQUENCES = 2048
 
 
 def train(workdir, steps, *overrides) -> None:
