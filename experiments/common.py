@@ -154,17 +154,21 @@ def add_to_target_args(p, max_examples: int) -> None:
 
 def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
          keys: tuple[str, ...] = (), metrics: tuple[str, ...] = (),
-         compare: tuple[str, str] | None = None, seeds_inside: bool = False) -> int:
+         compare: tuple[str, str] | None = None,
+         seeds_inside: bool | Callable = False) -> int:
   """Parse (`parse(argv) -> (args, overrides)`), load the base config, run
   `experiment(args, cfg) -> rows` (once per seed with `--seeds`: `keys` name a result, `metrics`
   its numbers, summarised over the seeds; `compare` = (key, baseline): every other value of that
   key against the baseline's, seed by seed, with t intervals (`paired`); `seeds_inside`: the
-  experiment runs its seeds itself) and report the wall time. A mistake in the command line or a
-  config is one line on stderr and exit code 2, before anything compiles."""
+  experiment runs its seeds itself, or a function of the parsed args saying so) and report the
+  wall time. A mistake in the command line or a config is one line on stderr and exit code 2,
+  before anything compiles."""
   platforms.choose()
   try:
     args, overrides = parse(argv)
     cfg = load(args.config, overrides)
+    if callable(seeds_inside):
+      seeds_inside = seeds_inside(args)
     if not seeds_inside and getattr(args, "seeds", 1) < 1:
       raise ConfigError(f"--seeds {args.seeds}: must be at least 1")
   except ConfigError as e:
