@@ -147,15 +147,15 @@ def test_branch_from_a_checkpoint_equals_a_run_from_scratch(tmp_path, data_dir):
 
 @pytest.mark.slow  # the default run keeps test_an_experiment_over_seeds, the same experiment over 2 seeds
 def test_large_batch_optimizers_end_to_end(tmp_path, data_dir):
-  """The command with a tiny config: LARS and Muon at batch 16 and at their reference batch 8,
-  the linear rule doubling LARS's rate, the sqrt rule Muon's by sqrt(2); a CSV row per run and
-  the PNG."""
+  """The untuned command (the rules alone) with a tiny config: LARS and Muon at batch 16 and at
+  their reference batch 8, the linear rule doubling LARS's rate, the sqrt rule Muon's by
+  sqrt(2); a CSV row per run and the PNG."""
   config = tiny_config_file(tmp_path)
   out = tmp_path / "out" / "opt"
   code = large_batch_optimizers.main([
       "--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",
       "--optimizers", "lars,muon", "--evals", "2", "--eval_sequences", "8", "--out", str(out),
-      "--workdir", str(tmp_path / "runs")])
+      "--workdir", str(tmp_path / "runs"), "--lr_grid", "1", "--b2_grid", "rule"])
   assert code == 0
   rows = list(csv.DictReader(open(f"{out}.csv")))
   assert [(r["optimizer"], int(r["batch_size"]), int(r["steps"])) for r in rows] == [
@@ -200,14 +200,16 @@ def test_arms_are_compared_seed_by_seed():
 
 
 def test_an_experiment_over_seeds(tmp_path, data_dir):
-  """`--seeds 2`: the experiment at seeds 0 and 1, each in its own workdir (other losses), every
-  row in OUT.csv with its seed, the spread in OUT_seeds.csv, the first seed's figure."""
+  """`--seeds 2` (the rules alone): the experiment at seeds 0 and 1, each in its own workdir
+  (other losses), every row in OUT.csv with its seed, the spread in OUT_seeds.csv, the first
+  seed's figure."""
   config = tiny_config_file(tmp_path)
   out = tmp_path / "out" / "opt"
   code = large_batch_optimizers.main([
       "--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",
       "--optimizers", "lars", "--evals", "2", "--eval_sequences", "8", "--out", str(out),
-      "--workdir", str(tmp_path / "runs"), "--seeds", "2"])
+      "--workdir", str(tmp_path / "runs"), "--seeds", "2", "--lr_grid", "1",
+      "--b2_grid", "rule"])
   assert code == 0
   rows = list(csv.DictReader(open(f"{out}.csv")))
   assert [(r["seed"], int(r["batch_size"])) for r in rows] == [("0", 16), ("0", 8), ("1", 16),
