@@ -109,3 +109,17 @@ def test_cli_text_prompt_uses_the_converted_tokenizer_and_to_hf_copies_it(conver
   assert line == f"'w5 w17 w33' -> {text!r}"
   files = convert.to_hf(src, str(tmp_path / "back"), mesh=mesh)
   assert "tokenizer.json" in files and (tmp_path / "back" / "tokenizer.json").exists()
+
+
+def test_cli_refuses_an_encoder_in_one_line(monkeypatch, capsys):
+  """A masked-LM checkpoint (model.causal=False) is refused before anything is restored or
+  compiled, in one line with exit code 2 (it was a traceback from the Generator)."""
+  from tools import generate  # noqa: PLC0415
+  from trainer.checkpoint import model_dirs  # noqa: PLC0415
+  monkeypatch.setattr(model_dirs, "source_config",
+                      lambda src: ("step", {"model": {"causal": False}}))
+  monkeypatch.setattr(model_dirs, "restore_params",
+                      lambda *a, **k: pytest.fail("restored an encoder"))
+  assert generate.main(["--checkpoint", "runs/mlm", "--prompt_ids", "1,2"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "model.causal=False" in err[0] and "does not generate" in err[0]

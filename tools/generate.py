@@ -61,6 +61,10 @@ def main(argv: list[str]) -> int:
   try:
     mesh = mesh_from_overrides(overrides)
     step_dir, config = source_config(args.checkpoint)
+    if not config["model"].get("causal", True):
+      raise ConfigError(f"--checkpoint {args.checkpoint}: a masked-LM encoder (model.causal="
+                        "False) does not generate text token by token; its eval_masked_accuracy "
+                        "is in the run's metrics")
     tok = source_tokenizer(step_dir, config)
     if args.prompt_ids:
       try:
