@@ -203,3 +203,17 @@ def test_a_diloco_masked_lm_scores_its_anchor_as_the_plain_run_scores_its_parame
   want = _run(tmp_path / "plain", 8, {"data": 8}, steps=2, **MLM)
   got = _run(tmp_path / "diloco", 8, {"data": 8}, steps=2, **MLM, **diloco)
   _same(got, want, keys=("loss", "eval_loss", "eval_masked_accuracy"), rtol=1e-5)
+
+
+def test_a_changed_mask_rate_is_refused_on_resume():
+  """The mask rate is the masked LM's objective: a checkpoint written at one rate does not
+  resume at another (one line naming both); a checkpoint from before the key resumes."""
+  from trainer.checkpoint.saved import describe_mismatch  # noqa: PLC0415
+  saved = {"data": {"seq_len": 32, "mask_rate": 0.15}, "optim": {"name": "adamw"}}
+  assert describe_mismatch(saved, saved, None, None) is None
+  other = {**saved, "data": {"seq_len": 32, "mask_rate": 0.3}}
+  assert describe_mismatch(saved, other, None, None) == \
+      "it was written with data.mask_rate=0.15, the config has 0.3"
+  old = {**saved, "data": {"seq_len": 32}}
+  assert describe_mismatch(old, {**saved, "data": {"seq_len": 32, "mask_rate": 0.0}}, None,
+                           None) is None

@@ -25,7 +25,10 @@ class CheckpointError(RuntimeError):
 # that changes what the weights compute (models/config.py FUNCTIONAL, compared as the weights see
 # them), and these, which the rest of the saved state depends on. Everything else (steps, mesh,
 # learning rate, intervals, logging, ...) may change between restarts.
-MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len", "optim.diloco.replicas")
+# data.mask_rate: a masked LM's objective (data/masking.py); a checkpoint without it (written
+# before the key) is read as matching
+MUST_MATCH = ("model.param_dtype", "optim.name", "data.seq_len", "optim.diloco.replicas",
+              "data.mask_rate")
 
 
 class UnreadableConfig(ValueError):
