@@ -111,15 +111,19 @@ def test_cli_text_prompt_uses_the_converted_tokenizer_and_to_hf_copies_it(conver
   assert "tokenizer.json" in files and (tmp_path / "back" / "tokenizer.json").exists()
 
 
-def test_cli_refuses_an_encoder_in_one_line(monkeypatch, capsys):
-  """A masked-LM checkpoint (model.causal=False) is refused before anything is restored or
-  compiled, in one line with exit code 2 (it was a traceback from the Generator)."""
-  from tools import generate  # noqa: PLC0415
+@pytest.mark.parametrize("tool", ["generate", "evaluate"])
+def test_next_token_tools_refuse_an_encoder_in_one_line(monkeypatch, capsys, tool):
+  """A masked-LM checkpoint (model.causal=False) is refused by tools.generate and
+  tools.evaluate before anything is restored or compiled, in one line with exit code 2
+  (generation was a traceback from the Generator; evaluation scored next tokens the encoder
+  sees)."""
+  import importlib  # noqa: PLC0415
   from trainer.checkpoint import model_dirs  # noqa: PLC0415
   monkeypatch.setattr(model_dirs, "source_config",
-                      lambda src: ("step", {"model": {"causal": False}}))
+                      lambda src, flag="--checkpoint": ("step", {"model": {"causal": False}}))
   monkeypatch.setattr(model_dirs, "restore_params",
                       lambda *a, **k: pytest.fail("restored an encoder"))
-  assert generate.main(["--checkpoint", "runs/mlm", "--prompt_ids", "1,2"]) == 2
+  args = {"generate": ["--prompt_ids", "1,2"], "evaluate": []}[tool]
+  assert importlib.import_module(f"tools.{tool}").main(["--checkpoint", "runs/mlm", *args]) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and "model.causal=False" in err[0] and "does not generate" in err[0]
+  assert len(err) == 1 and "model.causal=False" in err[0] and "next token" in err[0], err

@@ -54,11 +54,11 @@ def main(argv: list[str]) -> int:
   from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
   from trainer.evaluation.split import evaluate_split  # noqa: PLC0415  start-up
   from trainer.checkpoint.model_dirs import (  # noqa: PLC0415  start-up
-      data_tokenizer, restore_with_ema, run_data_dir, source_config)
+      causal_source, data_tokenizer, restore_with_ema, run_data_dir)
 
   try:
     mesh = mesh_from_overrides(overrides)
-    _, config = source_config(args.checkpoint)
+    _, config = causal_source(args.checkpoint)
     run_data = config.get("data", {})
     if not args.data and "data" not in config:
       parser.error(f"{args.checkpoint} is not a training run: give --data DIR")

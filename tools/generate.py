@@ -56,15 +56,11 @@ def main(argv: list[str]) -> int:
 
   from models.decode import Generator  # noqa: PLC0415  start-up
   from trainer.checkpoint.saved import CheckpointError  # noqa: PLC0415  start-up
-  from trainer.checkpoint.model_dirs import restore_params, source_config, source_tokenizer  # noqa: PLC0415  start-up
+  from trainer.checkpoint.model_dirs import causal_source, restore_params, source_tokenizer  # noqa: PLC0415  start-up
 
   try:
     mesh = mesh_from_overrides(overrides)
-    step_dir, config = source_config(args.checkpoint)
-    if not config["model"].get("causal", True):
-      raise ConfigError(f"--checkpoint {args.checkpoint}: a masked-LM encoder (model.causal="
-                        "False) does not generate text token by token; its eval_masked_accuracy "
-                        "is in the run's metrics")
+    step_dir, config = causal_source(args.checkpoint)
     tok = source_tokenizer(step_dir, config)
     if args.prompt_ids:
       try:

@@ -26,7 +26,7 @@ from lm_eval.api.registry import register_model
 
 from models.decode import Generator
 from tools.convert import mesh_from_overrides
-from trainer.checkpoint.model_dirs import restore_params, source_config, source_tokenizer
+from trainer.checkpoint.model_dirs import causal_source, restore_params, source_tokenizer
 from trainer.evaluation.split import windows
 
 
@@ -37,7 +37,7 @@ class ScaletrainLM(LM):
                ema: bool | str = False, mesh=None, **_):
     super().__init__()
     self.checkpoint = checkpoint
-    step_dir, config = source_config(checkpoint)
+    step_dir, config = causal_source(checkpoint)
     self.tok = source_tokenizer(step_dir, config)
     if self.tok is None:
       raise ValueError(f"{checkpoint} has no tokenizer; lm-eval requests are text")

@@ -55,6 +55,18 @@ def source_config(src: str, flag: str = "--checkpoint") -> tuple[str, dict]:
   return step_dir, config
 
 
+def causal_source(src: str, flag: str = "--checkpoint") -> tuple[str, dict]:
+  """`source_config` of a source that a next-token tool (generation, next-token evaluation,
+  lm-eval) can read: a masked-LM encoder's (model.causal=False) is refused in one line before
+  anything is restored: it sees the tokens it would be asked to predict."""
+  step_dir, config = source_config(src, flag)
+  if not config["model"].get("causal", True):
+    raise CheckpointError(f"{flag}={src!r}: a masked-LM encoder (model.causal=False) does not "
+                          "predict the next token; its eval_masked_accuracy and eval_loss are in "
+                          "its run's metrics")
+  return step_dir, config
+
+
 def model_config(config: dict) -> ModelConfig:
   return ModelConfig.from_config(config["model"])
 
