@@ -23,6 +23,7 @@ import grain
 import numpy as np
 
 from data import mixture as mixture_lib
+from data import mnist1d
 from data.masking import Masking
 from data.meta import DataError, read_meta
 from data.tokens import SplitTokens
@@ -185,7 +186,10 @@ def check(spec: StreamSpec, evaluation: bool) -> None:
 
 
 def dataset(spec: StreamSpec) -> grain.IterDataset:
-  """The per-process stream of micro-batches described in the module docstring."""
+  """The per-process stream of micro-batches described in the module docstring (the vision
+  workload's examples for an ExampleSpec, data/mnist1d.py)."""
+  if isinstance(spec, mnist1d.ExampleSpec):
+    return mnist1d.dataset(spec)
   ds = MicroBatches(Windows(spec), spec)
   if spec.prefetch:
     ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=spec.prefetch)
@@ -236,6 +240,8 @@ def _tokenizer_id(meta: dict) -> str:
 
 def saved_state(iterator_state: dict, spec: StreamSpec) -> dict:
   """What a checkpoint keeps of the data stream (the same on every process)."""
+  if isinstance(spec, mnist1d.ExampleSpec):
+    return mnist1d.saved_state(iterator_state, spec)
   return {"windows": int(iterator_state["windows"]), **identity(spec)}
 
 
@@ -249,6 +255,8 @@ def restored_state(saved: list[dict], spec: StreamSpec, windows_before: int | No
   order; None: refused), also said in one line."""
   if not saved:
     raise ValueError("the checkpoint holds no data state")
+  if isinstance(spec, mnist1d.ExampleSpec):
+    return mnist1d.restored_state(saved, spec)
   if "windows" not in saved[0]:
     if windows_before is None:
       raise DataError("the checkpoint's data position was saved by the earlier per-row reader, "

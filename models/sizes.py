@@ -1,7 +1,9 @@
 """Parameter counts and training FLOPs per token of a `ModelConfig`: the model's own count, which
-MFU, the roofline of `tools.aot` and the run's start-up report read."""
+MFU, the roofline of `tools.aot` and the run's start-up report read (a ResNet's per example:
+models/resnet.py)."""
 from __future__ import annotations
 
+from models import resnet
 from models.llama import ModelConfig, moe_layer_ids
 
 
@@ -22,6 +24,9 @@ def _ffn_params(cfg: ModelConfig) -> tuple[int, int]:
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
   """Parameter counts: total, embedding (input table), non-embedding, and active (what one token
   uses: an MoE layer's top_k experts of num_experts; = total for a dense model)."""
+  if isinstance(cfg, resnet.ResNetConfig):  # the vision workload: a "token" is an example
+    n = resnet.param_count(cfg)
+    return {"total": n, "embedding": 0, "non_embedding": n, "active": n}
   E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
                       cfg.vocab_size, cfg.num_layers)
   ffn, ffn_active = _ffn_params(cfg)
@@ -45,6 +50,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> d
   Rematerialisation is *not* counted: this is model FLOPs, so MFU stays comparable across remat
   policies.
   """
+  if isinstance(cfg, resnet.ResNetConfig):
+    return resnet.flops_per_example(cfg)
   E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
                       cfg.vocab_size, cfg.num_layers)
   matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E) + _ffn_params(cfg)[1] + E * V

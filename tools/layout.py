@@ -33,7 +33,7 @@ SKIP_DIRS = {"tests", "docs", "notebooks", "runs", "__pycache__"}
 # Slow to import (a second or more): jax, what imports it, and tensorboardX.
 HEAVY = {"jax", "jaxlib", "flax", "optax", "orbax", "chex", "tensorstore", "grain", "tensorboardX"}
 OPTIONAL = {"matplotlib", "torch", "transformers", "wandb", "lm_eval", "datasets", "pyarrow",
-            "libtpu", "nanodo"}
+            "libtpu", "nanodo", "mnist1d"}
 VERSION = ("jax._src.",)
 REASONS = ("start-up", "optional", "version")
 # The core reading path: what one step of training is, end to end.

@@ -32,6 +32,7 @@ from trainer.config.defaults import (NORM_METRICS, RESIZE_MODES, ConfigError, pa
                                      parse_window)
 from trainer.config.defaults import choice as _choice, need as _need
 from trainer.config.parallel_checks import check_diloco, check_moe, check_pipeline
+from trainer.config.vision_checks import check_vision
 
 
 def _check_local_tier(cfg: ml_collections.ConfigDict) -> None:
@@ -231,7 +232,8 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
           f"model.depth_parametrization={m.depth_parametrization!r} sets CompleteP's rules for "
           f"{', '.join(SCALE_INVARIANT_OPTIMIZERS)}, not optim.name={cfg.optim.name!r}; use "
           "one of them or model.depth_parametrization='standard'")
-  data_vocab, data_name = _data_vocab(cfg)
+  check_vision(cfg, sizes)  # model.kind; a vision run has no token data
+  data_vocab, data_name = _data_vocab(cfg) if m.kind == "transformer" else (0, "")
   if m.vocab_size == 0:  # from the data, padded to a multiple of 128 (splits over any tensor axis)
     m.vocab_size = -(-(data_vocab + bool(cfg.data.mask_rate)) // 128) * 128  # (+ [MASK])
   for key in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",

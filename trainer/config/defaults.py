@@ -73,6 +73,12 @@ def default_config() -> ml_collections.ConfigDict:
       param_dtype="float32", dtype="float32", remat="none", attention="xla", init_std=0.02,
       # False: bidirectional attention, the masked-LM encoder (needs data.mask_rate; docs/mlm.md)
       causal=True,
+      # "resnet1d": the vision workload instead, the 1-D ResNet of `resnet` on data.mnist1d
+      # (models/resnet.py, docs/vision.md); the transformer keys above then do not apply
+      kind="transformer",
+      # bn_group: examples per ghost batch-norm group (batches and micro-batches are multiples)
+      resnet=ml_collections.ConfigDict(dict(channels=32, blocks=3, kernel=5, bn_group=16,
+                                            bn_momentum=0.9, label_smoothing=0.0)),
       # ring attention: one ring per chunk of a device's kv heads, for less memory in flight
       # (sharding/ring_attention.py); must divide num_kv_heads / mesh.tensor
       ring_head_chunks=1,
@@ -129,6 +135,9 @@ def default_config() -> ml_collections.ConfigDict:
       # whose targets are the original tokens at the selected positions; needs
       # model.causal=False. 0 = the causal LM's next-token rows
       mask_rate=0.0,
+      # model.kind="resnet1d"'s data (data/mnist1d.py): train_examples generated with `seed`
+      # by the mnist1d package and cached; the fixed test set is the same in every run
+      mnist1d=ml_collections.ConfigDict(dict(train_examples=20_000, seed=1)),
       prefetch=2,  # micro-batches prepared ahead in a background thread
       # Batch-size ramp: "BATCH:START_TOKENS,..." e.g. "64:0,256:2000000,1024:8000000"; the last
       # stage is global_batch_size; needs micro_batch_size (optim/ramp.py). "" = no ramp.

@@ -26,6 +26,7 @@ from data.prepare import read_meta
 from optim.ema import find_ema
 from sharding.batch import assemble
 from sharding.mesh import replicated
+from trainer.evaluation import classifier
 from trainer.step.program import Program
 
 
@@ -55,6 +56,8 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
                    local_rows: Sequence[int]) -> Callable[..., dict[str, float]]:
   """`evaluate(state) -> row` for the run `program` compiles, on `sources` (one, or a mixture's),
   this process reading the batch rows `local_rows`."""
+  if program.spec.abstract_model_state is not None:  # the vision workload's classifier
+    return classifier.make_evaluator(program, sources[0], local_rows)
   mesh, micro_rows, cfg = program.mesh, program.micro_rows, program.cfg
   masking = Masking.of(cfg.data.mask_rate, read_meta(sources[0].dir))
   fn, flat = jitted_eval_step(program, masked=masking is not None)

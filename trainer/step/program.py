@@ -14,12 +14,11 @@ import os
 
 import jax
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh
 
-from data.pipeline import BATCH_KEYS
 from models import pipeline as model_pipeline
 from models.llama import ModelConfig
+from models.resnet import ResNetConfig
 from optim import build_optimizer
 from optim.autopilot import with_defaults
 from optim.diloco import DiLoCoConfig, outer_optimizer
@@ -76,7 +75,8 @@ class Program:
     d = cfg.data
     self.micro_rows = d.micro_batch_size or d.global_batch_size
     self.num_micro = d.global_batch_size // self.micro_rows
-    self.model_cfg = ModelConfig.from_config(cfg.model)
+    self.model_cfg = (ResNetConfig if cfg.model.kind == "resnet1d" else ModelConfig).from_config(
+        cfg.model)
     # Pipeline stages over `mesh.stage` (trainer/step/pipelined.py), or None.
     self.pipeline = Pipeline.from_config(cfg, dict(mesh.shape))
     self.spec = ModelSpec(self.model_cfg, mesh, cfg.seed, self.pipeline)
@@ -138,10 +138,9 @@ class Program:
     return diloco.make_eval_step(self.spec, self.diloco.replicas)
 
   def abstract_batch(self, num_micro: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
-    shape = (num_micro or self.num_micro, self.micro_rows, self.cfg.data.seq_len)
-    dtypes = {"loss_mask": np.bool_}
-    return {k: jax.ShapeDtypeStruct(shape, dtypes.get(k, np.int32), sharding=self.batch_sharding)
-            for k in BATCH_KEYS}
+    rows = (num_micro or self.num_micro, self.micro_rows)
+    return {k: jax.ShapeDtypeStruct((*rows, width), dtype, sharding=self.batch_sharding)
+            for k, (width, dtype) in self.spec.batch_layout(self.cfg.data.seq_len).items()}
 
   def computes_norms(self, logs: bool) -> bool:
     """Whether the step computes param_norm and update_norm (`trainer.norm_metrics`): on the

@@ -19,12 +19,16 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from data.pipeline import BATCH_KEYS
 from models.llama import ModelConfig, Transformer
+from models.resnet import ResNet1D, ResNetConfig
+from models.resnet import batch_layout as resnet_batch_layout
 from sharding.rules import LOGICAL_RULES
 
 
@@ -34,6 +38,14 @@ class TrainState:
   params: Any  # nested dict of arrays
   opt_state: Any
   guard: Any  # counters of the non-finite / loss-spike guard (trainer/step/train_step.py)
+
+
+@flax.struct.dataclass
+class StatefulTrainState(TrainState):
+  """The state of a model with non-parameter state (models/resnet.py: batch-norm running
+  statistics, NNX `BatchStat`s as a pure dict), which the train step carries and checkpoints
+  hold; the LM's TrainState (and its checkpoints) stay as they are."""
+  model_state: Any = None
 
 
 def _logical_names(abstract_state) -> Any:
@@ -59,28 +71,50 @@ class ModelSpec:
     # A `sharding.pipeline.Pipeline` when the layers run in stages over `mesh.stage` (the train
     # and eval steps then go through trainer/step/pipelined.py); None: the plain layer scan.
     self.pipeline = pipeline
-    make = lambda: Transformer(model_cfg, rngs=nnx.Rngs(params=seed))
+    cls = ResNet1D if isinstance(model_cfg, ResNetConfig) else Transformer
+    make = lambda: cls(model_cfg, rngs=nnx.Rngs(params=seed))
     with nnx.logical_axis_rules(LOGICAL_RULES):
       abstract_model = nnx.eval_shape(make)
-      self.graphdef, abstract_state = nnx.split(abstract_model)
+      self.graphdef, abstract_state, _ = nnx.split(abstract_model, nnx.Param, ...)
       specs = nnx.to_pure_dict(nnx.get_partition_spec(abstract_state))
     self.logical_names = _logical_names(abstract_state)
     self.param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     self.abstract_params = jax.tree.map(
         lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
         nnx.to_pure_dict(abstract_state), self.param_shardings)
-    self.make_model = make  # builds a fresh (concrete) Transformer; call under jit
+    # The non-parameter state (batch-norm statistics; None: the LM has none), replicated.
+    rest = nnx.to_pure_dict(nnx.state(abstract_model, nnx.BatchStat)) or None
+    self.model_state_shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), rest)
+    self.abstract_model_state = jax.tree.map(
+        lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), rest,
+        self.model_state_shardings)
+    self.make_model = make  # builds a fresh (concrete) model; call under jit
 
-  def model(self, params) -> Transformer:
-    return nnx.merge(self.graphdef, params)
+  def model(self, params, model_state=None) -> Transformer | ResNet1D:
+    return nnx.merge(self.graphdef, params, *([model_state] if model_state is not None else []))
+
+  def batch_layout(self, seq_len: int) -> dict[str, tuple[int, type]]:
+    """{key: (width, dtype)} of the rows of a batch [M, B, width] the model trains on."""
+    if isinstance(self.cfg, ResNetConfig):
+      return resnet_batch_layout(seq_len)
+    return {k: (seq_len, np.bool_ if k == "loss_mask" else np.int32) for k in BATCH_KEYS}
 
 
 def state_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
   """NamedShardings of the whole TrainState, the optimizer state's from `optimizer_shardings`."""
   replicated = NamedSharding(spec.mesh, P())
   guard = jax.tree.map(lambda _: replicated, init_guard())
-  return TrainState(step=replicated, params=spec.param_shardings,
-                    opt_state=optimizer_shardings(spec, tx), guard=guard)
+  state = TrainState(step=replicated, params=spec.param_shardings,
+                     opt_state=optimizer_shardings(spec, tx), guard=guard)
+  return _with_model_state(state, spec.model_state_shardings)
+
+
+def _with_model_state(state: TrainState, model_state) -> TrainState:
+  """`state` carrying `model_state` (a StatefulTrainState), or as it is when that is None."""
+  if model_state is None:
+    return state
+  return StatefulTrainState(**{f: getattr(state, f) for f in ("step", "params", "opt_state",
+                                                              "guard")}, model_state=model_state)
 
 
 def optimizer_shardings(spec: ModelSpec, tx: optax.GradientTransformation) -> Any:
@@ -127,11 +161,13 @@ def _kept_dims_spec(shape, param_shape, param_spec) -> P | None:
   return P(*found.pop()) if len(found) == 1 else None
 
 
-def fresh_state(tx: optax.GradientTransformation, params) -> TrainState:
-  """Step 0 at `params`: a fresh optimizer state and guard (traceable: `init_sharded` and
-  `jax.eval_shape` call it; a DiLoCo state builds each replica's part from it)."""
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                    guard=init_guard())
+def fresh_state(tx: optax.GradientTransformation, params, model_state=None) -> TrainState:
+  """Step 0 at `params` (and `model_state`, a model's non-parameter state): a fresh optimizer
+  state and guard (traceable: `init_sharded` and `jax.eval_shape` call it; a DiLoCo state
+  builds each replica's part from it)."""
+  return _with_model_state(TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                                      opt_state=tx.init(params), guard=init_guard()),
+                           model_state)
 
 
 def with_shardings(shapes, shardings):
@@ -153,10 +189,18 @@ def init_sharded(spec: ModelSpec, build, shardings, params=None):
 
 def abstract_state(spec: ModelSpec, tx: optax.GradientTransformation) -> TrainState:
   """ShapeDtypeStructs (with target shardings) of the TrainState, for restoring checkpoints."""
-  return with_shardings(jax.eval_shape(lambda p: fresh_state(tx, p), spec.abstract_params),
-                        state_shardings(spec, tx))
+  return with_shardings(jax.eval_shape(lambda p, s: fresh_state(tx, p, s), spec.abstract_params,
+                                      spec.abstract_model_state), state_shardings(spec, tx))
 
 
 def init_state(spec: ModelSpec, tx: optax.GradientTransformation, params=None) -> TrainState:
   """A fresh state; with `params` (e.g. from another run) only the optimizer state is new."""
+  if spec.abstract_model_state is not None and params is None:  # with the model's own state
+
+    def build():
+      model = spec.make_model()
+      pure = lambda kind: nnx.to_pure_dict(nnx.state(model, kind))
+      return fresh_state(tx, pure(nnx.Param), pure(nnx.BatchStat))
+
+    return jax.jit(build, out_shardings=state_shardings(spec, tx))()
   return init_sharded(spec, lambda p: fresh_state(tx, p), state_shardings(spec, tx), params)

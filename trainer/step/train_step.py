@@ -20,6 +20,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from models import moe as moe_lib
 from models.llama import moe_layer_ids
@@ -91,7 +92,7 @@ def _judge(guard, loss, grad_norm, cfg: GuardConfig):
 
 
 def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
-              noise_parts: int = 2, squares: bool = False):
+              noise_parts: int = 2, squares: bool = False, model_state=None):
   """Sums over the micro-batches of `batch` [M, B, S] (the noise meter's small batches: the
   micro-batches, with a pipeline `noise_parts` parts of their rows): (loss sum, target tokens, gradient sum
   in float32 sharded like the parameters, noise-meter sums (`noise_scale.piece_sums` summed
@@ -99,7 +100,9 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
   g_i^2 / t_i^2 per parameter, sharded like them) or None, MoE sums ({"stats": router statistics,
   "aux": auxiliary losses} of the whole step) or None). M = 1 is one plain backward pass, M > 1
   a scan (why float32 and sharded: docs/configs.md#the-train-step; MoE:
-  docs/moe.md#auxiliary-losses).
+  docs/moe.md#auxiliary-losses). With `model_state` (a model with batch statistics,
+  models/resnet.py) the MoE slot holds instead the sum over the micro-batches of the state each
+  leaves, every one starting from `model_state`.
   """
 
   if spec.pipeline is not None:  # the pipeline is the accumulation loop (trainer/step/pipelined.py)
@@ -114,6 +117,10 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
     fraction = _global_fraction(spec, params, batch)
 
   def objective(p, micro_batch):
+    if model_state is not None:  # training mode; the state the micro-batch leaves comes out
+      model = spec.model(p, model_state)
+      loss_sum, tokens, _ = model.sums(micro_batch, train=True)
+      return loss_sum, (loss_sum, tokens, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
     loss_sum, tokens, stats = spec.model(p).loss_and_stats(
         micro_batch["inputs"], micro_batch["positions"], micro_batch["segment_ids"],
         micro_batch["targets"], micro_batch["loss_mask"])
@@ -147,7 +154,8 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
   zero = jnp.zeros((), jnp.float32)
   like_params = lambda: shard(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
   zeros = (zero, zero, like_params(),
-           moe_lib.zero_sums(moe, len(moe_layer_ids(spec.cfg))) if moe.enabled else None)
+           moe_lib.zero_sums(moe, len(moe_layer_ids(spec.cfg))) if moe.enabled else
+           jax.tree.map(jnp.zeros_like, model_state))
   if measure_noise:
     zeros += (zero,) * 3 + ((like_params(),) if squares else ())
   carry, _ = jax.lax.scan(accumulate, zeros, batch)
@@ -185,9 +193,13 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
       batch = jax.tree.map(lambda x: noise_scale.split_rows(x, parts).reshape(
           num_micro * parts, rows // parts, *x.shape[2:]), batch)
     precondition = None
+    model_state = getattr(state, "model_state", None)  # batch statistics (StatefulTrainState)
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(
         spec, state.params, batch, measure_noise=measure_noise, noise_parts=parts,
-        squares=measure_noise and has_precond)
+        squares=measure_noise and has_precond, model_state=model_state)
+    if model_state is not None:  # the mean of the micro-batches' states (models/resnet.py)
+      parts_run = jax.tree.leaves(batch)[0].shape[0]
+      model_state, moe_sums = jax.tree.map(lambda x: x / parts_run, moe_sums), None
     if guard_cfg.debug_nan_at_step:
       poison = state.step + 1 == guard_cfg.debug_nan_at_step
       loss_sum = jnp.where(poison, jnp.nan, loss_sum)
@@ -256,7 +268,10 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
       if precondition is not None:
         metrics.update(zip(("noise_g_sq_precond_step", "noise_trace_precond_step"),
                            noise_scale.estimate(*sample[4:], *sample[2:4])))
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, guard=guard)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              guard=guard)
+    if model_state is not None:
+      new_state = new_state.replace(model_state=keep_old(model_state, state.model_state))
     return new_state, metrics
 
   return step

@@ -48,7 +48,8 @@ def log_setup(writer: MetricsWriter, mesh: Mesh, model_cfg: ModelConfig, data_me
              + (f", {counts['active'] / 1e6:.2f}M active per token" if counts["active"] !=
                 counts["total"] else "") + "); "
              f"data: {src.get('name')} fingerprint {src.get('fingerprint')} "
-             f"({data_meta['splits']['train']['tokens']:,} train tokens) from "
+             f"({data_meta['splits']['train']['tokens']:,} train "
+             f"{'examples' if 'examples' in data_meta['splits']['train'] else 'tokens'}) from "
              f"{data_dir}")
   if len(sources) > 1:
     writer.log("mixture (token weights): " + ", ".join(

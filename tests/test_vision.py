@@ -1,0 +1,133 @@
+"""The vision workload (docs/vision.md): ghost batch norm (per-group statistics, running
+statistics in the train state and checkpoints), mnist1d data generated once and cached, its order
+keyed by (seed, global index), losses independent of micro-batches and devices, a bit-identical
+resume, AdamW and LARS end to end, and config mistakes as one line with exit code 2."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import metric_rows, tiny_config
+from flax import nnx
+
+import train
+from data import mnist1d
+from models.resnet import GhostBatchNorm, ResNetConfig
+from optim.factory import masks
+from sharding import make_mesh
+from trainer.config.checks import validate
+from trainer.run.loop import Run
+from trainer.step.state import ModelSpec
+
+# a 1-block ResNet of 8 channels on 200 training examples, ghost groups of 8
+VISION = {"model.kind": "resnet1d", "model.resnet.channels": 8, "model.resnet.blocks": 1,
+          "model.resnet.bn_group": 8, "data.mnist1d.train_examples": 200, "data.seq_len": 40,
+          "data.global_batch_size": 32, "eval_sequences": 64, "optim.name": "adamw",
+          "optim.learning_rate": 3e-3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_cache(tmp_path_factory):
+  """The tests' mnist1d arrays, generated once into a directory of their own (a test set of
+  400: the 4,000 of a run take ~10 s to generate on busy cores)."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(mnist1d, "TEST_EXAMPLES", 400)
+    mp.setenv("SCALETRAIN_DATA", str(tmp_path_factory.mktemp("mnist1d")))
+    yield mnist1d.prepare(200, 1)
+
+
+def _run(workdir, steps: int, **extra) -> dict:
+  cfg = tiny_config(**{**VISION, "steps": steps, "eval_every": steps, **extra})
+  validate(cfg, jax.devices())
+  assert Run(cfg, str(workdir)).train().status == "done"
+  return metric_rows(workdir), _evals(workdir)
+
+
+def _evals(workdir) -> dict:
+  import json  # noqa: PLC0415
+  return {r["step"]: r for r in map(json.loads, open(workdir / "metrics.jsonl"))
+          if "eval_accuracy" in r}
+
+
+def test_ghost_batch_norm_normalises_each_group_by_itself():
+  """Each group of 4 is normalised as flax's BatchNorm normalises it alone; the running
+  statistics move by the mean of the groups' statistics; eval uses them."""
+  x = jax.random.normal(jax.random.key(0), (8, 5, 3)) * jnp.arange(1, 9)[:, None, None]
+  ghost = GhostBatchNorm(3, 4, 0.9, rngs=nnx.Rngs(0))
+  y = ghost(x)
+  for g in range(2):
+    plain = nnx.BatchNorm(3, momentum=0.9, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(y[4 * g:4 * g + 4], plain(x[4 * g:4 * g + 4]), atol=1e-5)
+  groups = x.reshape(2, 4 * 5, 3)
+  np.testing.assert_allclose(ghost.mean[...], 0.1 * groups.mean(1).mean(0), rtol=1e-5)
+  np.testing.assert_allclose(ghost.var[...], 0.9 + 0.1 * groups.var(1).mean(0), rtol=1e-5)
+  np.testing.assert_allclose(ghost(x, use_running_average=True),
+                             (x - ghost.mean[...]) / jnp.sqrt(ghost.var[...] + 1e-5), rtol=1e-5)
+
+
+def test_data_is_cached_and_its_order_keyed_by_seed_and_global_index(data_cache, monkeypatch):
+  monkeypatch.setattr(mnist1d, "_generate", lambda *a: pytest.fail("generated again"))
+  assert mnist1d.prepare(200, 1) == data_cache  # the second run reads the cache
+  first = lambda rows, seed=0, n=2: [next(it) for it in [iter(mnist1d.dataset(
+      mnist1d.ExampleSpec(data_cache, rows, seed=seed)))] for _ in range(n)]
+  two_of_8, one_of_16 = first(8), first(16, n=1)[0]
+  for key in one_of_16:
+    np.testing.assert_array_equal(np.concatenate([b[key] for b in two_of_8]), one_of_16[key])
+  assert not np.array_equal(first(16, seed=1, n=1)[0]["inputs"], one_of_16["inputs"])
+  order = mnist1d.ExampleOrder(mnist1d.ExampleSpec(data_cache, 8))
+  x, _ = mnist1d._arrays(data_cache, "train")
+  epoch = order.batch(np.arange(200, 400))["inputs"]  # the second epoch: every example once
+  assert sorted(map(bytes, epoch)) == sorted(map(bytes, x))
+  assert len(mnist1d.test_batches(data_cache, 10_000, 32)) == -(-mnist1d.TEST_EXAMPLES // 32)
+
+
+def test_lars_and_decay_skip_biases_and_norm_parameters():
+  """optim/factory.py's masks from the ResNet's logical names: the trust ratio and weight
+  decay apply to the conv and head kernels only."""
+  spec = ModelSpec(ResNetConfig(channels=8, blocks=1), make_mesh({}, jax.devices()[:1]), 0)
+  m = masks(spec.logical_names)
+  flat = {"/".join(map(str, k)): v for k, v in nnx.traversals.flatten_mapping(
+      m["trust_ratio"]).items()}
+  assert flat and all(v == k.endswith("kernel") for k, v in flat.items()), flat
+  assert m["decay"] == m["trust_ratio"]
+
+
+def test_losses_do_not_depend_on_micro_batches_or_devices(tmp_path):
+  """Batch 32 in micro-batches of 8 on data=8 and of 32 on data 2 x fsdp 2 x tensor 2: the
+  same losses, gradient norms and evaluation (which reads the running statistics)."""
+  want, want_eval = _run(tmp_path / "m8", 2, **{"data.micro_batch_size": 8, "mesh.data": 8})
+  got, got_eval = _run(tmp_path / "m32", 2, **{"data.micro_batch_size": 32, "mesh.data": 2,
+                                               "mesh.fsdp": 2, "mesh.tensor": 2})
+  assert sorted(want) == [1, 2] and 0 <= want_eval[2]["eval_accuracy"] <= 1
+  for step in want:
+    for key in ("loss", "grad_norm"):
+      np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-6, err_msg=key)
+  for key in ("eval_loss", "eval_accuracy"):
+    np.testing.assert_allclose(got_eval[2][key], want_eval[2][key], rtol=1e-6, err_msg=key)
+
+
+def test_lars_resume_is_bit_identical(tmp_path):
+  """LARS, 4 steps straight and 2 + 2 resumed from the checkpoint at 2: the same losses and the
+  same evaluation at step 4, bit for bit (the batch statistics are restored exactly)."""
+  lars = {"optim.name": "lars", "optim.learning_rate": 1.0, "checkpoint.every_steps": 2,
+          "mesh.data": 8}
+  want, want_eval = _run(tmp_path / "straight", 4, **lars)
+  _run(tmp_path / "resumed", 2, **{**lars, "eval_every": 4})
+  got, got_eval = _run(tmp_path / "resumed", 4, **lars)
+  assert [got[s]["loss"] for s in range(1, 5)] == [want[s]["loss"] for s in range(1, 5)]
+  assert got_eval[4]["eval_loss"] == want_eval[4]["eval_loss"]
+  assert np.isfinite(want[4]["loss"]) and want[4]["skipped"] == 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--config.data.global_batch_size=24"], "data.global_batch_size=24 is not a multiple of "
+     "model.resnet.bn_group=16"),
+    (["--config.data.micro_batch_size=8"], "data.micro_batch_size=8 is not a multiple of"),
+    (["--config.mesh.stage=2"], "mesh.stage=2 with model.kind='resnet1d': the vision workload "
+     "does not support it; use mesh.stage=1"),
+    (["--config.model.kind=cnn"], "model.kind='cnn': must be one of transformer, resnet1d"),
+])
+def test_config_mistakes_are_one_line_exit_2(tmp_path, capsys, args, says):
+  code = train.main(["--config", "configs/mnist1d_resnet.py", "--workdir", str(tmp_path / "w"),
+                     *args])
+  err = capsys.readouterr().err
+  assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
