@@ -262,6 +262,7 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names, clock,
     tx = optax.chain(noise_scale.meter(
         float(cfg.noise_scale_window), clock, recency=float(cfg.get("noise_scale_recency", 0)),
         min_measurements=int(cfg.get("noise_scale_min_measurements", 1)),
+        max_rse=float(cfg.get("noise_scale_max_rse", 0)),
         second_moments=(hp.b2, float(cfg.eps), float(cfg.clip_norm))
         if name in noise_scale.PRECONDITIONED else None),
         tx)

@@ -56,6 +56,29 @@ def test_the_noise_scale_trigger_follows_its_signal():
   assert _pilot(patience=1).observe(5, row) is None  # the plain signal: 1 <= 2 x 8
 
 
+def test_a_row_the_precision_gate_left_without_value_never_fires():
+  """The meter's rows while its |G|^2 is imprecise (`noise_scale_why` 3, NaN: estimates 1 +- 4)
+  neither grow the batch nor count towards `patience` (the streak starts again at the first
+  row with a value); once the window is precise (n ~ 64) B_simple = 50 > 2 x 8 fires after
+  `patience` rows."""
+  import numpy as np  # noqa: PLC0415
+  from optim import noise_scale  # noqa: PLC0415
+  tx, pilot = noise_scale.meter(1.0, min_measurements=8, max_rse=0.5), _pilot()
+  state, whys, change = tx.init(None), [], None
+  for step in range(100):
+    g = 1.0 + 4.0 * (-1) ** step
+    sample = noise_scale.Sample(*(np.float32(x) for x in (g + 50.0, g + 25.0, 1, 2)))
+    _, state = tx.update({}, state, noise_sample=sample, step=step)
+    r = noise_scale.readout(state)
+    whys.append(int(r["why"]))
+    change = pilot.observe(step + 1, {"noise_scale": float(r["b_simple"]), "skipped": 0})
+    if change is not None:
+      break
+  first = whys.index(0) + 1  # the first row with a value
+  assert whys[8:first - 1] == [3] * (first - 9) and 55 <= first <= 64
+  assert change is not None and change.measured_at >= first + 1 and change.batch == 16
+
+
 def test_norm_test_trigger():
   """Var[g_B] = tr(Sigma)/T against eta^2 |g_B|^2 (T target tokens of the step)."""
   pilot = _pilot(trigger="norm_test", eta=0.5, patience=1)
@@ -141,7 +164,7 @@ def test_defaults_make_auto_one_override():
 AUTO = {"data.micro_batch_size": 8, "data.global_batch_size": 16, "data.batch_ramp": "auto",
         "data.batch_auto.max": 64, "data.batch_auto.margin": 0.01,
         "data.batch_auto.patience": 1, "optim.noise_scale_every": 2,
-        "optim.noise_scale_min_measurements": 1,
+        "optim.noise_scale_min_measurements": 1, "optim.noise_scale_max_rse": 0,
         "optim.noise_scale_window": 1.0, "optim.schedule_unit": "tokens", "optim.warmup_steps": 0, "optim.decay_steps": 0,
         "optim.warmup_tokens": 1024, "optim.decay_tokens": 40000, "optim.lr_rule": "sqrt",
         "optim.b2_rule": "half_life", "optim.ema_decay": 0.9, "checkpoint.every_steps": 0}
@@ -252,7 +275,8 @@ def test_two_processes_decide_the_same_batches_as_one(tmp_path):
       "--config.steps=8", "--config.data.micro_batch_size=4", "--config.data.batch_ramp=auto",
       "--config.data.batch_auto.max=32", "--config.data.batch_auto.margin=0.01",
       "--config.data.batch_auto.patience=1", "--config.optim.noise_scale_every=2",
-      "--config.optim.noise_scale_min_measurements=1", "--config.optim.schedule_unit=tokens", "--config.optim.warmup_steps=0",
+      "--config.optim.noise_scale_min_measurements=1", "--config.optim.noise_scale_max_rse=0",
+      "--config.optim.schedule_unit=tokens", "--config.optim.warmup_steps=0",
       "--config.optim.decay_steps=0", "--config.optim.warmup_tokens=512",
       "--config.optim.decay_tokens=20000", "--config.checkpoint.keep=10"]
   multi, single = tmp_path / "multi", tmp_path / "single"

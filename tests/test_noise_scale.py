@@ -1,6 +1,7 @@
 """Gradient noise scale (McCandlish et al. 2018): the two-batch estimator, its windowed average on
 a problem whose answer is known, the window's memory in training (not in measurements), the
-recency weight of |G|^2, the minimum of measurements, the preconditioned estimator against
+recency weight of |G|^2, the minimum of measurements and the precision gate (which leaves
+training as it is), the preconditioned estimator against
 per-example gradients and Adam's P, the ring emptied by changed settings, pieces without target
 tokens, the train step's wiring of the small and big batches, and the plain (non-measuring) step
 of a run with the meter being exactly the step of a run without it. The meter as a run logs it,
@@ -176,6 +177,32 @@ def test_too_few_measurements_give_no_value():
   assert values[400][0] >= 8 and values[100][0] < 8
 
 
+def test_the_precision_gate_gives_no_value_while_the_window_is_imprecise():
+  """|G|^2 estimates 1 +- 4 (alternating: s = 4), tr(Sigma) 5, window 1: the even mean's relative
+  standard error is ~4 / sqrt(n), above 0.5 until n ~ 64; before, no value and `why` 3 (then 0,
+  the value 5); without the bound (max_rse 0) a value from the minimum of 8 on. A constant
+  estimate (s = 0) passes any bound."""
+  def values(max_rse, spread=4.0):
+    tx = noise_scale.meter(1.0, min_measurements=8, max_rse=max_rse)
+    state, out = tx.init(None), []
+    for step in range(100):
+      g = 1.0 + spread * (-1) ** step
+      _, state = tx.update({}, state, noise_sample=_exact(g, 5.0), step=step)
+      r = noise_scale.readout(state)
+      out.append((float(r["b_simple"]), int(r["why"]), float(r["g_sq_rse"])))
+    return out
+  gated = values(0.5)
+  n_pass = [i + 1 for i, (b, why, _) in enumerate(gated) if why == 0]
+  # (an odd n has the mean 1 + 4 / n: the bound is crossed at n = 57-64)
+  assert 55 <= n_pass[0] <= 64 and set(range(65, 101)) <= set(n_pass)
+  assert all(np.isnan(b) and why in (1, 3) for b, why, _ in gated[:n_pass[0] - 1])
+  assert all(why == 3 for _, why, _ in gated[8:n_pass[0] - 1])
+  assert gated[-1][0] == pytest.approx(5.0, rel=1e-4)
+  assert gated[-1][2] == pytest.approx(4 * np.sqrt(100 / 99) / 10, rel=1e-3)
+  assert [i + 1 for i, (_, why, _) in enumerate(values(0.0)) if why == 0][0] == 8
+  assert [i + 1 for i, (_, why, _) in enumerate(values(0.01, 0.0)) if why == 0][0] == 8
+
+
 def test_the_preconditioned_estimator_equals_the_truth_from_per_example_gradients():
   """At fixed parameters, least squares 0.5 (x.w - y)^2 with x ~ N(0, I_d): per-example
   gradients x (x.delta - eps), G = delta, Sigma = (|delta|^2 + s^2) I + delta delta^T. With a
@@ -329,7 +356,8 @@ def test_step_without_accumulation_measures_two_halves(step_setup):
   of the ordinary step."""
   cfg, batch, mesh, spec = step_setup
   noise_cfg = tiny_config(**{"mesh.data": 2, "optim.noise_scale_every": 1,
-                             "optim.noise_scale_min_measurements": 1})
+                             "optim.noise_scale_min_measurements": 1,
+                             "optim.noise_scale_max_rse": 0})
   state, metrics = _one_step(noise_cfg, batch, mesh, spec)
   _, plain = _one_step(cfg, batch, mesh, spec)
   assert metrics["loss"] == pytest.approx(plain["loss"], rel=1e-6)
@@ -399,6 +427,38 @@ def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
       == 1
   assert np.isfinite(measured[-1]["noise_g_sq"])
   assert measured[0]["loss"] == pytest.approx(off[0]["loss"], rel=1e-6)
+
+
+def test_the_precision_gate_leaves_training_as_it_is(step_setup):
+  """The bound only hides the meter's value: three measuring steps with every value gated
+  (max_rse 1e-9) and with no bound give the same losses, gradient norms, parameters and meter
+  sums bit for bit; the gated rows say why (`noise_scale_why` 3, or 2 / 1 where the value would
+  be missing anyway)."""
+  _, batch, mesh, _ = step_setup
+  def run(max_rse):
+    cfg = tiny_config(**{"mesh.data": 2, "optim.noise_scale_every": 1,
+                         "optim.noise_scale_min_measurements": 1,
+                         "optim.noise_scale_max_rse": max_rse})
+    program = Program(cfg, mesh)
+    step, state, out = program.compile(measure_noise=True), None, []
+    state = init_state(program.spec, program.tx)
+    with jax.set_mesh(mesh):
+      for _ in range(3):
+        state, metrics = step(state, {k: jax.device_put(v, program.batch_sharding)
+                                      for k, v in batch.items()})
+        out.append(jax.device_get(metrics))
+    return out, jax.device_get(state)
+  gated, gated_state = run(1e-9)
+  free, free_state = run(0.0)
+  for a, b in zip(gated, free):
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    assert a["noise_g_sq"] == b["noise_g_sq"] and a["noise_g_sq_rse"] == b["noise_g_sq_rse"]
+    assert np.isnan(a["noise_scale"]) and a["noise_scale_why"] in (1, 2, 3)
+  assert gated[-1]["noise_scale_why"] == 3 and free[-1]["noise_scale_why"] in (0, 2)
+  jax.tree.map(np.testing.assert_array_equal, gated_state.params, free_state.params)
+  g_meter, f_meter = (noise_scale.find_state(s.opt_state) for s in (gated_state, free_state))
+  jax.tree.map(np.testing.assert_array_equal, g_meter._replace(settings=0),
+               f_meter._replace(settings=0))
 
 
 @pytest.mark.slow  # the estimator at fixed parameters; the default run keeps tests/test_noise_meter.py's check in training

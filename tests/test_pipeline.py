@@ -308,7 +308,7 @@ def test_noise_scale_meter_through_the_pipeline(reference, devices, schedule, pi
   the plain step's."""
   batches, _, _ = reference
   over = {"optim.noise_scale_every": 1, "optim.noise_scale_pieces": pieces,
-          "optim.noise_scale_min_measurements": 1}
+          "optim.noise_scale_min_measurements": 1, "optim.noise_scale_max_rse": 0}
   rows = {}
   for name, cfg, devs in (
       ("plain", _cfg(**over, **{"data.micro_batch_size": 16}), jax.devices()[:1]),

@@ -64,6 +64,7 @@ RAMP = {"data.micro_batch_size": 8, "data.global_batch_size": 16,
         "data.batch_ramp": "16:0,24:2560,16:4864", "optim.reference_batch_size": 16,
         "optim.lr_rule": "sqrt", "optim.b2_rule": "half_life", "optim.ema_decay": 0.9,
         "optim.noise_scale_every": 2, "optim.noise_scale_min_measurements": 1,
+        "optim.noise_scale_max_rse": 0,
         "checkpoint.every_steps": 5, "eval_every": 5,
         "eval_sequences": 4}
 

@@ -243,7 +243,8 @@ def replay(rows: list[dict], cfg, ramp, recency: float) -> dict[int, float]:
                       "--config.log_every=1 (or a multiple of optim.noise_scale_every)")
   tx = noise_scale.meter(float(o.noise_scale_window),
                          lambda step: float(ramp.examples_before(step + 1)), recency=recency,
-                         min_measurements=int(o.noise_scale_min_measurements))
+                         min_measurements=int(o.noise_scale_min_measurements),
+                         max_rse=float(o.get("noise_scale_max_rse", 0)))
   state, out = tx.init(None), {}
   for r in measured:  # a Sample whose estimates are the logged ones exactly (b = 1, B = 2)
     g, trace = r["noise_g_sq_step"], r["noise_trace_step"]

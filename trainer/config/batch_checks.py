@@ -66,6 +66,8 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
        "(0: none)")
   need(o.noise_scale_min_measurements >= 1, f"optim.noise_scale_min_measurements="
        f"{o.noise_scale_min_measurements}: must be >= 1 (the measurements before a value)")
+  need(o.noise_scale_max_rse >= 0, f"optim.noise_scale_max_rse={o.noise_scale_max_rse}: must "
+       "be >= 0, the largest relative standard error of the window's |G|^2 with a value (0: none)")
   micro = d.micro_batch_size or d.global_batch_size
   batches = [d.global_batch_size]
   need(d.max_batch == 0 or d.batch_ramp == "seesaw", f"data.max_batch={d.max_batch} is "

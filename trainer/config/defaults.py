@@ -199,9 +199,11 @@ def default_config() -> ml_collections.ConfigDict:
       # batch (at least 2: the accumulation micro-batches, split further where there are fewer),
       # averaged over the last `noise_scale_window` of the tokens trained so far (in (0, 1]):
       # tr(Sigma) evenly, |G|^2 weighted by exp(-age / (noise_scale_recency x the tokens so far))
-      # (0 = evenly); no value until the window holds `noise_scale_min_measurements`.
+      # (0 = evenly); no value until the window holds `noise_scale_min_measurements`, nor while
+      # the relative standard error of its |G|^2 mean (from its per-step estimates' spread) is
+      # above `noise_scale_max_rse` (0 = no bound; the default: docs/noisy_quadratic.md#the-gate).
       noise_scale_every=0, noise_scale_window=0.25, noise_scale_pieces=2,
-      noise_scale_recency=0.05, noise_scale_min_measurements=8,
+      noise_scale_recency=0.05, noise_scale_min_measurements=8, noise_scale_max_rse=0.5,
       # DiLoCo (optim/diloco.py, trainer/step/diloco.py): `replicas` M >= 1 replicas train apart,
       # each on its B/M rows of the global batch with the optimizer above (the inner optimizer)
       # and no communication between replicas (a mesh axis of their own, `replica`, outermost;

@@ -255,9 +255,11 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
       per_sequence = batch_size / denom
       metrics.update(noise_scale=noise["b_simple"] * per_sequence,
                      noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
-                     noise_trace=noise["trace_sigma"], noise_measurements=noise["count"])
+                     noise_trace=noise["trace_sigma"], noise_measurements=noise["count"],
+                     noise_g_sq_rse=noise["g_sq_rse"], noise_scale_why=noise["why"])
       if has_precond:
         metrics.update(noise_scale_precond=noise["b_simple_precond"] * per_sequence,
+                       noise_scale_precond_why=noise["why_precond"],
                        noise_g_sq_precond=noise["g_sq_precond"],
                        noise_trace_precond=noise["trace_precond"])
     if measure_noise:  # this step's own estimates

@@ -104,7 +104,9 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   writer.log(f"gradient noise scale: measured {every} on small batches "
              f"({', '.join(pieces)}), averaged over the last {window:.0%} of the tokens trained "
              f"so far{recency} ({'; '.join(spans)}); a value once the window holds "
-             f"{o.noise_scale_min_measurements} measurements{precond}")
+             f"{o.noise_scale_min_measurements} measurements"
+             + (f" and its |G|^2 has a relative standard error <= {o.noise_scale_max_rse:g}"
+                if o.noise_scale_max_rse else "") + precond)
 
 
 def log_hyperparameters(writer: MetricsWriter, cfg: ml_collections.ConfigDict, step: int,
