@@ -2,7 +2,7 @@
 20%-overhead batch, B_opt, eta_opt and the optimal rate per batch at every (N, D), with paired
 bootstrap and residual-based intervals, under the protocol of docs/scaling_lab.md.
 
-    python -m experiments.critical_batch_scaling [--widths 32,64,128] \\
+    python -m experiments.critical_batch_scaling [--widths 32,64,128] [--depths 2,4,8] \\
         [--budgets 2048,4096,8192,16384] [--batch_sizes 1,2,4,...,256] [--lr_grid 0.5,1,2] \\
         [--seeds 3] [--jobs 2] [--quick] [--read_only] [--from_runs RUNS.csv]
     python -m tools.scaling_fit OUT.csv      # the power laws in D and N
@@ -20,12 +20,12 @@ import math
 import os
 import sys
 
-import numpy as np
 
-from experiments import common, scaling_b2, scaling_cells, scaling_runs
+from experiments import common, scaling_b2, scaling_cells, scaling_runs, scaling_sizes
 from experiments.scaling_runs import Task, grid_rows, job, reference_stop, run_all
+from experiments.scaling_sizes import axes, label, name, of_row, sizes, split, task
 from tools import figures, lr_rules
-from tools.tradeoff import Fit, next_multipliers
+from tools.tradeoff import next_multipliers
 from trainer.config import ConfigError
 
 QUICK = dict(widths=[32, 64], budgets=[512, 1024, 2048], batch_sizes=[4, 8, 16, 32],
@@ -57,6 +57,7 @@ def build_parser():
                  help="mup: model.parametrization=mup with base_width the config's own d_model "
                       "(where its rate is stated), so every width starts near its optimal rate; "
                       "sp: the config's rate at every width")
+  scaling_sizes.add_flags(p)
   p.add_argument("--seeds", type=int, default=3, help="the config's seed, seed + 1, ...")
   p.add_argument("--jobs", type=int, default=1, help="runs trained at once, each a process")
   p.add_argument("--quick", action="store_true",
@@ -107,6 +108,9 @@ def parse(argv, build=build_parser):
   args.budgets, args.batch_sizes = sorted(set(args.budgets)), sorted(set(args.batch_sizes))
   if len(args.batch_sizes) < 2 or not args.budgets or not args.widths:
     p.error("give two or more --batch_sizes, and one or more --budgets and --widths")
+  args.depths = sorted(set(args.depths))
+  if any(d < 1 for d in args.depths):
+    p.error(f"--depths {args.depths}: each is a number of layers, at least 1")
   odd = [b for b in args.batch_sizes if b % args.micro_batch_size and b > args.micro_batch_size]
   if odd:
     p.error(f"--batch_sizes: {odd[0]} is not a multiple of --micro_batch_size="
@@ -148,17 +152,20 @@ def parse(argv, build=build_parser):
 
 
 def task_config(cfg, t: Task, args):
-  """The config of task `t`: its width's, with `t.b2` fixed at every batch where it has one."""
-  c = width_config(cfg, t.width, t.seed, args)
+  """The config of task `t`: its size's (width, and depth where it has one), with `t.b2` fixed at
+  every batch where it has one."""
+  c = width_config(cfg, t.width, t.seed, args, depth=getattr(t, "depth", 0))
   if t.b2:
     c.optim.b2, c.optim.b2_rule = t.b2, "constant"
   return c
 
 
-def width_config(cfg, width: int, seed: int, args=None):
-  """The base config at d_model `width` (mlp_dim in the config's ratio) and `seed`; with the
-  lab's `args`, its parametrization, warmup and parameter EMA."""
+def width_config(cfg, width: int, seed: int, args=None, depth: int = 0):
+  """The base config at d_model `width` (mlp_dim in the config's ratio), `depth` layers (0: the
+  config's) and `seed`; with the lab's `args`, its parametrizations, warmup and parameter EMA."""
   c = cfg.copy_and_resolve_references()
+  if depth:
+    scaling_sizes.deepen(c, cfg, depth, args)
   c.model.mlp_dim = round(cfg.model.mlp_dim / cfg.model.d_model * width)
   c.model.d_model, c.seed = width, seed
   if args is not None:
@@ -193,58 +200,66 @@ def experiment(args, cfg) -> list[dict]:
   seeds = [cfg.seed + k for k in range(args.seeds)]
   ref = cfg.optim.reference_batch_size or cfg.data.global_batch_size
   config = lambda t: task_config(cfg, t, args)
-  counts = {w: parameters(width_config(cfg, w, seeds[0], args)) for w in args.widths}
-  for w, n in counts.items():
-    print(f"[scaling] width {w}: {n['total'] / 1e6:.3f}M parameters "
+  keys = sizes(args)
+  counts = {k: parameters(width_config(cfg, split(k)[0], seeds[0], args, depth=split(k)[1]))
+            for k in keys}
+  for k, n in counts.items():
+    print(f"[scaling] {name(k)}: {n['total'] / 1e6:.3f}M parameters "
           f"({n['non_embedding'] / 1e6:.3f}M non-embedding)", flush=True)
-  smallest = counts[min(args.widths)]["non_embedding"]
+  small = min(keys, key=lambda k: counts[k]["non_embedding"])
+  smallest = counts[small]["non_embedding"]
   print("[scaling] budgets D = " + ", ".join(f"{d:,} sequences ({d * seq:,} tokens)"
                                               for d in args.budgets)
         + f"; the largest is {args.budgets[-1] * seq / smallest:.1f} tokens per non-embedding "
-        f"parameter at width {min(args.widths)} (Chinchilla's ratio: 20); batches "
+        f"parameter at {name(small)} (Chinchilla's ratio: 20); batches "
         f"{args.batch_sizes}; rates x{args.lr_grid} grown to bracket; seeds {seeds}; warmup "
         f"{args.warmup} sequences; evaluations every {args.eval_interval} sequences; "
-        f"{args.parametrization}; the {args.curve} eval curve", flush=True)
-  ref_tasks = [Task(w, ref, 1.0, s) for s in seeds for w in args.widths]
+        f"{args.parametrization}" + (f", {args.depth_parametrization} over depths {args.depths}"
+                                     if args.depths else "")
+        + f"; the {args.curve} eval curve", flush=True)
+  ref_tasks = [task(k, ref, 1.0, s) for s in seeds for k in keys]
   ref_jobs = {t: job(t, config(t), args, reference_stop(args)) for t in ref_tasks}
   run_all(ref_tasks, ref_jobs, args, seq)
   key = scaling_runs.curve_key(args.curve)
   targets = {}
-  for w in args.widths:
+  for k in keys:
     losses = [[common.loss_at(ref_jobs[t]["workdir"], ref, seq, [d], args.smooth[d], key)[0]
-               for d in args.budgets] for t in ref_tasks if t.width == w]
+               for d in args.budgets] for t in ref_tasks if t.size == k]
     if any(x is None for loss in losses for x in loss):
-      raise ConfigError(f"width {w}: a reference run's eval curve does not reach every budget "
+      raise ConfigError(f"{name(k)}: a reference run's eval curve does not reach every budget "
                         f"({args.budgets}); see the runs under {args.workdir}")
-    targets[w] = [sum(x[i] for x in losses) / len(losses) for i in range(len(args.budgets))]
-    print(f"[scaling] width {w}: targets (mean eval loss of the reference runs at batch {ref}) "
-          + ", ".join(f"{d:,}: {l:.4f}" for d, l in zip(args.budgets, targets[w])), flush=True)
-  mults = {(w, b): list(args.lr_grid) for w in args.widths for b in args.batch_sizes}
+    targets[k] = [sum(x[i] for x in losses) / len(losses) for i in range(len(args.budgets))]
+    print(f"[scaling] {name(k)}: targets (mean eval loss of the reference runs at batch {ref}) "
+          + ", ".join(f"{d:,}: {l:.4f}" for d, l in zip(args.budgets, targets[k])), flush=True)
+  mults = {(k, b): list(args.lr_grid) for k in keys for b in args.batch_sizes}
   for round_ in range(args.max_extensions + 1):
-    # Smallest width first, all its seeds: a lab cut short has whole widths done.
-    tasks = [Task(w, b, m, s) for w in sorted(args.widths) for s in seeds
-             for b in sorted(args.batch_sizes, reverse=True) for m in sorted(mults[w, b])]
+    # Smallest size first, all its seeds: a lab cut short has whole sizes done.
+    tasks = [task(k, b, m, s) for k in sorted(keys) for s in seeds
+             for b in sorted(args.batch_sizes, reverse=True) for m in sorted(mults[k, b])]
     runs = [row for rows in grid_rows(tasks, config, targets, counts, ref, args, seq).values()
             for row in rows]
     grown = {}
-    for (w, b), ms in mults.items():
-      scores = [{r["lr_multiplier"]: r["steps"] for r in runs if (r["width"], r["batch_size"],
-                 r["seed"], r["budget"]) == (w, b, s, d)} for s in seeds for d in args.budgets]
+    for (k, b), ms in mults.items():
+      scores = [{r["lr_multiplier"]: r["steps"] for r in runs if (of_row(r), r["batch_size"],
+                 r["seed"], r["budget"]) == (k, b, s, d)} for s in seeds for d in args.budgets]
       new = [m for m in next_multipliers(*scores, factor=args.bracket_factor) if m not in ms]
       if new:
-        grown[w, b] = new
+        grown[k, b] = new
     if not grown or round_ == args.max_extensions:
       break
     print(f"[scaling] round {round_ + 1}: a fastest rate at its grid's edge at "
-          f"{len(grown)} (width, batch): " + ", ".join(
-              f"d{w} b{b} +x{'/x'.join(f'{m:g}' for m in new)}" for (w, b), new in grown.items()),
-          flush=True)
+          f"{len(grown)} {axes(args)}: " + ", ".join(
+              f"{label(k)} b{b} +x{'/x'.join(f'{m:g}' for m in new)}"
+              for (k, b), new in grown.items()), flush=True)
     for k, new in grown.items():
       mults[k] += new
   if grown:
-    print(f"[scaling] after {args.max_extensions} extensions {len(grown)} (width, batch) still "
+    print(f"[scaling] after {args.max_extensions} extensions {len(grown)} {axes(args)} still "
           "have a fastest rate at the edge: their cells are refused", flush=True)
-  if args.b2_grid and cfg.optim.name in ("adamw", "adam", "lamb"):
+  if args.b2_grid and args.depths:
+    print("[scaling] --b2_grid: not run on a depth grid (experiments/scaling_b2.py brackets b2 "
+          "per width)", flush=True)
+  elif args.b2_grid and cfg.optim.name in ("adamw", "adam", "lamb"):
     b2 = scaling_b2.run(args, runs, targets, counts, seeds, ref, seq, config,
                         lambda t: width_config(cfg, t.width, t.seed, args).optim)
     figures.write_csv(args.out + "_b2.csv", [compact(r) for r in b2])
@@ -254,35 +269,44 @@ def experiment(args, cfg) -> list[dict]:
 def reanalyse(args, cfg) -> list[dict]:
   """`--from_runs`: the cells of a runs CSV by this protocol's rules (an earlier lab's
   `below_at_start` read as `censored`; its rows carry no bound there, so such a crossing counts
-  as not reached); its warmup is the CSV's `warmup` column, or the config's where it has none."""
+  as not reached); its warmup is the CSV's `warmup` column, or the config's where it has none.
+  A row without a depth (no such column, or an empty cell) is at the config's depth."""
   need = ("width", "seed", "batch_size", "lr_multiplier", "learning_rate", "budget", "target",
           "steps")
   runs = [{**r, "censored": bool(r.get("censored", r.get("below_at_start")))} for r in
           figures.read_table(args.from_runs, need, "--from_runs: a lab's OUT_runs.csv")]
+  deep = any(r.get("depth") for r in runs)
   for r in runs:
     for k in ("width", "seed", "batch_size", "budget"):
       r[k] = int(r[k])
-  args.widths = sorted({r["width"] for r in runs})
+    if deep:
+      r["depth"] = int(r.get("depth") or cfg.model.num_layers)
+  keys = sorted({of_row(r) for r in runs})
+  args.widths = sorted({split(k)[0] for k in keys})
+  args.depths = sorted({split(k)[1] for k in keys}) if deep else []
   args.budgets = sorted({r["budget"] for r in runs})
   args.batch_sizes = sorted({r["batch_size"] for r in runs})
   args.warmup = int(runs[0].get("warmup") or cfg.optim.warmup_examples)
   seeds = sorted({r["seed"] for r in runs})
-  targets = {w: [next(r["target"] for r in runs if (r["width"], r["budget"]) == (w, d))
-                 for d in args.budgets] for w in args.widths}
-  counts = {w: parameters(width_config(cfg, w, seeds[0])) for w in args.widths}
-  print(f"[scaling] {len(runs)} rows of {args.from_runs}: widths {args.widths}, budgets "
-        f"{args.budgets}, batches {args.batch_sizes}, seeds {seeds}; nothing trained", flush=True)
+  targets = {k: [next(r["target"] for r in runs if (of_row(r), r["budget"]) == (k, d))
+                 for d in args.budgets] for k in keys}
+  counts = {k: parameters(width_config(cfg, split(k)[0], seeds[0], depth=split(k)[1]))
+            for k in keys}
+  print(f"[scaling] {len(runs)} rows of {args.from_runs}: widths {args.widths}"
+        + (f", depths {args.depths}" if deep else "") + f", budgets {args.budgets}, batches "
+        f"{args.batch_sizes}, seeds {seeds}; nothing trained", flush=True)
   return summarize(args, runs, counts, targets, seeds, cfg.data.seq_len)
 
 
 def summarize(args, runs: list[dict], counts, targets, seeds, seq) -> list[dict]:
   """Estimates per (N, D) with intervals: OUT.csv, OUT_boot.csv, OUT_runs.csv, OUT_lr.csv,
-  the table, OUT.png."""
-  lowest = {w: min(targets[w]) for w in args.widths}
-  reached = {(x["width"], x["seed"], x["batch_size"]) for x in runs
-             if x["steps"] is not None and x["target"] == lowest[x["width"]]}
+  the table, OUT.png. `counts` and `targets` are keyed by size (`scaling_sizes`)."""
+  keys = list(counts)
+  lowest = {k: min(targets[k]) for k in keys}
+  reached = {(of_row(x), x["seed"], x["batch_size"]) for x in runs
+             if x["steps"] is not None and x["target"] == lowest[of_row(x)]}
   failed = [b for b in args.batch_sizes
-            if any((w, s, b) not in reached for w in args.widths for s in seeds)]
+            if any((k, s, b) not in reached for k in keys for s in seeds)]
   if failed:
     print(f"[scaling] batches {failed}: some seed reached the lowest target at no rate within "
           f"{args.max_examples:,} sequences: left out of every cell (raise --max_factor to keep "
@@ -290,18 +314,18 @@ def summarize(args, runs: list[dict], counts, targets, seeds, seq) -> list[dict]
   kept = [r for r in runs if r["batch_size"] not in failed]
   boot = scaling_cells.draws(args.bootstrap, len(seeds))
   cells, replicates, lr_rows = [], [], []
-  for w in args.widths:
+  for k in keys:
     for i, d in enumerate(args.budgets):
-      mine = [r for r in kept if r["width"] == w and r["budget"] == d]
+      mine = [r for r in kept if of_row(r) == k and r["budget"] == d]
       est, reps = scaling_cells.cell(mine, boot) if mine else ({}, [])
-      key = dict(width=w, params=counts[w]["total"], non_embedding=counts[w]["non_embedding"],
-                 budget=d, tokens=d * seq, target=targets[w][i],
-                 transient=d < args.transient_warmups * args.warmup)
+      key = dict(**scaling_sizes.columns(k), params=counts[k]["total"],
+                 non_embedding=counts[k]["non_embedding"], budget=d, tokens=d * seq,
+                 target=targets[k][i], transient=d < args.transient_warmups * args.warmup)
       cells.append({**key, **est})
       if not est.get("refused"):
         replicates += [{"params": key["params"], "tokens": key["tokens"], "replicate": k,
                         **compact({q: rep[q] for q in FITTED})} for k, rep in enumerate(reps)]
-      lr_rows += [{"width": w, "budget": d, **x} for x in scaling_cells.lr_opt(mine)]
+      lr_rows += [{**scaling_sizes.columns(k), "budget": d, **x} for x in scaling_cells.lr_opt(mine)]
   columns = [c for c in cells[0] if c not in ("steps_by_batch", "steps_spread", "loss_by_batch")]
   figures.write_csv(args.out + ".csv", [{k: text(c.get(k)) for k in columns} for c in cells],
                     columns)
@@ -315,11 +339,11 @@ def summarize(args, runs: list[dict], counts, targets, seeds, seq) -> list[dict]
         f"their fastest rate inside the rates run ({inside / max(cases, 1):.0%})", flush=True)
   for c in cells:
     if c.get("refused"):
-      print(f"[scaling] cell d{c['width']} D {c['budget']:,}: refused ({c['refused']})")
+      print(f"[scaling] cell {label(of_row(c))} D {c['budget']:,}: refused ({c['refused']})")
   print(common.table([{**c, **{f"{q}_ci": ci(c, q) for q in scaling_cells.QUANTITIES}}
                       for c in cells], COLUMNS, "scaling"))
   lr_rules.report(lr_rows, args.out + "_lr.json")
-  plotted = plot(args.out + ".png", cells, args)
+  plotted = scaling_sizes.plot(args.out + ".png", cells, args)
   print(f"[scaling] wrote {args.out}.csv, {args.out}_runs.csv, {args.out}_lr.csv"
         + (f", {args.out}_boot.csv ({args.bootstrap} replicates)" if replicates else "")
         + (f", {args.out}.png" if plotted else figures.NO_PLOT))
@@ -354,49 +378,6 @@ COLUMNS = [("params", "N", ",d"), ("tokens", "D tokens", ",d"), ("target", "targ
            ("eta_opt", "eta_opt", ".2e"), ("eta_opt_resolved", "inside", ""),
            ("b_simple", "B_simple", ".1f"), ("interior_cases", "rates inside", "d"),
            ("cases", "of", "d"), ("transient", "transient", "")]
-
-
-def plot(path: str, cells: list[dict], args) -> bool:
-  """Per width: steps to each budget's target against batch (seeds' mean, range bars, the
-  McCandlish fit where the cell is not refused), and the eval loss after each budget."""
-  plt = figures.pyplot()
-  if plt is None:
-    return False
-  fig, axes = plt.subplots(2, len(args.widths), figsize=(max(9.2, 4.6 * len(args.widths)), 8),
-                           squeeze=False)
-  for col, w in enumerate(args.widths):
-    top, bottom = axes[0][col], axes[1][col]
-    for i, c in enumerate(x for x in cells if x["width"] == w and x.get("steps_spread")):
-      color = f"C{i}"
-      spread = c["steps_spread"]
-      b = sorted(spread)
-      mean = [c["steps_by_batch"][x] if c["steps_by_batch"][x] is not None else np.nan for x in b]
-      lo = [m - spread[x][0] for m, x in zip(mean, b)]
-      hi = [spread[x][1] - m for m, x in zip(mean, b)]
-      top.errorbar(b, mean, yerr=[lo, hi], fmt="o", c=color, ms=4, capsize=2,
-                   mfc=color if not c.get("refused") else "white",
-                   label=f"D {c['tokens']:,} tokens (target {c['target']:.3f})"
-                   + (" refused" if c.get("refused") else ""))
-      if c.get("s_min") is not None:
-        xs = np.geomspace(b[0] / 1.3, b[-1] * 1.3)
-        top.plot(xs, Fit(c["s_min"], c["e_min"]).steps(xs), "-", c=color, lw=1)
-      loss = c["loss_by_batch"]
-      bottom.plot(sorted(loss), [loss[x] if loss[x] is not None else np.nan for x in sorted(loss)],
-                  "o-", c=color, ms=4, label=f"after {c['tokens']:,} tokens")
-    for ax in (top, bottom):
-      ax.set_xscale("log")
-      ax.set_xticks(args.batch_sizes, [str(b) for b in args.batch_sizes])
-      ax.minorticks_off()
-    top.set(yscale="log", xlabel="batch (sequences)", ylabel="steps to target",
-            title=f"d_model {w} ({cells[[x['width'] for x in cells].index(w)]['params']:,} "
-                  "parameters)")
-    bottom.set(xlabel="batch (sequences)", ylabel="eval loss (best rate)",
-               title="loss after D tokens (constant rate; B_opt: the lowest)")
-    top.legend(fontsize=7)
-    bottom.legend(fontsize=7)
-  figures.save(fig, path, "Steps to the target and loss after D across batch sizes "
-               "(mean over seeds, bars: min-max; lines: S_min + E_min / B; hollow: refused)")
-  return True
 
 
 def main(argv: list[str]) -> int:

@@ -30,11 +30,18 @@ class Task:
   lr_multiplier: float
   seed: int
   b2: float = 0.0  # a fixed Adam b2 (experiments/scaling_b2.py); 0: the config's rule
+  depth: int = 0  # num_layers on a depth grid (`--depths`); 0: the config's (a width-only lab)
 
   @property
   def name(self) -> str:
     b2 = f"_b2{self.b2:g}" if self.b2 else ""
-    return f"d{self.width}/b{self.batch}_lr{self.lr_multiplier:g}{b2}_s{self.seed}"
+    depth = f"_L{self.depth}" if self.depth else ""
+    return f"d{self.width}{depth}/b{self.batch}_lr{self.lr_multiplier:g}{b2}_s{self.seed}"
+
+  @property
+  def size(self):
+    """The key of its targets and counts: the width, or (width, depth) on a depth grid."""
+    return (self.width, self.depth) if self.depth else self.width
 
 
 def job(task: Task, cfg, args, stop: dict) -> dict:
@@ -116,10 +123,11 @@ def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]
   loss after D."""
   key = curve_key(args.curve)
   out = []
-  for d, target in zip(args.budgets, targets[t.width]):
+  for d, target in zip(args.budgets, targets[t.size]):
     hit = common.crossings(j["workdir"], t.batch, seq, [target], args.smooth[d], key)[0]
     loss = common.loss_at(j["workdir"], t.batch, seq, [d], args.smooth[d], key)[0]
-    out.append(dict(width=t.width, params=counts[t.width]["total"], seed=t.seed,
+    out.append(dict(width=t.width, **({"depth": t.depth} if t.depth else {}),
+                    params=counts[t.size]["total"], seed=t.seed,
                     batch_size=t.batch, lr_multiplier=t.lr_multiplier,
                     learning_rate=r["learning_rate"], budget=d, budget_tokens=d * seq,
                     target=target, steps=hit["steps"], examples=hit["examples"],
@@ -134,7 +142,7 @@ def grid_rows(tasks: list[Task], config, targets, counts, ref: int, args, seq: i
               ) -> dict[Task, list[dict]]:
   """Each grid task (`config(task)` its config) trained to its width's lowest target, or read
   from its record; its rows per budget (`rows_of`)."""
-  jobs = {t: job(t, config(t), args, grid_stop(t, min(targets[t.width]), ref, args))
+  jobs = {t: job(t, config(t), args, grid_stop(t, min(targets[t.size]), ref, args))
           for t in tasks}
   results = run_all(tasks, jobs, args, seq)
   return {t: rows_of(t, results[t], jobs[t], targets, counts, args, seq) for t in tasks}
@@ -184,7 +192,9 @@ def run_all(tasks: list[Task], jobs: dict[Task, dict], args, seq_len: int) -> di
                   + f"; first {todo[0].name}); run without --read_only to train them")
 
   def report(t, r):
-    if jobs[t]["reference"]:
+    if jobs[t].get("final"):  # a run that ends at its budget (experiments/scaling_anneal.py)
+      said = f"final eval loss {r['final_eval_loss']:.4f}"
+    elif jobs[t]["reference"]:
       said = "reference run"
     elif r["steps"]:
       said = f"lowest target at step {r['steps']:.1f}"

@@ -155,3 +155,14 @@ def test_mup_tools_report_mistakes_in_one_line(tool, capsys):
   assert module.main(["--config.steps=3"]) == 2
   assert one_line(capsys.readouterr().err) == (
       f"error: this tool takes no --config.* overrides (python -m tools.{tool} --help)")
+
+
+def test_lr_transfer_runs_a_subset_of_the_parametrizations(capsys):
+  from tools import lr_transfer  # noqa: PLC0415
+  assert lr_transfer.parse_args([]).parametrizations == ["sp", "mup"]
+  assert lr_transfer.parse_args(["--parametrizations", "mup"]).parametrizations == ["mup"]
+  assert lr_transfer.parse_args(["--axis", "depth"]).parametrizations == [
+      "standard", "depth_mup", "completep"]
+  assert lr_transfer.main(["--parametrizations", "completep"]) == 2
+  assert one_line(capsys.readouterr().err).startswith(
+      "error: --parametrizations ['completep']: choose among sp, mup")

@@ -59,15 +59,16 @@ def mccandlish(batches, lrs) -> dict | None:
 
 
 def fits(rows: list[dict]) -> list[dict]:
-  """Per (width, budget) of the rows: both fits over the interior optima."""
+  """Per (width, budget) of the rows (per (width, depth, budget) on a lab's depth grid): both
+  fits over the interior optima."""
   out = []
-  for w, d in sorted({(r["width"], r["budget"]) for r in rows}):
-    mine = [r for r in rows if (r["width"], r["budget"]) == (w, d) and r.get("interior")
-            and r.get("lr_opt")]
+  size = lambda r: (r["width"], int(r.get("depth") or 0), r["budget"])  # noqa: E731
+  for w, depth, d in sorted({size(r) for r in rows}):
+    mine = [r for r in rows if size(r) == (w, depth, d) and r.get("interior") and r.get("lr_opt")]
     b, lr = [r["batch"] for r in mine], [r["lr_opt"] for r in mine]
-    out.append(dict(width=w, budget=d, batches=b, lr_opt=lr, power_law=power_law(b, lr),
-                    mccandlish=mccandlish(b, lr),
-                    edge=[r["batch"] for r in rows if (r["width"], r["budget"]) == (w, d)
+    out.append(dict(width=w, **({"depth": depth} if depth else {}), budget=d, batches=b,
+                    lr_opt=lr, power_law=power_law(b, lr), mccandlish=mccandlish(b, lr),
+                    edge=[r["batch"] for r in rows if size(r) == (w, depth, d)
                           and not r.get("interior")]))
   return out
 
@@ -77,7 +78,9 @@ def report(rows: list[dict], path: str) -> list[dict]:
   result = fits(rows)
   for f in result:
     p, m = f["power_law"], f["mccandlish"]
-    line = f"[lr_rules] d{f['width']} D {f['budget']:,}: lr_opt at {len(f['batches'])} batches"
+    depth = f" L{f['depth']}" if f.get("depth") else ""
+    line = (f"[lr_rules] d{f['width']}{depth} D {f['budget']:,}: lr_opt at "
+            f"{len(f['batches'])} batches")
     if p:
       line += (f"; lr_opt ~ B^{p['k']:.2f} [{p['k_lo']:.2f}, {p['k_hi']:.2f}] (sqrt rule 0.5; "
                f"RMS log residual {p['rms']:.3f})")

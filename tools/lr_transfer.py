@@ -148,6 +148,8 @@ def build_parser():
   p.add_argument("--seeds", type=int, default=1, help="data and init seeds F..F+S-1 (F: "
                  "--first_seed), scores averaged")
   p.add_argument("--first_seed", type=int, default=0)
+  p.add_argument("--parametrizations", default="",
+                 help="comma-separated subset to run (default: sp,mup; over depth all three)")
   return p
 
 
@@ -158,6 +160,10 @@ def parse_args(argv):
     args.lrs = sorted({parse_lr(x) for x in args.lrs.split(",") if x})
   except ValueError as e:
     p.error(f"--lrs takes comma-separated numbers ({e})")
+  every = DEPTH_PARAMETRIZATIONS if args.axis == "depth" else ("sp", "mup")
+  args.parametrizations = [x for x in args.parametrizations.split(",") if x] or list(every)
+  if set(args.parametrizations) - set(every):
+    p.error(f"--parametrizations {args.parametrizations}: choose among {', '.join(every)}")
   if len(args.lrs) < 3 or not 1 <= args.tail <= args.steps or args.seeds < 1 or \
       args.first_seed < 0:
     p.error("--lrs needs at least three rates, 1 <= --tail <= --steps, --seeds >= 1, "
@@ -171,11 +177,12 @@ def main(argv: list[str]) -> int:
     return 2
   args, setup, t0 = started
   axis = args.axis
+  pars = args.parametrizations
   if axis == "depth":
-    pars, sizes = DEPTH_PARAMETRIZATIONS, args.depths
+    sizes = args.depths
     where = f"width {args.width}, base depth {args.base_depth}"
   else:
-    pars, sizes = ("sp", "mup"), args.widths
+    sizes = args.widths
     where = f"base width {args.base_width}, {args.layers} layers"
   rows = sweep(setup, sizes, args.lrs, args.steps, args.tail, pars, axis=axis,
                width=args.width, optim=args.optim, seeds=args.seeds,
