@@ -137,11 +137,12 @@ class ResNet1D(nnx.Module):
             jnp.sum(right.astype(jnp.float32)))
 
 
-def flops_per_example(cfg: ResNetConfig) -> dict[str, float]:
-  """Training FLOPs per example (forward + backward = 3 x the forward's multiply-adds x 2)."""
+def flops_per_token(cfg: ResNetConfig) -> dict[str, float]:
+  """Training FLOPs (forward + backward = 3 x the forward's 2 x multiply-adds) per "token", one
+  of an example's SIGNAL_LEN samples: the loop counts data.seq_len = SIGNAL_LEN per example."""
   c, k, L = cfg.channels, cfg.kernel, SIGNAL_LEN
   forward = 2 * L * (k * c + 2 * cfg.blocks * k * c * c) + 2 * c * cfg.classes
-  return {"total": 3.0 * forward}
+  return {"total": 3.0 * forward / L}
 
 
 def param_count(cfg: ResNetConfig) -> int:

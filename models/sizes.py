@@ -1,6 +1,6 @@
 """Parameter counts and training FLOPs per token of a `ModelConfig`: the model's own count, which
-MFU, the roofline of `tools.aot` and the run's start-up report read (a ResNet's per example:
-models/resnet.py)."""
+MFU, the roofline of `tools.aot` and the run's start-up report read (a ResNet's per signal
+sample: models/resnet.py)."""
 from __future__ import annotations
 
 from models import resnet
@@ -51,7 +51,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> d
   policies.
   """
   if isinstance(cfg, resnet.ResNetConfig):
-    return resnet.flops_per_example(cfg)
+    return resnet.flops_per_token(cfg)
   E, H, K, D, V, L = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head,
                       cfg.vocab_size, cfg.num_layers)
   matmul_params = L * (E * H * D + 2 * E * K * D + H * D * E) + _ffn_params(cfg)[1] + E * V

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
+from models.resnet import SIGNAL_LEN
 from trainer.config.defaults import need as _need
 
 MODEL_KINDS = ("transformer", "resnet1d")
@@ -24,6 +25,9 @@ def check_vision(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   _need(d.mnist1d.train_examples >= 10, f"data.mnist1d.train_examples="
         f"{d.mnist1d.train_examples}: must be at least 10 (one per digit); the issue's range "
         "is 20,000-100,000")
+  _need(d.seq_len == SIGNAL_LEN, f"data.seq_len={d.seq_len} with model.kind='resnet1d': "
+        f"mnist1d's signals have {SIGNAL_LEN} samples (the loop counts them as an example's "
+        f"tokens); use data.seq_len={SIGNAL_LEN}")
   g = r.bn_group
   for key in ("global_batch_size", "micro_batch_size"):
     _need(d[key] % g == 0, f"data.{key}={d[key]} is not a multiple of model.resnet.bn_group={g} "
