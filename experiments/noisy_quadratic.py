@@ -201,8 +201,8 @@ def meter(problem, sw: dict, base) -> dict:
     per_batch[b] = {k: quantiles(v) for k, v in ratios.items()}
     per_batch[b]["with_value"] = float(np.isfinite(logged).mean())
     why = rows["noise_why"][:n]  # the meter's reason for no value (optim.noise_scale.readout)
-    per_batch[b].update(too_few=float(np.mean(why == 1)), g_sq_not_positive=float(
-        np.mean(why == 2)), imprecise=float(np.mean(why == 3)))
+    per_batch[b].update(zip(("too_few", "g_sq_not_positive", "imprecise"),
+                            (float(np.mean(why == k)) for k in (1, 2, 3))))
     r["analytic_b_simple"] = cur["b_simple"][1:n + 1, 0]
     for k, v in ratios.items():
       pooled[k].append(v.ravel())
@@ -210,10 +210,9 @@ def meter(problem, sw: dict, base) -> dict:
         f"{what} {q['median']:.3g} ({q['p10']:.3g}-{q['p90']:.3g})" for what, q in (
             (k, per_batch[b][k]) for k in ("b_simple", "at_iterate", "estimator", "trajectory")))
           + f" (median (p10-p90) over analytic, the run's iterate, noise-free, analytic); "
-          f"{per_batch[b]['with_value']:.0%} of steps with a value, "
-          f"none: {per_batch[b]['g_sq_not_positive']:.1%} as |G|^2 <= 0, "
-          f"{per_batch[b]['imprecise']:.1%} as its relative standard error > "
-          f"{base.optim.noise_scale_max_rse:g}", flush=True)
+          "{with_value:.0%} of steps with a value, none: {g_sq_not_positive:.1%} as |G|^2 <= 0, "
+          "{imprecise:.1%} as its relative standard error > {bound:g}".format(
+              **per_batch[b], bound=base.optim.noise_scale_max_rse), flush=True)
   return {"per_batch": per_batch, **{k: quantiles(np.concatenate(v)) for k, v in pooled.items()}}
 
 

@@ -77,7 +77,7 @@ def parts(problem: nqm.Problem, cfg, rows: dict, expected, n: int) -> dict[str, 
   analytic), `total` (logged / analytic: their product); `lag` [n, 1] (the noise-free meter on
   the expected trajectory / analytic: what the window alone does to a trend);
   `g_sq_not_positive` (the noise-free meter has a value and the logged one none: the window's
-  |G|^2 estimate was not positive)."""
+  |G|^2 estimate was not positive, or too imprecise for `optim.noise_scale_max_rse`)."""
   batch = int(cfg.data.global_batch_size)
   small, trace = batch / nqm.pieces_of(batch), float(problem.c.sum())
   expected = np.asarray(expected, np.float64).reshape(-1, 1)
