@@ -26,6 +26,17 @@ DEPTH_PARAMETRIZATIONS = {"standard": None, "depth_mup": 0.5, "completep": 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
+class ResNetOptions:
+  """`model.resnet`: the vision workload's 1-D ResNet (models/resnet.py, docs/vision.md)."""
+  channels: int = 32
+  blocks: int = 3
+  kernel: int = 5
+  bn_group: int = 16  # examples per ghost batch-norm group
+  bn_momentum: float = 0.9
+  label_smoothing: float = 0.0  # MLPerf's ResNet: 0.1
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = 512
   d_model: int = 128
@@ -53,6 +64,8 @@ class ModelConfig:
   base_depth: int = 0  # their base num_layers (0: num_layers itself, L / L_base = 1)
   rope_scaling: RopeScaling = RopeScaling()
   moe: MoEConfig = MoEConfig()  # mixture of experts (models/moe.py); num_experts 0 = dense
+  kind: str = "transformer"  # or "resnet1d": the vision workload, of `resnet`'s options
+  resnet: ResNetOptions = ResNetOptions()
 
   @classmethod
   def from_config(cls, cfg: Any) -> "ModelConfig":
@@ -148,6 +161,8 @@ FUNCTIONAL = (
     "depth_parametrization", "base_depth",
     # the experts and how tokens are routed to them
     "moe.num_experts", "moe.top_k", "moe.mlp_dim", "moe.every", "moe.shared_expert",
+    # the vision workload's network (models/resnet.py)
+    "kind", "resnet.channels", "resnet.blocks", "resnet.kernel",
 )
 
 NOT_FUNCTIONAL = {
@@ -168,6 +183,10 @@ NOT_FUNCTIONAL = {
     "moe.load_balance_loss": "a training loss coefficient",
     "moe.balance_scope": "over which tokens the balance loss is taken",
     "moe.impl": "which grouped matmul computes the same experts",
+    "resnet.bn_group": "how many examples a training step's batch norm averages over (evaluation "
+                       "uses the running statistics)",
+    "resnet.bn_momentum": "how fast the running statistics follow the training batches",
+    "resnet.label_smoothing": "a training objective's coefficient",
 }
 
 

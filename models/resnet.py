@@ -22,21 +22,17 @@ import optax
 from flax import nnx
 from flax.nnx.nn.normalization import _compute_stats, _normalize
 
+from models.config import ModelConfig, ResNetOptions
 from models.moe import MoEConfig
 
 SIGNAL_LEN, CLASSES = 40, 10  # mnist1d's signals and digits
 
 
 @dataclasses.dataclass(frozen=True)
-class ResNetConfig:
-  channels: int = 32
-  blocks: int = 3
-  kernel: int = 5
-  bn_group: int = 16  # examples per ghost batch-norm group
-  bn_momentum: float = 0.9
-  label_smoothing: float = 0.0  # MLPerf's ResNet: 0.1
+class ResNetConfig(ResNetOptions):
+  """The options of `model.resnet` (models/config.py) and what the trainer reads of every
+  model's config: no MoE, width or depth scaling, or fp8."""
   classes: int = CLASSES
-  # what the trainer reads of every model's config (no MoE, width or depth scaling, fp8)
   moe: MoEConfig = MoEConfig()
   width_multiplier: float = 1.0
   depth_scaling: tuple | None = None
@@ -45,10 +41,8 @@ class ResNetConfig:
 
   @classmethod
   def from_config(cls, m) -> "ResNetConfig":
-    r = m.resnet
-    return cls(channels=int(r.channels), blocks=int(r.blocks), kernel=int(r.kernel),
-               bn_group=int(r.bn_group), bn_momentum=float(r.bn_momentum),
-               label_smoothing=float(r.label_smoothing))
+    """From the `model` block of a run config."""
+    return cls(**dataclasses.asdict(ModelConfig.from_config(m).resnet))
 
 
 def batch_layout(seq_len: int) -> dict[str, tuple[int, type]]:

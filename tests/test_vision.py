@@ -2,18 +2,24 @@
 statistics in the train state and checkpoints), mnist1d data generated once and cached, its order
 keyed by (seed, global index), losses independent of micro-batches and devices, a bit-identical
 resume, AdamW and LARS end to end, and config mistakes as one line with exit code 2."""
+import json
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import metric_rows, tiny_config
 from flax import nnx
+from test_multihost import ROOT, child_env
 
 import train
 from data import mnist1d
 from models.resnet import GhostBatchNorm, ResNetConfig
 from optim.factory import masks
 from sharding import make_mesh
+from trainer.checkpoint.saved import CheckpointError
 from trainer.config.checks import validate
 from trainer.run.loop import Run
 from trainer.step.state import ModelSpec
@@ -43,7 +49,6 @@ def _run(workdir, steps: int, **extra) -> dict:
 
 
 def _evals(workdir) -> dict:
-  import json  # noqa: PLC0415
   return {r["step"]: r for r in map(json.loads, open(workdir / "metrics.jsonl"))
           if "eval_accuracy" in r}
 
@@ -115,13 +120,39 @@ def test_lars_resume_is_bit_identical(tmp_path):
   """LARS, 4 steps straight and 2 + 2 resumed from the checkpoint at 2: the same losses and the
   same evaluation at step 4, bit for bit (the batch statistics are restored exactly)."""
   lars = {"optim.name": "lars", "optim.learning_rate": 1.0, "checkpoint.every_steps": 2,
-          "mesh.data": 8}
+          "mesh.data": 8, "data.prefetch": 2}  # the iterator's state through grain's prefetch
   want, want_eval = _run(tmp_path / "straight", 4, **lars)
   _run(tmp_path / "resumed", 2, **{**lars, "eval_every": 4})
   got, got_eval = _run(tmp_path / "resumed", 4, **lars)
   assert [got[s]["loss"] for s in range(1, 5)] == [want[s]["loss"] for s in range(1, 5)]
   assert got_eval[4]["eval_loss"] == want_eval[4]["eval_loss"]
   assert np.isfinite(want[4]["loss"]) and want[4]["skipped"] == 0
+  with pytest.raises(CheckpointError, match="model.resnet.channels=8, the config has 16"):
+    _run(tmp_path / "resumed", 6, **{**lars, "model.resnet.channels": 16})
+
+
+@pytest.mark.slow  # two train.py processes (~30 s on busy cores); the default run keeps the above
+def test_train_py_on_one_and_eight_devices(tmp_path):
+  """configs/mnist1d_resnet.py through train.py (small sizes) on 1 device in micro-batches of 16
+  and on 8 devices in one micro-batch: the same losses and evaluation to 1e-6."""
+  args = ["--config.steps=3", "--config.eval_every=3", "--config.log_every=1",
+          "--config.model.resnet.channels=8", "--config.model.resnet.blocks=1",
+          "--config.data.mnist1d.train_examples=200", "--config.data.global_batch_size=32",
+          "--config.eval_sequences=64", "--config.trainer.progress_bar=false"]
+  runs = {}
+  for name, devices, more in (("one", 1, ["--config.data.micro_batch_size=16"]), ("eight", 8, [])):
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/mnist1d_resnet.py",
+                           "--workdir", str(tmp_path / name), *args, *more], cwd=ROOT,
+                          env=child_env(devices), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    runs[name] = metric_rows(tmp_path / name), _evals(tmp_path / name)
+  (one, one_eval), (eight, eight_eval) = runs["one"], runs["eight"]
+  assert sorted(one) == [1, 2, 3] and sorted(one_eval) == [3]
+  for step in one:
+    for key in ("loss", "grad_norm"):
+      np.testing.assert_allclose(eight[step][key], one[step][key], rtol=1e-6, err_msg=key)
+  for key in ("eval_loss", "eval_accuracy"):
+    np.testing.assert_allclose(eight_eval[3][key], one_eval[3][key], rtol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("args, says", [
