@@ -16,7 +16,7 @@ from test_multihost import ROOT, child_env
 
 import train
 from data import mnist1d
-from models.resnet import GhostBatchNorm, ResNetConfig
+from models.resnet import GhostBatchNorm, ResNet1D, ResNetConfig
 from optim.factory import masks
 from sharding import make_mesh
 from trainer.checkpoint.saved import CheckpointError
@@ -73,6 +73,31 @@ def test_ghost_batch_norm_normalises_each_group_by_itself():
   np.testing.assert_allclose(mean, 0.1 * groups.mean(1).mean(0), rtol=1e-5)
   np.testing.assert_allclose(var, 0.9 + 0.1 * groups.var(1).mean(0), rtol=1e-5)
   np.testing.assert_allclose(evaluated, (x - mean) / np.sqrt(var + 1e-5), rtol=1e-4, atol=1e-5)
+
+
+def test_label_smoothing_is_mlperfs():
+  """model.resnet.label_smoothing=a: each example's loss is (1 - a) x its cross-entropy plus
+  a x the mean of -log p over the classes; accuracy and the example count as without it."""
+  batch = {"inputs": jnp.asarray(np.random.default_rng(0).normal(size=(16, 40)), jnp.float32),
+           "targets": jnp.arange(16, dtype=jnp.int32)[:, None] % 10,
+           "loss_mask": jnp.ones((16, 1), bool)}
+
+  @jax.jit
+  def sums(batch):
+    out = {}
+    for a in (0.0, 0.1):
+      model = ResNet1D(ResNetConfig(channels=8, blocks=1, bn_group=8, label_smoothing=a),
+                       rngs=nnx.Rngs(0))
+      out[a] = model.sums(batch, train=False)
+    logp = jax.nn.log_softmax(model(batch["inputs"], train=False))
+    return out, logp
+
+  out, logp = sums(batch)
+  nll = -np.take_along_axis(np.asarray(logp), np.asarray(batch["targets"]), 1).sum()
+  np.testing.assert_allclose(out[0.0][0], nll, rtol=1e-5)
+  np.testing.assert_allclose(out[0.1][0], 0.9 * nll - 0.1 * np.asarray(logp).mean(1).sum(),
+                             rtol=1e-5)
+  assert out[0.1][1:] == out[0.0][1:] and out[0.0][1] == 16
 
 
 def test_data_is_cached_and_its_order_keyed_by_seed_and_global_index(data_cache, monkeypatch):

@@ -1,7 +1,8 @@
 """The train state and how it is created directly sharded on the mesh.
 
 The state is a plain pytree: the step, the parameters as a nested dict of arrays (NNX's pure
-dict, so paths read like `blocks/attn/wq_EHD`), and the optax state. The model's structure
+dict, so paths read like `blocks/attn/wq_EHD`), and the optax state; a model with batch
+statistics (models/resnet.py) adds them (`StatefulTrainState`). The model's structure
 (`graphdef`) stays outside; `nnx.merge(graphdef, params)` rebuilds the module inside the step.
 Randomness: the parameters are initialised from `seed` and the data order is shuffled from
 `seed` (data/pipeline.py); a train step draws no random numbers (no dropout), so the state
