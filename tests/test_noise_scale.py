@@ -184,11 +184,12 @@ def test_the_precision_gate_gives_no_value_while_the_window_is_imprecise():
   estimate (s = 0) passes any bound."""
   def values(max_rse, spread=4.0):
     tx = noise_scale.meter(1.0, min_measurements=8, max_rse=max_rse)
+    update = jax.jit(lambda st, sample, i: tx.update({}, st, noise_sample=sample, step=i)[1])
+    read = jax.jit(noise_scale.readout)
     state, out = tx.init(None), []
     for step in range(100):
-      g = 1.0 + spread * (-1) ** step
-      _, state = tx.update({}, state, noise_sample=_exact(g, 5.0), step=step)
-      r = noise_scale.readout(state)
+      state = update(state, _exact(1.0 + spread * (-1) ** step, 5.0), step)
+      r = read(state)
       out.append((float(r["b_simple"]), int(r["why"]), float(r["g_sq_rse"])))
     return out
   gated = values(0.5)
