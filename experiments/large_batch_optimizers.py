@@ -193,42 +193,42 @@ def tune(args, cfg) -> list[dict]:
   return runs
 
 
-def best_arm(name: str, batch: int, cells: dict, scores: dict, runs: list[dict]) -> dict:
-  """The (multiplier, b2) with the lowest mean loss, and whether its rate lies inside the rates
-  run (`interior`; False where every run diverged); `b2_interior` the same of its b2 among 3 or
-  more distinct values run at that rate (reported, not grown)."""
+def best_arm(name: str, batch: int, cells: dict, scores: dict, runs: list[dict],
+             metric: str = "final_eval_loss") -> dict:
+  """The (multiplier, b2) with the lowest mean `metric` (lower better), and whether its rate
+  lies inside the rates run (`interior`; False where every run diverged); `b2_interior` the same
+  of its b2 among 3 or more distinct values run at that rate (reported, not grown)."""
   finite = {k: v for k, v in cells.items() if math.isfinite(v)}
   mult, b2 = min(finite, key=finite.get) if finite else next(k for k in cells
                                                                if k[0] == min(scores))
   mine = [r for r in runs if (r["optimizer"], r["batch_size"], r["lr_multiplier"]) ==
           (name, batch, mult) and (r["b2_choice"] or "rule") == b2]
-  seeds = [r["final_eval_loss"] for r in mine]
+  seeds = [r[metric] for r in mine]
   spread = batch_sweep.spread(seeds) or {"std": math.nan}
   b2_values = {r["b2"]: cells[mult, r["b2_choice"]] for r in runs if r["b2"] is not None and
                (r["optimizer"], r["batch_size"], r["lr_multiplier"]) == (name, batch, mult)}
   return {"optimizer": name, "batch_size": batch, "lr_multiplier": mult,
           "b2_choice": b2 if name in B2_OPTIMIZERS else None,
           "learning_rate": mine[0]["learning_rate"], "b2": mine[0]["b2"],
-          "final_eval_loss": finite.get((mult, b2), math.nan),
-          "final_eval_loss_std": spread["std"], "seeds": len(seeds),
+          metric: finite.get((mult, b2), math.nan), f"{metric}_std": spread["std"], "seeds": len(seeds),
           "interior": bool(tradeoff.interior(scores)),
           "multipliers": "/".join(f"{m:g}" for m in sorted(scores)),
           "b2_interior": tradeoff.interior(b2_values) if len(b2_values) > 2 else None}
 
 
-def compare(tuned: list[dict], runs: list[dict], baseline: str = "adamw") -> list[dict]:
+def compare(tuned: list[dict], runs: list[dict], baseline: str = "adamw",
+            metric: str = "final_eval_loss") -> list[dict]:
   """Each tuned arm against the baseline's tuned arm at its batch, seed by seed
   (`common.paired`); no call where either arm's optimum is censored (the text says whose)."""
   arms = {(t["optimizer"], t["batch_size"]): t for t in tuned}
   rows = [r for r in runs if (t := arms.get((r["optimizer"], r["batch_size"]))) and
           (r["lr_multiplier"], r["b2_choice"]) == (t["lr_multiplier"], t["b2_choice"])]
-  diffs = common.paired(rows, ("optimizer", "batch_size"), ("final_eval_loss",), "optimizer",
-                        baseline)
+  diffs = common.paired(rows, ("optimizer", "batch_size"), (metric,), "optimizer", baseline)
   for d in diffs:
     censored = [n for n in (d["arm"], baseline) if not arms[n, d["batch_size"]]["interior"]]
     d["called"] = not censored
     if censored:
-      d["text"] = (f"final_eval_loss (batch_size={d['batch_size']}): {d['arm']} vs {baseline} "
+      d["text"] = (f"{metric} (batch_size={d['batch_size']}): {d['arm']} vs {baseline} "
                    f"not called: the best rate of {' and '.join(censored)} is at the edge of "
                    f"the rates run (difference {d['diff']:.4g} [{d['diff_lo']:.4g}, "
                    f"{d['diff_hi']:.4g}], not a tuned comparison)")

@@ -3,6 +3,7 @@
 `build_schedule(cfg, total_steps, ramp)`: a linear warmup from 0, then one of
 
   constant  cosine  linear  wsd    the last three decay to `min_lr_ratio * peak` at the horizon
+  poly      end + (peak - end)(1 - t/T)^`poly_power` to the same end (MLPerf's LARS: power 2)
   power     min(peak, batch x a x tokens^b), then a final decay (with `lr_rule = none`)
   rsqrt     peak * sqrt(W / t) after a warmup of length W; no horizon
 
@@ -26,9 +27,9 @@ import optax
 from optim.ramp import UNITS, BatchRamp
 from optim.scaling import stated
 
-SCHEDULES = ("constant", "cosine", "linear", "wsd", "power", "rsqrt")
+SCHEDULES = ("constant", "cosine", "linear", "wsd", "poly", "power", "rsqrt")
 WSD_SHAPES = ("linear", "cosine", "sqrt")
-DECAYING = ("cosine", "linear", "wsd")  # fall monotonically from the peak to their end: `halvings`
+DECAYING = ("cosine", "linear", "wsd", "poly")  # fall monotonically from the peak to their end: `halvings`
 MAX_HALVINGS = 30  # a rate that reaches 0 counts as this many halvings (peak / 2^30)
 
 
@@ -88,6 +89,9 @@ def build_schedule(cfg, total_steps: int, ramp: BatchRamp | None = None, *,
     main = optax.constant_schedule(peak)
   elif kind in ("cosine", "linear"):
     main = _decay_shape(kind, peak, end, after)
+  elif kind == "poly":  # optax.polynomial_schedule's curve, for float lengths too
+    power = float(cfg.get("poly_power", 2.0))
+    main = lambda count: end + (peak - end) * (1.0 - jnp.clip(count / after, 0.0, 1.0)) ** power
   elif kind == "wsd":
     decay = max(_round(horizon * float(cfg.wsd_decay_fraction), unit), one)
     stable = max(after - decay, 0)

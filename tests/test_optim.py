@@ -47,6 +47,8 @@ def test_masks_follow_logical_names():
     ("cosine", {0: 0.0, 10: 1.0, 60: 0.55, 110: 0.1}),
     # wsd: horizon 110, decay over the last 20% (22 steps) from step 88, linear shape
     ("wsd", {10: 1.0, 88: 1.0, 99: 0.55, 110: 0.1}),
+    # poly (power 2, MLPerf's LARS): 0.1 + 0.9 (1 - t/100)^2 after the warmup
+    ("poly", {10: 1.0, 35: 0.60625, 60: 0.325, 110: 0.1, 300: 0.1}),
 ])
 def test_schedule_values(schedule, points):
   cfg = _optim(learning_rate=1.0, warmup_steps=10, decay_steps=110, min_lr_ratio=0.1,

@@ -309,6 +309,7 @@ def validate(cfg: ml_collections.ConfigDict, devices) -> dict:
         f"optim.learning_rate={o.learning_rate}: must be positive (0 = the optimizer's default)")
   _need(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
   _need(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+  _need(o.poly_power > 0, f"optim.poly_power={o.poly_power}: must be positive (MLPerf: 2)")
   _need(0 < o.wsd_decay_fraction <= 1,
         f"optim.wsd_decay_fraction={o.wsd_decay_fraction}: must be in (0, 1]")
   for key in ("b1", "b2", "momentum"):

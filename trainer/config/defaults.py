@@ -178,6 +178,7 @@ def default_config() -> ml_collections.ConfigDict:
       trust_coefficient=0.0,  # (*) 0 = default: lars 0.001, lamb 1
       decay_steps=0,  # schedule horizon; 0 = `steps`
       min_lr_ratio=0.1, wsd_decay_fraction=0.2, wsd_decay_shape="sqrt",
+      poly_power=2.0,  # schedule="poly": (1 - t/T)^power to min_lr_ratio (MLPerf LARS: 2)
       b1=0.9, eps=1e-8, decay_embeddings=False, clip_norm=1.0,
       momentum=0.9, nesterov=False,
       # Batch-size-aware hyperparameters (optim/scaling.py): the values above are stated at
