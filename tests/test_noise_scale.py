@@ -530,6 +530,7 @@ def test_the_meter_agrees_with_per_example_gradients_of_independent_sequences(da
     ({"optim.noise_scale_window": 0.0}, "optim.noise_scale_window=0.0: must be in (0, 1]"),
     ({"optim.noise_scale_window": 1.5}, "optim.noise_scale_window=1.5: must be in (0, 1]"),
     ({"optim.noise_scale_pieces": 1}, "optim.noise_scale_pieces=1: must be >= 2"),
+    ({"optim.noise_scale_max_rse": -0.1}, "optim.noise_scale_max_rse=-0.1: must be >= 0"),
 ])
 def test_meter_settings_are_checked(override, needle):
   from trainer.config import ConfigError  # noqa: PLC0415
