@@ -10,8 +10,9 @@ Recipes: experiments/domain_recipes.py. Per (optimizer, batch): the rate multipl
 AdamW) x seeds, scored by the mean final test error (1 - accuracy), an edge winner grows the
 rates (`tools.tradeoff.bracket`), still at an edge: censored, reported and not called.
 OUT.csv every run, OUT_tuned.csv each arm's best, OUT_paired.csv each tuned arm against the
-baseline's (vision: sgd, mlm: adamw) on paired seeds (tools.stats), OUT.png accuracy vs batch;
-the verdicts of the issue's four claims. Results: docs/original_domains.md
+baseline's (vision: sgd, mlm: adamw) on paired seeds (tools.stats), OUT.png accuracy vs batch
+(OUT: docs/original_domains_<task>[_quick]); the verdicts of the issue's four claims.
+Results: docs/original_domains.md
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ def parse(argv):
     p.error(f"--optimizers must include the baseline {task.baseline!r}")
   if args.config == common.DEFAULT_CONFIG:
     args.config = task.config
+  if args.out == os.path.join("docs", "original_domains"):  # one output per task
+    args.out += f"_{args.task}" + ("_quick" if args.quick else "")
+  args.workdir = os.path.join(args.workdir, args.task)
   args.eval_sequences = args.eval_sequences or quick.get("eval_sequences", 0) or (
       4_000 if args.task == "vision" else 256)
   overrides = [(k, str(v)) for k, v in quick.get("config", {}).items()] + overrides

@@ -2,8 +2,7 @@
 
 `build_schedule(cfg, total_steps, ramp)`: a linear warmup from 0, then one of
 
-  constant  cosine  linear  wsd    the last three decay to `min_lr_ratio * peak` at the horizon
-  poly      end + (peak - end)(1 - t/T)^`poly_power` to the same end (MLPerf's LARS: power 2)
+  constant  cosine  linear  wsd  poly (1 - t/T)^poly_power: the last four decay to min_lr_ratio
   power     min(peak, batch x a x tokens^b), then a final decay (with `lr_rule = none`)
   rsqrt     peak * sqrt(W / t) after a warmup of length W; no horizon
 
