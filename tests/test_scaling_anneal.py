@@ -97,6 +97,8 @@ def test_bad_flags_are_one_line(tmp_path, capsys):
   assert not os.path.exists(tmp_path / "runs")
 
 
+@pytest.mark.slow  # two real trainings (~20 s idle); test_scaling_lab's end-to-end test trains
+# through the same scaling_runs jobs in the default run
 def test_a_branch_is_the_constant_run_until_its_cooldown(tmp_path, data_dir):
   """A WSD run that ends at D = 256 sequences (batch 16, cooldown over the last 25%: from step
   12) and the lab's constant run of the same width, batch, rate and seed log the same training

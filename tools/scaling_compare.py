@@ -59,15 +59,19 @@ def compare(a_csv: str, b_csv: str, quantities, level: float = 0.95) -> list[dic
   return rows
 
 
-def main(argv: list[str]) -> int:
+def build_parser():
   p = CliParser("-m tools.scaling_compare", __doc__, config=False, overrides=False)
   p.add_argument("a", help="a scaling lab's CSV (the arm)")
   p.add_argument("b", help="another lab's CSV over the same cells (the baseline)")
   p.add_argument("--quantities", default="b_crit,b_zhang")
   p.add_argument("--level", type=float, default=0.95)
   p.add_argument("--json", default="", help="also write the rows here")
+  return p
+
+
+def main(argv: list[str]) -> int:
   try:
-    args, _ = p.parse(argv)
+    args, _ = build_parser().parse(argv)
     if not 0 < args.level < 1:
       raise ConfigError(f"--level {args.level}: give a coverage between 0 and 1, e.g. 0.95")
     rows = compare(args.a, args.b, [q for q in args.quantities.split(",") if q], args.level)
