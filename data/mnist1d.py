@@ -37,7 +37,11 @@ def cache_dir(train_examples: int, seed: int) -> str:
 
 
 def _generate(examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-  from mnist1d.data import get_dataset_args, make_dataset  # noqa: PLC0415  optional (the vision extra)
+  try:
+    from mnist1d.data import get_dataset_args, make_dataset  # noqa: PLC0415  optional (the vision extra)
+  except ImportError:
+    raise DataError("the vision workload generates its data with the mnist1d package, which is "
+                    "not installed: pip install -e '.[vision]'") from None
   args = get_dataset_args()
   args.num_samples, args.train_split, args.seed = examples, 1.0, seed
   d = make_dataset(args)  # examples // 10 per digit, standardised, shuffled

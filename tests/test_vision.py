@@ -24,6 +24,8 @@ from trainer.config.checks import validate
 from trainer.run.loop import Run
 from trainer.step.state import ModelSpec
 
+pytest.importorskip("mnist1d", reason="the vision workload's data: pip install -e '.[vision]'")
+
 # a 1-block ResNet of 8 channels on 200 training examples, ghost groups of 8
 VISION = {"model.kind": "resnet1d", "model.resnet.channels": 8, "model.resnet.blocks": 1,
           "model.resnet.bn_group": 8, "data.mnist1d.train_examples": 200, "data.seq_len": 40,
