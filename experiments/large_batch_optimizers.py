@@ -173,14 +173,7 @@ def tune(args, cfg) -> list[dict]:
       scores = tradeoff.bracket(score, args.lr_grid, factor=args.bracket_factor,
                                 max_extensions=args.max_extensions)
       tuned.append(best_arm(name, batch, cells, scores, runs))
-  common.write(args, runs)
-  figures.write_csv(args.out + "_tuned.csv", tuned)
-  print(common.table(tuned, TUNED_COLUMNS, "optimizers"))
-  for t in tuned:
-    if not t["interior"]:
-      print(f"[optimizers] {t['optimizer']} at batch {t['batch_size']}: censored, its best rate "
-            f"x{t['lr_multiplier']:g} is at the edge of x{t['multipliers']} after "
-            f"{args.max_extensions} extensions", flush=True)
+  write_tuned(args, runs, tuned, TUNED_COLUMNS, "optimizers")
   diffs = compare(tuned, runs)
   figures.write_csv(args.out + "_paired.csv", diffs)
   print(f"[optimizers] tuned arms against tuned adamw, seed by seed (seeds {seeds}; 95% t):")
@@ -191,6 +184,19 @@ def tune(args, cfg) -> list[dict]:
       t["optimizer"], t["batch_size"], t["lr_multiplier"], t["b2_choice"] or "rule", seeds[0]]
       for t in arms}, f"each tuned (seed {seeds[0]})")
   return runs
+
+
+def write_tuned(args, runs: list[dict], tuned: list[dict], columns, prefix: str) -> None:
+  """OUT.csv (every run), OUT_tuned.csv (each arm's best) and its table; a line per arm whose
+  best rate is at the edge of the rates run (censored: no comparison calls it)."""
+  common.write(args, runs)
+  figures.write_csv(args.out + "_tuned.csv", tuned)
+  print(common.table(tuned, columns, prefix))
+  for t in tuned:
+    if not t["interior"]:
+      print(f"[{prefix}] {t['optimizer']} at batch {t['batch_size']}: censored, its best rate "
+            f"x{t['lr_multiplier']:g} is at the edge of x{t['multipliers']} after "
+            f"{args.max_extensions} extensions", flush=True)
 
 
 def best_arm(name: str, batch: int, cells: dict, scores: dict, runs: list[dict],

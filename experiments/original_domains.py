@@ -194,13 +194,7 @@ def tune(args, cfg) -> list[dict]:
 
 def report(args, runs: list[dict], tuned: list[dict]) -> None:
   task = recipes.TASKS[args.task]
-  common.write(args, runs)
-  figures.write_csv(args.out + "_tuned.csv", tuned)
-  print(common.table(tuned, TUNED_COLUMNS, "domains"))
-  for t in tuned:
-    if not t["interior"]:
-      print(f"[domains] {t['optimizer']} at batch {t['batch_size']}: censored, its best rate "
-            f"x{t['lr_multiplier']:g} is at the edge of x{t['multipliers']}", flush=True)
+  lbo.write_tuned(args, runs, tuned, TUNED_COLUMNS, "domains")
   diffs = lbo.compare(tuned, runs, task.baseline, metric="accuracy")
   figures.write_csv(args.out + "_paired.csv", diffs)
   print(f"[domains] tuned arms against tuned {task.baseline}, seed by seed (95% t):")

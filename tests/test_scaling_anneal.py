@@ -10,21 +10,17 @@ import os
 import numpy as np
 import pytest
 
-from conftest import tiny_config_file
+from test_scaling_lab import lab_args
 from experiments import scaling_anneal as anneal
 from experiments import scaling_runs
 from trainer.config.cli import load
 
 
 def anneal_args(tmp_path, *more):
-  config = tiny_config_file(tmp_path, "lab.py", global_batch_size=16, learning_rate=1e-2,
-                            schedule="constant", warmup_steps=0, warmup_examples=16,
-                            reference_batch_size=16, lr_rule="sqrt", b2=0.99,
-                            b2_rule="half_life")
-  return ["--config", str(config), "--quick", "--widths", "16", "--budgets", "96,128",
-          "--batch_sizes", "2,4,8,16,32", "--micro_batch_size", "8", "--eval_fraction", "0.125",
-          "--seeds", "3", "--parametrization", "sp", "--bootstrap", "50",
-          "--out", str(tmp_path / "out" / "anneal"), "--workdir", str(tmp_path / "runs"), *more]
+  """The lab test's command line (its one-layer config, budgets 96 and 128) over batches 2-32,
+  3 seeds and rates x0.5, 1, 2 (later flags win)."""
+  return lab_args(tmp_path, "--batch_sizes", "2,4,8,16,32", "--seeds", "3", "--lr_grid", "0.5,1,2",
+                  "--bootstrap", "50", "--out", str(tmp_path / "out" / "anneal"), *more)
 
 
 def fake_branch(best_m: float, best_b: float):
