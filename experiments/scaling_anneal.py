@@ -16,7 +16,6 @@ docs/scaling_lab.md#b_opt-from-cooldowns-that-end-at-d
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import math
 import os
@@ -29,7 +28,7 @@ from experiments import common, critical_batch_scaling as lab, scaling_cells
 from experiments.scaling_runs import Task, job, run_all
 from tools import figures, stats
 from tools.scaling_fit import interval
-from tools.tradeoff import next_multipliers, winners
+from tools.tradeoff import interior, next_multipliers
 from trainer.config import ConfigError
 
 
@@ -86,22 +85,22 @@ def branch_job(cfg, t: Branch, args) -> dict:
 
 def start_multipliers(path: str, grid: list[float]) -> dict:
   """{(width, batch, budget): [multipliers]}: `grid` times the constant lab's fastest
-  multiplier (median over seeds) where `path` has one, else `grid`."""
+  multiplier (median over seeds, to a power of 2) where `path` has one, else `grid`."""
   if not path:
     return {}
-  best: dict = {}
-  with open(path) as f:
-    rows = [r for r in csv.DictReader(f) if r["steps"] not in ("", "None")]
-  for key in {(int(r["width"]), int(r["batch_size"]), int(r["budget"])) for r in rows}:
-    per_seed = {}
-    for r in rows:
-      if (int(r["width"]), int(r["batch_size"]), int(r["budget"])) == key:
-        s = int(r["seed"])
-        if s not in per_seed or float(r["steps"]) < per_seed[s][0]:
-          per_seed[s] = (float(r["steps"]), float(r["lr_multiplier"]))
+  fastest: dict = {}  # (width, batch, budget) -> {seed: (steps, multiplier)}
+  for r in figures.read_csv(path):
+    if r["steps"] is None:
+      continue
+    per_seed = fastest.setdefault((int(r["width"]), int(r["batch_size"]), int(r["budget"])), {})
+    s = int(r["seed"])
+    if s not in per_seed or r["steps"] < per_seed[s][0]:
+      per_seed[s] = (r["steps"], r["lr_multiplier"])
+  out = {}
+  for key, per_seed in fastest.items():
     m = 2.0 ** round(math.log2(statistics.median(v[1] for v in per_seed.values())))
-    best[key] = sorted({g * m for g in grid})
-  return best
+    out[key] = sorted({g * m for g in grid})
+  return out
 
 
 def experiment(args, cfg) -> list[dict]:
@@ -149,10 +148,8 @@ def cell(rows: list[dict], boot: np.ndarray) -> dict:
   inside = np.zeros(t.loss.shape[:2], bool)
   for i, s in enumerate(t.seeds):
     for j, b in enumerate(t.batches):
-      sc = {r["lr_multiplier"]: r["final_loss"] for r in rows
-            if (r["seed"], r["batch_size"]) == (s, b)}
-      best = winners(sc)
-      inside[i, j] = bool(best) and all(min(sc) < m < max(sc) for m in best)
+      inside[i, j] = bool(interior({r["lr_multiplier"]: r["final_loss"] for r in rows
+                                    if (r["seed"], r["batch_size"]) == (s, b)}))
   out = dict(seeds=len(t.seeds), cases=inside.size, interior_cases=int(inside.sum()),
              refused="" if inside.all() else
              "rates at their grid's edge at " + ", ".join(

@@ -24,13 +24,13 @@ from trainer.config import ConfigError
 from trainer.config.cli import CliParser
 
 
-def _replicates(csv_path: str, q: str) -> dict[tuple, dict[int, float]]:
-  """{(params, tokens): {replicate: value}} from the lab's `<stem>_boot.csv` ({} if none)."""
+def _replicates(csv_path: str) -> dict[tuple, dict[int, dict]]:
+  """{(params, tokens): {replicate: row}} from the lab's `<stem>_boot.csv` ({} if none)."""
   path = os.path.splitext(csv_path)[0] + "_boot.csv"
   out: dict = {}
   if os.path.isfile(path):
     for r in figures.read_csv(path):
-      out.setdefault((r["params"], r["tokens"]), {})[int(r["replicate"])] = r.get(q)
+      out.setdefault((r["params"], r["tokens"]), {})[int(r["replicate"])] = r
   return out
 
 
@@ -42,12 +42,13 @@ def compare(a_csv: str, b_csv: str, quantities, level: float = 0.95) -> list[dic
   b_cells = {(c["params"], c["tokens"]): c
              for c in figures.read_table(b_csv, ("params", "tokens", *quantities), LAB_CSV)}
   rows = []
+  a_rep, b_rep = _replicates(a_csv), _replicates(b_csv)
   for q in quantities:
-    a_rep, b_rep = _replicates(a_csv, q), _replicates(b_csv, q)
     for key in sorted(set(a_cells) & set(b_cells)):
       a, b = a_cells[key].get(q), b_cells[key].get(q)
       ok = all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (a, b))
-      ra, rb = a_rep.get(key, {}), b_rep.get(key, {})
+      ra = {k: r.get(q) for k, r in a_rep.get(key, {}).items()}
+      rb = {k: r.get(q) for k, r in b_rep.get(key, {}).items()}
       paired = bool(ra) and set(ra) == set(rb) and \
           a_cells[key].get("seeds") == b_cells[key].get("seeds")
       ratios = [ra[k] / rb[k] for k in ra if paired and ra[k] and rb[k]
