@@ -23,7 +23,8 @@ from trainer.config import ConfigError
 from trainer.config.cli import floats, ints  # noqa: F401  (the experiments' argparse types)
 from trainer.config.cli import CliParser, load
 from trainer.multihost import platforms
-from trainer.run.inprocess import Trained, train  # noqa: F401  (the experiments' toolkit)
+from trainer.run import inprocess
+from trainer.run.inprocess import Trained  # noqa: F401  (the experiments' toolkit)
 from trainer.tracking.record import (Reached, eval_curve, interpolate, noise_curve,  # noqa: F401
                                      ramp_from_rows, read_rows, smooth, target_stop, to_target,
                                      train_curve)
@@ -97,6 +98,22 @@ def loss_at(workdir: str, start_batch: int, seq_len: int, examples: list[float],
           for x in examples]
 
 
+REUSE = False  # --reuse (every experiment's flag; `main` sets it)
+
+
+def train(cfg, workdir: str, **kw) -> Trained:
+  """`trainer.run.inprocess.train`; with `--reuse`, a run that already finished in `workdir`
+  with the same config (its finished.json) is read instead (not for a run with a stop rule or
+  whose checkpoints the caller keeps), so a long experiment killed part-way resumes by run."""
+  if REUSE and not kw.get("keep_checkpoints") and kw.get("stop") is None \
+      and kw.get("fresh", True):
+    done = inprocess.finished(cfg, workdir)
+    if done is not None:
+      print(f"[reuse] {workdir}: read from its finished.json", flush=True)
+      return done
+  return inprocess.train(cfg, workdir, **kw)
+
+
 # ------------------------------------------------------------------------------------------------
 # Command line, table, outputs
 
@@ -112,6 +129,10 @@ def parser(name: str, doc: str, *, seeds: bool = True):
                  help="writes OUT.csv and OUT.png (default %(default)s)")
   p.add_argument("--workdir", default=os.path.join("runs", "experiments", name),
                  help="where the runs' workdirs go")
+  p.add_argument("--reuse", action="store_true",
+                 help="read a run that already finished in its workdir with the same config "
+                      "(finished.json) instead of training it again: a killed experiment "
+                      "resumes run by run")
   if not seeds:  # the experiment handles its seeds itself (fp8_loss: the noise is their spread)
     return p
   p.add_argument("--seeds", type=int, default=1,
@@ -174,6 +195,8 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  global REUSE
+  REUSE = bool(getattr(args, "reuse", False))
   out_dir = os.path.dirname(args.out)
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)

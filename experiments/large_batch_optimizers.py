@@ -2,7 +2,8 @@
 each optimizer tuned alike around the rate its batch-size rule derives (optim/scaling.py).
 
     python -m experiments.large_batch_optimizers [--batch 256] [--reference_batch 16] \\
-        [--examples 32768] [--lr_grid 0.5,1,2] [--b2_grid rule,0.95,0.99] [--seeds 3]
+        [--examples 32768] [--lr_grid 0.5,1,2] [--b2_grid rule,0.95,0.99] [--seeds 3] \\
+        [--large_only] [--reuse]
     python -m experiments.large_batch_optimizers --lr_grid 1 --b2_grid rule  # the rules alone:
         # 8 trainings, 21 min on 2 busy cores (docs/muon.md), the untuned comparison of before
 
@@ -38,6 +39,8 @@ def build_parser():
   p.add_argument("--reference_batch", type=int, default=16,
                  help="where the hyperparameters are stated (and the small-batch runs; 0: skip "
                       "them)")
+  p.add_argument("--large_only", action="store_true",
+                 help="train at --batch only; --reference_batch still states the hyperparameters")
   p.add_argument("--examples", type=int, default=32768, help="training sequences per run")
   p.add_argument("--optimizers", default="adamw,lamb,lars,muon")
   p.add_argument("--lr_grid", type=common.floats, default="0.5,1,2",
@@ -122,7 +125,7 @@ def measure(cfg, args, name: str, batch: int, mult: float, b2, workdir: str):
 
 
 def batches(args) -> list[int]:
-  return [args.batch] + ([args.reference_batch] if args.reference_batch
+  return [args.batch] + ([args.reference_batch] if args.reference_batch and not args.large_only
                          and args.reference_batch != args.batch else [])
 
 

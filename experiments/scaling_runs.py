@@ -19,8 +19,8 @@ import os
 from experiments import common
 from tools import batch_sweep
 from trainer.config.cli import from_dict
-from trainer.config.defaults import default_config
 from trainer.multihost import platforms
+from trainer.run.inprocess import same_fingerprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,30 +91,6 @@ def covered(j: dict, seq_len: int) -> bool:
   hit = common.crossings(j["workdir"], r["batch_size"], seq_len, [a["target_loss"]],
                          a["smooth_examples"], curve_key(a.get("curve", "raw")))[0]
   return hit["steps"] is not None and seen >= a["min_examples"]
-
-
-def same_fingerprint(saved: str, now: str) -> bool:
-  """Whether a record's fingerprint is the job's: equal, up to config options that one of them
-  lacks while the other holds that option's default (an option added to the stack since the
-  record was written, at its default, which leaves training as it was)."""
-  if saved == now:
-    return True
-  from trainer.multihost.agreement import flatten  # noqa: PLC0415  start-up
-
-  try:
-    a, b = flatten(json.loads(saved)), flatten(json.loads(now))
-  except (json.JSONDecodeError, AttributeError):  # not a job's JSON object: unequal strings differ
-    return False
-  defaults = flatten({"config": default_config().to_dict()})
-  missing = object()
-  for key in set(a) | set(b):
-    x, y = a.get(key, missing), b.get(key, missing)
-    if x == y:
-      continue
-    present = y if x is missing else x if y is missing else missing
-    if present is missing or key not in defaults or defaults[key] != present:
-      return False
-  return True
 
 
 def rows_of(t: Task, r: dict, j: dict, targets, counts, args, seq) -> list[dict]:

@@ -2,17 +2,20 @@
 of its checkpoints (`copy_checkpoint`, `load_run`: the config it was written with;
 `schedule_in_tokens`: its schedule's lengths in tokens). For the research tools (batch sweep,
 branching probe) and the experiments; each run trains through `trainer.run.loop.Run` in a workdir
-of its own, with the same data order, checkpoints and metrics.jsonl as train.py.
+of its own, with the same data order, checkpoints and metrics.jsonl as train.py. A finished run
+leaves `finished.json` (its config's fingerprint) last; `finished` reads such a run back instead
+of training it again (`same_fingerprint`: the comparison, shared with the scaling lab's records).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import time
 
 from trainer.config.cli import from_dict
-from trainer.config.defaults import ConfigError
+from trainer.config.defaults import ConfigError, default_config
 from trainer.tracking.record import ramp_from_rows, read_rows
 
 
@@ -42,6 +45,7 @@ def train(cfg, workdir: str, *, stop=None, fresh: bool = True,
   import jax  # noqa: PLC0415  start-up
   from trainer.config.checks import validate  # noqa: PLC0415  start-up
   from trainer.run.loop import Run  # noqa: PLC0415  start-up
+  said = fingerprint(cfg)  # the config as the caller states it, before the run fills it in
   validate(cfg, jax.devices())
   if fresh and os.path.exists(workdir):
     shutil.rmtree(workdir)
@@ -60,7 +64,64 @@ def train(cfg, workdir: str, *, stop=None, fresh: bool = True,
   d = run.cfg.data
   ramp = ramp_from_rows(rows, d.global_batch_size, d.seq_len) if d.batch_ramp in ("", "auto") \
       else run.ramp
+  if stop is None:  # a record of the whole run (a stop rule is not in the fingerprint)
+    tmp = os.path.join(workdir, "finished.json.tmp")
+    with open(tmp, "w") as f:
+      json.dump({"fingerprint": said, "status": result.status,
+                 "steps_run": result.step, "seconds": seconds, "seq_len": ramp.seq_len,
+                 "stages": list(zip(ramp.batches, ramp.start_tokens)), "cuts": ramp.cuts}, f)
+    os.replace(tmp, os.path.join(workdir, FINISHED))
   return Trained(result.status, result.step, seconds, rows, ramp, workdir)
+
+
+FINISHED = "finished.json"
+
+
+def fingerprint(cfg) -> str:
+  """What a finished run's record is compared on: its whole config."""
+  return json.dumps({"config": cfg.to_dict()}, sort_keys=True, default=str)
+
+
+def finished(cfg, workdir: str) -> Trained | None:
+  """The run of `cfg` in `workdir` read from its record, if a run of the same config (up to
+  `same_fingerprint`) trained there to its end without a stop rule; else None. A run killed
+  before its end has no finished.json and is trained again. The ramp is the run's stages (a
+  Seesaw ramp without its plan)."""
+  path = os.path.join(workdir, FINISHED)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  if not same_fingerprint(saved["fingerprint"], fingerprint(cfg)):
+    return None
+  from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
+  ramp = BatchRamp([tuple(s) for s in saved["stages"]], saved["seq_len"], tuple(saved["cuts"]))
+  return Trained(saved["status"], saved["steps_run"], saved["seconds"], read_rows(workdir), ramp,
+                 workdir)
+
+
+def same_fingerprint(saved: str, now: str) -> bool:
+  """Whether a record's fingerprint is the job's: equal, up to config options that one of them
+  lacks while the other holds that option's default (an option added to the stack since the
+  record was written, at its default, which leaves training as it was)."""
+  if saved == now:
+    return True
+  from trainer.multihost.agreement import flatten  # noqa: PLC0415  start-up
+
+  try:
+    a, b = flatten(json.loads(saved)), flatten(json.loads(now))
+  except (json.JSONDecodeError, AttributeError):  # not a job's JSON object: unequal strings differ
+    return False
+  defaults = flatten({"config": default_config().to_dict()})
+  missing = object()
+  for key in set(a) | set(b):
+    x, y = a.get(key, missing), b.get(key, missing)
+    if x == y:
+      continue
+    present = y if x is missing else x if y is missing else missing
+    if present is missing or key not in defaults or defaults[key] != present:
+      return False
+  return True
 
 
 def copy_checkpoint(source_workdir: str, step: int, workdir: str) -> None:
