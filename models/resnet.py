@@ -45,6 +45,13 @@ class ResNetConfig(ResNetOptions):
     return cls(**dataclasses.asdict(ModelConfig.from_config(m).resnet))
 
 
+def meter_rows(rows_per_device: int, group: int) -> int:
+  """The units the gradient-noise meter may split a device's rows into (`noise_scale.splits`'
+  `rows_per_device`): whole ghost batch-norm groups of `group` rows, so every part normalises
+  over the groups it would have anyway; 1 (no split) where a group spans devices."""
+  return rows_per_device // group if rows_per_device % group == 0 else 1
+
+
 def batch_layout(seq_len: int) -> dict[str, tuple[int, type]]:
   """{key: (width, dtype)} of one example's row in a batch [M, B, width]."""
   del seq_len

@@ -12,6 +12,7 @@ import pytest
 from conftest import losses, tiny_config, tiny_config_file, write_sweep_config
 from experiments import (autopilot_vs_fixed, common, large_batch_optimizers, muon_critical_batch,
                          schedules, seesaw, timescale)
+from optim.ramp import BatchRamp
 
 
 def _record():
@@ -55,10 +56,16 @@ def test_target_stop_reads_examples_from_the_run():
   seen = {10: 80, 20: 240, 30: 560}
   stop = common.target_stop(2.6, 0, seen.__getitem__, max_examples=500)
   assert stop(10, {"eval_loss": 3.0}) is None
-  assert stop(20, {"eval_loss": 2.5}) == "smoothed eval loss <= 2.6 at 240 examples"
+  assert stop(20, {"eval_loss": 2.5}) == "smoothed eval_loss <= 2.6 at 240 examples"
   stop = common.target_stop(1.0, 0, seen.__getitem__, max_examples=500)
   assert stop(20, {"loss": 2.0}) is None
   assert "500 examples seen" in stop(30, {"loss": 2.0})
+  # an accuracy falls to its target as its error, 1 - accuracy (the vision workload's sweep)
+  stop = common.target_stop(0.25, 0, seen.__getitem__, key="eval_error")
+  assert stop(10, {"eval_loss": 0.1, "eval_accuracy": 0.7}) is None
+  assert stop(20, {"eval_accuracy": 0.8}) == "smoothed eval_error <= 0.25 at 240 examples"
+  rows = [{"step": 1, "eval_accuracy": 0.5}, {"step": 2, "eval_loss": 1.0}]
+  assert common.eval_curve(rows, BatchRamp.constant(8, 4), "eval_error") == [(8.0, 0.5)]
 
 
 def test_at_targets_reads_every_target_from_one_record(tmp_path):
@@ -224,6 +231,35 @@ def test_an_experiment_over_seeds(tmp_path, data_dir):
   assert os.path.exists(f"{out}_paired.csv")  # against adamw, which this run left out: empty
   assert os.path.getsize(f"{out}.png") > 10_000
   assert large_batch_optimizers.main(["--config", str(config), "--seeds", "0"]) == 2
+
+
+def test_reuse_reads_finished_runs_and_retrains_a_changed_one(tmp_path, data_dir, capsys):
+  """`--reuse`: a second invocation reads every run from its finished.json (the same rows, the
+  recorded seconds), `--large_only` leaves the reference batch out; a run whose config differs,
+  or that was cut off before its end (no finished.json), is not read."""
+  from trainer.run import inprocess
+  config = tiny_config_file(tmp_path)
+  args = ["--config", str(config), "--batch", "16", "--reference_batch", "8", "--examples", "64",
+          "--optimizers", "lars", "--evals", "2", "--eval_sequences", "8", "--workdir",
+          str(tmp_path / "runs"), "--lr_grid", "1", "--b2_grid", "rule", "--reuse"]
+  first, again, large = (tmp_path / n for n in ("first", "again", "large"))
+  assert large_batch_optimizers.main(args + ["--out", str(first)]) == 0
+  assert "[reuse]" not in capsys.readouterr().out
+  assert large_batch_optimizers.main(args + ["--out", str(again)]) == 0
+  assert capsys.readouterr().out.count("read from its finished.json") == 2
+  rows = lambda p: list(csv.DictReader(open(f"{p}.csv")))
+  assert rows(again) == rows(first)
+  assert large_batch_optimizers.main(args + ["--out", str(large), "--large_only"]) == 0
+  assert rows(large) == rows(first)[:1]
+  run = tmp_path / "runs" / "lars_b16"
+  cfg = large_batch_optimizers.optimizer_config(
+      common.load(str(config), []), large_batch_optimizers.parse(args)[0], "lars", 16)
+  assert inprocess.finished(cfg, str(run)) is not None
+  cfg.seed += 1
+  assert inprocess.finished(cfg, str(run)) is None
+  os.remove(run / "finished.json")
+  cfg.seed -= 1
+  assert inprocess.finished(cfg, str(run)) is None
 
 
 @pytest.mark.slow  # six trainings, ~30-70 s on 2 shared cores

@@ -36,7 +36,7 @@ def test_target_stop_waits_for_min_examples():
   seen = {10: 80, 20: 240, 30: 560}
   stop = target_stop(2.6, 0, seen.__getitem__, min_examples=500)
   assert stop(20, {"eval_loss": 2.5}) is None  # below the target, but only 240 seen
-  assert stop(30, {"eval_loss": 2.4}).startswith("smoothed eval loss <= 2.6 at 240 examples")
+  assert stop(30, {"eval_loss": 2.4}).startswith("smoothed eval_loss <= 2.6 at 240 examples")
   # a diverged run stops (it will not reach the target): non-finite, or far above its start
   stop = target_stop(2.6, 0, seen.__getitem__, min_examples=500)
   assert stop(10, {"eval_loss": 5.0}) is None and stop(20, {"eval_loss": 5.9}) is None

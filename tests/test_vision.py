@@ -2,6 +2,7 @@
 statistics in the train state and checkpoints), mnist1d data generated once and cached, its order
 keyed by (seed, global index), losses independent of micro-batches and devices, a bit-identical
 resume, AdamW and LARS end to end, and config mistakes as one line with exit code 2."""
+import csv
 import json
 import subprocess
 import sys
@@ -129,13 +130,18 @@ def test_lars_and_decay_skip_biases_and_norm_parameters():
   assert m["decay"] == m["trust_ratio"]
 
 
-def test_losses_do_not_depend_on_micro_batches_or_devices(tmp_path):
-  """Batch 32 in micro-batches of 8 on data=8 and of 32 on data 2 x fsdp 2 x tensor 2: the
-  same losses, gradient norms and evaluation (which reads the running statistics)."""
-  want, want_eval = _run(tmp_path / "m8", 2, **{"data.micro_batch_size": 8, "mesh.data": 8})
-  got, got_eval = _run(tmp_path / "m32", 2, **{"data.micro_batch_size": 32, "mesh.data": 2,
-                                               "mesh.fsdp": 2, "mesh.tensor": 2})
+def test_losses_do_not_depend_on_micro_batches_devices_or_the_meter(tmp_path):
+  """Batch 64 in micro-batches of 8 on data=8, and in one of 64 on data 2 x fsdp 2 x tensor 2
+  with the noise meter on (it splits each device's 16 rows into its two ghost groups of 8, kept
+  whole): the same losses, gradient norms and evaluation (which reads the running statistics);
+  the meter logs its sums."""
+  want, want_eval = _run(tmp_path / "m8", 2, **{"data.micro_batch_size": 8, "mesh.data": 8,
+                                                "data.global_batch_size": 64})
+  got, got_eval = _run(tmp_path / "m64", 2, **{
+      "data.global_batch_size": 64, "data.micro_batch_size": 64, "mesh.data": 2,
+      "mesh.fsdp": 2, "mesh.tensor": 2, "optim.noise_scale_every": 1})
   assert sorted(want) == [1, 2] and 0 <= want_eval[2]["eval_accuracy"] <= 1
+  assert all(np.isfinite(got[s]["noise_trace_step"]) for s in (1, 2)), got[1]
   for step in want:
     for key in ("loss", "grad_norm"):
       np.testing.assert_allclose(got[step][key], want[step][key], rtol=1e-6, err_msg=key)
@@ -156,6 +162,35 @@ def test_lars_resume_is_bit_identical(tmp_path):
   assert np.isfinite(want[4]["loss"]) and want[4]["skipped"] == 0
   with pytest.raises(CheckpointError, match="model.resnet.channels=8, the config has 16"):
     _run(tmp_path / "resumed", 6, **{**lars, "model.resnet.channels": 16})
+
+
+@pytest.mark.slow  # a sweep of two runs, ~15-30 s; the default run keeps the meter's test above
+def test_the_sweep_reads_the_classifier_error_and_the_meter(tmp_path):
+  """tools.batch_sweep on the vision workload with `--target_metric eval_error` (1 - accuracy):
+  each run stops where its error falls to the target (its evaluations before it above, the one
+  at it below), with the noise meter's B_simple read there."""
+  from tools import batch_sweep
+  out = tmp_path / "sweep"
+  args = ["--config", "configs/mnist1d_resnet.py", "--batch_sizes", "16,32", "--lr_grid", "1",
+          "--max_extensions", "0", "--target_loss", "0.8", "--target_metric", "eval_error",
+          "--max_examples", "640", "--eval_examples", "64", "--eval_sequences", "64",
+          "--smooth_examples", "0", "--micro_batch_size", "8", "--out", str(out)]
+  args += [f"--config.{k}={v}" for k, v in {**VISION, "log_every": 1, "optim.learning_rate": 1e-2,
+                                            "optim.schedule": "constant",
+                                            "optim.noise_scale_window": 1.0}.items()
+           if k not in ("data.global_batch_size", "eval_sequences")]
+  assert batch_sweep.main(args) == 0
+  summary = json.load(open(out / "batch_sweep.json"))
+  assert summary["target_metric"] == "eval_error"
+  noise = []
+  for batch in (16, 32):
+    evals = [r["eval_accuracy"] for r in _evals(out / "runs" / f"b{batch}_lr1").values()]
+    assert evals[-1] >= 0.2 and all(a < 0.2 for a in evals[:-1]), (batch, evals)
+    row = next(r for r in csv.DictReader(open(out / "batch_sweep.csv"))
+               if int(r["batch_size"]) == batch)
+    assert float(row["steps"]) > 0, row
+    noise.append(float(row["noise_scale"] or "nan"))
+  assert np.nanmax(noise) > 0, noise  # the meter's value where its gate let one through
 
 
 @pytest.mark.slow  # two train.py processes (~30 s on busy cores); the default run keeps the above

@@ -1,5 +1,5 @@
-"""Critical-batch sweep: steps and examples to a target loss at several batch sizes, the fit of
-McCandlish et al. 2018, and the measured gradient noise scale beside it.
+"""Critical-batch sweep: steps and examples to a target loss (or error: `--target_metric`) at
+several batch sizes, the fit of McCandlish et al. 2018, and the measured gradient noise scale.
 
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
         --target_loss 2.6 [--lr_grid 0.5,1,2] [--max_extensions 4] [--out runs/batch_sweep] \\
@@ -90,7 +90,8 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
 
   cfg = run_config(base_cfg, batch_size, lr_multiplier, args)
   micro, target = args.micro_batch_size, args.target_loss
-  key = "eval_loss_ema" if getattr(args, "curve", "raw") == "ema" else "eval_loss"
+  key = getattr(args, "target_metric", "eval_loss")
+  key += "_ema" if getattr(args, "curve", "raw") == "ema" else ""
   stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
                                  args.max_examples, getattr(args, "min_examples", 0), key)
   trained = train(cfg, workdir, stop=stop)
@@ -111,6 +112,7 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
                 trained.seconds, workdir, final_batch=ramp.batches[-1])
 
 
+TARGET_METRICS = ("eval_loss", "eval_error", "eval_masked_error")  # record.ERROR_OF
 MIN_MICRO_BATCHES = 4  # runs whose noise scale the summary trusts (if there are any)
 
 
@@ -174,7 +176,7 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
     ax1.scatter([r.batch_size for r in other], [r.steps for r in other], c="0.7", s=18,
                 label="other learning rates")
   ax1.scatter([r.batch_size for r in chosen], [r.steps for r in chosen], c="C0", zorder=3,
-              label=f"measured (eval loss {target})")
+              label=f"measured ({summary.get('target_metric', 'eval_loss')} {target})")
   if fit is not None:
     bs = np.geomspace(min(r.batch_size for r in chosen) / 2, max(r.batch_size for r in chosen) * 2)
     ax1.plot(bs, fit.steps(bs), "C1-", label=(f"S_min(1 + B_crit/B): S_min={fit.s_min:.0f}, "
@@ -186,21 +188,26 @@ def plot(path: str, results: list[Result], chosen: list[Result], fit: Fit | None
     ax1.axvline(summary["b_simple_median"], color="C2", ls="--", lw=1,
                 label=f"B_simple at target (median {summary['b_simple_median']:.0f})")
   ax1.set(xscale="log", yscale="log", xlabel="batch size (sequences)",
-          ylabel="steps to target", title="steps to the target loss")
+          ylabel="steps to target", title="steps to the target")
   ax1.legend(fontsize=8)
+  drawn = False
   for i, r in enumerate(chosen):
-    curve = noise_curve(read_rows(r.workdir))
+    curve = [(s, v) for s, v in noise_curve(read_rows(r.workdir))
+             if v is not None and math.isfinite(v) and v > 0]  # rows without a value left out
     if curve:
+      drawn = True
       xs = [s * r.batch_size for s, _ in curve]
       ax2.plot(xs, [v for _, v in curve], color=f"C{i % 10}", lw=1, label=f"B={r.batch_size}")
       if r.examples is not None and r.noise_scale is not None:
         ax2.plot([r.examples], [r.noise_scale], "o", color=f"C{i % 10}", ms=4)
   if fit is not None and fit.s_min > 0:
     ax2.axhline(fit.b_crit, color="C1", ls="--", lw=1, label="fitted B_crit")
-  ax2.set(xscale="log", yscale="log", xlabel="examples seen (sequences)",
-          ylabel="B_simple (sequences)", title="gradient noise scale during training (dots: "
-          "at target)")
-  ax2.legend(fontsize=7, ncol=2)
+  ax2.set(xlabel="examples seen (sequences)", ylabel="B_simple (sequences)",
+          title="gradient noise scale during training (dots: at target)"
+          if drawn else "no noise scale logged (optim.noise_scale_every, log_every)")
+  if drawn:
+    ax2.set(xscale="log", yscale="log")
+    ax2.legend(fontsize=7, ncol=2)
   figures.save(fig, path, title)
   return True
 
@@ -213,7 +220,11 @@ def build_parser():
   p = CliParser("-m tools.batch_sweep", __doc__)
   p.add_argument("--batch_sizes", type=ints, required=True,
                  help="comma-separated, e.g. 8,16,32,64")
-  p.add_argument("--target_loss", type=float, required=True, help="validation loss to reach")
+  p.add_argument("--target_loss", type=float, required=True,
+                 help="the value of --target_metric to fall to (a validation loss, or an error)")
+  p.add_argument("--target_metric", default="eval_loss", choices=TARGET_METRICS,
+                 help="the eval curve read: eval_loss, or 1 - accuracy (eval_error: the "
+                      "classifier's; eval_masked_error: the masked LM's)")
   p.add_argument("--lr_grid", type=floats, default="0.5,1,2",
                  help="multipliers of the reference learning rate to start from; a batch whose "
                       "fastest rate is at an edge runs the next multiplier beyond it")
@@ -276,6 +287,7 @@ def sweep(cfg, args, out: str, name: str) -> dict:
   chosen, fit, summary = summarise(results, require_interior=True)
   summary.update(config=args.config, overrides=getattr(args, "overrides", {}),
                  seed=int(cfg.seed), target_loss=args.target_loss,
+                 target_metric=getattr(args, "target_metric", "eval_loss"),
                  batch_sizes=args.batch_sizes, lr_grid=args.lr_grid,
                  rates_run={b: sorted(r.lr_multiplier for r in results if r.batch_size == b)
                             for b in args.batch_sizes},
@@ -285,7 +297,7 @@ def sweep(cfg, args, out: str, name: str) -> dict:
     json.dump(summary, f, indent=1)
   plot_path = args.plot if out == args.out else os.path.join(out, "batch_sweep.png")
   plotted = plot(plot_path, results, chosen, fit, summary, args.target_loss,
-                 f"{name} (seed {cfg.seed}): eval loss {args.target_loss}")
+                 f"{name} (seed {cfg.seed}): {summary['target_metric']} {args.target_loss}")
   print("[sweep] batch  steps   examples  B_simple  lr (x rule)  inside the rates run  residual")
   res = dict(zip(fit.batches, fit.residuals)) if fit is not None else {}
   for r in chosen:

@@ -11,6 +11,7 @@ import ml_collections
 from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES
 from optim.autopilot import AutoConfig, check, schedule_lengths, with_defaults
 from optim.noise_scale import splits
+from models.resnet import meter_rows
 from optim.ramp import parse_ramp
 from optim.scaling import B2_OPTIMIZERS, SCALE_INVARIANT_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner
 from optim.seesaw import Seesaw, seesaw_defaults
@@ -96,6 +97,8 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
   if d.batch_ramp == "auto":
     batches = check_autopilot(cfg, micro)
   if o.noise_scale_every:
+    # a part keeps whole ghost batch-norm groups (the vision workload, models/resnet.py)
+    group = cfg.model.resnet.bn_group if cfg.model.kind == "resnet1d" else 1
     for batch in batches:  # a measuring step needs 2 or more small batches
       if num_stages > 1:
         need(micro % (2 * dp) == 0,
@@ -103,11 +106,13 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
              f"optim.noise_scale_pieces={o.noise_scale_pieces} (at least two) parts of every "
              f"micro-batch's {micro} rows, which must divide over the data-parallel size {dp}; "
              f"use data.micro_batch_size a multiple of {2 * dp}")
-      elif batch // micro * splits(batch // micro, o.noise_scale_pieces, micro // dp) < 2:
+      elif batch // micro * splits(batch // micro, o.noise_scale_pieces,
+                                   meter_rows(micro // dp, group)) < 2:
         need(False, f"optim.noise_scale_every at batch {batch} without accumulation splits its "
              f"{micro} rows into two halves, which must divide over the data-parallel size "
-             f"{dp}; use a multiple of {2 * dp} rows, or accumulate (data.micro_batch_size "
-             "below the batch)" + ("; data.micro_batch_size and optim.noise_scale_every are "
+             f"{dp}" + (f" in whole ghost batch-norm groups of {group}" if group > 1 else "")
+             + f"; use a multiple of {2 * dp * group} rows, or accumulate "
+             "(data.micro_batch_size below the batch)" + ("; data.micro_batch_size and optim.noise_scale_every are "
                                    "the autopilot's default here, set them to choose"
                                    if d.batch_ramp == "auto" else ""))
   return batches
@@ -140,6 +145,8 @@ def check_muon(cfg: ml_collections.ConfigDict) -> None:
   need(mc.ns_steps >= 1, f"optim.muon.ns_steps={mc.ns_steps}: must be at least 1 (5 is usual)")
   need(mc.rms >= 0, f"optim.muon.rms={mc.rms}: must be >= 0 (0.2 = AdamW's update RMS, 0 = "
         "Jordan's scaling)")
+  need(mc.fallback_lr >= 0, f"optim.muon.fallback_lr={mc.fallback_lr}: must be >= 0 (0 = the "
+        "fallback shares optim.learning_rate)")
 
 
 def check_autopilot(cfg: ml_collections.ConfigDict, micro: int) -> list[int]:

@@ -36,7 +36,6 @@ def check_vision(cfg: ml_collections.ConfigDict, sizes: dict) -> None:
   unsupported = (
       ("mesh.stage", sizes["stage"], 1), ("mesh.sequence", sizes["sequence"], 1),
       ("optim.diloco.replicas", cfg.optim.diloco.replicas, 0),
-      ("optim.noise_scale_every", cfg.optim.noise_scale_every, 0),
       ("data.batch_ramp", d.batch_ramp, ""), ("data.mixture", d.mixture, ""),
       ("data.mask_rate", d.mask_rate, 0.0), ("checkpoint.init_from", cfg.checkpoint.init_from, ""))
   for key, value, works in unsupported:

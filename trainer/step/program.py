@@ -158,7 +158,8 @@ class Program:
       step = make_train_step(self.spec, self.tx, self.schedule, guard,
                              measure_noise=measure_noise,
                              noise_pieces=int(self.cfg.optim.noise_scale_pieces),
-                             norm_metrics=self.computes_norms(logs))
+                             norm_metrics=self.computes_norms(logs),
+                             row_group=getattr(self.model_cfg, "bn_group", 1))
       metrics = replicated(self.mesh)
     else:
       if measure_noise:

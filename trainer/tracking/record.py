@@ -3,8 +3,9 @@ batch changes (`ramp_from_rows`), its eval curve, where a smoothed curve crossed
 (`to_target`), and a `Run(stop_when=...)` callback that stops there (`target_stop`).
 
 Examples seen are read from the record, never computed as step x batch: a run's batch can change
-(a ramp, or the batch autopilot's `batch_change` events). Used by the research tools and the
-experiments alike.
+(a ramp, or the batch autopilot's `batch_change` events). A curve falls to its target: an
+accuracy is read as its error (`eval_error` = 1 - eval_accuracy, `ERROR_OF`). Used by the
+research tools and the experiments alike.
 """
 from __future__ import annotations
 
@@ -44,10 +45,24 @@ def ramp_from_rows(rows: list[dict], start_batch: int, seq_len: int):
   return ramp
 
 
+# the error metrics a curve can be read on (1 - the logged accuracy): a target falls like a loss's
+ERROR_OF = {"eval_error": "eval_accuracy", "eval_error_ema": "eval_accuracy_ema",
+            "eval_masked_error": "eval_masked_accuracy"}
+
+
+def value(row: dict, key: str) -> float | None:
+  """`row[key]`, or for an `ERROR_OF` key 1 - its accuracy; None where the row has neither."""
+  if key in row:
+    return float(row[key])
+  accuracy = ERROR_OF.get(key)
+  return 1.0 - float(row[accuracy]) if accuracy in row else None
+
+
 def eval_curve(rows: list[dict], ramp, key: str = "eval_loss") -> list[tuple[float, float]]:
-  """[(examples seen at the evaluation, value)] of the run's evaluation rows."""
-  return [(float(ramp.examples_before(r["step"])), float(r[key])) for r in rows
-          if key in r and "event" not in r]
+  """[(examples seen at the evaluation, value)] of the run's evaluation rows (`key`: a logged
+  eval metric, or an `ERROR_OF` error)."""
+  return [(float(ramp.examples_before(r["step"])), v) for r in rows
+          if "event" not in r and (v := value(r, key)) is not None]
 
 
 def train_curve(rows: list[dict], ramp, key: str = "loss") -> list[tuple[float, float]]:
@@ -91,19 +106,18 @@ def target_stop(target: float, smooth_examples: float, examples_at: Callable[[in
 
   def stop_when(step: int, row: dict) -> str | None:
     seen = examples_at(step)
-    if key in row:
-      value = float(row[key])
-      if not math.isfinite(value) or (evals and value > evals[0][1] + DIVERGED):
-        return f"diverged: {key} {value:.4g} at {seen:,.0f} examples"
-      evals.append((seen, value))
+    if (now := value(row, key)) is not None:
+      if not math.isfinite(now) or (evals and now > evals[0][1] + DIVERGED):
+        return f"diverged: {key} {now:.4g} at {seen:,.0f} examples"
+      evals.append((seen, now))
       low = [x for x, y in smooth(evals, smooth_examples / 2) if y <= target]
       if low and seen >= min_examples:
-        return f"smoothed eval loss <= {target} at {low[0]:,.0f} examples" + (
+        return f"smoothed {key} <= {target} at {low[0]:,.0f} examples" + (
             f" ({seen:,.0f} seen, at least {min_examples:,.0f} asked)" if min_examples else "")
     if seen >= max_examples:
       if target == -math.inf:
         return f"{max_examples:,.0f} examples seen (the length asked)"
-      return f"{max_examples:,.0f} examples seen without reaching eval loss {target}"
+      return f"{max_examples:,.0f} examples seen without reaching {key} {target}"
     return None
 
   return stop_when

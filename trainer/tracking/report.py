@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from data import mixture
 from models.llama import ModelConfig
+from models.resnet import meter_rows
 from models.sizes import param_counts
 from optim import BatchRamp, derive, noise_scale
 from optim import schedules as schedules_lib
@@ -86,9 +87,11 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   if not o.noise_scale_every:
     return
   pieces, staged = [], cfg.mesh.stage > 1  # a pipeline runs its micro-batches together
+  group = cfg.model.resnet.bn_group if cfg.model.kind == "resnet1d" else 1  # whole BN groups
   for batch in dict.fromkeys(batches):
     m = batch // micro_rows
-    parts = noise_scale.splits(m, int(o.noise_scale_pieces), micro_rows // dp, together=staged)
+    parts = noise_scale.splits(m, int(o.noise_scale_pieces), meter_rows(micro_rows // dp, group),
+                               together=staged)
     pieces.append(f"{parts if staged else m * parts} at batch {batch}")
   window = float(o.noise_scale_window)
   spans = []
