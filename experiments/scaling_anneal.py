@@ -158,7 +158,7 @@ def cell(rows: list[dict], boot: np.ndarray) -> dict:
   out.update(point)
   lo, hi = interval([_b_opt(t, pick)["b_opt"] for pick in boot])
   out.update(b_opt_lo=lo, b_opt_hi=hi)
-  best = scaling_cells._nanmin(t.loss, axis=2)  # [seed, batch]
+  best = scaling_cells.nanmin(t.loss, axis=2)  # [seed, batch]
   out["loss_by_batch"] = {b: float(np.nanmean(best[:, j])) for j, b in enumerate(t.batches)}
   j = t.batches.index(point["b_grid"])
   for k, side in ((j - 1, "below"), (j + 1, "above")):
@@ -174,7 +174,7 @@ SUFFIXES = ("", "_lo", "_hi", "_se", "_p", "_n", "_significant")  # stats.Paired
 def _b_opt(t, pick) -> dict:
   """B_opt (vertex in log B of the seed-mean best loss), whether inside the batches run, and
   eta_opt at that batch (vertex in log rate of the seed-mean loss over its rates)."""
-  best = scaling_cells._nanmin(t.loss[pick], axis=2).mean(axis=0)
+  best = scaling_cells.nanmin(t.loss[pick], axis=2).mean(axis=0)
   i = int(np.nanargmin(best))
   by_rate = t.loss[pick][:, i, :].mean(axis=0)
   ok = ~np.isnan(by_rate)

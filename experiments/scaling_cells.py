@@ -124,7 +124,7 @@ def estimate(t: Table, pick: np.ndarray, diagnostics: bool = False) -> dict:
                  window_b_crit={k: round(v, 2) for k, v in window_sensitivity(b, mean, cens).items()},
                  censored_batches=[x for x, c in zip(t.batches, cens) if c])
   loss = t.loss[pick]  # [slot, batch, rate]
-  by_batch = _nanmin(loss, axis=2).mean(axis=0)  # the best rate's, averaged over seeds
+  by_batch = nanmin(loss, axis=2).mean(axis=0)  # the best rate's, averaged over seeds
   ok = ~np.isnan(by_batch)
   if ok.any():
     bs, ls = b[ok], by_batch[ok]
@@ -145,7 +145,7 @@ def estimate(t: Table, pick: np.ndarray, diagnostics: bool = False) -> dict:
   return out
 
 
-def _nanmin(a: np.ndarray, axis: int) -> np.ndarray:
+def nanmin(a: np.ndarray, axis: int) -> np.ndarray:
   """np.nanmin, NaN (without a warning) where a slice is all NaN."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)
@@ -201,7 +201,7 @@ def cell(rows: list[dict], boot: np.ndarray, level: float = 0.95) -> tuple[dict,
                            for j, b in enumerate(t.batches)}
   out["steps_spread"] = {b: (float(np.nanmin(t.steps[:, j])), float(np.nanmax(t.steps[:, j])))
                          for j, b in enumerate(t.batches) if not np.isnan(t.steps[:, j]).all()}
-  best = _nanmin(t.loss, axis=2).mean(axis=0)
+  best = nanmin(t.loss, axis=2).mean(axis=0)
   out["loss_by_batch"] = {b: None if np.isnan(best[j]) else float(best[j])
                           for j, b in enumerate(t.batches)}
   return out, [{q: r[q] for q in QUANTITIES} for r in replicates]

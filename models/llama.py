@@ -295,12 +295,14 @@ class Transformer(nnx.Module):
   def masked_sums(self, tokens_BS, positions_BS, segment_ids_BS, targets_BS, mask_BS):
     """(loss sum, number of tokens, number of them predicted right) where `mask_BS`, fp32: the
     evaluation of a masked LM (docs/mlm.md); right = the most likely token is the target. The
-    whole [B, S, V] logits, also with `logits_chunk`."""
+    whole [B, S, V] logits, computed once for both, also with `logits_chunk` (evaluation has no
+    backward whose memory the chunks would save)."""
     x_BSE = self.hidden(tokens_BS, positions_BS, segment_ids_BS)
     mask_BS = mask_BS.astype(jnp.float32)
-    hit_BS = jnp.argmax(self.logits(x_BSE), axis=-1) == targets_BS
-    return (self.loss_from_hidden(x_BSE, targets_BS, mask_BS), jnp.sum(mask_BS),
-            jnp.sum(hit_BS * mask_BS))
+    logits_BSV = self.logits(x_BSE)
+    hit_BS = jnp.argmax(logits_BSV, axis=-1) == targets_BS
+    losses_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS)
+    return jnp.sum(losses_BS * mask_BS), jnp.sum(mask_BS), jnp.sum(hit_BS * mask_BS)
 
   def loss_from_hidden(self, x_BSE, targets_BS, mask_BS):
     """The sum of token cross-entropies where `mask_BS` (fp32) from final-normed hidden states:
