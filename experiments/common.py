@@ -272,6 +272,30 @@ def paired(rows: list[dict], keys, metrics, arm: str, baseline) -> list[dict]:
   return out
 
 
+def paired_tuned(tuned: list[dict], runs: list[dict], arm: str, baseline, *,
+                 by=("batch_size",), choice=("lr_multiplier",),
+                 metric: str = "final_eval_loss") -> list[dict]:
+  """Each tuned arm against the baseline's tuned arm at the same `by` values, seed by seed
+  (`paired`): `tuned` holds one row per (`arm`, `by`) with the `choice` keys of its best cell
+  and whether its optimum is `interior`; `runs` every run, with its seed. No call where either
+  arm's optimum is censored (the text says whose)."""
+  key = lambda r: (r[arm], *(r[k] for k in by))
+  best = {key(t): t for t in tuned}
+  rows = [r for r in runs if (t := best.get(key(r))) and all(r[c] == t[c] for c in choice)]
+  diffs = paired(rows, (arm, *by), (metric,), arm, baseline)
+  for d in diffs:
+    where = tuple(d[k] for k in by)
+    censored = [str(n) for n in (d["arm"], baseline) if not best[(n, *where)]["interior"]]
+    d["called"] = not censored
+    if censored:
+      label = ", ".join(f"{k}={d[k]}" for k in by)
+      d["text"] = (f"{metric} ({label}): {d['arm']} vs {baseline} not called: the best rate of "
+                   f"{' and '.join(censored)} is at the edge of the rates run (difference "
+                   f"{d['diff']:.4g} [{d['diff_lo']:.4g}, {d['diff_hi']:.4g}], not a tuned "
+                   "comparison)")
+  return diffs
+
+
 def summarize(rows: list[dict], keys, metrics) -> list[dict]:
   """One row per distinct `keys` value: for each metric its number of seeds with a value, mean,
   sample std, min and max (None and NaN, e.g. a target not reached, are left out), and a text

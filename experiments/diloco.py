@@ -3,13 +3,17 @@ optimal batch? (Charles et al. 2025 report that DiLoCo's is larger.)
 
     python -m experiments.diloco [--batch_sizes 8,16,32,64,128] [--replicas 1,2,4] \\
         [--inner_steps 1,8,32] [--examples 8192] [--out docs/diloco]
+    python -m experiments.diloco --lr_grid 0.5,1,2 --outer_lr_grid 0.35,0.7,1.0 --seeds 3 \\
+        [--reuse]  # each arm tuned at each batch: rates bracketed on the seeds' mean loss
 
 Every run trains `--examples` sequences of configs/sweep_tiny.py at a fixed global batch B: data
 parallelism, and DiLoCo with each M in `--replicas` and H in `--inner_steps`, on `--devices` (4)
 CPU host devices; each arm's optimal batch is the minimum of its final loss against log2(B).
 Outputs: OUT.csv (one row per arm and batch, with the arm's optimal batch), OUT.png (final loss
 vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism). 52
-minutes on 2 busy CPU cores (50 trainings); deterministic on a given machine.
+minutes on 2 busy CPU cores (50 trainings); deterministic on a given machine. Tuned (a grid
+beyond one point): OUT.csv every run, OUT_tuned.csv each (arm, batch)'s best cell, OUT_paired.csv
+each tuned arm against tuned data parallelism at its batch, seed by seed.
 Claim and method: docs/experiments.md#diloco-vs-data-parallelism-across-batch-sizes; setup and
 results: docs/diloco.md
 """
@@ -20,7 +24,7 @@ import os
 import sys
 
 from experiments import common
-from tools import figures
+from tools import figures, tradeoff
 from trainer.config import ConfigError
 
 
@@ -34,11 +38,23 @@ def build_parser():
                          evals_help="evaluations per run (at least)")
   p.add_argument("--devices", type=int, default=4,
                  help="CPU host devices to run on (DiLoCo's M must divide them)")
+  p.add_argument("--lr_grid", type=common.floats, default="1",
+                 help="multipliers of the inner (data parallelism's) rate, every arm; a "
+                      "winning edge grows the grid (--max_extensions)")
+  p.add_argument("--outer_lr_grid", type=common.floats, default="",
+                 help="DiLoCo's outer rates, every DiLoCo arm (default: the config's)")
+  p.add_argument("--max_extensions", type=int, default=3,
+                 help="rounds that grow an arm's inner rates beyond a winning edge")
   return p
 
 
 def parse(argv):
-  return build_parser().parse(argv)
+  p = build_parser()
+  args, overrides = p.parse(argv)
+  if min(args.lr_grid, default=0) <= 0 or min(args.outer_lr_grid, default=1) <= 0:
+    p.error("--lr_grid and --outer_lr_grid take positive values, e.g. 0.5,1,2 and 0.35,0.7,1")
+  args.tuned = args.lr_grid != [1.0] or len(args.outer_lr_grid) > 1
+  return args, overrides
 
 
 def arms(args) -> list[tuple[str, int, int]]:
@@ -63,6 +79,79 @@ def arm_config(base, args, batch: int, replicas: int, inner_steps: int):
   cfg.optim.diloco.update(replicas=replicas, inner_steps=inner_steps)
   cfg.mesh.update(data=-1, fsdp=1, tensor=1, sequence=1, expert=1)
   return cfg
+
+
+def tune(args, cfg) -> list[dict]:
+  """Every arm tuned alike at every batch: (inner rate multiplier x outer rate x seed) runs, the
+  inner rates bracketed on the seeds' mean final loss (`tools.tradeoff.bracket`), the outer
+  rates the grid given; each (arm, batch)'s best cell against data parallelism's, seed by seed."""
+  from optim import derive  # noqa: PLC0415  start-up
+  from optim.scaling import stated  # noqa: PLC0415  start-up
+  seeds = [cfg.seed + k for k in range(args.seeds)]
+  runs, tuned = [], []
+  for name, m, h in arms(args):
+    outers = (args.outer_lr_grid or [cfg.optim.diloco.outer_lr]) if m else [None]
+    for batch in args.batch_sizes:
+      cells = {}
+
+      def score(mult, name=name, m=m, h=h, batch=batch, outers=outers, cells=cells):
+        for outer in outers:
+          losses = []
+          for seed in seeds:
+            c = arm_config(cfg, args, batch, m, h)
+            c.seed = seed
+            c.optim.learning_rate = stated(c.optim)["learning_rate"][0] * mult
+            if outer is not None:
+              c.optim.diloco.outer_lr = outer
+            slug = f"b{batch}_m{m}_h{h}_lr{mult:g}" + (f"_o{outer:g}" if m else "") + f"_s{seed}"
+            t = common.train(c, os.path.join(args.workdir, slug))
+            runs.append({"arm": name, "replicas": m, "inner_steps": h if m else 0,
+                         "batch_size": batch, "seed": seed, "lr_multiplier": mult,
+                         "outer_lr": outer,
+                         "learning_rate": derive(c.optim, batch).learning_rate,
+                         "final_eval_loss": t.final_eval, "seconds": t.seconds})
+            losses.append(t.final_eval if t.final_eval is not None else math.nan)
+          cells[mult, outer] = sum(losses) / len(losses)
+          print(f"[diloco] {name:18s} batch {batch:4d} lr x{mult:g}"
+                + (f" outer {outer:g}" if m else "") + f": mean final eval {cells[mult, outer]:.4f}",
+                flush=True)
+        done = [cells[mult, o] for o in outers if math.isfinite(cells[mult, o])]
+        return min(done) if done else None
+
+      scores = tradeoff.bracket(score, args.lr_grid, max_extensions=args.max_extensions)
+      finite = {k: v for k, v in cells.items() if math.isfinite(v)}
+      mult, outer = min(finite, key=finite.get) if finite else min(cells)
+      by_outer = {o: cells[mult, o] for o in outers}
+      tuned.append({"arm": name, "replicas": m, "inner_steps": h if m else 0,
+                    "batch_size": batch, "lr_multiplier": mult, "outer_lr": outer,
+                    "final_eval_loss": finite.get((mult, outer), math.nan), "seeds": len(seeds),
+                    "interior": bool(tradeoff.interior(scores)),
+                    "multipliers": "/".join(f"{x:g}" for x in sorted(scores)),
+                    "outer_interior": tradeoff.interior(by_outer) if len(outers) > 2 else None})
+  for name, _, _ in arms(args):
+    arm = [r for r in tuned if r["arm"] == name]
+    opt, inside = best_batch([(r["batch_size"], r["final_eval_loss"]) for r in arm])
+    for r in arm:
+      r.update(optimal_batch=opt, optimum_inside_grid=inside)
+  common.write(args, runs)
+  figures.write_csv(args.out + "_tuned.csv", tuned)
+  print(common.table(tuned, TUNED, "diloco"))
+  diffs = common.paired_tuned(tuned, runs, "arm", "data parallel",
+                              choice=("lr_multiplier", "outer_lr"))
+  figures.write_csv(args.out + "_paired.csv", diffs)
+  print(f"[diloco] tuned arms against tuned data parallelism, seed by seed (seeds {seeds}):")
+  for d in diffs:
+    print(f"[diloco]   {d['text']}")
+  plotted = plot(args.out + ".png", tuned, args)
+  print(f"[diloco] wrote {args.out}.csv, {args.out}_tuned.csv, {args.out}_paired.csv"
+        + (f", {args.out}.png" if plotted else figures.NO_PLOT))
+  return runs
+
+
+TUNED = [("arm", "arm", "s"), ("batch_size", "batch", "d"), ("lr_multiplier", "lr x", "g"),
+         ("outer_lr", "outer lr", ""), ("final_eval_loss", "mean final eval", ".4f"),
+         ("multipliers", "rates run (x)", "s"), ("interior", "rate inside", ""),
+         ("outer_interior", "outer inside", ""), ("optimal_batch", "optimal batch", ".1f")]
 
 
 def best_batch(points: list[tuple[int, float]]) -> tuple[float, bool]:
@@ -151,9 +240,11 @@ def plot(path: str, rows: list[dict], args) -> bool:
 
 
 def main(argv: list[str]) -> int:
-  return common.main("diloco", parse, experiment, argv, keys=("arm", "batch_size"),
+  def run(args, cfg):
+    return (tune if args.tuned else experiment)(args, cfg)
+  return common.main("diloco", parse, run, argv, keys=("arm", "batch_size"),
                      metrics=("final_eval_loss", "optimal_batch"),
-                     compare=("arm", "data parallel"))
+                     compare=("arm", "data parallel"), seeds_inside=lambda args: args.tuned)
 
 
 def host_devices(argv: list[str]) -> None:

@@ -228,20 +228,9 @@ def best_arm(name: str, batch: int, cells: dict, scores: dict, runs: list[dict],
 def compare(tuned: list[dict], runs: list[dict], baseline: str = "adamw",
             metric: str = "final_eval_loss") -> list[dict]:
   """Each tuned arm against the baseline's tuned arm at its batch, seed by seed
-  (`common.paired`); no call where either arm's optimum is censored (the text says whose)."""
-  arms = {(t["optimizer"], t["batch_size"]): t for t in tuned}
-  rows = [r for r in runs if (t := arms.get((r["optimizer"], r["batch_size"]))) and
-          (r["lr_multiplier"], r["b2_choice"]) == (t["lr_multiplier"], t["b2_choice"])]
-  diffs = common.paired(rows, ("optimizer", "batch_size"), (metric,), "optimizer", baseline)
-  for d in diffs:
-    censored = [n for n in (d["arm"], baseline) if not arms[n, d["batch_size"]]["interior"]]
-    d["called"] = not censored
-    if censored:
-      d["text"] = (f"{metric} (batch_size={d['batch_size']}): {d['arm']} vs {baseline} "
-                   f"not called: the best rate of {' and '.join(censored)} is at the edge of "
-                   f"the rates run (difference {d['diff']:.4g} [{d['diff_lo']:.4g}, "
-                   f"{d['diff_hi']:.4g}], not a tuned comparison)")
-  return diffs
+  (`common.paired_tuned`; not called where either optimum is censored)."""
+  return common.paired_tuned(tuned, runs, "optimizer", baseline,
+                             choice=("lr_multiplier", "b2_choice"), metric=metric)
 
 
 def report_plot(args, rows: list[dict], curves: dict, how: str) -> None:

@@ -503,6 +503,43 @@ def test_experiment_optimal_batch_and_arm_configs():
     experiment.arm_config(tiny_config(), args, 64, 2, 32)
 
 
+def test_experiment_tunes_every_arm_at_every_batch(tmp_path, monkeypatch):
+  """`--lr_grid` / `--outer_lr_grid` (a stand-in trainer with a known surface: final loss
+  2 + log2(inner multiplier / best)^2 + (outer - 0.8)^2 + 0.01 x seed, best 2 for data
+  parallelism, 0.5 for DiLoCo): the inner rates grow beyond a winning edge, every (arm, batch)
+  takes its best cell on the seeds' mean, and the tuned arms are compared seed by seed."""
+  import math  # noqa: PLC0415
+  from experiments import common  # noqa: PLC0415
+  from experiments import diloco as experiment  # noqa: PLC0415
+  from optim.scaling import stated  # noqa: PLC0415
+  from trainer.run.inprocess import Trained  # noqa: PLC0415
+
+  def train(cfg, workdir, **_):
+    m, mult = cfg.optim.diloco.replicas, stated(cfg.optim)["learning_rate"][0] / 1e-2
+    loss = (2 + math.log2(mult / (0.5 if m else 2.0)) ** 2 + 0.01 * cfg.seed
+            + ((cfg.optim.diloco.outer_lr - 0.8) ** 2 + 0.003 * cfg.seed ** 2 if m else 0.0))
+    return Trained("done", cfg.steps, 0.0, [{"step": cfg.steps, "eval_loss": loss}], None, workdir)
+
+  monkeypatch.setattr(common, "train", train)
+  config = tiny_config_file(tmp_path, learning_rate=1e-2)
+  out = tmp_path / "out" / "diloco"
+  assert experiment.main([
+      "--config", str(config), "--batch_sizes", "8", "--replicas", "2", "--inner_steps", "2",
+      "--examples", "64", "--out", str(out), "--workdir", str(tmp_path / "runs"), "--seeds", "2",
+      "--lr_grid", "1", "--outer_lr_grid", "0.4,0.8,1.2"]) == 0
+  tuned = {r["arm"]: r for r in csv.DictReader(open(f"{out}_tuned.csv"))}
+  dp, dl = tuned["data parallel"], tuned["DiLoCo M=2 H=2"]
+  assert (float(dp["lr_multiplier"]), dp["multipliers"], dp["interior"]) == (2.0, "0.5/1/2/4",
+                                                                           "True")
+  assert (float(dl["lr_multiplier"]), float(dl["outer_lr"])) == (0.5, 0.8)
+  assert dl["multipliers"] == "0.25/0.5/1/2" and dl["outer_interior"] == "True"
+  runs = list(csv.DictReader(open(f"{out}.csv")))
+  assert len(runs) == 4 * 2 + 4 * 3 * 2  # (rates x seeds) and (rates x outer rates x seeds)
+  (d,) = list(csv.DictReader(open(f"{out}_paired.csv")))
+  assert float(d["diff"]) == pytest.approx(0.0015) and d["called"] == "True"  # 0.003 x seed^2
+  assert experiment.main(["--config", str(config), "--outer_lr_grid", "0,1"]) == 2
+
+
 @pytest.mark.slow
 def test_experiment_end_to_end(tmp_path):
   from experiments import diloco as experiment  # noqa: PLC0415
@@ -518,3 +555,22 @@ def test_experiment_end_to_end(tmp_path):
       ("DiLoCo M=2 H=2", 16, 4)]
   assert all(np.isfinite(float(r["final_eval_loss"])) for r in rows)
   assert os.path.getsize(f"{out}.png") > 10_000
+
+
+@pytest.mark.slow  # six tiny trainings
+def test_tuned_experiment_end_to_end(tmp_path):
+  """The tuned mode training for real (two inner rates, two outer rates, one seed): every run in
+  OUT.csv, one best cell per arm in OUT_tuned.csv (censored: a two-point grid without
+  extensions), the comparison written."""
+  from experiments import diloco as experiment  # noqa: PLC0415
+  out = tmp_path / "out" / "diloco"
+  assert experiment.main([
+      "--config", str(tiny_config_file(tmp_path)), "--batch_sizes", "8", "--replicas", "2",
+      "--inner_steps", "2", "--examples", "32", "--eval_sequences", "8", "--out", str(out),
+      "--workdir", str(tmp_path / "runs"), "--lr_grid", "1,2", "--max_extensions", "0",
+      "--outer_lr_grid", "0.7,1.0"]) == 0
+  runs = list(csv.DictReader(open(f"{out}.csv")))
+  assert len(runs) == 2 + 4 and all(np.isfinite(float(r["final_eval_loss"])) for r in runs)
+  assert {r["arm"] for r in csv.DictReader(open(f"{out}_tuned.csv"))} == {
+      "data parallel", "DiLoCo M=2 H=2"}
+  assert os.path.exists(f"{out}_paired.csv")
