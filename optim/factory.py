@@ -26,6 +26,7 @@ import optax
 from optim import noise_scale
 from optim.ema import ema_params
 from optim.muon import dimension_numbers, muon
+from optim.muon import labels as muon_labels
 from optim.ramp import BatchRamp
 from optim.scaling import SCALE_INVARIANT_OPTIMIZERS, Hyperparameters, derive
 from optim.schedules import build_schedule
@@ -204,6 +205,15 @@ def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransf
                    f"{', '.join(SCALE_INVARIANT_OPTIMIZERS)}")
 
 
+def fallback_lr_ratio(cfg, hp: Hyperparameters) -> float:
+  """Muon's fallback rate over its matrices' rate: `optim.muon.fallback_lr` / the stated
+  `learning_rate` (1 when fallback_lr is 0, the shared rate). Both are stated at the reference
+  batch and moved by the same `lr_rule` factor, so the ratio holds at every batch; times the
+  schedule (same shape) and muP's / CompleteP's per-group multipliers."""
+  fallback_lr = float(cfg.muon.get("fallback_lr", 0.0))
+  return fallback_lr / (hp.reference or hp).learning_rate if fallback_lr > 0 else 1.0
+
+
 def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names, clock,
                width_multiplier: float = 1.0) -> optax.GradientTransformationExtraArgs:
   """The optax chain at one batch size: meter, clipping, the optimizer, parameter EMA. `m`: the
@@ -237,6 +247,10 @@ def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names, clock,
              ns_steps=int(mc.ns_steps), nesterov=bool(mc.nesterov), rms=float(mc.rms),
              width_multiplier=width_multiplier),
         decay, lr)
+    ratio = fallback_lr_ratio(cfg, hp)
+    if ratio != 1.0:  # the fallback at its own rate, the schedule's shape (its decay too)
+      tx = optax.chain(tx, scale_by_multipliers(jax.tree.map(
+          lambda label: ratio if label == "fallback" else 1.0, muon_labels(param_names))))
   elif name == "lamb":
     tx = optax.chain(
         optax.scale_by_adam(b1=cfg.b1, b2=hp.b2, eps=cfg.eps), decay,

@@ -270,7 +270,8 @@ def _second_update(key=None, value=None):
 @pytest.mark.parametrize("key,value,changes", [
     ("optim.muon.beta", 0.5, "muon"), ("optim.muon.ns_steps", 2, "muon"),
     ("optim.muon.nesterov", False, "muon"), ("optim.muon.rms", 0.0, "muon"),
-    ("optim.muon.fallback", "lion", "fallback"), ("optim.muon.fallback", "adafactor", "fallback")])
+    ("optim.muon.fallback", "lion", "fallback"), ("optim.muon.fallback", "adafactor", "fallback"),
+    ("optim.muon.fallback_lr", 0.002, "fallback")])
 def test_every_muon_key_reaches_the_update(key, value, changes):
   base, varied = _second_update(), _second_update(key, value)
   wq = lambda u: np.asarray(u["blocks"]["attn"]["wq_EHD"])
@@ -280,14 +281,64 @@ def test_every_muon_key_reaches_the_update(key, value, changes):
   np.testing.assert_array_equal(kept(base), kept(varied))
 
 
+def _fallback_lr_updates(fallback_lr, n=5, batch=None, **optim):
+  """One update at step `n` (batch `batch`; reference batch 4) of a Muon whose fallback is at
+  `fallback_lr`: Muon's rate 0.02 on a cosine schedule with warmup, decay 0.1 on the embedding
+  too (so the fallback's decay is seen), and the fallback's AdamW updates at rate 1 for
+  reference."""
+  from optim.schedules import build_schedule  # noqa: PLC0415
+  o = tiny_config().optim
+  o.update(name="muon", learning_rate=0.02, schedule="cosine", warmup_steps=2, decay_steps=10,
+           weight_decay=0.1, decay_embeddings=True, clip_norm=0.0, reference_batch_size=4,
+           **optim)
+  o.muon.fallback_lr = fallback_lr
+  data = tiny_config().data
+  names = {"embed_VE": ("vocab", "embed"), "norm": ("embed",), "w": ("layers", "embed", "mlp")}
+  key = lambda i: jax.random.key(i)
+  params = {"embed_VE": jax.random.normal(key(0), (16, 8)), "norm": jnp.ones((8,)),
+            "w": jax.random.normal(key(1), (2, 8, 12))}
+  grads = jax.tree.map(lambda p: jax.random.normal(key(p.size), p.shape), params)
+  tx, _ = build_optimizer(o, names, 10, data)
+  update = jax.jit(lambda g, s, p: tx.update(g, s, p, step=jnp.int32(n), batch_size=batch)[0])
+  got = update(grads, tx.init(params), params)
+  rate = lambda peak: float(build_schedule(o, 10, peak=peak)(n))
+  fb = {k: params[k] for k in ("embed_VE", "norm")}
+  adamw = lambda lr: optax.adamw(lr, b1=o.b1, b2=0.95, eps=o.eps, weight_decay=0.1,
+                                 mask={"embed_VE": True, "norm": False})
+  ref = lambda lr: adamw(lr).update({k: grads[k] for k in fb}, adamw(lr).init(fb), fb)[0]
+  return got, ref, rate
+
+
+def test_fallback_lr_is_the_fallbacks_rate_on_the_schedule_and_batch_rule():
+  """optim.muon.fallback_lr: the embedding's and norm's update is AdamW's (its decay included) at
+  fallback_lr on the schedule's shape, moved by the lr rule like learning_rate; Muon's matrices
+  are untouched; 0 is the shared rate bit for bit (today's chain)."""
+  shared, ref, rate = _fallback_lr_updates(0.0)
+  held, _, _ = _fallback_lr_updates(0.005)
+  same, _, _ = _fallback_lr_updates(0.02)  # = learning_rate: the shared rate exactly
+  jax.tree.map(np.testing.assert_array_equal, same, shared)
+  np.testing.assert_array_equal(held["w"], shared["w"])
+  for k, want in ref(rate(0.005)).items():
+    np.testing.assert_allclose(held[k], want, rtol=1e-5, atol=1e-9)
+  for k, want in ref(rate(0.02)).items():  # the shared rate: AdamW at learning_rate
+    np.testing.assert_allclose(shared[k], want, rtol=1e-5, atol=1e-9)
+  # batch 16 at reference 4 under lr_rule sqrt: both rates x 2
+  big, _, _ = _fallback_lr_updates(0.005, batch=16, lr_rule="sqrt")
+  np.testing.assert_allclose(big["embed_VE"], ref(rate(0.01))["embed_VE"], rtol=1e-5, atol=1e-9)
+  big_shared, _, _ = _fallback_lr_updates(0.0, batch=16, lr_rule="sqrt")
+  np.testing.assert_array_equal(big["w"], big_shared["w"])
+
+
 @pytest.mark.parametrize("fallback", ["adafactor", pytest.param("lion", marks=pytest.mark.slow)])
 def test_trains_end_to_end_with_each_fallback_and_jordan_scaling(tmp_path, fallback):
-  """The tiny config trains (loss falls) with every non-default optim.muon value, through
-  train.py's path (`Run`); the default (adamw, rms 0.2) trains in test_optimizers_train.py.
+  """The tiny config trains (loss falls) with every non-default optim.muon value (the fallback
+  at its own rate too), through train.py's path (`Run`); the default (adamw, rms 0.2) trains
+  in test_optimizers_train.py.
   Adafactor (whose state is not parameter-shaped) in the default suite, Lion in the slow one."""
   cfg = _muon_config(**{"steps": 8, "optim.muon.fallback": fallback, "optim.muon.rms": 0.0,
                         "optim.muon.beta": 0.9, "optim.muon.ns_steps": 4,
-                        "optim.muon.nesterov": False, "optim.learning_rate": 0.02})
+                        "optim.muon.nesterov": False, "optim.learning_rate": 0.02,
+                        "optim.muon.fallback_lr": 0.01})
   Run(cfg, str(tmp_path)).train()
   got = losses(tmp_path)
   assert all(np.isfinite(v) for v in got.values())
@@ -314,6 +365,7 @@ def test_resumed_muon_run_equals_uninterrupted_run(tmp_path):
     ({"optim.muon.beta": 1.0}, "optim.muon.beta=1.0: must be in [0, 1)"),
     ({"optim.muon.ns_steps": 0}, "optim.muon.ns_steps=0: must be at least 1"),
     ({"optim.muon.rms": -0.2}, "optim.muon.rms=-0.2: must be >= 0"),
+    ({"optim.muon.fallback_lr": -0.01}, "optim.muon.fallback_lr=-0.01: must be >= 0"),
     # muP has Muon's rule (optim/muon.py:mup_shape_scale); CompleteP's are Adam's
     ({"model.depth_parametrization": "completep", "model.base_depth": 1},
      "model.depth_parametrization='completep' sets CompleteP's rules for adamw")])

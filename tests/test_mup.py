@@ -3,6 +3,7 @@ per-parameter learning rates at other widths, config validation, and a small coo
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -149,6 +150,48 @@ def test_muon_under_mup_keeps_the_spectral_step_of_the_base_width(rms):
   # The embedding is the fallback's, on muP's Adam rule (lr x 1): its step does not change.
   np.testing.assert_allclose(np.abs(wide["embed_VE"]).mean(), np.abs(base["embed_VE"]).mean(),
                              rtol=0.05)
+
+
+def test_muons_fallback_lr_composes_with_mups_group_multipliers():
+  """optim.muon.fallback_lr under muP (m = 2): the fallback's parameters step at fallback_lr
+  times muP's Adam multiplier (1 on the embedding, 1/m on a hidden matrix Muon does not take:
+  one whose other axis is `experts`), Muon's matrices keep muP's shape rule at their own rate."""
+  names = {"embed_VE": ("vocab", "embed"), "gate_XE": ("experts", "embed"),
+           "w_EF": ("embed", "mlp")}
+  params = {k: jax.random.normal(jax.random.key(i), s) for i, (k, s) in
+            enumerate({"embed_VE": (16, 8), "gate_XE": (4, 8), "w_EF": (8, 12)}.items())}
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size), p.shape), params)
+
+  def update(fallback_lr):
+    o = _adamw()
+    o.update(name="muon", learning_rate=0.02, weight_decay=0.0, b2=0.95)
+    o.muon.fallback_lr = fallback_lr
+    tx, _ = build_optimizer(o, names, 10, width_multiplier=2.0)
+    return jax.jit(tx.update)(grads, tx.init(params), params)[0]
+
+  held, shared = update(0.005), update(0.0)
+  adam = lambda k, lr: optax.adam(lr, b1=0.9, b2=0.95, eps=1e-8).update(
+      grads[k], optax.adam(lr, b1=0.9, b2=0.95, eps=1e-8).init(params[k]))[0]
+  np.testing.assert_allclose(held["embed_VE"], adam("embed_VE", 0.005), rtol=1e-5, atol=1e-9)
+  np.testing.assert_allclose(held["gate_XE"], adam("gate_XE", 0.0025), rtol=1e-5, atol=1e-9)
+  np.testing.assert_allclose(shared["gate_XE"], adam("gate_XE", 0.01), rtol=1e-5, atol=1e-9)
+  np.testing.assert_array_equal(held["w_EF"], shared["w_EF"])
+
+
+def test_lr_transfer_joins_runs_by_the_rate_they_hold(tmp_path):
+  """`tools.lr_transfer --join`: runs that hold Muon's fallback at different rates (or none)
+  are told apart by name, and each one's best rate is its own curve's vertex."""
+  from tools import figures, lr_transfer  # noqa: PLC0415
+  paths = []
+  for fallback, best in ((0.0, 2 ** -4), (2 ** -5, 2 ** -5)):
+    rows = [{"parametrization": "mup", "width": w, "depth": 2, "seed": 0, "lr": 2.0 ** e,
+             "fallback_lr": fallback, "score": 2 + (e - np.log2(best)) ** 2}
+            for w in (32, 128) for e in (-6, -5, -4, -3)]
+    paths.append(str(tmp_path / f"{fallback}.csv"))
+    figures.write_csv(paths[-1], rows)
+  best = lr_transfer.optima(lr_transfer.joined(paths))
+  assert best[("mup, fallback at lr", 128)] == (pytest.approx(2 ** -4), True)
+  assert best[("mup, fallback 0.0312", 32)] == (pytest.approx(2 ** -5), True)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -48,16 +48,18 @@ def model_config(setup: Setup, width: int, parametrization: str, layers: int | N
                      depth_parametrization=depth_parametrization, base_depth=setup.base_depth)
 
 
-def optim_config(setup: Setup, lr: float, name: str = "adamw"):
-  """AdamW (or Muon, with its AdamW fallback) at rate `lr`, constant, no decay or clipping."""
+def optim_config(setup: Setup, lr: float, name: str = "adamw", fallback_lr: float = 0.0):
+  """AdamW (or Muon, with its AdamW fallback, at `fallback_lr` when > 0) at rate `lr`,
+  constant, no decay or clipping."""
   o = default_config().optim
   o.update(name=name, learning_rate=lr, b2=setup.b2, schedule="constant", warmup_steps=0,
            weight_decay=0.0, clip_norm=0.0)
+  o.muon.fallback_lr = fallback_lr
   return o
 
 
 def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
-          optim: str = "adamw") -> list[dict]:
+          optim: str = "adamw", fallback_lr: float = 0.0, muon_lr: float = 0.0) -> list[dict]:
   """Trains one model of config `mcfg` per learning rate in `lrs` on the batches of `data` but
   its last (one batch per step, [steps + 1, B, S] arrays) and returns per rate {"loss": [per
   step], "acts": [at init, then after every step: probe(model at init, model now, the probe
@@ -68,7 +70,9 @@ def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
   parametrization's rules), AdamW or Muon (`optim`), built once at learning rate 1 with a
   constant schedule and no weight decay; each run multiplies its update by its rate, which is
   exactly the optimizer at that rate in this setting and lets all rates share one compiled
-  step."""
+  step. Muon's `fallback_lr` > 0 holds its fallback at that rate: the optimizer is built with
+  it (learning rate 1) and the rate multiplies only Muon's matrices; `muon_lr` > 0 holds the
+  matrices there instead (built at it, fallback_lr 1) and `lrs` are the fallback's."""
   import jax  # noqa: PLC0415  start-up
   import jax.numpy as jnp  # noqa: PLC0415  start-up
   from flax import nnx  # noqa: PLC0415  start-up
@@ -77,9 +81,16 @@ def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
   from trainer.step.state import _logical_names  # noqa: PLC0415  start-up
 
   graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(setup.seed)))
-  tx, _ = build_optimizer(optim_config(setup, 1.0, optim), _logical_names(state),
+  from optim.muon import labels  # noqa: PLC0415  start-up
+
+  names = _logical_names(state)
+  held = "" if optim != "muon" else "muon" if muon_lr > 0 else "fallback" if fallback_lr > 0 \
+      else ""  # the group whose rate is in the update already
+  built = (muon_lr, 1.0) if held == "muon" else (1.0, fallback_lr)
+  tx, _ = build_optimizer(optim_config(setup, built[0], optim, built[1]), names,
                           len(data["inputs"]) - 1, width_multiplier=mcfg.width_multiplier,
                           depth=mcfg.depth_scaling)
+  swept = jax.tree.map(lambda label: label != held, labels(names))
 
   def loss_fn(params, batch):
     m = nnx.merge(graphdef, params)
@@ -91,7 +102,8 @@ def train(setup: Setup, mcfg, lrs, data: dict[str, np.ndarray], *, probe=None,
   def step(params, opt_state, batch, n, lr):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params, step=n)
-    return jax.tree.map(lambda p, u: p + lr * u, params, updates), opt_state, loss
+    return jax.tree.map(lambda p, u, k: p + lr * u if k else p + u, params, updates,
+                        swept), opt_state, loss
 
   @jax.jit
   def measure(params0, params, batch):

@@ -217,9 +217,12 @@ def default_config() -> ml_collections.ConfigDict:
       # iterations, the update's RMS per matrix relative to the learning rate it shares with the
       # fallback (0.2: AdamW's, so its lr and weight_decay carry over; larger steps the matrices
       # further than the fallback; 0: Jordan's sqrt(max(1, fan_out/fan_in)), a much smaller
-      # step), and the optimizer of the embeddings, head and norms: adamw | adafactor | lion
+      # step), and the optimizer of the embeddings, head and norms: adamw | adafactor | lion;
+      # `fallback_lr` its own rate (> 0: stated at the reference batch like learning_rate, moved
+      # by the same lr_rule, on the same schedule shape, times muP's multipliers; its decay
+      # lr x wd its own), so Muon's rate can be swept with it held; 0 = the shared rate
       muon=ml_collections.ConfigDict(dict(beta=0.95, ns_steps=5, nesterov=True, rms=0.2,
-                                          fallback="adamw"))))
+                                          fallback="adamw", fallback_lr=0.0))))
 
   c.checkpoint = ml_collections.ConfigDict(dict(
       every_steps=100,  # save every N steps (0: not by steps); always at the end
