@@ -45,6 +45,12 @@ class ResNetConfig(ResNetOptions):
     return cls(**dataclasses.asdict(ModelConfig.from_config(m).resnet))
 
 
+def row_group(cfg) -> int:
+  """The rows a step keeps together when it splits a micro-batch (the noise meter's parts): a
+  vision run's ghost batch-norm group (`model.resnet.bn_group`), else 1 (any row)."""
+  return int(cfg.model.resnet.bn_group) if cfg.model.kind == "resnet1d" else 1
+
+
 def meter_rows(rows_per_device: int, group: int) -> int:
   """The units the gradient-noise meter may split a device's rows into (`noise_scale.splits`'
   `rows_per_device`): whole ghost batch-norm groups of `group` rows, so every part normalises

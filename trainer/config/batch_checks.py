@@ -11,7 +11,7 @@ import ml_collections
 from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES
 from optim.autopilot import AutoConfig, check, schedule_lengths, with_defaults
 from optim.noise_scale import splits
-from models.resnet import meter_rows
+from models.resnet import meter_rows, row_group
 from optim.ramp import parse_ramp
 from optim.scaling import B2_OPTIMIZERS, SCALE_INVARIANT_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner
 from optim.seesaw import Seesaw, seesaw_defaults
@@ -98,7 +98,7 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
     batches = check_autopilot(cfg, micro)
   if o.noise_scale_every:
     # a part keeps whole ghost batch-norm groups (the vision workload, models/resnet.py)
-    group = cfg.model.resnet.bn_group if cfg.model.kind == "resnet1d" else 1
+    group = row_group(cfg)
     for batch in batches:  # a measuring step needs 2 or more small batches
       if num_stages > 1:
         need(micro % (2 * dp) == 0,

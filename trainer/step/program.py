@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from models import pipeline as model_pipeline
 from models.llama import ModelConfig
-from models.resnet import ResNetConfig
+from models.resnet import ResNetConfig, row_group
 from optim import build_optimizer
 from optim.autopilot import with_defaults
 from optim.diloco import DiLoCoConfig, outer_optimizer
@@ -159,7 +159,7 @@ class Program:
                              measure_noise=measure_noise,
                              noise_pieces=int(self.cfg.optim.noise_scale_pieces),
                              norm_metrics=self.computes_norms(logs),
-                             row_group=getattr(self.model_cfg, "bn_group", 1))
+                             row_group=row_group(self.cfg))
       metrics = replicated(self.mesh)
     else:
       if measure_noise:

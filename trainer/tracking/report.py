@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from data import mixture
 from models.llama import ModelConfig
-from models.resnet import meter_rows
+from models.resnet import meter_rows, row_group
 from models.sizes import param_counts
 from optim import BatchRamp, derive, noise_scale
 from optim import schedules as schedules_lib
@@ -87,7 +87,7 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   if not o.noise_scale_every:
     return
   pieces, staged = [], cfg.mesh.stage > 1  # a pipeline runs its micro-batches together
-  group = cfg.model.resnet.bn_group if cfg.model.kind == "resnet1d" else 1  # whole BN groups
+  group = row_group(cfg)  # whole ghost batch-norm groups
   for batch in dict.fromkeys(batches):
     m = batch // micro_rows
     parts = noise_scale.splits(m, int(o.noise_scale_pieces), meter_rows(micro_rows // dp, group),
