@@ -67,5 +67,15 @@ def test_the_command_pairs_rows_of_a_csv(tmp_path, capsys):
   assert stats.main([str(path), "--metric", "loss", "--arm", "rule", "--a", "linear", "--b",
                      "sqrt", "--config.seed=1"]) == 2  # nothing to override: said, not ignored
   assert "seed: python -m tools.stats takes no config overrides" in capsys.readouterr().err
+  # seeds 3 and 4 in a CSV of their own (a later run): read together, five pairs
+  more = tmp_path / "seeds34.csv"
+  with open(more, "w", newline="") as f:
+    w = csv.writer(f)
+    w.writerow(["seed", "rule", "batch", "loss"])
+    for seed in (3, 4):
+      w.writerows([[seed, "linear", 16, 2.0], [seed, "sqrt", 16, 1.0]])
+  assert stats.main([str(path), str(more), "--metric", "loss", "--arm", "rule", "--a", "linear",
+                     "--b", "sqrt", "--match", "batch=16"]) == 0
+  assert "over 5 paired seeds" in capsys.readouterr().out
   assert stats.main([str(tmp_path / "missing.csv"), "--metric", "loss", "--arm", "rule",
                      "--a", "x", "--b", "y"]) == 2

@@ -7,10 +7,10 @@ mean +- t(1 - alpha/2, n - 1) s / sqrt(n) and the two-sided p-value of "no diffe
 "flip" or an "edge" (`Paired.verdict`). With 3 seeds t(0.975, 2) = 4.30, and the same sign on
 3 of 3 seeds is p = 0.25 (sign test): effects below ~0.02 nats need 5 or more seeds.
 
-    python -m tools.stats CSV --metric final_eval_loss --arm rule --a linear --b sqrt [--by seed] \
-        [--match KEY=VALUE,...]
+    python -m tools.stats CSV [CSV ...] --metric final_eval_loss --arm rule --a linear --b sqrt \
+        [--by seed] [--match KEY=VALUE,...]
 
-reads an experiment's per-seed CSV (a row per seed and arm) and prints the paired difference
+reads an experiment's per-seed CSVs (a row per seed and arm) and prints the paired difference
 A - B of `--metric` between the arms `--a` and `--b` of column `--arm`, matched on `--by`,
 among the rows with the `--match` values. No jax here.
 """
@@ -161,7 +161,8 @@ def _same(x, y) -> bool:
 
 def build_parser():
   p = CliParser("-m tools.stats", __doc__, config=False, overrides=False)
-  p.add_argument("csv", help="an experiment's CSV with a row per seed and arm")
+  p.add_argument("csv", nargs="+", help="an experiment's CSV with a row per seed and arm (or "
+                 "several, e.g. one run of seeds 0-2 and one of seeds 3-4: their rows together)")
   p.add_argument("--metric", required=True, help="the column compared")
   p.add_argument("--arm", required=True, help="the column that names the arm")
   p.add_argument("--a", required=True, help="arm A (a value of --arm)")
@@ -175,8 +176,8 @@ def build_parser():
 def main(argv: list[str]) -> int:
   try:
     args, _ = build_parser().parse(argv)
-    rows = figures.read_table(args.csv, (args.metric, args.arm, args.by),
-                              "an experiment's CSV with a row per seed and arm")
+    rows = [r for path in args.csv for r in figures.read_table(
+        path, (args.metric, args.arm, args.by), "an experiment's CSV with a row per seed and arm")]
     arms = [args.a, args.b]
     match = dict(kv.split("=", 1) for kv in args.match.split(",") if kv)
     a, b = (by_seed(rows, args.metric, {args.arm: arm, **match}, args.by) for arm in arms)
