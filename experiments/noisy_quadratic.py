@@ -182,10 +182,10 @@ def meter(problem, sw: dict, base) -> dict:
   """Logged B_simple over the analytic one at the expected state (and over B_noise, and over the
   truth at each run's own iterate, tr(C) / |G(theta_t)|^2) at every step up to the target,
   every seed; `iterate_spread`: that truth over the expected state's (how far one run's own
-  noise scale strays from the mean's); `estimator`, `trajectory`, `lag`: `nqm_meter.parts`."""
+  noise scale strays from the mean's); the others (`estimator`, ...): `nqm_meter.parts`."""
   per_batch = {}
-  pooled = {k: [] for k in ("b_simple", "b_noise", "at_iterate", "iterate_spread", "estimator",
-                            "trajectory", "lag")}
+  pooled = {k: [] for k in ("b_simple", "b_noise", "at_iterate", "iterate_spread",
+                            *nqm_meter.PARTS)}
   for b, r in sw["best"].items():
     rows = r["rows"]
     n = min(len(rows["loss"]), math.ceil(r["steps"]))
@@ -197,7 +197,7 @@ def meter(problem, sw: dict, base) -> dict:
     ratios = {"b_simple": logged / cur["b_simple"][1:n + 1], "b_noise":
               logged / cur["b_noise"][1:n + 1], "at_iterate": logged / truth,
               "iterate_spread": truth / cur["b_simple"][1:n + 1],
-              **{k: split[k] for k in ("estimator", "trajectory", "lag")}}
+              **{k: split[k] for k in nqm_meter.PARTS}}
     per_batch[b] = {k: quantiles(v) for k, v in ratios.items()}
     per_batch[b]["with_value"] = float(np.isfinite(logged).mean())
     why = rows["noise_why"][:n]  # the meter's reason for no value (optim.noise_scale.readout)
@@ -374,7 +374,7 @@ def experiment(args, cfg) -> list[dict]:
       "meter_ratio_per_batch": {str(b): q for b, q in me["per_batch"].items()},
       "meter_ratio_b_noise": me["b_noise"], "meter_ratio_at_iterate": me["at_iterate"],
       "iterate_over_expected": me["iterate_spread"],
-      **{f"meter_{k}_ratio{s}": v for k in ("estimator", "trajectory", "lag") for s, v in (
+      **{f"meter_{k}_ratio{s}": v for k in nqm_meter.PARTS for s, v in (
           ("", me[k]), ("_per_batch", {str(b): q[k] for b, q in me["per_batch"].items()}))},
       "autopilot_ratio_median": ap["ratio"]["median"], "autopilot_ratio": ap["ratio"],
       "autopilot_within_2x": ap["within_2x"],

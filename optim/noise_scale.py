@@ -5,14 +5,14 @@ squared gradient norms at two sizes b < B (a step's `optim.noise_scale_pieces` s
 their harmonic-mean size, and the whole batch, in target tokens) give unbiased estimates of both
 (`estimate`). The meter keeps them over the last `optim.noise_scale_window` of the training so
 far (of the examples read) and reads tr(Sigma) as their mean (it changes slowly and its
-estimates are heavy-tailed), |G|^2 as their mean weighted by exp(-age / (recency x the training
-so far)) (it falls as B_simple rises: an even mean reads the window's early steps); no value
-while the window's |G|^2 estimates give it a relative standard error above a bound (one step's
-estimate is noisy when B_simple >> B). For the Adam family also tr(P Sigma) / G^T P G, the same
-with sqrt(P) g, P = 1 / (sqrt(v_hat) + eps) from the second moments before the step's update
-(`preconditioner`). An optax transformation that changes nothing, first in the chain: it takes
-the norms as `update(..., noise_sample=)` and keeps its sums in the optimizer state. Why, and
-how it was measured: docs/batch_size.md#gradient-noise-scale, docs/noisy_quadratic.md
+estimates are heavy-tailed), |G|^2 as their mean weighted by exp(-age / (r x the training so
+far)) (it falls as B_simple rises: an even mean reads the window's early steps), r the shortest
+memory (`noise_scale_recency` doubled up to DOUBLINGS times, then the even mean) whose mean the
+per-step estimates' spread pins down to MEMORY_RSE (one step's estimate is noisy when B_simple
+>> B: a longer memory, not a hidden value); no value while the even mean's relative standard
+error exceeds a bound. For the Adam family also tr(P Sigma) / G^T P G, the same with sqrt(P) g,
+P = 1 / (sqrt(v_hat) + eps) (`preconditioner`). An optax transformation that changes nothing,
+first in the chain (`update(..., noise_sample=)`). docs/batch_size.md, docs/noisy_quadratic.md
 """
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ class Sample(NamedTuple):
 BUCKETS = 8  # buckets per window: the window's edge is known to 1 / BUCKETS of its length
 SLOTS = BUCKETS + 2  # ring slots: the window's buckets, the one in progress, one spare
 PRECONDITIONED = ("adamw", "lamb")  # optim.name values whose second moments make P
+# |G|^2's memory (`readout`): the recency doubled up to DOUBLINGS times, then the whole window
+# evenly; the shortest whose weighted mean has a predicted relative standard error <= MEMORY_RSE
+# (docs/noisy_quadratic.md#the-memory: the NQM at batches 8-1024 and sweep_tiny chose it)
+DOUBLINGS = 4
+MEMORY_RSE = 0.4
 
 
 class NoiseScaleState(NamedTuple):
@@ -82,8 +87,9 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
   unit that grows with the data read (examples under a batch ramp). The sums are kept in buckets
   of geometric length (BUCKETS per window, each (1 - window) ** (-1 / BUCKETS) times the last),
   so the ring of SLOTS slots covers the window at any length of training. `readout` takes
-  tr(Sigma) as the window's mean and |G|^2 as its mean weighted by exp(-age / (`recency` T)),
-  age = T - a bucket's middle (`recency` 0: unweighted; a fraction of the training so far, so
+  tr(Sigma) as the window's mean and |G|^2 as its mean weighted by exp(-age / (r T)), age = T -
+  a bucket's middle, r the shortest of `recency` x 2^k (k <= DOUBLINGS) whose mean is precise
+  enough, else the even mean (`recency` 0: always even; a fraction of the training so far, so
   the memory is in training, not in measurements), and gives no value (NaN) until the window
   holds `min_measurements` or while the relative standard error of its even |G|^2 mean (`rse`)
   exceeds `max_rse` (0: no bound).
@@ -179,12 +185,17 @@ def _is_state(x) -> bool:
   return isinstance(x, NoiseScaleState)
 
 
-def readout(state: NoiseScaleState) -> dict[str, jax.Array]:
+def readout(state: NoiseScaleState, *, memory_rse: float = MEMORY_RSE, memory=None,
+            memory_precond=None) -> dict[str, jax.Array]:
   """The window's mean tr(Sigma) estimate, its recency-weighted mean |G|^2 estimate (`meter`),
-  and B_simple = their ratio; `count` the window's measurements; `g_sq_rse` the relative
-  standard error of the window's even |G|^2 mean (`rse`); `why` 0 where B_simple has a value,
-  else NaN and 1 (fewer than the minimum of measurements), 2 (the |G|^2 mean is not positive)
-  or 3 (that relative standard error is above the bound); the same with P (`*_precond`)."""
+  and B_simple = their ratio; `memory` the recency its weights had (0: even), the shortest of
+  `recency` x 2^k (k <= DOUBLINGS), then even, whose mean's predicted relative standard error
+  (`memory_error`) is <= `memory_rse` (the last where none is; `memory=`, `memory_precond=`
+  given: that one, as a replay of another meter's choice); `count` the window's measurements;
+  `g_sq_rse` the relative standard error of the window's even |G|^2 mean (`rse`); `why` 0
+  where B_simple has a value, else NaN and 1 (fewer than the minimum of measurements), 2 (the
+  |G|^2 mean is not positive) or 3 (that relative standard error is above the bound); the same
+  with P (`*_precond`)."""
   window, recency, least = state.settings[0], state.settings[1], state.settings[2]
   max_rse = state.settings[3]
   inside = (state.bucket >= state.first) & (state.bucket >= 0)
@@ -193,27 +204,59 @@ def readout(state: NoiseScaleState) -> dict[str, jax.Array]:
   lo = jnp.exp(state.bucket * log_ratio)
   middle = (lo + jnp.minimum(lo * jnp.exp(log_ratio), state.clock)) / 2
   age = jnp.maximum(state.clock - middle, 0.0) / jnp.maximum(state.clock, 1e-12)
-  weight = jnp.where(recency > 0, jnp.exp(-age / jnp.where(recency > 0, recency, 1.0)), 1.0)
+  # the memories to choose from, shortest first: [DOUBLINGS + 2] recencies (0: even), weights
+  ladder = jnp.where(recency > 0, jnp.append(recency * 2.0 ** jnp.arange(DOUBLINGS + 1.0), 0.0),
+                     0.0)
+  weights = jnp.where(ladder[:, None] > 0, jnp.exp(
+      -age[None] / jnp.where(ladder > 0, ladder, 1.0)[:, None]), 1.0)
   if_in = lambda x: jnp.where(inside, x, 0.0)
 
-  def ratio(g_sums, g_squares, trace_sums, counts):
+  def ratio(g_sums, g_squares, trace_sums, counts, forced):
     count = jnp.sum(if_in(counts))
     trace = jnp.sum(if_in(trace_sums)) / jnp.maximum(count, 1.0)
-    g_sq = jnp.sum(if_in(weight * g_sums)) / jnp.maximum(jnp.sum(if_in(weight * counts)), 1e-30)
-    error = rse(if_in(g_sums), if_in(g_squares), if_in(counts))
+    error = memory_error(if_in(g_sums), if_in(g_squares), if_in(counts), weights)
+    pick = jnp.argmax(jnp.append(error[:-1] <= memory_rse, True))  # the first precise enough
+    if forced is not None:
+      pick = jnp.argmin(jnp.abs(ladder - forced))
+    w = if_in(weights[pick])
+    g_sq = jnp.sum(w * g_sums) / jnp.maximum(jnp.sum(w * counts), 1e-30)
+    even_error = rse(if_in(g_sums), if_in(g_squares), if_in(counts))
     why = jnp.where(count < jnp.maximum(least, 1.0), 1, jnp.where(
-        g_sq <= 0, 2, jnp.where((max_rse > 0) & ~(error <= max_rse), 3, 0))).astype(jnp.int32)
+        g_sq <= 0, 2, jnp.where((max_rse > 0) & ~(even_error <= max_rse), 3, 0)))
     ok = why == 0
     return (g_sq, trace, jnp.where(ok, trace / jnp.where(ok, g_sq, 1.0), jnp.nan), count,
-            error, why)
+            even_error, why.astype(jnp.int32), ladder[pick], error[pick])
 
-  names = ("g_sq", "trace_sigma", "b_simple", "count", "g_sq_rse", "why")
-  out = dict(zip(names, ratio(state.g_sq, state.g_sq_sq, state.trace_sigma, state.count)))
+  names = ("g_sq", "trace_sigma", "b_simple", "count", "g_sq_rse", "why", "memory",
+           "memory_error")
+  out = dict(zip(names, ratio(state.g_sq, state.g_sq_sq, state.trace_sigma, state.count,
+                              memory)))
   out.update(zip((f"{k}_precond" for k in names),
                  ratio(state.g_sq_precond, state.g_sq_sq_precond, state.trace_precond,
-                       state.count_precond)))
+                       state.count_precond, memory_precond)))
   out["trace_precond"] = out.pop("trace_sigma_precond")
   return out
+
+
+def memory_error(sums, squares, counts, weights):
+  """[memories] the predicted relative standard error of the |G|^2 mean under each row of
+  `weights` [memories, buckets] (per bucket, as `readout` weighs them), from the window's
+  per-bucket `sums`, `squares` and `counts` of per-step estimates: sqrt(s^2 sum_b w_b^2 n_b) /
+  sum_b w_b n_b over the window's even mean, s^2 the variance within buckets (their noise, not
+  the drift of |G|^2 across the window; the whole window's where no bucket holds two). Neither
+  s^2 nor the even mean leans on the recent estimates the value is read from (a bound on the
+  weighted mean's own error selects: docs/noisy_quadratic.md#the-gate). inf for a mean that is
+  not positive."""
+  n, total = jnp.sum(counts), jnp.sum(sums)
+  mean = total / jnp.maximum(n, 1.0)
+  within = jnp.sum(jnp.where(counts > 0, squares - sums * sums / jnp.maximum(counts, 1.0), 0.0))
+  dof = jnp.sum(jnp.maximum(counts - 1.0, 0.0))
+  overall = (jnp.sum(squares) - n * mean * mean) / jnp.maximum(n - 1.0, 1.0)
+  var = jnp.maximum(jnp.where(dof > 0, within / jnp.maximum(dof, 1.0), overall), 0.0)
+  sw, sw2 = weights @ counts, (weights * weights) @ counts
+  ok = mean > 0
+  return jnp.where(ok, jnp.sqrt(var * sw2) / jnp.maximum(sw, 1e-30) / jnp.where(ok, mean, 1.0),
+                   jnp.inf)
 
 
 def rse(sums, squares, counts):

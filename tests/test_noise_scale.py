@@ -6,6 +6,8 @@ per-example gradients and Adam's P, the ring emptied by changed settings, pieces
 tokens, the train step's wiring of the small and big batches, and the plain (non-measuring) step
 of a run with the meter being exactly the step of a run without it. The meter as a run logs it,
 against per-sequence gradients at the run's parameters: tests/test_noise_meter.py."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -430,6 +432,60 @@ def test_plain_step_of_a_metered_run_is_the_meter_off_step(step_setup):
   assert measured[0]["loss"] == pytest.approx(off[0]["loss"], rel=1e-6)
 
 
+@functools.cache
+def _memory_runs(steps=400, seeds=16):
+  """The default meter (window 0.35, recency 0.05) over `steps` measurements of a stationary
+  |G|^2 = 1 whose per-step estimates carry a relative standard deviation of 0, 3 or 8
+  (tr(Sigma) = 5 exactly; B_simple = 5), `seeds` runs each, in one compiled program: (final
+  states, readouts with the meter's own memory, readouts with `memory=0.05`, the recency
+  alone), leaves [spreads, seeds, ...]."""
+  tx = noise_scale.meter(0.35, recency=0.05, min_measurements=8)
+
+  def one(spread, key):
+    def step(state, x):
+      _, state = tx.update({}, state, noise_sample=noise_scale.Sample(
+          x[0] + 5.0, x[0] + 2.5, jnp.float32(1), jnp.float32(2)), step=x[1])
+      return state, (noise_scale.readout(state), noise_scale.readout(state, memory=0.05))
+    state, (own, fixed) = jax.lax.scan(step, tx.init(None), (
+        1.0 + spread * jax.random.normal(key, (steps,)), jnp.arange(steps)))
+    return state, own, fixed
+  keys = jax.vmap(jax.random.key)(jnp.arange(seeds))
+  return jax.jit(jax.vmap(lambda s: jax.vmap(lambda k: one(s, k))(keys)))(
+      jnp.asarray([0.0, 3.0, 8.0]))
+
+
+def test_the_memory_lengthens_where_one_steps_estimate_is_noisy():
+  """|G|^2's memory is the shortest of recency x 2^k, then the window's even mean, whose mean is
+  pinned down to MEMORY_RSE: exact estimates keep the recency (0.05); estimates with a relative
+  standard deviation of 3 take a longer one (at step 400 the recency's mean, ~40 measurements,
+  would have a relative standard error of ~0.5), of 8 the whole window evenly (144
+  measurements: still ~0.67); `memory_error` is that predicted error, for the window's even
+  mean the spread within its buckets over sqrt(n) and over the mean; `memory=` forces one."""
+  states, own, _ = _memory_runs()
+  np.testing.assert_allclose(own["memory"][0, 0, 20:], 0.05)
+  assert 0.05 < float(own["memory"][1, 0, -1]) <= 0.4
+  assert float(own["memory_error"][1, 0, -1]) <= noise_scale.MEMORY_RSE
+  assert float(own["memory"][2, 0, -1]) == 0.0 and float(own["count"][2, 0, -1]) == 144
+  state = jax.tree.map(lambda x: x[2, 0], states)
+  even = noise_scale.readout(state, memory=0.0)  # a forced memory: the even mean's weights
+  inside = (state.bucket >= state.first) & (state.bucket >= 0)
+  mean = float(jnp.sum(jnp.where(inside, state.g_sq, 0)) / 144)
+  assert float(even["g_sq"]) == pytest.approx(mean, rel=1e-5)
+  assert float(own["memory_error"][2, 0, -1]) == pytest.approx(8 / 12 / mean, rel=0.2)
+
+
+def test_a_longer_memory_reads_noisy_estimates_closer_to_the_truth():
+  """Over 16 runs of estimates with a relative standard deviation of 3 (B_simple = 5), the
+  chosen memory's readings at steps 200-400 stay within [0.6, 1.8] x 5 (10th-90th percentile:
+  0.70-1.70); the recency's alone (`memory=0.05`, the meter before the choice) strays beyond
+  2.5x (0.62-2.81)."""
+  _, own, fixed = _memory_runs()
+  for readout, (lo, hi) in ((own, (0.6, 1.8)), (fixed, (0.0, np.inf))):
+    got = np.nanpercentile(np.asarray(readout["b_simple"][1, :, 200:]) / 5, [10, 90])
+    assert lo < got[0] and got[1] < hi, got
+  assert got[1] > 2.5, got
+
+
 def test_the_precision_gate_leaves_training_as_it_is(step_setup):
   """The bound only hides the meter's value: three measuring steps with every value gated
   (max_rse 1e-9) and with no bound give the same losses, gradient norms, parameters and meter
@@ -569,9 +625,9 @@ def test_a_run_measures_on_the_pieces_asked_and_says_its_window(tmp_path, capsys
   assert "noise_pieces" not in rows[5] and rows[4]["noise_measurements"] >= 1
   out = capsys.readouterr().out
   assert ("gradient noise scale: measured every 2 steps on small batches (4 at batch 32), "
-          "averaged over the last 25% of the tokens trained so far, |G|^2 weighted by "
+          "averaged over the last 35% of the tokens trained so far, |G|^2 weighted by "
           "exp(-age / 0.05 of them) (at step 8 its steps 7-8); a value once the window holds 1 "
-          "measurements and its |G|^2 has a relative standard error <= 0.5; also "
+          "measurements and its |G|^2 has a relative standard error <= 1; also "
           "preconditioned by Adam's second moments (noise_scale_precond)"
           ) in out, out
 

@@ -199,12 +199,14 @@ def default_config() -> ml_collections.ConfigDict:
       # the other steps are the plain step) on `noise_scale_pieces` small batches of the step's
       # batch (at least 2: the accumulation micro-batches, split further where there are fewer),
       # averaged over the last `noise_scale_window` of the tokens trained so far (in (0, 1]):
-      # tr(Sigma) evenly, |G|^2 weighted by exp(-age / (noise_scale_recency x the tokens so far))
-      # (0 = evenly); no value until the window holds `noise_scale_min_measurements`, nor while
-      # the relative standard error of its |G|^2 mean (from its per-step estimates' spread) is
-      # above `noise_scale_max_rse` (0 = no bound; the default: docs/noisy_quadratic.md#the-gate).
-      noise_scale_every=0, noise_scale_window=0.25, noise_scale_pieces=2,
-      noise_scale_recency=0.05, noise_scale_min_measurements=8, noise_scale_max_rse=0.5,
+      # tr(Sigma) evenly, |G|^2 weighted by exp(-age / (r x the tokens so far)), r the shortest
+      # of noise_scale_recency x 1, 2, 4, 8, 16, then evenly, whose mean the per-step estimates
+      # pin down to a relative standard error of 0.4 (noise_scale.MEMORY_RSE; recency 0 = always
+      # evenly); no value until the window holds `noise_scale_min_measurements`, nor while the
+      # relative standard error of its even |G|^2 mean is above `noise_scale_max_rse` (0 = no
+      # bound). Why these defaults: docs/noisy_quadratic.md#the-memory.
+      noise_scale_every=0, noise_scale_window=0.35, noise_scale_pieces=2,
+      noise_scale_recency=0.05, noise_scale_min_measurements=8, noise_scale_max_rse=1.0,
       # DiLoCo (optim/diloco.py, trainer/step/diloco.py): `replicas` M >= 1 replicas train apart,
       # each on its B/M rows of the global batch with the optimizer above (the inner optimizer)
       # and no communication between replicas (a mesh axis of their own, `replica`, outermost;
