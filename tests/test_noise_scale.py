@@ -623,10 +623,15 @@ def test_a_run_measures_on_the_pieces_asked_and_says_its_window(tmp_path, capsys
   np.testing.assert_equal(rows[5]["noise_scale"], rows[4]["noise_scale"])
   assert rows[5]["noise_scale_why"] == rows[4]["noise_scale_why"]
   assert "noise_pieces" not in rows[5] and rows[4]["noise_measurements"] >= 1
+  # the memory each value was read with: the recency x 1..16, or 0 (the window's even mean)
+  assert all(min(abs(r["noise_memory"] - m) for m in (0, .05, .1, .2, .4, .8)) < 1e-6
+             for r in rows.values()), [r["noise_memory"] for r in rows.values()]
   out = capsys.readouterr().out
   assert ("gradient noise scale: measured every 2 steps on small batches (4 at batch 32), "
           "averaged over the last 35% of the tokens trained so far, |G|^2 weighted by "
-          "exp(-age / 0.05 of them) (at step 8 its steps 7-8); a value once the window holds 1 "
+          "exp(-age / m of them), m the shortest of 0.05 x 1, 2, 4, 8, 16 (then even) whose "
+          "mean's predicted relative error is <= 0.4 (logged as noise_memory) "
+          "(at step 8 its steps 7-8); a value once the window holds 1 "
           "measurements and its |G|^2 has a relative standard error <= 1; also "
           "preconditioned by Adam's second moments (noise_scale_precond)"
           ) in out, out

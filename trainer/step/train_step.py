@@ -265,7 +265,8 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
       metrics.update(noise_scale=noise["b_simple"] * per_sequence,
                      noise_scale_tokens=noise["b_simple"], noise_g_sq=noise["g_sq"],
                      noise_trace=noise["trace_sigma"], noise_measurements=noise["count"],
-                     noise_g_sq_rse=noise["g_sq_rse"], noise_scale_why=noise["why"])
+                     noise_g_sq_rse=noise["g_sq_rse"], noise_scale_why=noise["why"],
+                     noise_memory=noise["memory"])
       if has_precond:
         metrics.update(noise_scale_precond=noise["b_simple_precond"] * per_sequence,
                        noise_scale_precond_why=noise["why_precond"],

@@ -100,7 +100,9 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
     first = min(ramp.first_step_at((1 - window) * ramp.examples_before(n)), n - 1)
     spans.append(f"at step {n:,} its steps {first + 1:,}-{n:,}")
   every = "every step" if o.noise_scale_every == 1 else f"every {o.noise_scale_every} steps"
-  recency = (f", |G|^2 weighted by exp(-age / {o.noise_scale_recency:g} of them)"
+  recency = (f", |G|^2 weighted by exp(-age / m of them), m the shortest of "
+             f"{o.noise_scale_recency:g} x 1, 2, 4, 8, 16 (then even) whose mean's predicted "
+             f"relative error is <= {noise_scale.MEMORY_RSE:g} (logged as noise_memory)"
              if o.noise_scale_recency else "")
   precond = ("; also preconditioned by Adam's second moments (noise_scale_precond)"
              if o.name in noise_scale.PRECONDITIONED else "")
