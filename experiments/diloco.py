@@ -6,16 +6,12 @@ optimal batch? (Charles et al. 2025 report that DiLoCo's is larger.)
     python -m experiments.diloco --lr_grid 0.5,1,2 --outer_lr_grid 0.35,0.7,1.0 --seeds 3 \\
         [--reuse]  # each arm tuned at each batch: rates bracketed on the seeds' mean loss
 
-Every run trains `--examples` sequences of configs/sweep_tiny.py at a fixed global batch B: data
-parallelism, and DiLoCo with each M in `--replicas` and H in `--inner_steps`, on `--devices` (4)
-CPU host devices; each arm's optimal batch is the minimum of its final loss against log2(B).
-Outputs: OUT.csv (one row per arm and batch, with the arm's optimal batch), OUT.png (final loss
-vs batch per arm, each arm's best circled; each DiLoCo arm's gap to data parallelism). 52
-minutes on 2 busy CPU cores (50 trainings); deterministic on a given machine. Tuned (a grid
-beyond one point): OUT.csv every run, OUT_tuned.csv each (arm, batch)'s best cell, OUT_paired.csv
-each tuned arm against tuned data parallelism at its batch, seed by seed.
-Claim and method: docs/experiments.md#diloco-vs-data-parallelism-across-batch-sizes; setup and
-results: docs/diloco.md
+Every run trains `--examples` sequences of configs/sweep_tiny.py at a fixed global batch B (data
+parallelism; DiLoCo with each M in `--replicas`, H in `--inner_steps`) on `--devices` CPU host
+devices; an arm's optimal batch is the minimum of its final loss against log2(B). OUT.csv a row
+per arm and batch, OUT.png loss vs batch and each arm's gap to data parallelism (52 min on 2
+busy cores). Tuned: OUT.csv every run, OUT_tuned.csv each (arm, batch)'s best cell,
+OUT_paired.csv tuned arms against tuned data parallelism. Results: docs/diloco.md
 """
 from __future__ import annotations
 

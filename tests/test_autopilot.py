@@ -225,6 +225,8 @@ def test_resume_replays_the_decisions_exactly(straight, tmp_path, stop):
         assert got[step][key] == want[step][key], (step, key)
 
 
+@pytest.mark.slow  # the default run keeps test_the_preconditioned_signal_in_a_run (a signal
+# other than the default, in a run) and test_norm_test_trigger (the norm test's logic)
 def test_norm_test_trigger_in_a_run(tmp_path, data_dir):
   """trigger='norm_test' with the default patience (2): measurements at steps 2 and 4 both fail
   the test at eta = 0.05, so the batch doubles from step 6; the event says why."""

@@ -12,8 +12,7 @@ fallback's) and scored by its mean training loss over the last `--tail` steps (t
 `--seeds`); a size's best rate is the grid minimum refined by a parabola in log(lr), reported
 only inside the grid. `--join a.csv,b.csv` summarizes earlier runs' CSVs (one per seed).
 Outputs in `--out`: `lr_transfer[_depth|_muon].csv` (a row per run), `.png` (score vs lr, a
-line per size; needs matplotlib). Deterministic on a given machine.
-Setup and results: docs/mup.md#coordinate-check-and-learning-rate-transfer
+line per size). Results: docs/mup.md#coordinate-check-and-learning-rate-transfer
 """
 from __future__ import annotations
 
