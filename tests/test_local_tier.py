@@ -215,12 +215,14 @@ def test_one_of_two_processes_killed_and_its_local_copy_lost(tmp_path, case):
   assert [got[s] for s in range(1, 9)] == [want[s] for s in range(1, 9)]
 
 
+@pytest.mark.slow  # two processes: the default run keeps test_multihost's two-process resume and
+# this file's one-process local-tier tests
 def test_a_local_write_error_on_one_process_leaves_no_process_out_of_the_peer_copy(tmp_path):
   """Process 1's write of local step 3 fails (Orbax reports it at the next check, as it reports
   a background write error). That error used to be raised on process 1 alone just before the
   next local save's peer copy, a collective: process 1 skipped it, process 0 waited in it for
   good. Now it is said in one line by process 1, every process enters every peer copy, and the
-  run ends (the one representative of two processes with a local tier in the default run)."""
+  run ends."""
   args = MODEL_ARGS + ["--config.mesh.data=1", "--config.mesh.fsdp=4", "--config.mesh.tensor=2",
                        "--config.steps=6", "--config.checkpoint.every_steps=100",
                        "--config.checkpoint.local_every_steps=1",

@@ -119,8 +119,9 @@ def test_stages_equal_the_plain_step(reference, mesh, devices):
 @pytest.mark.parametrize("mesh", [
     CIRCULAR2, {**CIRCULAR2, "pipeline.schedule": "zero_bubble"},
     pytest.param(ONE_F_ONE_B_R2, marks=pytest.mark.slow),
-    {"mesh.stage": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "1f1b",
-     "pipeline.repeats": 2, "pipeline.remat_stage": False},
+    pytest.param({"mesh.stage": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "1f1b",
+                  "pipeline.repeats": 2, "pipeline.remat_stage": False},
+                 marks=pytest.mark.slow),  # 1f1b stays in the default run in test_moe_layers_in_stages
 ], ids=["circular", "zero_bubble-r2", "1f1b-r2", "1f1b-r2-fsdp2-tensor2-residuals"])
 def test_gradients_equal_the_accumulation_scan(reference, devices, mesh):
   """The gradient sum of one step, leaf by leaf: the pipeline's with two repeats (brought to
