@@ -124,11 +124,7 @@ def tune(args, cfg) -> list[dict]:
                     "interior": bool(tradeoff.interior(scores)),
                     "multipliers": "/".join(f"{x:g}" for x in sorted(scores)),
                     "outer_interior": tradeoff.interior(by_outer) if len(outers) > 2 else None})
-  for name, _, _ in arms(args):
-    arm = [r for r in tuned if r["arm"] == name]
-    opt, inside = best_batch([(r["batch_size"], r["final_eval_loss"]) for r in arm])
-    for r in arm:
-      r.update(optimal_batch=opt, optimum_inside_grid=inside)
+  mark_optimal_batches(args, tuned)
   common.write(args, runs)
   figures.write_csv(args.out + "_tuned.csv", tuned)
   print(common.table(tuned, TUNED, "diloco"))
@@ -148,6 +144,15 @@ TUNED = [("arm", "arm", "s"), ("batch_size", "batch", "d"), ("lr_multiplier", "l
          ("outer_lr", "outer lr", ""), ("final_eval_loss", "mean final eval", ".4f"),
          ("multipliers", "rates run (x)", "s"), ("interior", "rate inside", ""),
          ("outer_interior", "outer inside", ""), ("optimal_batch", "optimal batch", ".1f")]
+
+
+def mark_optimal_batches(args, rows: list[dict]) -> None:
+  """Each arm's optimal batch (`best_batch` of its rows' final losses) on every row of it."""
+  for name, _, _ in arms(args):
+    arm = [r for r in rows if r["arm"] == name]
+    opt, inside = best_batch([(r["batch_size"], r["final_eval_loss"]) for r in arm])
+    for r in arm:
+      r.update(optimal_batch=opt, optimum_inside_grid=inside)
 
 
 def best_batch(points: list[tuple[int, float]]) -> tuple[float, bool]:
@@ -182,11 +187,7 @@ def experiment(args, cfg) -> list[dict]:
                    outer[-1]["outer_grad_norm"] if outer else None, "seconds": t.seconds})
       print(f"[diloco] {name:18s} batch {batch:4d}: final eval {t.final_eval:.4f}; "
             f"{t.seconds:.0f}s", flush=True)
-  for name, _, _ in arms(args):
-    arm = [r for r in rows if r["arm"] == name]
-    opt, inside = best_batch([(r["batch_size"], r["final_eval_loss"]) for r in arm])
-    for r in arm:
-      r.update(optimal_batch=opt, optimum_inside_grid=inside)
+  mark_optimal_batches(args, rows)
   common.write(args, rows)
   summary = [r for r in rows if r["batch_size"] == args.batch_sizes[0]]
   print(common.table(summary, SUMMARY, "diloco"))
