@@ -51,13 +51,6 @@ def row_group(cfg) -> int:
   return int(cfg.model.resnet.bn_group) if cfg.model.kind == "resnet1d" else 1
 
 
-def meter_rows(rows_per_device: int, group: int) -> int:
-  """The units the gradient-noise meter may split a device's rows into (`noise_scale.splits`'
-  `rows_per_device`): whole ghost batch-norm groups of `group` rows, so every part normalises
-  over the groups it would have anyway; 1 (no split) where a group spans devices."""
-  return rows_per_device // group if rows_per_device % group == 0 else 1
-
-
 def batch_layout(seq_len: int) -> dict[str, tuple[int, type]]:
   """{key: (width, dtype)} of one example's row in a batch [M, B, width]."""
   del seq_len

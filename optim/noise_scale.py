@@ -157,22 +157,27 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def splits(num_micro: int, pieces: int, rows_per_device: int, *, together: bool = False) -> int:
+def splits(num_micro: int, pieces: int, rows_per_device: int, *, together: bool = False,
+           group: int = 1) -> int:
   """Into how many equal parts a measuring step splits each of its `num_micro` micro-batches
   (1: not at all): enough for `pieces` small batches in all where the rows each device holds
   divide so (a part must keep every device's share of the rows equal), else as many as they do.
   `together`: the micro-batches run as one (a pipeline), so each small batch is one part of
-  every micro-batch. A step that cannot make 2 small batches gets 1 (the config checks refuse
-  it)."""
+  every micro-batch. `group`: rows a part keeps whole (a ghost batch-norm group,
+  models/resnet.py; none split where a group spans devices). A step that cannot make 2 small
+  batches gets 1 (the config checks refuse it)."""
+  units = rows_per_device // group if rows_per_device % group == 0 else 1
   want = max(1, -(-pieces // (1 if together else num_micro)))
-  return max(r for r in range(1, want + 1) if rows_per_device % r == 0)
+  return max(r for r in range(1, want + 1) if units % r == 0)
 
 
-def split_rows(x: jax.Array, parts: int) -> jax.Array:
-  """[M, B, ...] -> [M, parts, B / parts, ...]: part j of a micro-batch holds its rows j, j +
-  parts, ... (a device's block of rows stays on it when B / devices divides by `parts`)."""
+def split_rows(x: jax.Array, parts: int, group: int = 1) -> jax.Array:
+  """[M, B, ...] -> [M, parts, B / parts, ...]: part j of a micro-batch holds its groups of
+  `group` rows j, j + parts, ... (group 1: its rows; a device's block of rows stays on it when
+  B / devices divides by `parts` x `group`)."""
   m, rows = x.shape[:2]
-  return x.reshape(m, rows // parts, parts, *x.shape[2:]).swapaxes(1, 2)
+  grouped = x.reshape(m, rows // (parts * group), parts, group, *x.shape[2:]).swapaxes(1, 2)
+  return grouped.reshape(m, parts, rows // parts, *x.shape[2:])
 
 
 def find_state(opt_state: Any) -> NoiseScaleState | None:

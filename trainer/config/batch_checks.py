@@ -11,7 +11,7 @@ import ml_collections
 from optim import B2_RULES, EMA_RULES, LR_RULES, UNITS, WEIGHT_DECAY_RULES
 from optim.autopilot import AutoConfig, check, schedule_lengths, with_defaults
 from optim.noise_scale import splits
-from models.resnet import meter_rows, row_group
+from models.resnet import row_group
 from optim.ramp import parse_ramp
 from optim.scaling import B2_OPTIMIZERS, SCALE_INVARIANT_OPTIMIZERS, TIMESCALE_OPTIMIZERS, b2_owner
 from optim.seesaw import Seesaw, seesaw_defaults
@@ -106,8 +106,8 @@ def check_batch_science(cfg: ml_collections.ConfigDict, dp: int, num_stages: int
              f"optim.noise_scale_pieces={o.noise_scale_pieces} (at least two) parts of every "
              f"micro-batch's {micro} rows, which must divide over the data-parallel size {dp}; "
              f"use data.micro_batch_size a multiple of {2 * dp}")
-      elif batch // micro * splits(batch // micro, o.noise_scale_pieces,
-                                   meter_rows(micro // dp, group)) < 2:
+      elif batch // micro * splits(batch // micro, o.noise_scale_pieces, micro // dp,
+                                   group=group) < 2:
         need(False, f"optim.noise_scale_every at batch {batch} without accumulation splits its "
              f"{micro} rows into two halves, which must divide over the data-parallel size "
              f"{dp}" + (f" in whole ghost batch-norm groups of {group}" if group > 1 else "")

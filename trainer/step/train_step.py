@@ -24,7 +24,6 @@ from flax import nnx
 
 from models import moe as moe_lib
 from models.llama import moe_layer_ids
-from models.resnet import meter_rows
 from optim import noise_scale
 from sharding.mesh import data_parallel_size
 from trainer.step import pipelined
@@ -163,14 +162,6 @@ def grad_sums(spec: ModelSpec, params, batch, *, measure_noise: bool = False,
   return (carry[0], carry[1], carry[2], tuple(carry[4:]) if measure_noise else None, carry[3])
 
 
-def split_for_meter(x: jax.Array, parts: int, group: int = 1) -> jax.Array:
-  """[M, B, ...] -> [M x parts, B / parts, ...]: part j of a micro-batch holds its groups of
-  `group` rows j, j + parts, ... (`noise_scale.split_rows`; group 1: its rows), each group whole."""
-  m, rows = x.shape[:2]
-  grouped = x.reshape(m, rows // group, group, *x.shape[2:])
-  return noise_scale.split_rows(grouped, parts).reshape(m * parts, rows // parts, *x.shape[2:])
-
-
 def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
                     schedule: Callable[[Any], Any], guard_cfg: GuardConfig = GuardConfig(), *,
                     measure_noise: bool = False, noise_pieces: int = 2, norm_metrics: bool = True,
@@ -197,10 +188,11 @@ def make_train_step(spec: ModelSpec, tx: optax.GradientTransformation,
     batch_size = num_micro * rows * replicas
     parts = 1
     if measure_noise:  # enough small batches for the meter
-      parts = noise_scale.splits(num_micro, noise_pieces, meter_rows(rows // dp, row_group),
+      parts = noise_scale.splits(num_micro, noise_pieces, rows // dp, group=row_group,
                                  together=spec.pipeline is not None)
     if parts > 1 and spec.pipeline is None:  # [M parts, B / parts, S]: each part one micro-batch
-      batch = jax.tree.map(lambda x: split_for_meter(x, parts, row_group), batch)
+      batch = jax.tree.map(lambda x: noise_scale.split_rows(x, parts, row_group).reshape(
+          num_micro * parts, rows // parts, *x.shape[2:]), batch)
     precondition = None
     model_state = getattr(state, "model_state", None)  # batch statistics (StatefulTrainState)
     loss_sum, tokens, grad_sum, noise_sums, moe_sums = grad_sums(

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from data import mixture
 from models.llama import ModelConfig
-from models.resnet import meter_rows, row_group
+from models.resnet import row_group
 from models.sizes import param_counts
 from optim import BatchRamp, derive, noise_scale
 from optim import schedules as schedules_lib
@@ -90,8 +90,8 @@ def log_noise_meter(writer: MetricsWriter, cfg: ml_collections.ConfigDict, ramp:
   group = row_group(cfg)  # whole ghost batch-norm groups
   for batch in dict.fromkeys(batches):
     m = batch // micro_rows
-    parts = noise_scale.splits(m, int(o.noise_scale_pieces), meter_rows(micro_rows // dp, group),
-                               together=staged)
+    parts = noise_scale.splits(m, int(o.noise_scale_pieces), micro_rows // dp, together=staged,
+                               group=group)
     pieces.append(f"{parts if staged else m * parts} at batch {batch}")
   window = float(o.noise_scale_window)
   spans = []
