@@ -107,7 +107,7 @@ def test_model_projections_go_through_fp8_and_the_state_is_unchanged():
   np.testing.assert_allclose(float(loss(fp8)), float(loss(plain)), rtol=0.05)
 
 
-@pytest.mark.parametrize("remat", ["dots", "full"])
+@pytest.mark.parametrize("remat", [pytest.param("dots", marks=pytest.mark.slow), "full"])
 def test_fp8_under_remat_equals_no_remat(remat):
   tokens = jax.random.randint(jax.random.key(3), (2, 32), 0, 128)
   grads = {}

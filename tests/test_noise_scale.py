@@ -72,25 +72,26 @@ def test_the_window_is_the_last_fraction_of_the_training_so_far():
   impulse in tr(Sigma) at step 100 counts at step 130 and not at step 140 or later."""
   window = 0.25
   tx = noise_scale.meter(window)
-  state = tx.init(None)
-  update = jax.jit(lambda st, sample, i: tx.update({}, st, noise_sample=sample, step=i)[1])
-  seen = {}
-  for step in range(1000):  # 0-based: the step that ends at step + 1
-    trace = 4.0 if step == 99 else 0.0  # squared norms whose estimates are (1, trace) exactly
-    sample = noise_scale.Sample(*(np.float32(v) for v in (1 + trace, 1 + trace / 2, 1.0, 2.0)))
-    state = update(state, sample, step)
+
+  def step_fn(state, step):  # 0-based: the step that ends at step + 1
+    trace = jnp.where(step == 99, 4.0, 0.0)  # squared norms whose estimates are (1, trace)
+    sample = noise_scale.Sample(*(jnp.float32(v) for v in (1 + trace, 1 + trace / 2, 1.0, 2.0)))
+    state = tx.update({}, state, noise_sample=sample, step=step)[1]
     out = noise_scale.readout(state)
-    seen[step + 1] = (float(out["trace_sigma"]) * float(out["count"]), float(out["count"]))
+    return state, (out["trace_sigma"] * out["count"], out["count"])
+
+  run = jax.jit(lambda st: jax.lax.scan(step_fn, st, jnp.arange(1000)))
+  state, (traces, counts) = run(tx.init(None))
+  seen = {n: (float(traces[n - 1]), float(counts[n - 1])) for n in range(1, 1001)}
   assert seen[130][0] == pytest.approx(4.0) and seen[140][0] == 0.0 and seen[400][0] == 0.0
   for n in (40, 400, 1000):  # the window's measurements: n / 4, and at most one bucket more
     assert window * n <= seen[n][1] <= window * n * (1 + 1 / 8) + 1, (n, seen[n])
   assert float(state.clock) == 1000.0 and float(noise_scale.readout(state)["g_sq"]) == \
       pytest.approx(1.0, rel=1e-5)
   whole = noise_scale.meter(1.0)  # window 1: every measurement so far
-  state = whole.init(None)
-  for step in range(50):
-    _, state = whole.update({}, state, noise_sample=noise_scale.Sample(
-        *(np.float32(v) for v in (5.0, 3.0, 1.0, 2.0))), step=step)
+  sample = noise_scale.Sample(*(np.float32(v) for v in (5.0, 3.0, 1.0, 2.0)))
+  state = jax.jit(lambda st: jax.lax.fori_loop(0, 50, lambda i, s: whole.update(
+      {}, s, noise_sample=sample, step=i)[1], st))(whole.init(None))
   assert float(noise_scale.readout(state)["count"]) == 50
 
 

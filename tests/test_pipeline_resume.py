@@ -39,6 +39,8 @@ def killed(straight, tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow  # the default run keeps the next test (the same killed run, on one device) and
+# test_reliability's SIGKILL during an async save
 def test_sigkill_resumes_bit_for_bit(straight, killed, tmp_path):
   """SIGKILL after the step-4 checkpoint, resumed on the same mesh: every loss of the straight
   run, bit for bit (the stage-major layer stack went to the plain checkpoint and back)."""

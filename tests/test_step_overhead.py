@@ -50,6 +50,8 @@ def _check_passes(ours, logs, plain, shapes):
     assert passes_over(logs, shapes) > plain_passes  # which the count sees
 
 
+@pytest.mark.slow  # two AOT programs; the default run keeps test_bench_compiled's ours-vs-plain
+# compile for one TPU chip (bench/compiled.py prints the same diff)
 def test_no_more_passes_over_the_parameters_than_the_plain_step_on_cpu():
   _check_passes(*_programs(jax.devices()))
 
