@@ -177,6 +177,10 @@ def describe(cfg, hp: Hyperparameters) -> str:
   owner = b2_owner(cfg)
   if owner in B2_OPTIMIZERS or owner == "lion":
     parts.append(item("b2", cfg.get("b2_rule", "constant"), ref.b2, hp.b2, "b2"))
+  fallback_lr = float(cfg.muon.get("fallback_lr", 0.0)) if cfg.name == "muon" else 0.0
+  if fallback_lr > 0:  # Muon's fallback groups at a rate of their own, moved as lr is
+    parts.append(item("fallback_lr", cfg.get("lr_rule", "none"), fallback_lr,
+                      fallback_lr * hp.learning_rate / ref.learning_rate))
   if cfg.name in ("lamb", "lars"):
     parts.append(item("trust_coefficient", "", hp.trust_coefficient, hp.trust_coefficient,
                       "trust_coefficient"))

@@ -113,6 +113,17 @@ def test_describe_names_rules_and_warns_on_unbounded_adam():
   assert "WARNING b2 < b1^2" in describe(cfg, derive(cfg, 128))  # 0.95 ** 8 = 0.66 < 0.81
 
 
+def test_describe_names_muons_fallback_rate_where_it_has_one():
+  """optim.muon.fallback_lr moves with the batch as learning_rate does; 0 (the shared rate) is
+  not named."""
+  cfg = _optim(name="muon", learning_rate=0.02, reference_batch_size=16, lr_rule="sqrt")
+  cfg.muon.fallback_lr = 0.005
+  assert "fallback_lr 0.005 -> 0.01 (sqrt)" in describe(cfg, derive(cfg, 64))
+  assert describe(cfg, derive(cfg, 16)).endswith(", fallback_lr 0.005")
+  cfg.muon.fallback_lr = 0.0
+  assert "fallback_lr" not in describe(cfg, derive(cfg, 64))
+
+
 # ------------------------------------------------------------------------------------------------
 # Schedules
 
