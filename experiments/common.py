@@ -98,7 +98,7 @@ def loss_at(workdir: str, start_batch: int, seq_len: int, examples: list[float],
           for x in examples]
 
 
-REUSE = False  # --reuse (every experiment's flag; `main` sets it)
+REUSE = False  # --reuse (every experiment's flag): `main` sets it for its command's run
 
 
 def train(cfg, workdir: str, **kw) -> Trained:
@@ -196,7 +196,7 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
     print(f"error: {e}", file=sys.stderr)
     return 2
   global REUSE
-  REUSE = bool(getattr(args, "reuse", False))
+  REUSE = bool(getattr(args, "reuse", False))  # for this command only: reset when it ends
   out_dir = os.path.dirname(args.out)
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
@@ -209,6 +209,8 @@ def main(name: str, parse: Callable, experiment: Callable, argv: list[str], *,
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  finally:
+    REUSE = False
   print(f"[{name}] {time.perf_counter() - t0:.0f}s in all", flush=True)
   return 0
 

@@ -247,6 +247,7 @@ def test_reuse_reads_finished_runs_and_retrains_a_changed_one(tmp_path, data_dir
   assert "[reuse]" not in capsys.readouterr().out
   assert large_batch_optimizers.main(args + ["--out", str(again)]) == 0
   assert capsys.readouterr().out.count("read from its finished.json") == 2
+  assert common.REUSE is False  # the flag holds for its command only
   rows = lambda p: list(csv.DictReader(open(f"{p}.csv")))
   assert rows(again) == rows(first)
   assert large_batch_optimizers.main(args + ["--out", str(large), "--large_only"]) == 0
