@@ -64,8 +64,10 @@ def make_evaluator(program: Program, sources: Sequence[mixture.Source],
   read = lambda src, rows: pipeline.validation_batches(
       src, cfg.data.seq_len, cfg.eval_sequences, micro_rows, rows, masking=masking)
   hosts = [read(src, local_rows) for src in sources]
-  # every process the same baseline, from all rows of the set
-  unigram = [unigram_accuracy(read(src, None)) for src in sources] if masking else None
+  # every process the same baseline, from all rows of the set (one process holds them all)
+  whole = sorted(local_rows) == list(range(micro_rows))
+  unigram = [unigram_accuracy(host if whole else read(src, None))
+             for src, host in zip(sources, hosts)] if masking else None
   # Bits per byte = nats per predicted token / ln 2 x predicted tokens / UTF-8 bytes of the
   # validation split (counted at preparation): comparable across tokenizers.
   bits = [(lambda v: v["targets"] / v["bytes"] / math.log(2))(
