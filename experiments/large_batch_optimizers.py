@@ -258,8 +258,8 @@ def plot(path: str, rows: list[dict], curves: dict, batches: list[int], args,
   plt = figures.pyplot()
   if plt is None:
     return False
-  fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.3), sharey=True,
-                           squeeze=False)
+  fig, axes = plt.subplots(1, len(batches), figsize=(max(7.5, 5.5 * len(batches)), 4.3),
+                           sharey=True, squeeze=False)  # one panel: wide enough for the title
   finite = [y for c in curves.values() for _, y in c if math.isfinite(y)]
   if not finite:
     return False
