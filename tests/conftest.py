@@ -34,7 +34,7 @@ import jax  # noqa: E402
 
 CACHE_DIR = os.path.join(tempfile.gettempdir(), "scaletrain-test-jax-cache")
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # as train.py
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import pytest  # noqa: E402
 
