@@ -28,7 +28,7 @@ from optim.ema import ema_params
 from optim.muon import dimension_numbers, muon
 from optim.muon import labels as muon_labels
 from optim.ramp import BatchRamp
-from optim.scaling import SCALE_INVARIANT_OPTIMIZERS, Hyperparameters, derive
+from optim.scaling import SCALE_INVARIANT_OPTIMIZERS, Hyperparameters, derive, fallback_lr_ratio
 from optim.schedules import build_schedule
 from optim.seesaw import planned_ramp
 from optim.transforms import scale_by_layerwise_trust_ratio, scale_by_learning_rate_at
@@ -203,15 +203,6 @@ def _direction(name: str, cfg, hp: Hyperparameters) -> list[optax.GradientTransf
     return [optax.scale_by_lion(b1=cfg.b1, b2=hp.b2)]
   raise ValueError(f"{name!r} has no scale-invariant direction; choose from "
                    f"{', '.join(SCALE_INVARIANT_OPTIMIZERS)}")
-
-
-def fallback_lr_ratio(cfg, hp: Hyperparameters) -> float:
-  """Muon's fallback rate over its matrices' rate: `optim.muon.fallback_lr` / the stated
-  `learning_rate` (1 when fallback_lr is 0, the shared rate). Both are stated at the reference
-  batch and moved by the same `lr_rule` factor, so the ratio holds at every batch; times the
-  schedule (same shape) and muP's / CompleteP's per-group multipliers."""
-  fallback_lr = float(cfg.muon.get("fallback_lr", 0.0))
-  return fallback_lr / (hp.reference or hp).learning_rate if fallback_lr > 0 else 1.0
 
 
 def _optimizer(cfg, hp: Hyperparameters, schedule, m, param_names, clock,

@@ -157,6 +157,15 @@ def derive(cfg, batch_size: int | None, reference_batch_size: int | None = None
       trust_coefficient=stated_hp.trust_coefficient, reference=stated_hp)
 
 
+def fallback_lr_ratio(cfg, hp: Hyperparameters) -> float:
+  """Muon's fallback rate over its matrices' rate: `optim.muon.fallback_lr` / the stated
+  `learning_rate` (1 when fallback_lr is 0, the shared rate). Both are stated at the reference
+  batch and moved by the same `lr_rule` factor, so the ratio holds at every batch; times the
+  schedule (same shape) and muP's / CompleteP's per-group multipliers."""
+  fallback_lr = float(cfg.muon.get("fallback_lr", 0.0))
+  return fallback_lr / (hp.reference or hp).learning_rate if fallback_lr > 0 else 1.0
+
+
 def describe(cfg, hp: Hyperparameters) -> str:
   """One line: what the rules made of the stated values at this batch."""
   ref = hp.reference or hp
@@ -177,10 +186,10 @@ def describe(cfg, hp: Hyperparameters) -> str:
   owner = b2_owner(cfg)
   if owner in B2_OPTIMIZERS or owner == "lion":
     parts.append(item("b2", cfg.get("b2_rule", "constant"), ref.b2, hp.b2, "b2"))
-  fallback_lr = float(cfg.muon.get("fallback_lr", 0.0)) if cfg.name == "muon" else 0.0
-  if fallback_lr > 0:  # Muon's fallback groups at a rate of their own, moved as lr is
-    parts.append(item("fallback_lr", cfg.get("lr_rule", "none"), fallback_lr,
-                      fallback_lr * hp.learning_rate / ref.learning_rate))
+  if cfg.name == "muon" and float(cfg.muon.get("fallback_lr", 0.0)) > 0:  # a rate of its own
+    ratio = fallback_lr_ratio(cfg, hp)
+    parts.append(item("fallback_lr", cfg.get("lr_rule", "none"), ratio * ref.learning_rate,
+                      ratio * hp.learning_rate))
   if cfg.name in ("lamb", "lars"):
     parts.append(item("trust_coefficient", "", hp.trust_coefficient, hp.trust_coefficient,
                       "trust_coefficient"))
