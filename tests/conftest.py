@@ -31,13 +31,12 @@ sys.path.insert(0, ROOT)
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
-
-CACHE_DIR = os.path.join(tempfile.gettempdir(), "scaletrain-test-jax-cache")
-jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)  # as train.py
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import pytest  # noqa: E402
 
+from trainer.step.program import setup_compilation_cache  # noqa: E402
+
+CACHE_DIR = setup_compilation_cache(  # as train.py sets it, in the temp directory
+    os.path.join(tempfile.gettempdir(), "scaletrain-test-jax-cache"))
 from data.prepare import ensure_default_corpus  # noqa: E402
 from trainer.config import default_config  # noqa: E402
 
