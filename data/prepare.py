@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fcntl
 import hashlib
 import multiprocessing
 import os
@@ -237,10 +238,16 @@ def prepare_stdlib(out_dir: str, *, tokenizer: str = "byte", workers: int = 1) -
 
 
 def ensure_default_corpus(data_dir: str = "") -> str:
-  """The prepared default corpus (byte-level), preparing it on first use."""
+  """The prepared default corpus (byte-level), preparing it on first use. Processes that start
+  together on a fresh machine (two train.py runs, the test suite's workers) take turns on a lock
+  file beside it: one prepares, the others find it prepared."""
   data_dir = data_dir or default_data_dir()
   if not os.path.exists(os.path.join(data_dir, "meta.json")):
-    prepare_stdlib(data_dir)
+    os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
+    with open(os.path.abspath(data_dir).rstrip("/") + ".lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+      if not os.path.exists(os.path.join(data_dir, "meta.json")):
+        prepare_stdlib(data_dir)
   return data_dir
 
 

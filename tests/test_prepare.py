@@ -329,3 +329,40 @@ def test_preparation_interrupted_at_any_file_operation_resumes_exactly(tmp_path,
   interrupt_at(0)
   prepare.prepare_files(out, [str(d)])
   assert calls == ["replace", "rename", "remove"] and _prepared(out) == want  # plan.json rewritten
+
+
+_RACE = """
+import os, sys, time
+from data import prepare
+out, counter = sys.argv[1], sys.argv[2]
+def slow_prepare(out_dir, **kw):
+  with open(counter, "a") as f:
+    f.write("x")
+  time.sleep(1.0)
+  os.makedirs(out_dir)
+  open(os.path.join(out_dir, "meta.json"), "w").write("{}")
+prepare.prepare_stdlib = slow_prepare
+open(out + ".ready" + str(os.getpid()), "w").close()
+while not os.path.exists(out + ".go2"):
+  time.sleep(0.01)
+print(prepare.ensure_default_corpus(out))
+"""
+
+
+def test_processes_starting_together_prepare_the_default_corpus_once(tmp_path):
+  """Two processes (the suite's xdist workers, two train.py runs on a fresh machine) asking for
+  the default corpus at the same moment: one prepares it, the other waits and reuses it."""
+  import subprocess, sys  # noqa: E401, PLC0415
+  out, counter = str(tmp_path / "corpus"), str(tmp_path / "calls")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  procs = [subprocess.Popen([sys.executable, "-c", _RACE, out, counter], cwd=root,
+                            stdout=subprocess.PIPE, text=True) for _ in range(2)]
+  import glob, time  # noqa: E401, PLC0415
+  deadline = time.time() + 60
+  while len(glob.glob(out + ".ready*")) < 2 and time.time() < deadline:
+    time.sleep(0.01)  # both imported and waiting at the gate
+  open(out + ".go2", "w").close()
+  outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+  assert [p.returncode for p in procs] == [0, 0]
+  assert outs == [out, out]
+  assert open(counter).read() == "x"  # prepared once
