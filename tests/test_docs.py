@@ -164,7 +164,7 @@ def test_ci_finds_the_quickstart_test_command():
   snippet = ci[ci.index("<<'PY'\n") + 7:ci.index("\nPY\n")]
   out = subprocess.run([sys.executable, "-c", snippet], cwd=ROOT, capture_output=True,
                        text=True, check=True).stdout.strip()
-  assert out.endswith("python -m pytest -q"), out
+  assert out.endswith("python -m pytest -q -n 2 --dist loadfile"), out
 
 
 # ------------------------------------------------------------------------------------------------
