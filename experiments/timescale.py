@@ -6,12 +6,17 @@ what stays optimal across batch sizes? AdamW's weight decay lambda swept at each
 
 configs/sweep_tiny.py's AdamW, its rate moved by the sqrt rule, a warmup over 1/16 of
 `--examples` sequences then a linear decay to zero (as Power Lines trains); at every batch a run
-per lambda of `--wd_grid`, scored by its final eval loss. Per batch lambda_opt (the grid's best,
-refined by a parabola in log lambda, `scaling_cells.vertex`; an edge is not resolved) and tau_opt
-= B / (eta lambda_opt D) (B, D in sequences). Power Lines: tau_opt is the same at every batch, so
-lambda_opt grows as B / eta (B^0.5 under the sqrt rule: `optim.weight_decay_rule=timescale`); a
-flat lambda_opt says the constant rule. OUT.csv: a row per run, per batch (its optimum), and the
-exponent of lambda_opt in B over the resolved batches; OUT.png. Results: docs/scaling_lab.md
+per lambda and seed, scored by the final eval loss. The seeds run inside: per batch the lambda
+grid grows by `--wd_factor` beyond a winning edge of the seeds' mean loss (`tools.tradeoff.
+bracket`, up to `--max_extensions` rounds; a diverged run brackets), lambda_opt is the mean
+curve's best, refined by a parabola in log lambda (`scaling_cells.vertex`), and tau_opt = B / (eta
+lambda_opt D) (B, D in sequences); a batch whose best is still at an edge is censored (reported,
+left out of the fit). Power Lines: tau_opt is the same at every batch, so lambda_opt grows as
+B / eta (B^0.5 under the sqrt rule: `optim.weight_decay_rule=timescale`); a flat lambda_opt says
+the constant rule. The exponent of lambda_opt in B over the resolved batches, with a t interval
+over the seeds (each seed's exponent from its own curves at those batches; `tools.stats`).
+OUT.csv: a row per run, per batch (its optimum, tau_opt's interval over the seeds), and the fit;
+OUT.png. Results: docs/scaling_lab.md
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import sys
 import numpy as np
 
 from experiments import common, scaling_cells
-from tools import figures
+from tools import figures, stats, tradeoff
 
 
 def build_parser():
@@ -31,6 +36,11 @@ def build_parser():
   p.add_argument("--wd_grid", type=common.floats, default="0.1,0.3,1,3,10,30",
                  help="AdamW weight decays lambda (decoupled: each step multiplies the "
                       "parameters by 1 - lr lambda), the same at every batch")
+  p.add_argument("--wd_factor", type=float, default=math.sqrt(10),
+                 help="each extension's step beyond a winning edge of the lambda grid "
+                      "(default sqrt(10), the default grid's)")
+  p.add_argument("--max_extensions", type=int, default=3,
+                 help="rounds of extension per batch (0: the grid as given)")
   p.add_argument("--examples", type=int, default=4096, help="training sequences D per run")
   common.add_budget_args(p, evals=4, eval_sequences=256)
   return p
@@ -43,6 +53,10 @@ def parse(argv):
   if len(args.wd_grid) < 3 or args.wd_grid[0] <= 0:
     p.error(f"--wd_grid {','.join(f'{x:g}' for x in args.wd_grid)}: needs at least 3 positive "
             "values (an optimum inside the grid has a neighbour on each side), e.g. 0.1,1,10")
+  if args.wd_factor <= 1 or args.max_extensions < 0 or args.seeds < 1:
+    p.error(f"--wd_factor {args.wd_factor:g}, --max_extensions {args.max_extensions}, --seeds "
+            f"{args.seeds}: the factor must be above 1, the extensions at least 0, the seeds at "
+            "least 1")
   return args, overrides
 
 
@@ -60,9 +74,10 @@ def run_config(base, args, batch: int, weight_decay: float):
   return cfg
 
 
-def optimum(runs: list[dict], batch: int, examples: int) -> dict:
+def optimum(runs: list[dict], batch: int, examples: int, inside: bool | None = None) -> dict:
   """The optimum of one batch's runs (their `weight_decay`, `final_eval_loss`, `learning_rate`):
-  lambda_opt, tau_opt = B / (eta lambda_opt D), and whether it is inside the grid."""
+  lambda_opt, tau_opt = B / (eta lambda_opt D), and whether it is inside the grid (`inside`
+  where the caller knows better: a diverged neighbour brackets too)."""
   runs = sorted((r for r in runs if math.isfinite(r["final_eval_loss"])),
                 key=lambda r: r["weight_decay"])
   wd = [r["weight_decay"] for r in runs]
@@ -71,7 +86,8 @@ def optimum(runs: list[dict], batch: int, examples: int) -> dict:
   best = scaling_cells.vertex(wd, loss, i)
   eta = runs[i]["learning_rate"]
   return {"kind": "optimum", "batch_size": batch, "learning_rate": eta, "wd_opt": best,
-          "tau_opt": batch / (eta * best * examples), "inside": 0 < i < len(runs) - 1,
+          "tau_opt": batch / (eta * best * examples),
+          "inside": 0 < i < len(runs) - 1 if inside is None else bool(inside),
           "final_eval_loss": loss[i]}
 
 
@@ -86,40 +102,88 @@ def exponent(optima: list[dict]) -> dict:
   return {"kind": "fit", "wd_exponent": e, "batches_inside": len(inside)}
 
 
+def mean_runs(runs: list[dict], batch: int) -> list[dict]:
+  """One batch's runs averaged over the seeds per lambda (NaN where a seed diverged)."""
+  out = []
+  for wd in sorted({r["weight_decay"] for r in runs if r["batch_size"] == batch}):
+    mine = [r for r in runs if (r["batch_size"], r["weight_decay"]) == (batch, wd)]
+    losses = [r["final_eval_loss"] for r in mine]
+    out.append({**mine[0], "final_eval_loss": float(np.mean(losses))
+                if all(math.isfinite(x) for x in losses) else math.nan})
+  return out
+
+
+def seed_spread(runs: list[dict], optima: list[dict], examples: int) -> tuple[dict, dict]:
+  """Over the seeds, each seed's own optimum on the lambdas run at each batch whose mean optimum
+  is inside: ({batch: t interval of tau_opt}, t interval of the exponent of lambda_opt in B)."""
+  inside = [o["batch_size"] for o in optima if o["inside"]]
+  taus, exps = {b: [] for b in inside}, []
+  for seed in sorted({r["seed"] for r in runs}):
+    mine = [optimum([r for r in runs if (r["seed"], r["batch_size"]) == (seed, b)], b, examples)
+            for b in inside]
+    for o in mine:
+      taus[o["batch_size"]].append(o["tau_opt"])
+    exps.append(exponent([{**o, "inside": True} for o in mine])["wd_exponent"])
+  return {b: stats.t_interval(v) for b, v in taus.items()}, stats.t_interval(exps)
+
+
 def experiment(args, cfg) -> list[dict]:
   from optim import derive  # noqa: PLC0415  start-up
-  runs = []
+  seeds = [cfg.seed + k for k in range(args.seeds)]
+  runs, optima = [], []
   for batch in args.batch_sizes:
-    for wd in args.wd_grid:
-      c = run_config(cfg, args, batch, wd)
-      t = common.train(c, os.path.join(args.workdir, f"b{batch}_wd{wd:g}"))
-      finite = [y for _, y in common.eval_curve(t.rows, t.ramp) if math.isfinite(y)]
-      runs.append({"kind": "run", "batch_size": batch, "weight_decay": wd,
-                   "learning_rate": derive(c.optim, batch).learning_rate, "steps": t.steps_run,
-                   "final_eval_loss": finite[-1] if finite else math.nan, "seconds": t.seconds})
-      print(f"[timescale] batch {batch:4d} lambda {wd:<5g}: lr {runs[-1]['learning_rate']:.3g}, "
-            f"final eval {runs[-1]['final_eval_loss']:.4f}; {t.seconds:.0f}s", flush=True)
-  optima = [optimum([r for r in runs if r["batch_size"] == b], b, args.examples)
-            for b in args.batch_sizes]
-  rows = runs + optima + [exponent(optima)]
+    def score(wd, batch=batch):
+      """Mean final eval loss over the seeds at this lambda (None where a seed diverged)."""
+      for seed in seeds:
+        seeded = cfg.copy_and_resolve_references()
+        seeded.seed = seed
+        c = run_config(seeded, args, batch, wd)
+        t = common.train(c, os.path.join(args.workdir, f"b{batch}_wd{wd:g}_s{seed}"))
+        finite = [y for _, y in common.eval_curve(t.rows, t.ramp) if math.isfinite(y)]
+        runs.append({"kind": "run", "seed": seed, "batch_size": batch, "weight_decay": wd,
+                     "learning_rate": derive(c.optim, batch).learning_rate,
+                     "steps": t.steps_run, "final_eval_loss": finite[-1] if finite else math.nan,
+                     "seconds": t.seconds})
+        print(f"[timescale] batch {batch:4d} lambda {wd:<8.3g} seed {seed}: lr "
+              f"{runs[-1]['learning_rate']:.3g}, final eval {runs[-1]['final_eval_loss']:.4f}; "
+              f"{t.seconds:.0f}s", flush=True)
+      loss = next(r for r in mean_runs(runs, batch) if r["weight_decay"] == wd)["final_eval_loss"]
+      return loss if math.isfinite(loss) else None
+
+    scores = tradeoff.bracket(score, args.wd_grid, factor=args.wd_factor,
+                              max_extensions=args.max_extensions)
+    o = optimum(mean_runs(runs, batch), batch, args.examples, inside=tradeoff.interior(scores))
+    optima.append({**o, "seed": "mean", "lambdas": "/".join(f"{w:.3g}" for w in sorted(scores))})
+    if not o["inside"]:
+      print(f"[timescale] batch {batch}: censored, the best lambda {o['wd_opt']:.3g} is at the "
+            f"edge of {optima[-1]['lambdas']} after {args.max_extensions} extensions", flush=True)
+  taus, exp = seed_spread(runs, optima, args.examples)
+  for o in optima:
+    iv = taus.get(o["batch_size"])
+    o.update(tau_lo=iv.lo if iv else math.nan, tau_hi=iv.hi if iv else math.nan)
+  fit = {**exponent(optima), "seed": "mean", "wd_exponent_seeds": exp.mean,
+         "wd_exponent_lo": exp.lo, "wd_exponent_hi": exp.hi}
+  rows = runs + optima + [fit]
   common.write(args, rows)
   print(common.table(optima, COLUMNS, "timescale"))
-  print(f"[timescale] lambda_opt ~ B^{rows[-1]['wd_exponent']:.2f} over "
-        f"{rows[-1]['batches_inside']} batch(es) with the optimum inside the grid (Power Lines, "
-        "sqrt rule: 0.5; constant weight decay: 0)")
-  plotted = plot(args.out + ".png", runs, optima, args)
+  print(f"[timescale] lambda_opt ~ B^{fit['wd_exponent']:.2f} over {fit['batches_inside']} "
+        f"batch(es) with the optimum inside the grid; over the seeds {exp.text('.2f')} (Power "
+        "Lines, sqrt rule: 0.5; constant weight decay: 0)")
+  plotted = plot(args.out + ".png", [r for b in args.batch_sizes for r in mean_runs(runs, b)],
+                 optima, args)
   print(f"[timescale] wrote {args.out}.csv" + (f", {args.out}.png" if plotted else figures.NO_PLOT))
   return rows
 
 
 COLUMNS = [("batch_size", "batch", "d"), ("learning_rate", "lr", ".3g"),
            ("wd_opt", "lambda_opt", ".3g"), ("inside", "inside", ""), ("tau_opt", "tau_opt", ".3g"),
-           ("final_eval_loss", "best eval loss", ".4f")]
+           ("tau_lo", "tau lo", ".3g"), ("tau_hi", "tau hi", ".3g"),
+           ("final_eval_loss", "best eval loss", ".4f"), ("lambdas", "lambdas run", "")]
 
 
 def plot(path: str, runs: list[dict], optima: list[dict], args) -> bool:
-  """Final loss against lambda per batch (the optimum marked), and against tau = B / (eta lambda
-  D): Power Lines' claim is that the second panel's minima line up."""
+  """The seeds' mean final loss against lambda per batch (the optimum marked), and against tau =
+  B / (eta lambda D): Power Lines' claim is that the second panel's minima line up."""
   plt = figures.pyplot()
   if plt is None:
     return False
@@ -144,9 +208,7 @@ def plot(path: str, runs: list[dict], optima: list[dict], args) -> bool:
 
 
 def main(argv: list[str]) -> int:
-  return common.main("timescale", parse, experiment, argv, keys=("kind", "batch_size",
-                                                                 "weight_decay"),
-                     metrics=("final_eval_loss", "wd_opt", "tau_opt", "wd_exponent"))
+  return common.main("timescale", parse, experiment, argv, seeds_inside=True)
 
 
 if __name__ == "__main__":

@@ -367,30 +367,69 @@ def test_timescale_optimum_and_exponent():
   assert timescale.main(["--wd_grid", "0.1,1"]) == 2  # no neighbour on both sides: one line
 
 
-@pytest.mark.slow  # 12 trainings, ~1.5 min (the default run has test_an_experiment_over_seeds)
+def test_timescale_brackets_lambda_on_the_seeds_mean(tmp_path, monkeypatch):
+  """A stand-in trainer with a known surface, final loss 2 + log10(lambda / best)^2, where
+  best = 0.3 (1 + 0.1 (seed - 1)) (B / 8)^(0.5 + 0.05 (seed - 1)): Power Lines under the sqrt rule
+  on the seeds' mean, each seed's exponent 0.45, 0.5 or 0.55; at batch 128 best is 1,000. The grid
+  0.1, 0.3, 1 grows by 3 past a winning edge of the seeds' mean until the best is inside (batch 32:
+  once); batch 128's stays at the edge after the extensions, is censored and left out of the fit;
+  the exponent is 0.5, and its interval over the seeds holds it."""
+  from trainer.run.inprocess import Trained  # noqa: PLC0415
+  seen = []
+
+  def train(cfg, workdir, **_):
+    batch, wd, seed = cfg.data.global_batch_size, cfg.optim.weight_decay, cfg.seed
+    best = (0.3 * (1 + 0.1 * (seed - 1)) * (batch / 8) ** (0.5 + 0.05 * (seed - 1))
+            if batch < 128 else 1e3)
+    seen.append((batch, seed))
+    return Trained("done", cfg.steps, 0.0,
+                   [{"step": cfg.steps, "eval_loss": 2 + math.log10(wd / best) ** 2}],
+                   BatchRamp.constant(batch, cfg.data.seq_len), workdir)
+
+  monkeypatch.setattr(common, "train", train)
+  config = tiny_config_file(tmp_path)
+  out = tmp_path / "out" / "tau"
+  assert timescale.main([
+      "--config", str(config), "--batch_sizes", "8,32,128", "--wd_grid", "0.1,0.3,1",
+      "--wd_factor", "3", "--max_extensions", "2", "--examples", "256", "--seeds", "3",
+      "--out", str(out), "--workdir", str(tmp_path / "runs")]) == 0
+  rows = list(csv.DictReader(open(f"{out}.csv")))
+  opt = {int(r["batch_size"]): r for r in rows if r["kind"] == "optimum"}
+  assert (opt[8]["lambdas"], opt[8]["inside"]) == ("0.1/0.3/1", "True")
+  assert (opt[32]["lambdas"], opt[32]["inside"]) == ("0.1/0.3/1/3", "True")
+  assert (opt[128]["lambdas"], opt[128]["inside"]) == ("0.1/0.3/1/3/9", "False")  # censored
+  assert sorted(set(seen)) == [(b, s) for b in (8, 32, 128) for s in (0, 1, 2)]
+  assert len(seen) == 3 * (3 + 4 + 5)  # every lambda run on every seed
+  assert float(opt[8]["tau_lo"]) < float(opt[8]["tau_opt"]) < float(opt[8]["tau_hi"])
+  (fit,) = [r for r in rows if r["kind"] == "fit"]
+  assert fit["batches_inside"] == "2"  # 128 left out
+  assert float(fit["wd_exponent"]) == pytest.approx(0.5, abs=1e-6)
+  assert float(fit["wd_exponent_lo"]) < 0.45 and float(fit["wd_exponent_hi"]) > 0.55
+  assert timescale.main(["--config", str(config), "--wd_factor", "1"]) == 2
+
+
+@pytest.mark.slow  # 12 trainings, ~1.5 min (the default run has the stand-in test above)
 def test_timescale_end_to_end(tmp_path, data_dir):
-  """The command with a tiny config over 2 seeds: a run per (batch, lambda) at the sqrt rule's
-  rate with lambda as given, a row per batch with its optimum and one with the exponent; the
-  spread over the seeds; the figure."""
+  """The command with a tiny config over 2 seeds: a run per (batch, lambda, seed) at the sqrt
+  rule's rate with lambda as given, a row per batch with its optimum and one with the exponent;
+  the figure."""
   config = tiny_config_file(tmp_path)
   out = tmp_path / "out" / "tau"
   code = timescale.main([
       "--config", str(config), "--batch_sizes", "8,16", "--wd_grid", "0.1,1,10",
-      "--examples", "64", "--evals", "2", "--eval_sequences", "8", "--seeds", "2",
-      "--out", str(out), "--workdir", str(tmp_path / "runs")])
+      "--max_extensions", "0", "--examples", "64", "--evals", "2", "--eval_sequences", "8",
+      "--seeds", "2", "--out", str(out), "--workdir", str(tmp_path / "runs")])
   assert code == 0
   rows = list(csv.DictReader(open(f"{out}.csv")))
-  seed0 = [r for r in rows if r["seed"] == "0"]
-  assert [(r["kind"], r["batch_size"], r["weight_decay"]) for r in seed0[:6]] == [
-      ("run", str(b), str(wd)) for b in (8, 16) for wd in (0.1, 1.0, 10.0)]
-  lr = {r["batch_size"]: float(r["learning_rate"]) for r in seed0[:6]}
+  run_rows = [r for r in rows if r["kind"] == "run"]
+  assert [(r["batch_size"], r["weight_decay"], r["seed"]) for r in run_rows] == [
+      (str(b), str(wd), str(s)) for b in (8, 16) for wd in (0.1, 1.0, 10.0) for s in (0, 1)]
+  lr = {r["batch_size"]: float(r["learning_rate"]) for r in run_rows}
   assert lr["16"] == pytest.approx(2 ** 0.5 * lr["8"])
-  assert [r["kind"] for r in seed0[6:]] == ["optimum", "optimum", "fit"]
-  for r in seed0[6:8]:
+  assert [r["kind"] for r in rows[12:]] == ["optimum", "optimum", "fit"]
+  for r in rows[12:14]:
     assert float(r["tau_opt"]) == pytest.approx(
         int(r["batch_size"]) / (float(r["learning_rate"]) * float(r["wd_opt"]) * 64))
-  summary = list(csv.DictReader(open(f"{out}_seeds.csv")))
-  assert sum(r["kind"] == "optimum" for r in summary) == 2
   assert os.path.getsize(f"{out}.png") > 10_000
 
 
