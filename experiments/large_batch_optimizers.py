@@ -177,7 +177,7 @@ def tune(args, cfg) -> list[dict]:
                                 max_extensions=args.max_extensions)
       tuned.append(best_arm(name, batch, cells, scores, runs))
   write_tuned(args, runs, tuned, TUNED_COLUMNS, "optimizers")
-  diffs = compare(tuned, runs)
+  diffs = compare(tuned, runs) + penalty(tuned, runs, batches(args))
   figures.write_csv(args.out + "_paired.csv", diffs)
   print(f"[optimizers] tuned arms against tuned adamw, seed by seed (seeds {seeds}; 95% t):")
   for d in diffs:
@@ -231,6 +231,34 @@ def compare(tuned: list[dict], runs: list[dict], baseline: str = "adamw",
   (`common.paired_tuned`; not called where either optimum is censored)."""
   return common.paired_tuned(tuned, runs, "optimizer", baseline,
                              choice=("lr_multiplier", "b2_choice"), metric=metric)
+
+
+def penalty(tuned: list[dict], runs: list[dict], batch_sizes: list[int], baseline: str = "adamw",
+            metric: str = "final_eval_loss") -> list[dict]:
+  """What the large batch costs each tuned arm (its best cell's loss at the first batch minus
+  at the second, seed by seed) against what it costs the baseline, paired over the seeds: the
+  question the large-batch optimizers were made for. [] with one batch; not called where any of
+  the four optima is censored."""
+  if len(batch_sizes) < 2:
+    return []
+  large, small = batch_sizes[:2]
+  best = {(t["optimizer"], t["batch_size"]): t for t in tuned}
+  loss = {}
+  for r in runs:
+    t = best.get((r["optimizer"], r["batch_size"]))
+    if t and r["lr_multiplier"] == t["lr_multiplier"] and r["b2_choice"] == t["b2_choice"]:
+      loss[r["optimizer"], r["batch_size"], r["seed"]] = r[metric]
+  rows = [{"seed": seed, "optimizer": name, f"{metric}_penalty":
+           loss[name, large, seed] - loss[name, small, seed]}
+          for (name, batch, seed) in loss if batch == large and (name, small, seed) in loss]
+  diffs = common.paired(rows, ("optimizer",), (f"{metric}_penalty",), "optimizer", baseline)
+  for d in diffs:
+    censored = [f"{n} at {b}" for n in (d["arm"], baseline) for b in (large, small)
+                if not best[n, b]["interior"]]
+    d.update(batch_size=f"{large} - {small}", called=not censored)
+    if censored:
+      d["text"] += f" (not called: the best rate of {', '.join(censored)} is at an edge)"
+  return diffs
 
 
 def report_plot(args, rows: list[dict], curves: dict, how: str) -> None:

@@ -13,10 +13,11 @@ from experiments import large_batch_optimizers as lbo
 STATED = {"adamw": 3e-3, "lars": 2.0}  # the stated rates (lars: optim/scaling.py's default)
 
 
-def surface(best: dict, diverge_above: float = math.inf):
+def surface(best: dict, diverge_above: float = math.inf, large_cost=None):
   """A stand-in for `train_run`: final loss 2 + (log2 of the rate / the optimizer's best)^2
   + 0.05 where b2 is not 0.95 (AdamW) + 0.01 x seed (the seeds' shared offset) + 0.003 x seed^2
-  for LARS (so the paired differences vary); NaN above `diverge_above` x its stated rate."""
+  for LARS (so the paired differences vary); NaN above `diverge_above` x its stated rate;
+  + `large_cost[name](seed)` at batch 16 where given."""
   def train_run(cfg, workdir):
     from optim.scaling import stated  # noqa: PLC0415
     name, seed = cfg.optim.name, int(cfg.seed)
@@ -25,6 +26,8 @@ def surface(best: dict, diverge_above: float = math.inf):
                                              and cfg.optim.b2 == 0.95) else 0.0
     loss = (2 + math.log2(mult / best[name]) ** 2 + b2_off + 0.01 * seed
             + (0.003 * seed ** 2 if name == "lars" else 0.0))
+    if large_cost and cfg.data.global_batch_size == 16:
+      loss += large_cost[name](seed)
     if mult > diverge_above:
       loss = math.nan
     return [(cfg.steps * cfg.data.global_batch_size, loss)], cfg.steps, 0.0
@@ -66,6 +69,32 @@ def test_an_edge_winner_grows_the_grid(tmp_path, monkeypatch, capsys):
   assert d["called"] == "True" and "no difference at this level" in d["text"]
   assert "edge" not in d["text"] and "flip" not in d["text"]
   assert "not called" not in capsys.readouterr().out
+
+
+def test_what_the_large_batch_costs_each_arm_is_compared_seed_by_seed(tmp_path, monkeypatch,
+                                                                     capsys):
+  """At batches 16 and 8, the large batch costs AdamW 0.5 and LARS 0.2 + 0.01 x seed (the
+  surface's other terms cancel within an arm): each arm is tuned at both batches, and the
+  penalty row holds LARS's cost minus AdamW's over the 3 paired seeds with its t interval."""
+  monkeypatch.setattr(lbo, "train_run", surface(
+      {"adamw": 1.0, "lars": 1.0},
+      large_cost={"adamw": lambda seed: 0.5, "lars": lambda seed: 0.2 + 0.01 * seed}))
+  config = tiny_config_file(tmp_path)
+  out = tmp_path / "out" / "opt"
+  assert lbo.main(["--config", str(config), "--batch", "16", "--reference_batch", "8",
+                   "--examples", "64", "--optimizers", "adamw,lars", "--lr_grid", "0.5,1,2",
+                   "--b2_grid", "0.95", "--seeds", "3", "--out", str(out),
+                   "--workdir", str(tmp_path / "runs")]) == 0
+  paired = list(csv.DictReader(open(f"{out}_paired.csv")))
+  assert [(d["metric"], d["batch_size"]) for d in paired] == [
+      ("final_eval_loss", "16"), ("final_eval_loss", "8"), ("final_eval_loss_penalty", "16 - 8")]
+  d = paired[-1]
+  half = 4.3027 * 0.01 / math.sqrt(3)  # per seed -0.30, -0.29, -0.28
+  assert float(d["diff"]) == pytest.approx(-0.29)
+  assert (float(d["diff_lo"]), float(d["diff_hi"])) == pytest.approx((-0.29 - half,
+                                                                      -0.29 + half), abs=1e-5)
+  assert d["called"] == "True" and "lars lower than adamw" in d["text"]
+  assert "final_eval_loss_penalty: lars - adamw = -0.29" in capsys.readouterr().out
 
 
 def test_a_censored_arm_is_not_called(tmp_path, monkeypatch, capsys):
