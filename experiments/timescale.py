@@ -4,19 +4,13 @@ what stays optimal across batch sizes? AdamW's weight decay lambda swept at each
     python -m experiments.timescale [--batch_sizes 8,32,128] [--wd_grid 0.1,0.3,1,3,10,30] \\
         [--examples 4096] [--seeds 3] [--out docs/timescale]
 
-configs/sweep_tiny.py's AdamW, its rate moved by the sqrt rule, a warmup over 1/16 of
-`--examples` sequences then a linear decay to zero (as Power Lines trains); at every batch a run
-per lambda and seed, scored by the final eval loss. The seeds run inside: per batch the lambda
-grid grows by `--wd_factor` beyond a winning edge of the seeds' mean loss (`tools.tradeoff.
-bracket`, up to `--max_extensions` rounds; a diverged run brackets), lambda_opt is the mean
-curve's best, refined by a parabola in log lambda (`scaling_cells.vertex`), and tau_opt = B / (eta
-lambda_opt D) (B, D in sequences); a batch whose best is still at an edge is censored (reported,
-left out of the fit). Power Lines: tau_opt is the same at every batch, so lambda_opt grows as
-B / eta (B^0.5 under the sqrt rule: `optim.weight_decay_rule=timescale`); a flat lambda_opt says
-the constant rule. The exponent of lambda_opt in B over the resolved batches, with a t interval
-over the seeds (each seed's exponent from its own curves at those batches; `tools.stats`).
-OUT.csv: a row per run, per batch (its optimum, tau_opt's interval over the seeds), and the fit;
-OUT.png. Results: docs/scaling_lab.md
+sweep_tiny's AdamW at the sqrt rule's rate, warmup 1/16 of `--examples` then linear to zero (as
+Power Lines trains); a run per (batch, lambda, seed), scored by the final eval loss. Per batch the
+lambda grid grows by `--wd_factor` past a winning edge of the seeds' mean (`tools.tradeoff.
+bracket`; a diverged run brackets); lambda_opt is the mean curve's best (parabola in log lambda),
+tau_opt = B / (eta lambda_opt D); a batch still at an edge is censored and left out of the fit of
+lambda_opt ~ B^e (Power Lines, sqrt rule: e = 0.5), whose t interval is over the seeds' own
+exponents. OUT.csv, OUT.png; results and method: docs/scaling_lab.md
 """
 from __future__ import annotations
 
