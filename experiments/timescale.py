@@ -128,6 +128,7 @@ def experiment(args, cfg) -> list[dict]:
   for batch in args.batch_sizes:
     def score(wd, batch=batch):
       """Mean final eval loss over the seeds at this lambda (None where a seed diverged)."""
+      losses = []
       for seed in seeds:
         seeded = cfg.copy_and_resolve_references()
         seeded.seed = seed
@@ -141,8 +142,8 @@ def experiment(args, cfg) -> list[dict]:
         print(f"[timescale] batch {batch:4d} lambda {wd:<8.3g} seed {seed}: lr "
               f"{runs[-1]['learning_rate']:.3g}, final eval {runs[-1]['final_eval_loss']:.4f}; "
               f"{t.seconds:.0f}s", flush=True)
-      loss = next(r for r in mean_runs(runs, batch) if r["weight_decay"] == wd)["final_eval_loss"]
-      return loss if math.isfinite(loss) else None
+        losses.append(runs[-1]["final_eval_loss"])
+      return float(np.mean(losses)) if all(math.isfinite(x) for x in losses) else None
 
     scores = tradeoff.bracket(score, args.wd_grid, factor=args.wd_factor,
                               max_extensions=args.max_extensions)
