@@ -274,6 +274,20 @@ def paired(rows: list[dict], keys, metrics, arm: str, baseline) -> list[dict]:
   return out
 
 
+def seed_mean(values: list[float]) -> float:
+  """Mean over seeds; NaN where a seed diverged (a non-finite loss brackets like a diverged run)."""
+  return sum(values) / len(values) if all(math.isfinite(v) for v in values) else math.nan
+
+
+def best_cells(tuned: list[dict], runs: list[dict], arm: str, *, by=("batch_size",),
+               choice=("lr_multiplier",)) -> list[dict]:
+  """The runs (every seed) of each tuned arm's best cell: `tuned` holds one row per (`arm`,
+  `by`) with the `choice` keys of its best cell."""
+  key = lambda r: (r[arm], *(r[k] for k in by))
+  best = {key(t): t for t in tuned}
+  return [r for r in runs if (t := best.get(key(r))) and all(r[c] == t[c] for c in choice)]
+
+
 def paired_tuned(tuned: list[dict], runs: list[dict], arm: str, baseline, *,
                  by=("batch_size",), choice=("lr_multiplier",),
                  metric: str = "final_eval_loss") -> list[dict]:
@@ -281,10 +295,9 @@ def paired_tuned(tuned: list[dict], runs: list[dict], arm: str, baseline, *,
   (`paired`): `tuned` holds one row per (`arm`, `by`) with the `choice` keys of its best cell
   and whether its optimum is `interior`; `runs` every run, with its seed. No call where either
   arm's optimum is censored (the text says whose)."""
-  key = lambda r: (r[arm], *(r[k] for k in by))
-  best = {key(t): t for t in tuned}
-  rows = [r for r in runs if (t := best.get(key(r))) and all(r[c] == t[c] for c in choice)]
-  diffs = paired(rows, (arm, *by), (metric,), arm, baseline)
+  best = {(t[arm], *(t[k] for k in by)): t for t in tuned}
+  diffs = paired(best_cells(tuned, runs, arm, by=by, choice=choice), (arm, *by), (metric,), arm,
+                 baseline)
   for d in diffs:
     where = tuple(d[k] for k in by)
     censored = [str(n) for n in (d["arm"], baseline) if not best[(n, *where)]["interior"]]

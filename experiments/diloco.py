@@ -107,7 +107,7 @@ def tune(args, cfg) -> list[dict]:
                          "learning_rate": derive(c.optim, batch).learning_rate,
                          "final_eval_loss": t.final_eval, "seconds": t.seconds})
             losses.append(t.final_eval if t.final_eval is not None else math.nan)
-          cells[mult, outer] = sum(losses) / len(losses)
+          cells[mult, outer] = common.seed_mean(losses)
           print(f"[diloco] {name:18s} batch {batch:4d} lr x{mult:g}"
                 + (f" outer {outer:g}" if m else "") + f": mean final eval {cells[mult, outer]:.4f}",
                 flush=True)

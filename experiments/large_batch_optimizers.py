@@ -143,11 +143,6 @@ def experiment(args, cfg) -> list[dict]:
   return rows
 
 
-def mean(values: list[float]) -> float:
-  """Mean over seeds; NaN where a seed diverged (a non-finite loss brackets like a diverged run)."""
-  return sum(values) / len(values) if all(math.isfinite(v) for v in values) else math.nan
-
-
 def tune(args, cfg) -> list[dict]:
   """Every optimizer tuned alike at each batch: (rate multiplier x b2 x seed) runs, the rates
   bracketed on the mean final eval loss; the tuned arms compared with AdamW's seed by seed."""
@@ -169,7 +164,7 @@ def tune(args, cfg) -> list[dict]:
                                                                  mult, b2, where)
             runs.append({"seed": seed, **row})
             losses.append(row["final_eval_loss"])
-          cells[mult, b2] = mean(losses)
+          cells[mult, b2] = common.seed_mean(losses)
         done = [cells[mult, b2] for b2 in b2s if math.isfinite(cells[mult, b2])]
         return min(done) if done else None
 
@@ -243,11 +238,8 @@ def penalty(tuned: list[dict], runs: list[dict], batch_sizes: list[int], baselin
     return []
   large, small = batch_sizes[:2]
   best = {(t["optimizer"], t["batch_size"]): t for t in tuned}
-  loss = {}
-  for r in runs:
-    t = best.get((r["optimizer"], r["batch_size"]))
-    if t and r["lr_multiplier"] == t["lr_multiplier"] and r["b2_choice"] == t["b2_choice"]:
-      loss[r["optimizer"], r["batch_size"], r["seed"]] = r[metric]
+  loss = {(r["optimizer"], r["batch_size"], r["seed"]): r[metric] for r in common.best_cells(
+      tuned, runs, "optimizer", choice=("lr_multiplier", "b2_choice"))}
   rows = [{"seed": seed, "optimizer": name, f"{metric}_penalty":
            loss[name, large, seed] - loss[name, small, seed]}
           for (name, batch, seed) in loss if batch == large and (name, small, seed) in loss]

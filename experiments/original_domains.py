@@ -175,7 +175,7 @@ def tune(args, cfg) -> list[dict]:
             errors.append(1.0 - acc)
             print(f"[domains] {name} at batch {batch}: lr {hp.learning_rate:.4g} (x{mult:g}), "
                   f"b2 {b2}, seed {seed}: {task.metric} {acc:.4f}; {seconds:.0f}s", flush=True)
-          cells[mult, b2] = lbo.mean(errors)
+          cells[mult, b2] = common.seed_mean(errors)
         done = [cells[mult, b2] for b2 in b2s if math.isfinite(cells[mult, b2])]
         return min(done) if done else None
 

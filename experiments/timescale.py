@@ -101,9 +101,8 @@ def mean_runs(runs: list[dict], batch: int) -> list[dict]:
   out = []
   for wd in sorted({r["weight_decay"] for r in runs if r["batch_size"] == batch}):
     mine = [r for r in runs if (r["batch_size"], r["weight_decay"]) == (batch, wd)]
-    losses = [r["final_eval_loss"] for r in mine]
-    out.append({**mine[0], "final_eval_loss": float(np.mean(losses))
-                if all(math.isfinite(x) for x in losses) else math.nan})
+    out.append({**mine[0],
+                "final_eval_loss": common.seed_mean([r["final_eval_loss"] for r in mine])})
   return out
 
 
@@ -143,7 +142,7 @@ def experiment(args, cfg) -> list[dict]:
               f"{runs[-1]['learning_rate']:.3g}, final eval {runs[-1]['final_eval_loss']:.4f}; "
               f"{t.seconds:.0f}s", flush=True)
         losses.append(runs[-1]["final_eval_loss"])
-      return float(np.mean(losses)) if all(math.isfinite(x) for x in losses) else None
+      return m if math.isfinite(m := common.seed_mean(losses)) else None
 
     scores = tradeoff.bracket(score, args.wd_grid, factor=args.wd_factor,
                               max_extensions=args.max_extensions)
