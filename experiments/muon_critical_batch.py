@@ -75,7 +75,8 @@ def sweep_args(args) -> argparse.Namespace:
   return argparse.Namespace(
       target_loss=args.target_loss, micro_batch_size=args.micro_batch_size,
       max_examples=args.max_examples, eval_examples=args.eval_examples,
-      eval_sequences=args.eval_sequences, smooth_examples=args.smooth_examples)
+      eval_sequences=args.eval_sequences, smooth_examples=args.smooth_examples,
+      reuse=getattr(args, "reuse", False))
 
 
 def experiment(args, cfg) -> list[dict]:

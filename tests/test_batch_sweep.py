@@ -115,6 +115,38 @@ def test_sweep_over_seeds(tmp_path, data_dir):
   assert os.path.getsize(out / "batch_sweep.png") > 10_000
 
 
+def test_reuse_reads_a_stopped_run_back_under_the_same_rule(tmp_path, data_dir, capsys,
+                                                             monkeypatch):
+  """`--reuse`: a run stopped at its target is read back from its record (the same result, no
+  training); the record holds the stop rule, so another target, smoothing or length, or a
+  reader that states no rule, trains it again."""
+  import argparse
+  from trainer.config.cli import load
+  from trainer.run import inprocess
+  cfg = load(write_sweep_config(tmp_path), [])
+  args = argparse.Namespace(target_loss=5.5, smooth_examples=0, max_examples=320,
+                            micro_batch_size=16, eval_examples=32, eval_sequences=8,
+                            target_metric="eval_loss", reuse=True)
+  workdir = str(tmp_path / "b16")
+  first = batch_sweep.run_one(cfg, 16, 1.0, args, workdir)
+  assert first.steps is not None and first.steps_run < 20  # stopped at the target
+  assert "[reuse]" not in capsys.readouterr().out
+
+  def no_training(*a, **kw):
+    raise AssertionError("trained again")
+  monkeypatch.setattr(batch_sweep, "train", no_training)
+  again = batch_sweep.run_one(cfg, 16, 1.0, args, workdir)
+  assert "read from its finished.json" in capsys.readouterr().out
+  assert again == first
+  for change in ({"target_loss": 5.4}, {"smooth_examples": 64}, {"max_examples": 640}):
+    with pytest.raises(AssertionError, match="trained again"):
+      batch_sweep.run_one(cfg, 16, 1.0, argparse.Namespace(**{**vars(args), **change}), workdir)
+  assert inprocess.finished(batch_sweep.run_config(cfg, 16, 1.0, args), workdir) is None
+  args.reuse = False
+  with pytest.raises(AssertionError, match="trained again"):
+    batch_sweep.run_one(cfg, 16, 1.0, args, workdir)
+
+
 def steps_surface(best_mult: float, batch: int = 32):
   """Steps to a target on a synthetic loss surface: McCandlish's curve at the best rate, growing
   quadratically in log2 of the rate's distance from `best_mult`; beyond 4x the best the run

@@ -3,7 +3,7 @@ several batch sizes, the fit of McCandlish et al. 2018, and the measured gradien
 
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
         --target_loss 2.6 [--lr_grid 0.5,1,2] [--max_extensions 4] [--out runs/batch_sweep] \\
-        [--config.KEY=VALUE ...]
+        [--reuse] [--config.KEY=VALUE ...]
 
 One training per batch and rate multiplier, stopped at the target. Per batch the rate grid grows
 beyond any winning edge (`tools.tradeoff.bracket`; a run that never reaches the target brackets)
@@ -29,7 +29,7 @@ from tools.tradeoff import Fit, bracket, fit_tradeoff, interior, local_slopes, w
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser, floats, ints, load
 from trainer.multihost import platforms
-from trainer.run.inprocess import train
+from trainer.run.inprocess import finished, train
 from trainer.tracking.record import (eval_curve, interpolate, noise_curve, read_rows, smooth,
                                      target_stop, to_target)
 
@@ -85,16 +85,23 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   grow it), stopped at the target (once `args.min_examples` are seen, if it has that) or after
   `args.max_examples`; returns what it measured. `args.curve` "ema" (if it has that): the target
   is read on the parameter EMA's eval curve (the config must set optim.ema_decay).
-  Examples, tokens and steps come from the run's record (its batch changes), not step x batch."""
+  Examples, tokens and steps come from the run's record (its batch changes), not step x batch.
+  With `args.reuse` a run that finished in `workdir` with the same config and stop rule is read
+  back instead of trained (a killed sweep resumes by run)."""
   from optim import derive  # noqa: PLC0415  start-up
 
   cfg = run_config(base_cfg, batch_size, lr_multiplier, args)
   micro, target = args.micro_batch_size, args.target_loss
   key = getattr(args, "target_metric", "eval_loss")
   key += "_ema" if getattr(args, "curve", "raw") == "ema" else ""
-  stop = lambda run: target_stop(target, args.smooth_examples, run.ramp.examples_before,
-                                 args.max_examples, getattr(args, "min_examples", 0), key)
-  trained = train(cfg, workdir, stop=stop)
+  rule = (target, args.smooth_examples, args.max_examples, getattr(args, "min_examples", 0), key)
+  stop = lambda run: target_stop(*rule[:2], run.ramp.examples_before, *rule[2:])
+  stop_key = json.dumps({"target_stop": rule})
+  trained = finished(cfg, workdir, stop_key) if getattr(args, "reuse", False) else None
+  if trained is not None:
+    print(f"[reuse] {workdir}: read from its finished.json", flush=True)
+  else:
+    trained = train(cfg, workdir, stop=stop, stop_key=stop_key)
   rows, ramp = trained.rows, trained.ramp
   reached = to_target(eval_curve(rows, ramp, key), ramp, target, args.smooth_examples)
   first = smooth(eval_curve(rows, ramp, key), args.smooth_examples / 2)
@@ -245,6 +252,9 @@ def build_parser():
   p.add_argument("--smooth_examples", type=int, default=1024,
                  help="width in examples of the centered average of the eval curve (0: none)")
   p.add_argument("--plot", default="", help="PNG path (default <out>/batch_sweep.png)")
+  p.add_argument("--reuse", action="store_true",
+                 help="read back a run that already finished in its workdir with the same config "
+                      "and stop rule instead of training it again (a killed sweep resumes)")
   p.add_argument("--seeds", type=int, default=1,
                  help="sweep at the config's seed, seed + 1, ... (each in <out>/seed<s>) and "
                       "report the spread of B_crit, B_simple and the steps")

@@ -34,14 +34,15 @@ class Trained:
     return evals[-1] if evals else None
 
 
-def train(cfg, workdir: str, *, stop=None, fresh: bool = True,
+def train(cfg, workdir: str, *, stop=None, stop_key: str | None = None, fresh: bool = True,
           keep_checkpoints: bool = False) -> Trained:
   """Train `cfg` in `workdir` through `trainer.run.loop.Run` (validated first: a config mistake is a
   ConfigError before anything compiles). `fresh` clears the workdir first (the experiments own
   their run directories); otherwise the run resumes from its checkpoints as train.py would.
   `stop(run)` returns the run's `stop_when(step, row)` callback (it may read the live ramp,
-  `run.ramp`). A run that diverges under `trainer.nonfinite_policy="stop"` is a result (status
-  "nonfinite"); any other early end raises."""
+  `run.ramp`); `stop_key` states the rule (its parameters) so that the finished record holds it
+  and `finished` can read a stopped run back. A run that diverges under
+  `trainer.nonfinite_policy="stop"` is a result (status "nonfinite"); any other early end raises."""
   import jax  # noqa: PLC0415  start-up
   from trainer.config.checks import validate  # noqa: PLC0415  start-up
   from trainer.run.loop import Run  # noqa: PLC0415  start-up
@@ -64,10 +65,10 @@ def train(cfg, workdir: str, *, stop=None, fresh: bool = True,
   d = run.cfg.data
   ramp = ramp_from_rows(rows, d.global_batch_size, d.seq_len) if d.batch_ramp in ("", "auto") \
       else run.ramp
-  if stop is None:  # a record of the whole run (a stop rule is not in the fingerprint)
+  if stop is None or stop_key is not None:  # a record of the run, with its stop rule stated
     tmp = os.path.join(workdir, "finished.json.tmp")
     with open(tmp, "w") as f:
-      json.dump({"fingerprint": said, "status": result.status,
+      json.dump({"fingerprint": said, "stop": stop_key, "status": result.status,
                  "steps_run": result.step, "seconds": seconds, "seq_len": ramp.seq_len,
                  "stages": list(zip(ramp.batches, ramp.start_tokens)), "cuts": ramp.cuts}, f)
     os.replace(tmp, os.path.join(workdir, FINISHED))
@@ -82,17 +83,17 @@ def fingerprint(cfg) -> str:
   return json.dumps({"config": cfg.to_dict()}, sort_keys=True, default=str)
 
 
-def finished(cfg, workdir: str) -> Trained | None:
+def finished(cfg, workdir: str, stop_key: str | None = None) -> Trained | None:
   """The run of `cfg` in `workdir` read from its record, if a run of the same config (up to
-  `same_fingerprint`) trained there to its end without a stop rule; else None. A run killed
-  before its end has no finished.json and is trained again. The ramp is the run's stages (a
-  Seesaw ramp without its plan)."""
+  `same_fingerprint`) trained there to its end under the same stop rule (`stop_key`, as `train`
+  was given it; None: no rule); else None. A run killed before its end has no finished.json and
+  is trained again. The ramp is the run's stages (a Seesaw ramp without its plan)."""
   path = os.path.join(workdir, FINISHED)
   if not os.path.exists(path):
     return None
   with open(path) as f:
     saved = json.load(f)
-  if not same_fingerprint(saved["fingerprint"], fingerprint(cfg)):
+  if saved.get("stop") != stop_key or not same_fingerprint(saved["fingerprint"], fingerprint(cfg)):
     return None
   from optim.ramp import BatchRamp  # noqa: PLC0415  start-up
   ramp = BatchRamp([tuple(s) for s in saved["stages"]], saved["seq_len"], tuple(saved["cuts"]))
