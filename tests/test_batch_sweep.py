@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import write_sweep_config
-from tools import batch_sweep
+from tools import batch_sweep, figures
 from tools.tradeoff import Fit, fit_tradeoff
 from trainer.tracking.record import crossing, smooth
 
@@ -113,6 +113,32 @@ def test_sweep_over_seeds(tmp_path, data_dir):
                                                      per_seed[1]["b_crit"]) / 2)
   assert summary["steps"]["16"]["n"] == 2
   assert os.path.getsize(out / "batch_sweep.png") > 10_000
+  rows = list(csv.DictReader(open(out / "batch_sweep_seeds.csv")))
+  assert [int(r["seed"]) for r in rows] == [0, 1] and {r["optimizer"] for r in rows} == {"adamw"}
+  assert [float(r["b_crit"]) for r in rows] == pytest.approx([s["b_crit"] for s in per_seed])
+
+
+def test_two_sweeps_compare_seed_by_seed(tmp_path, capsys):
+  """batch_sweep_seeds.csv holds a row per seed (B_crit, log2 of it, the steps per batch, the
+  censored batches), so two sweeps of the same seeds pair in `tools.stats`: log2 B_crit of A
+  minus B, by seed, with a censored seed (no fit) left out."""
+  from tools import stats
+  def summary(seed, optimizer, b_crit, censored=()):
+    return {"seed": seed, "optimizer": optimizer, "target_metric": "eval_error",
+            "target_loss": 0.05, "b_crit": b_crit, "s_min": 10.0, "e_min": 10.0 * (b_crit or 1),
+            "censored": list(censored), "steps": {32: 100.0, 64: 60.0}}
+  a = batch_sweep.seed_rows([summary(0, "lars", 64.0), summary(1, "lars", 128.0),
+                             summary(2, "lars", 32.0), summary(3, "lars", None, [64])])
+  b = batch_sweep.seed_rows([summary(s, "sgd", 32.0) for s in range(4)])
+  assert a[0]["log2_b_crit"] == 6.0 and a[3]["log2_b_crit"] is None and a[3]["censored"] == "64"
+  assert a[0]["steps_32"] == 100.0 and a[0]["steps_64"] == 60.0
+  for name, rows in (("a", a), ("b", b)):
+    figures.write_csv(str(tmp_path / f"{name}.csv"), rows)
+  assert stats.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--metric", "log2_b_crit",
+                     "--arm", "optimizer", "--a", "lars", "--b", "sgd"]) == 0
+  out = capsys.readouterr().out
+  want = stats.paired({0: 6.0, 1: 7.0, 2: 5.0}, {0: 5.0, 1: 5.0, 2: 5.0})
+  assert want.verdict("lars", "sgd", fmt=".4g") in out and "seeds [0, 1, 2]" in out, out
 
 
 def test_reuse_reads_a_stopped_run_back_under_the_same_rule(tmp_path, data_dir, capsys,

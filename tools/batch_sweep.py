@@ -296,7 +296,7 @@ def sweep(cfg, args, out: str, name: str) -> dict:
     bracket(run, args.lr_grid, factor=args.bracket_factor, max_extensions=args.max_extensions)
   chosen, fit, summary = summarise(results, require_interior=True)
   summary.update(config=args.config, overrides=getattr(args, "overrides", {}),
-                 seed=int(cfg.seed), target_loss=args.target_loss,
+                 optimizer=str(cfg.optim.name), seed=int(cfg.seed), target_loss=args.target_loss,
                  target_metric=getattr(args, "target_metric", "eval_loss"),
                  batch_sizes=args.batch_sizes, lr_grid=args.lr_grid,
                  rates_run={b: sorted(r.lr_multiplier for r in results if r.batch_size == b)
@@ -363,6 +363,25 @@ def over_seeds(summaries: list[dict]) -> dict:
   return out
 
 
+def seed_rows(summaries: list[dict]) -> list[dict]:
+  """A row per seed's sweep (batch_sweep_seeds.csv): its optimizer, B_crit (and log2 of it, the
+  scale two arms are compared on), the fit's residual interval, S_min, E_min, B_simple, the
+  batches whose rate is censored, and the steps to the target at each batch, so that two
+  sweeps that share their seeds compare seed by seed (`python -m tools.stats`)."""
+  rows = []
+  for s in summaries:
+    b = s.get("b_crit")
+    row = {"seed": s["seed"], "optimizer": s.get("optimizer"),
+           "target_metric": s.get("target_metric"), "target": s.get("target_loss"),
+           "b_crit": b, "log2_b_crit": math.log2(b) if b and b > 0 else None,
+           "b_crit_lo": s.get("b_crit_lo"), "b_crit_hi": s.get("b_crit_hi"),
+           "s_min": s.get("s_min"), "e_min": s.get("e_min"),
+           "b_simple_median": s.get("b_simple_median"),
+           "censored": "/".join(map(str, s.get("censored", [])))}
+    rows.append({**row, **{f"steps_{k}": v for k, v in s["steps"].items()}})
+  return rows
+
+
 def main(argv: list[str]) -> int:
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   try:
@@ -399,6 +418,7 @@ def main(argv: list[str]) -> int:
     summary = over_seeds(summaries)
     with open(os.path.join(args.out, "batch_sweep_seeds.json"), "w") as f:
       json.dump(summary, f, indent=1)
+    figures.write_csv(os.path.join(args.out, "batch_sweep_seeds.csv"), seed_rows(summaries))
     shutil.copyfile(os.path.join(args.out, f"seed{cfg.seed}", "batch_sweep.png"), args.plot) \
         if os.path.exists(os.path.join(args.out, f"seed{cfg.seed}", "batch_sweep.png")) else None
     text = lambda s: "-" if s is None else (f"{s['mean']:.4g} +- {s['std']:.2g} "
@@ -408,7 +428,8 @@ def main(argv: list[str]) -> int:
           f"{text(summary['b_simple_median'])}")
     for b, s in summary["steps"].items():
       print(f"[sweep]   batch {b}: steps to the target {text(s)}")
-    print(f"[sweep] wrote {args.out}/batch_sweep_seeds.json")
+    print(f"[sweep] wrote {args.out}/batch_sweep_seeds.json, batch_sweep_seeds.csv (a row per "
+          "seed: two sweeps compare seed by seed with python -m tools.stats)")
   return 0
 
 
