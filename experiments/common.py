@@ -323,7 +323,7 @@ def summarize(rows: list[dict], keys, metrics) -> list[dict]:
   for key, group in groups.items():
     row = dict(zip(keys, key))
     for m in metrics:
-      s = batch_sweep.spread(r.get(m) for r in group) or dict.fromkeys(
+      s = stats.spread(r.get(m) for r in group) or dict.fromkeys(
           ("mean", "std", "min", "max"), math.nan) | {"n": 0}
       row.update({f"{m}_{k}": s[k] for k in ("n", "mean", "std", "min", "max")})
       row[f"{m}_text"] = "-" if not s["n"] else (

@@ -21,7 +21,7 @@ import os
 import sys
 
 from experiments import common
-from tools import batch_sweep, figures, tradeoff
+from tools import figures, stats, tradeoff
 
 # (optimizer, the keys it states at the reference batch, its lr rule)
 OPTIMIZERS = (
@@ -208,7 +208,7 @@ def best_arm(name: str, batch: int, cells: dict, scores: dict, runs: list[dict],
   mine = [r for r in runs if (r["optimizer"], r["batch_size"], r["lr_multiplier"]) ==
           (name, batch, mult) and (r["b2_choice"] or "rule") == b2]
   seeds = [r[metric] for r in mine]
-  spread = batch_sweep.spread(seeds) or {"std": math.nan}
+  spread = stats.spread(seeds) or {"std": math.nan}
   b2_values = {r["b2"]: cells[mult, r["b2_choice"]] for r in runs if r["b2"] is not None and
                (r["optimizer"], r["batch_size"], r["lr_multiplier"]) == (name, batch, mult)}
   return {"optimizer": name, "batch_size": batch, "lr_multiplier": mult,

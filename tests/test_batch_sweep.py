@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import write_sweep_config
-from tools import batch_sweep, figures
+from tools import batch_sweep, figures, sweep_seeds
 from tools.tradeoff import Fit, fit_tradeoff
 from trainer.tracking.record import crossing, smooth
 
@@ -127,9 +127,9 @@ def test_two_sweeps_compare_seed_by_seed(tmp_path, capsys):
     return {"seed": seed, "optimizer": optimizer, "target_metric": "eval_error",
             "target_loss": 0.05, "b_crit": b_crit, "s_min": 10.0, "e_min": 10.0 * (b_crit or 1),
             "censored": list(censored), "steps": {32: 100.0, 64: 60.0}}
-  a = batch_sweep.seed_rows([summary(0, "lars", 64.0), summary(1, "lars", 128.0),
+  a = sweep_seeds.seed_rows([summary(0, "lars", 64.0), summary(1, "lars", 128.0),
                              summary(2, "lars", 32.0), summary(3, "lars", None, [64])])
-  b = batch_sweep.seed_rows([summary(s, "sgd", 32.0) for s in range(4)])
+  b = sweep_seeds.seed_rows([summary(s, "sgd", 32.0) for s in range(4)])
   assert a[0]["log2_b_crit"] == 6.0 and a[3]["log2_b_crit"] is None and a[3]["censored"] == "64"
   assert a[0]["steps_32"] == 100.0 and a[0]["steps_64"] == 60.0
   for name, rows in (("a", a), ("b", b)):

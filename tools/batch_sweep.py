@@ -18,13 +18,12 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 
 import numpy as np
 
-from tools import figures
+from tools import figures, sweep_seeds
 from tools.tradeoff import Fit, bracket, fit_tradeoff, interior, local_slopes, window_sensitivity
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser, floats, ints, load
@@ -341,47 +340,6 @@ def sweep(cfg, args, out: str, name: str) -> dict:
   return summary
 
 
-def spread(values) -> dict | None:
-  """Mean, sample std (NaN for one value), min, max and count of `values`, None and NaN (a
-  target not reached) left out; None when nothing is left."""
-  values = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-  if not values:
-    return None
-  mean = float(np.mean(values))
-  std = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
-  return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
-
-
-def over_seeds(summaries: list[dict]) -> dict:
-  """`spread` over the seeds' sweeps of B_crit, S_min, E_min, the median B_simple, and the steps
-  to the target at each batch."""
-  out = {k: spread([s.get(k) for s in summaries])
-         for k in ("b_crit", "s_min", "e_min", "b_simple_median")}
-  batches = sorted({b for s in summaries for b in s["steps"]})
-  out["steps"] = {b: spread([s["steps"].get(b) for s in summaries]) for b in batches}
-  out["seeds"] = [s["seed"] for s in summaries]
-  return out
-
-
-def seed_rows(summaries: list[dict]) -> list[dict]:
-  """A row per seed's sweep (batch_sweep_seeds.csv): its optimizer, B_crit (and log2 of it, the
-  scale two arms are compared on), the fit's residual interval, S_min, E_min, B_simple, the
-  batches whose rate is censored, and the steps to the target at each batch, so that two
-  sweeps that share their seeds compare seed by seed (`python -m tools.stats`)."""
-  rows = []
-  for s in summaries:
-    b = s.get("b_crit")
-    row = {"seed": s["seed"], "optimizer": s.get("optimizer"),
-           "target_metric": s.get("target_metric"), "target": s.get("target_loss"),
-           "b_crit": b, "log2_b_crit": math.log2(b) if b and b > 0 else None,
-           "b_crit_lo": s.get("b_crit_lo"), "b_crit_hi": s.get("b_crit_hi"),
-           "s_min": s.get("s_min"), "e_min": s.get("e_min"),
-           "b_simple_median": s.get("b_simple_median"),
-           "censored": "/".join(map(str, s.get("censored", [])))}
-    rows.append({**row, **{f"steps_{k}": v for k, v in s["steps"].items()}})
-  return rows
-
-
 def main(argv: list[str]) -> int:
   platforms.choose()  # as train.py: no TPU probing (and its start-up noise) without TPUs
   try:
@@ -415,21 +373,7 @@ def main(argv: list[str]) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.seeds > 1:
-    summary = over_seeds(summaries)
-    with open(os.path.join(args.out, "batch_sweep_seeds.json"), "w") as f:
-      json.dump(summary, f, indent=1)
-    figures.write_csv(os.path.join(args.out, "batch_sweep_seeds.csv"), seed_rows(summaries))
-    shutil.copyfile(os.path.join(args.out, f"seed{cfg.seed}", "batch_sweep.png"), args.plot) \
-        if os.path.exists(os.path.join(args.out, f"seed{cfg.seed}", "batch_sweep.png")) else None
-    text = lambda s: "-" if s is None else (f"{s['mean']:.4g} +- {s['std']:.2g} "
-                                            f"({s['min']:.4g}-{s['max']:.4g}, n={s['n']})")
-    print(f"[sweep] over seeds {summary['seeds']}: B_crit {text(summary['b_crit'])}; S_min "
-          f"{text(summary['s_min'])}; E_min {text(summary['e_min'])}; B_simple at the target "
-          f"{text(summary['b_simple_median'])}")
-    for b, s in summary["steps"].items():
-      print(f"[sweep]   batch {b}: steps to the target {text(s)}")
-    print(f"[sweep] wrote {args.out}/batch_sweep_seeds.json, batch_sweep_seeds.csv (a row per "
-          "seed: two sweeps compare seed by seed with python -m tools.stats)")
+    sweep_seeds.report(args, summaries, int(cfg.seed))
   return 0
 
 

@@ -134,6 +134,17 @@ def correlation(x, y, level: float = 0.95) -> Correlation:
   return Correlation(float(res.statistic), float(lo), float(hi), float(res.pvalue), n, level)
 
 
+def spread(values) -> dict | None:
+  """Mean, sample std (NaN for one value), min, max and count of `values`, None and NaN (a
+  target not reached) left out; None when nothing is left."""
+  values = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+  if not values:
+    return None
+  mean = float(np.mean(values))
+  std = float(np.std(values, ddof=1)) if len(values) > 1 else math.nan
+  return {"mean": mean, "std": std, "min": min(values), "max": max(values), "n": len(values)}
+
+
 def _finite(x) -> bool:
   return x is not None and math.isfinite(float(x))
 
