@@ -79,8 +79,9 @@ def arm_config(base, args, batch: int, replicas: int, inner_steps: int):
 
 def tune(args, cfg) -> list[dict]:
   """Every arm tuned alike at every batch: (inner rate multiplier x outer rate x seed) runs, the
-  inner rates bracketed on the seeds' mean final loss (`tools.tradeoff.bracket`), the outer
-  rates the grid given; each (arm, batch)'s best cell against data parallelism's, seed by seed."""
+  inner rates bracketed on the seeds' mean final loss (`tools.tradeoff.bracket`), then both
+  rates around the best cell (`best_cell`); each (arm, batch)'s best cell against data
+  parallelism's, seed by seed (not called where either is censored in either rate)."""
   from optim import derive  # noqa: PLC0415  start-up
   from optim.scaling import stated  # noqa: PLC0415  start-up
   seeds = [cfg.seed + k for k in range(args.seeds)]
@@ -90,40 +91,38 @@ def tune(args, cfg) -> list[dict]:
     for batch in args.batch_sizes:
       cells = {}
 
-      def score(mult, name=name, m=m, h=h, batch=batch, outers=outers, cells=cells):
-        for outer in outers:
-          losses = []
-          for seed in seeds:
-            c = arm_config(cfg, args, batch, m, h)
-            c.seed = seed
-            c.optim.learning_rate = stated(c.optim)["learning_rate"][0] * mult
-            if outer is not None:
-              c.optim.diloco.outer_lr = outer
-            slug = f"b{batch}_m{m}_h{h}_lr{mult:g}" + (f"_o{outer:g}" if m else "") + f"_s{seed}"
-            t = common.train(c, os.path.join(args.workdir, slug))
-            runs.append({"arm": name, "replicas": m, "inner_steps": h if m else 0,
-                         "batch_size": batch, "seed": seed, "lr_multiplier": mult,
-                         "outer_lr": outer,
-                         "learning_rate": derive(c.optim, batch).learning_rate,
-                         "final_eval_loss": t.final_eval, "seconds": t.seconds})
-            losses.append(t.final_eval if t.final_eval is not None else math.nan)
-          cells[mult, outer] = common.seed_mean(losses)
-          print(f"[diloco] {name:18s} batch {batch:4d} lr x{mult:g}"
-                + (f" outer {outer:g}" if m else "") + f": mean final eval {cells[mult, outer]:.4f}",
-                flush=True)
-        done = [cells[mult, o] for o in outers if math.isfinite(cells[mult, o])]
+      def cell(mult, outer, name=name, m=m, h=h, batch=batch, cells=cells):
+        """The seeds' mean final loss of (inner multiplier, outer rate), trained once."""
+        if (mult, outer) in cells:
+          return cells[mult, outer]
+        losses = []
+        for seed in seeds:
+          c = arm_config(cfg, args, batch, m, h)
+          c.seed = seed
+          c.optim.learning_rate = stated(c.optim)["learning_rate"][0] * mult
+          if outer is not None:
+            c.optim.diloco.outer_lr = outer
+          slug = f"b{batch}_m{m}_h{h}_lr{mult:g}" + (f"_o{outer:g}" if m else "") + f"_s{seed}"
+          t = common.train(c, os.path.join(args.workdir, slug))
+          runs.append({"arm": name, "replicas": m, "inner_steps": h if m else 0,
+                       "batch_size": batch, "seed": seed, "lr_multiplier": mult,
+                       "outer_lr": outer,
+                       "learning_rate": derive(c.optim, batch).learning_rate,
+                       "final_eval_loss": t.final_eval, "seconds": t.seconds})
+          losses.append(t.final_eval if t.final_eval is not None else math.nan)
+        cells[mult, outer] = common.seed_mean(losses)
+        print(f"[diloco] {name:18s} batch {batch:4d} lr x{mult:g}"
+              + (f" outer {outer:g}" if m else "") + f": mean final eval {cells[mult, outer]:.4f}",
+              flush=True)
+        return cells[mult, outer]
+
+      def score(mult, outers=outers, cell=cell):
+        done = [v for o in outers if math.isfinite(v := cell(mult, o))]
         return min(done) if done else None
 
-      scores = tradeoff.bracket(score, args.lr_grid, max_extensions=args.max_extensions)
-      finite = {k: v for k, v in cells.items() if math.isfinite(v)}
-      mult, outer = min(finite, key=finite.get) if finite else min(cells)
-      by_outer = {o: cells[mult, o] for o in outers}
-      tuned.append({"arm": name, "replicas": m, "inner_steps": h if m else 0,
-                    "batch_size": batch, "lr_multiplier": mult, "outer_lr": outer,
-                    "final_eval_loss": finite.get((mult, outer), math.nan), "seeds": len(seeds),
-                    "interior": bool(tradeoff.interior(scores)),
-                    "multipliers": "/".join(f"{x:g}" for x in sorted(scores)),
-                    "outer_interior": tradeoff.interior(by_outer) if len(outers) > 2 else None})
+      tradeoff.bracket(score, args.lr_grid, max_extensions=args.max_extensions)
+      tuned.append(best_cell(name, m, h, batch, cells, cell, args, len(seeds),
+                             grow_outer=len(outers) > 2))
   mark_optimal_batches(args, tuned)
   common.write(args, runs)
   figures.write_csv(args.out + "_tuned.csv", tuned)
@@ -140,10 +139,45 @@ def tune(args, cfg) -> list[dict]:
   return runs
 
 
+def best_cell(name: str, m: int, h: int, batch: int, cells: dict, cell, args, seeds: int,
+              grow_outer: bool) -> dict:
+  """The (inner multiplier, outer rate) with the lowest mean loss, both rates bracketed: while
+  the best cell's outer rate is at an edge of the outer rates run at its inner multiplier, or
+  its multiplier at an edge of those run at its outer rate, the next rate beyond that edge is
+  trained (`tools.tradeoff.next_multipliers`, factor 2; at most `--max_extensions` rounds). The
+  outer rate grows only where `--outer_lr_grid` gives three or more (a grid to bracket); a rate
+  still at an edge after the rounds is censored (`interior` False: no comparison calls it)."""
+  def best():
+    finite = {k: v for k, v in cells.items() if math.isfinite(v)}
+    mult, outer = min(finite, key=finite.get) if finite else min(cells)
+    return (mult, outer, {x: cells[x, outer] for x, o in cells if o == outer},
+            {o: cells[mult, o] for x, o in cells if x == mult})
+  grow_outer = bool(m) and grow_outer
+  for _ in range(args.max_extensions):
+    mult, outer, inner, outers = best()
+    new = [(x, outer) for x in tradeoff.next_multipliers(inner) if (x, outer) not in cells]
+    if grow_outer:
+      new += [(mult, o) for o in tradeoff.next_multipliers(outers) if (mult, o) not in cells]
+    if not new:
+      break
+    for x, o in new:
+      cell(x, o)
+  mult, outer, inner, outers = best()
+  outer_inside = tradeoff.interior(outers) if grow_outer else None
+  return {"arm": name, "replicas": m, "inner_steps": h if m else 0, "batch_size": batch,
+          "lr_multiplier": mult, "outer_lr": outer, "final_eval_loss": cells[mult, outer],
+          "seeds": seeds, "interior": bool(tradeoff.interior(inner)) and outer_inside is not False,
+          "lr_interior": bool(tradeoff.interior(inner)),
+          "multipliers": "/".join(f"{x:g}" for x in sorted(inner)),
+          "outer_interior": outer_inside,
+          "outer_rates": "/".join(f"{o:g}" for o in sorted(outers)) if m else ""}
+
+
 TUNED = [("arm", "arm", "s"), ("batch_size", "batch", "d"), ("lr_multiplier", "lr x", "g"),
          ("outer_lr", "outer lr", ""), ("final_eval_loss", "mean final eval", ".4f"),
-         ("multipliers", "rates run (x)", "s"), ("interior", "rate inside", ""),
-         ("outer_interior", "outer inside", ""), ("optimal_batch", "optimal batch", ".1f")]
+         ("multipliers", "rates run (x)", "s"), ("lr_interior", "rate inside", ""),
+         ("outer_rates", "outer rates run", "s"), ("outer_interior", "outer inside", ""),
+         ("optimal_batch", "optimal batch", ".1f")]
 
 
 def mark_optimal_batches(args, rows: list[dict]) -> None:

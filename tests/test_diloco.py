@@ -540,6 +540,44 @@ def test_experiment_tunes_every_arm_at_every_batch(tmp_path, monkeypatch):
   assert experiment.main(["--config", str(config), "--outer_lr_grid", "0,1"]) == 2
 
 
+def test_tuned_experiment_brackets_the_outer_rate(tmp_path, monkeypatch):
+  """An outer optimum below the outer grid (a stand-in surface: final loss 2 + log2(inner / 0.5)^2
+  + 10 (outer - 0.2)^2 + 0.01 x seed): the outer rates grow below 0.35 at the best inner rate,
+  the inner rates are bracketed again at the new outer rate, and the best cell is inside both;
+  with one round the outer rate is still at its edge, censored, and the comparison not called."""
+  import math  # noqa: PLC0415
+  from experiments import common  # noqa: PLC0415
+  from experiments import diloco as experiment  # noqa: PLC0415
+  from optim.scaling import stated  # noqa: PLC0415
+  from trainer.run.inprocess import Trained  # noqa: PLC0415
+
+  def train(cfg, workdir, **_):
+    m, mult = cfg.optim.diloco.replicas, stated(cfg.optim)["learning_rate"][0] / 1e-2
+    loss = (2 + math.log2(mult / 0.5) ** 2 + 0.01 * cfg.seed
+            + (10 * (cfg.optim.diloco.outer_lr - 0.2) ** 2 if m else 0.0))
+    return Trained("done", cfg.steps, 0.0, [{"step": cfg.steps, "eval_loss": loss}], None, workdir)
+
+  monkeypatch.setattr(common, "train", train)
+  config = tiny_config_file(tmp_path, learning_rate=1e-2)
+  def run(extensions):
+    out = tmp_path / f"out{extensions}" / "diloco"
+    assert experiment.main([
+        "--config", str(config), "--batch_sizes", "8", "--replicas", "2", "--inner_steps", "2",
+        "--examples", "64", "--out", str(out), "--workdir", str(tmp_path / "runs"), "--seeds",
+        "2", "--lr_grid", "0.5,1,2", "--outer_lr_grid", "0.35,0.7,1.0",
+        "--max_extensions", str(extensions)]) == 0
+    tuned = {r["arm"]: r for r in csv.DictReader(open(f"{out}_tuned.csv"))}
+    (d,) = list(csv.DictReader(open(f"{out}_paired.csv")))
+    return tuned["DiLoCo M=2 H=2"], d
+  dl, d = run(3)
+  assert (float(dl["lr_multiplier"]), float(dl["outer_lr"])) == (0.5, 0.175)
+  assert dl["outer_rates"] == "0.0875/0.175/0.35/0.7/1" and dl["outer_interior"] == "True"
+  assert dl["multipliers"] == "0.25/0.5/1" and dl["interior"] == "True" and d["called"] == "True"
+  dl, d = run(1)
+  assert float(dl["outer_lr"]) == 0.175 and dl["outer_rates"] == "0.175/0.35/0.7/1"
+  assert dl["outer_interior"] == "False" and dl["interior"] == "False" and d["called"] == "False"
+
+
 @pytest.mark.slow
 def test_experiment_end_to_end(tmp_path):
   from experiments import diloco as experiment  # noqa: PLC0415
