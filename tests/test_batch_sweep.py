@@ -118,6 +118,39 @@ def test_sweep_over_seeds(tmp_path, data_dir):
   assert [float(r["b_crit"]) for r in rows] == pytest.approx([s["b_crit"] for s in per_seed])
 
 
+def test_the_ema_curve_sets_the_crossing(tmp_path, data_dir, capsys, monkeypatch):
+  """`--curve ema`: the run stops where the parameter EMA's eval loss reaches the target, and the
+  result is that crossing (later than the raw curve's: the average lags); without an EMA in the
+  config, or on the masked LM's accuracy (no EMA of it is logged), one line and exit code 2."""
+  import argparse
+  from trainer.config.cli import load
+  from trainer.tracking.record import eval_curve, to_target
+  config = write_sweep_config(tmp_path)
+  cfg = load(config, [])
+  cfg.optim.ema_decay = 0.9
+  args = argparse.Namespace(target_loss=5.0, smooth_examples=0, max_examples=640,
+                            micro_batch_size=16, eval_examples=32, eval_sequences=8,
+                            target_metric="eval_loss", curve="ema")
+  got, real = {}, batch_sweep.train
+  def spy(*a, **kw):
+    got["run"] = real(*a, **kw)
+    return got["run"]
+  monkeypatch.setattr(batch_sweep, "train", spy)
+  r = batch_sweep.run_one(cfg, 16, 1.0, args, str(tmp_path / "b16"))
+  rows, ramp = got["run"].rows, got["run"].ramp
+  ema = to_target(eval_curve(rows, ramp, "eval_loss_ema"), ramp, 5.0, 0)
+  raw = to_target(eval_curve(rows, ramp, "eval_loss"), ramp, 5.0, 0)
+  assert r.steps is not None and r.steps == ema.steps and raw.steps < ema.steps
+  assert got["run"].steps_run < 40  # stopped at the EMA's crossing, not run to its length
+  sweep = ["--config", config, "--batch_sizes", "16", "--target_loss", "5", "--out",
+           str(tmp_path / "out"), "--curve", "ema"]
+  assert batch_sweep.main(sweep) == 2
+  assert "set --config.optim.ema_decay" in capsys.readouterr().err
+  assert batch_sweep.main(sweep + ["--config.optim.ema_decay=0.9", "--target_metric",
+                                   "eval_masked_error"]) == 2
+  assert "logs no EMA accuracy" in capsys.readouterr().err
+
+
 def test_two_sweeps_compare_seed_by_seed(tmp_path, capsys):
   """batch_sweep_seeds.csv holds a row per seed (B_crit, log2 of it, the steps per batch, the
   censored batches), so two sweeps of the same seeds pair in `tools.stats`: log2 B_crit of A

@@ -3,7 +3,7 @@ several batch sizes, the fit of McCandlish et al. 2018, and the measured gradien
 
     python -m tools.batch_sweep --config configs/sweep_tiny.py --batch_sizes 8,16,32,64,128 \\
         --target_loss 2.6 [--lr_grid 0.5,1,2] [--max_extensions 4] [--out runs/batch_sweep] \\
-        [--reuse] [--config.KEY=VALUE ...]
+        [--curve ema] [--reuse] [--config.KEY=VALUE ...]
 
 One training per batch and rate multiplier, stopped at the target. Per batch the rate grid grows
 beyond any winning edge (`tools.tradeoff.bracket`; a run that never reaches the target brackets)
@@ -231,6 +231,9 @@ def build_parser():
   p.add_argument("--target_metric", default="eval_loss", choices=TARGET_METRICS,
                  help="the eval curve read: eval_loss, or 1 - accuracy (eval_error: the "
                       "classifier's; eval_masked_error: the masked LM's)")
+  p.add_argument("--curve", default="raw", choices=("raw", "ema"),
+                 help="read the target on the raw eval curve or on the parameter EMA's (Zhang et "
+                      "al.'s EWA: --config.optim.ema_decay, e.g. 0.99)")
   p.add_argument("--lr_grid", type=floats, default="0.5,1,2",
                  help="multipliers of the reference learning rate to start from; a batch whose "
                       "fastest rate is at an edge runs the next multiplier beyond it")
@@ -297,6 +300,7 @@ def sweep(cfg, args, out: str, name: str) -> dict:
   summary.update(config=args.config, overrides=getattr(args, "overrides", {}),
                  optimizer=str(cfg.optim.name), seed=int(cfg.seed), target_loss=args.target_loss,
                  target_metric=getattr(args, "target_metric", "eval_loss"),
+                 curve=getattr(args, "curve", "raw"),
                  batch_sizes=args.batch_sizes, lr_grid=args.lr_grid,
                  rates_run={b: sorted(r.lr_multiplier for r in results if r.batch_size == b)
                             for b in args.batch_sizes},
@@ -348,6 +352,12 @@ def main(argv: list[str]) -> int:
     args.overrides = dict(overrides)
     if args.seeds < 1:
       raise ConfigError(f"--seeds {args.seeds}: must be at least 1")
+    if args.curve == "ema" and not cfg.optim.ema_decay > 0:
+      raise ConfigError("--curve ema reads the parameter EMA's evaluations: set "
+                        "--config.optim.ema_decay, e.g. 0.99")
+    if args.curve == "ema" and args.target_metric == "eval_masked_error":
+      raise ConfigError("--curve ema: the masked LM logs no EMA accuracy; use --target_metric "
+                        "eval_loss with it")
     if args.max_extensions < 0 or args.bracket_factor <= 1:
       raise ConfigError(f"--max_extensions {args.max_extensions} / --bracket_factor "
                         f"{args.bracket_factor}: give at least 0 extensions and a factor above 1")
