@@ -102,17 +102,10 @@ REUSE = False  # --reuse (every experiment's flag): `main` sets it for its comma
 
 
 def train(cfg, workdir: str, **kw) -> Trained:
-  """`trainer.run.inprocess.train`; with `--reuse`, a run that already finished in `workdir`
-  with the same config and stop rule (its finished.json) is read instead (not for a stop rule
-  without its `stop_key`, or a run whose checkpoints the caller keeps), so a long experiment
+  """`trainer.run.inprocess.train`, reading back a run that already finished in `workdir` with
+  the same config and stop rule where the command was given `--reuse`, so a long experiment
   killed part-way resumes by run."""
-  if REUSE and not kw.get("keep_checkpoints") and (kw.get("stop") is None or kw.get("stop_key"))\
-      and kw.get("fresh", True):
-    done = inprocess.finished(cfg, workdir, kw.get("stop_key"))
-    if done is not None:
-      print(f"[reuse] {workdir}: read from its finished.json", flush=True)
-      return done
-  return inprocess.train(cfg, workdir, **kw)
+  return inprocess.train(cfg, workdir, reuse=REUSE, **kw)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -152,7 +152,6 @@ def best_cell(name: str, m: int, h: int, batch: int, cells: dict, cell, args, se
     mult, outer = min(finite, key=finite.get) if finite else min(cells)
     return (mult, outer, {x: cells[x, outer] for x, o in cells if o == outer},
             {o: cells[mult, o] for x, o in cells if x == mult})
-  grow_outer = bool(m) and grow_outer
   for _ in range(args.max_extensions):
     mult, outer, inner, outers = best()
     new = [(x, outer) for x in tradeoff.next_multipliers(inner) if (x, outer) not in cells]

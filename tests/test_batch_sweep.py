@@ -180,6 +180,7 @@ def test_reuse_reads_a_stopped_run_back_under_the_same_rule(tmp_path, data_dir, 
   training); the record holds the stop rule, so another target, smoothing or length, or a
   reader that states no rule, trains it again."""
   import argparse
+  from trainer.config import checks
   from trainer.config.cli import load
   from trainer.run import inprocess
   cfg = load(write_sweep_config(tmp_path), [])
@@ -191,9 +192,9 @@ def test_reuse_reads_a_stopped_run_back_under_the_same_rule(tmp_path, data_dir, 
   assert first.steps is not None and first.steps_run < 20  # stopped at the target
   assert "[reuse]" not in capsys.readouterr().out
 
-  def no_training(*a, **kw):
+  def no_training(*a, **kw):  # the first thing a training does, before it clears its workdir
     raise AssertionError("trained again")
-  monkeypatch.setattr(batch_sweep, "train", no_training)
+  monkeypatch.setattr(checks, "validate", no_training)
   again = batch_sweep.run_one(cfg, 16, 1.0, args, workdir)
   assert "read from its finished.json" in capsys.readouterr().out
   assert again == first

@@ -28,7 +28,7 @@ from tools.tradeoff import Fit, bracket, fit_tradeoff, interior, local_slopes, w
 from trainer.config import ConfigError
 from trainer.config.cli import CliParser, floats, ints, load
 from trainer.multihost import platforms
-from trainer.run.inprocess import finished, train
+from trainer.run.inprocess import train
 from trainer.tracking.record import (eval_curve, interpolate, noise_curve, read_rows, smooth,
                                      target_stop, to_target)
 
@@ -93,14 +93,11 @@ def run_one(base_cfg, batch_size: int, lr_multiplier: float, args, workdir: str)
   micro, target = args.micro_batch_size, args.target_loss
   key = getattr(args, "target_metric", "eval_loss")
   key += "_ema" if getattr(args, "curve", "raw") == "ema" else ""
-  rule = (target, args.smooth_examples, args.max_examples, getattr(args, "min_examples", 0), key)
-  stop = lambda run: target_stop(*rule[:2], run.ramp.examples_before, *rule[2:])
-  stop_key = json.dumps({"target_stop": rule})
-  trained = finished(cfg, workdir, stop_key) if getattr(args, "reuse", False) else None
-  if trained is not None:
-    print(f"[reuse] {workdir}: read from its finished.json", flush=True)
-  else:
-    trained = train(cfg, workdir, stop=stop, stop_key=stop_key)
+  smoothing, least = args.smooth_examples, getattr(args, "min_examples", 0)
+  stop = lambda run: target_stop(target, smoothing, run.ramp.examples_before, args.max_examples,
+                                 least, key)
+  stop_key = json.dumps({"target_stop": [target, smoothing, args.max_examples, least, key]})
+  trained = train(cfg, workdir, stop=stop, stop_key=stop_key, reuse=getattr(args, "reuse", False))
   rows, ramp = trained.rows, trained.ramp
   reached = to_target(eval_curve(rows, ramp, key), ramp, target, args.smooth_examples)
   first = smooth(eval_curve(rows, ramp, key), args.smooth_examples / 2)

@@ -35,14 +35,23 @@ class Trained:
 
 
 def train(cfg, workdir: str, *, stop=None, stop_key: str | None = None, fresh: bool = True,
-          keep_checkpoints: bool = False) -> Trained:
+          keep_checkpoints: bool = False, reuse: bool = False) -> Trained:
   """Train `cfg` in `workdir` through `trainer.run.loop.Run` (validated first: a config mistake is a
   ConfigError before anything compiles). `fresh` clears the workdir first (the experiments own
   their run directories); otherwise the run resumes from its checkpoints as train.py would.
   `stop(run)` returns the run's `stop_when(step, row)` callback (it may read the live ramp,
   `run.ramp`); `stop_key` states the rule (its parameters) so that the finished record holds it
-  and `finished` can read a stopped run back. A run that diverges under
-  `trainer.nonfinite_policy="stop"` is a result (status "nonfinite"); any other early end raises."""
+  and `finished` can read a stopped run back. `reuse`: a run that already finished in `workdir`
+  with the same config and stop rule is read back (`finished`) instead of trained, so a long
+  sweep killed part-way resumes by run (not for a stop rule without its `stop_key`, a run that
+  resumes from its checkpoints, or one whose checkpoints the caller keeps). A run that diverges
+  under `trainer.nonfinite_policy="stop"` is a result (status "nonfinite"); any other early end
+  raises."""
+  if reuse and fresh and not keep_checkpoints and (stop is None or stop_key is not None):
+    done = finished(cfg, workdir, stop_key)
+    if done is not None:
+      print(f"[reuse] {workdir}: read from its finished.json", flush=True)
+      return done
   import jax  # noqa: PLC0415  start-up
   from trainer.config.checks import validate  # noqa: PLC0415  start-up
   from trainer.run.loop import Run  # noqa: PLC0415  start-up
