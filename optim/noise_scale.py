@@ -74,7 +74,8 @@ class NoiseScaleState(NamedTuple):
   step: jax.Array  # int32: the last measuring step + 1 (0: none yet)
   settings: jax.Array  # [4] (window, recency, minimum of measurements, largest relative standard
   # error of |G|^2; 0: no bound) the sums were made with
-  second_moments: jax.Array  # [3] (b2, eps, clip norm) of the Adam moments P is made of; [0]: no P
+  second_moments: jax.Array  # [3] (b2, eps, clip norm) of the Adam moments P is made of; [1]: no P
+  # (one placeholder, not [0]: orbax does not save zero-size arrays)
 
 
 def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
@@ -102,7 +103,7 @@ def meter(window: float, clock: Callable[[Any], Any] = lambda step: step + 1, *,
   # numpy, not jax arrays: constants a jitted step embeds (a closed-over jax array becomes an
   # argument of the compiled step, which the ahead-of-time compiled variants do not all share)
   settings = np.asarray([window, recency, min_measurements, max_rse], np.float32)
-  moments = np.asarray(second_moments or (), np.float32)
+  moments = np.asarray(second_moments or (0.0,), np.float32)
 
   def bucket_of(t):  # the bucket of clock t (all of training is bucket 0 when window = 1)
     if math.isinf(log_ratio):

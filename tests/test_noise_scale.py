@@ -7,6 +7,7 @@ tokens, the train step's wiring of the small and big batches, and the plain (non
 of a run with the meter being exactly the step of a run without it. The meter as a run logs it,
 against per-sequence gradients at the run's parameters: tests/test_noise_meter.py."""
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -649,3 +650,22 @@ def test_the_start_up_line_never_says_an_empty_window():
   writer = type("Writer", (), {"log": lambda self, line: lines.append(line)})()
   log_noise_meter(writer, cfg, BatchRamp.from_config(cfg.data), 8, 1, [8])
   assert len(lines) == 1 and "(at step 3 its steps 3-3" in lines[0], lines
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_a_metered_run_without_adam_moments_checkpoints_and_resumes(tmp_path, name):
+  """The meter's state of an optimizer without Adam moments (no P) is saved and restored: its
+  "no P" marker was a zero-size array, which orbax refuses, so the run's last checkpoint failed
+  and the run ended in a storage error. The resumed run continues the meter's count."""
+  from conftest import metric_rows  # noqa: PLC0415
+  from trainer.run.loop import Run  # noqa: PLC0415
+  over = {"optim.name": name, "steps": 3, "log_every": 1, "data.global_batch_size": 32,
+          "optim.noise_scale_every": 1, "optim.noise_scale_window": 1.0,
+          "optim.noise_scale_min_measurements": 1}
+  first = Run(tiny_config(**over), str(tmp_path)).train()
+  assert (first.status, first.message) == ("done", ""), first
+  Run(tiny_config(**{**over, "steps": 5}), str(tmp_path)).train()
+  rows = metric_rows(tmp_path)
+  logged = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+  assert logged.count(1) == 1, logged  # resumed at step 4, not started again
+  assert [rows[s]["noise_measurements"] for s in (3, 4, 5)] == [3, 4, 5], rows
