@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 from flax.nnx.nn.normalization import _compute_stats, _normalize
 
+from models.conv import conv_general_dilated
 from models.config import ModelConfig, ResNetOptions
 from models.moe import MoEConfig
 
@@ -89,7 +90,7 @@ def _named(init, names):
 def _conv(cin: int, cout: int, kernel: int, names, rngs: nnx.Rngs) -> nnx.Conv:
   init = _named(nnx.initializers.kaiming_normal(), (None, *names))
   return nnx.Conv(cin, cout, (kernel,), padding="SAME", use_bias=False, kernel_init=init,
-                  rngs=rngs)
+                  conv_general_dilated=conv_general_dilated, rngs=rngs)
 
 
 class Block(nnx.Module):
