@@ -286,7 +286,12 @@ def reanalyse(args, cfg) -> list[dict]:
   args.depths = sorted({split(k)[1] for k in keys}) if deep else []
   args.budgets = sorted({r["budget"] for r in runs})
   args.batch_sizes = sorted({r["batch_size"] for r in runs})
-  args.warmup = int(runs[0].get("warmup") or cfg.optim.warmup_examples)
+  warmups = sorted({int(r.get("warmup") or cfg.optim.warmup_examples) for r in runs})
+  if len(warmups) > 1:  # a lab's warmup is a fraction of its own smallest budget
+    raise ConfigError(f"--from_runs: its rows were trained with warmups of {warmups} sequences, "
+                      "so its cells are not measured alike; join runs of one warmup (a lab of "
+                      "other budgets matches with --warmup_fraction = warmup / smallest budget)")
+  args.warmup = warmups[0]
   seeds = sorted({r["seed"] for r in runs})
   targets = {k: [next(r["target"] for r in runs if (of_row(r), r["budget"]) == (k, d))
                  for d in args.budgets] for k in keys}

@@ -65,6 +65,17 @@ def test_a_depth_grid_builds_each_depth_and_keeps_the_cell_rules(tmp_path, monke
   flat_cells = list(csv.DictReader(open(tmp_path / "flat" / "lab.csv")))
   assert "depth" not in flat_cells[0] and int(flat_cells[0]["non_embedding"]) == n1
   assert keys(flat_cells) == [{k: v for k, v in c.items() if k != "depth"} for c in keys(cells[:2])]
+  # rows of two warmups (a lab of other budgets joined without matching its warmup): refused
+  mixed = tmp_path / "mixed_runs.csv"
+  with open(mixed, "w", newline="") as f:
+    w = csv.DictWriter(f, list(rows[0]))
+    w.writeheader()
+    w.writerows({**r, "warmup": int(r["warmup"]) * (16 if i == 0 else 1)}
+                for i, r in enumerate(rows))
+  capsys.readouterr()
+  assert lab.main(lab_args(tmp_path, "--from_runs", str(mixed), "--out",
+                           str(tmp_path / "mixed" / "lab"))) == 2
+  assert "trained with warmups of [" in capsys.readouterr().err
 
 
 def keys(cells) -> list[dict]:
