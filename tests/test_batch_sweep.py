@@ -172,6 +172,20 @@ def test_two_sweeps_compare_seed_by_seed(tmp_path, capsys):
   out = capsys.readouterr().out
   want = stats.paired({0: 6.0, 1: 7.0, 2: 5.0}, {0: 5.0, 1: 5.0, 2: 5.0})
   assert want.verdict("lars", "sgd", fmt=".4g") in out and "seeds [0, 1, 2]" in out, out
+  # the two side by side: each sweep's mean steps per batch over its seeds, and the figure
+  b[1]["steps_64"] = 90.0
+  figures.write_csv(str(tmp_path / "b.csv"), b)
+  fig = tmp_path / "both.png"
+  assert sweep_seeds.main([str(tmp_path / "a.csv"), str(tmp_path / "b.csv"), "--out",
+                           str(fig)]) == 0
+  out = capsys.readouterr().out
+  assert "lars: B_crit 74.7 (n=3); mean steps to eval_error 0.05: 32: 100.0, 64: 60.0" in out
+  assert "sgd: B_crit 32 (n=4); mean steps to eval_error 0.05: 32: 100.0, 64: 67.5" in out
+  assert fig.stat().st_size > 0
+  figures.write_csv(str(tmp_path / "no_steps.csv"),
+                    [{k: v for k, v in r.items() if not k.startswith("steps_")} for r in b])
+  assert sweep_seeds.main([str(tmp_path / "no_steps.csv"), "--out", str(fig)]) == 2
+  assert "no steps_<batch> columns" in capsys.readouterr().err
 
 
 def test_reuse_reads_a_stopped_run_back_under_the_same_rule(tmp_path, data_dir, capsys,
