@@ -8,7 +8,7 @@ train step's micro-batch accumulation, and the noise meter's pieces, trainer/ste
 it does not, and the naive form runs 20-30x slower (jax-ml/jax#12868; a ResNet step at batch 2048
 in two micro-batches took 10.5 s against 0.45 s in one). Here both backward convolutions are
 written in the canonical form, transposes explicit, so that the step costs the same in a loop or
-out of it (`python bench/conv_in_scan.py`). Values are lax's: the same sums (tests/test_vision.py).
+out of it (`python bench/conv_in_scan.py`). Values are lax's: the same sums (tests/test_conv.py).
 """
 from __future__ import annotations
 

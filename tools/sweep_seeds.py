@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
   for i, (path, rows) in enumerate(zip(args.csv, sweeps)):
     name = rows[0]["optimizer"] or os.path.basename(os.path.dirname(path)) or path
     steps = curves(rows)
-    means = {b: sum(v) / len(v) for b, v in steps.items() if v}
+    means = {b: m["mean"] for b, m in ((b, stats.spread(v)) for b, v in steps.items()) if m}
     b_crit = stats.spread([r["b_crit"] for r in rows])
     label = f"{name}: B_crit {b_crit['mean']:.3g} (n={b_crit['n']})" if b_crit else name
     print(f"[sweep] {label}; mean steps to {rows[0]['target_metric']} {rows[0]['target']:g}: "
